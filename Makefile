@@ -1,0 +1,49 @@
+# The two commands of the README: `make demo` and `make test`. Each sets itself up,
+# idempotently, on a fresh machine: a virtualenv with pinned dependencies, and redis-server
+# (plus faketime, for the clock-skew test) from apt-get when they are not on PATH.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps test lint typecheck pytest demo bench clean
+
+setup: system-deps $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+lint: setup
+	$(VENV)/bin/ruff check throttle tests bench workers
+	$(VENV)/bin/ruff format --check throttle tests bench workers
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: setup
+	$(PY) -m workers.fleet_demo
+
+bench: setup
+	$(PY) -m bench.core
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,39 @@
+"""celery-throttled: fleet-wide rate limits for Celery tasks, enforced in Redis.
+
+The limiter core (this release): atomic Lua scripts for token bucket, GCRA (leaky bucket
+shaping with slot reservation), sliding and fixed windows and concurrency limits, against the
+Redis clock, with multi-limit all-or-nothing acquisition and cost settle (refund or charge).
+"""
+
+from throttle.decision import Acquisition, Decision, LimitState, Settlement
+from throttle.errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    CostExceedsCapacity,
+    RequestError,
+    ThrottleError,
+    Throttled,
+)
+from throttle.keys import KeySpace
+from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.spec import Algorithm, Limit
+
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "Acquisition",
+    "Algorithm",
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigError",
+    "CostExceedsCapacity",
+    "Decision",
+    "KeySpace",
+    "Limit",
+    "LimitState",
+    "Limiter",
+    "RequestError",
+    "Settlement",
+    "ThrottleError",
+    "Throttled",
+]

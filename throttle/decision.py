@@ -1,0 +1,95 @@
+"""The results of the limiter: what was decided, what to settle later, how it settled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from throttle.spec import Limit
+
+__all__ = ["Acquisition", "Decision", "LimitState", "Settlement"]
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    """One limit's view of a decision (all times in seconds, from the Redis clock)."""
+
+    limit: str
+    allowed: bool
+    remaining: float
+    """Tokens (or units) left after this call; 0 when in debt."""
+    retry_after_s: float
+    """How long until this limit could admit the cost; 0 when it admitted it now."""
+    reset_after_s: float
+    """How long until this limit is back to full capacity if nothing else is taken."""
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    """What an admitted acquisition took: the handle for :meth:`Limiter.settle`.
+
+    Only acquisitions with an id (given, or generated for concurrency limits) are recorded
+    in Redis and can be settled; the record lives for the lease after the slot.
+    """
+
+    id: str
+    cost: float
+    targets: tuple[tuple[Limit, str | None], ...]
+    keys: tuple[str, ...]
+    """The lease record key, then the state keys of the targets, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to an acquisition over one or more limits.
+
+    ``allowed`` is all or nothing: when any limit denies, nothing was taken from any.
+    With a reservation (``max_wait_s`` > 0) an allowed decision may carry ``wait_s`` > 0:
+    the cost is taken, and the caller's slot comes that many seconds from now.
+    """
+
+    allowed: bool
+    remaining: float
+    """The smallest ``remaining`` among the limits."""
+    retry_after_s: float
+    """When denied: the largest wait among the limits that could not admit the cost now."""
+    reset_after_s: float
+    """The largest ``reset_after_s`` among the limits."""
+    wait_s: float
+    """When allowed: seconds until the reserved slot (0 = now)."""
+    limits: tuple[LimitState, ...]
+    acquisition: Acquisition | None = None
+    """Set when allowed and recorded (an acquisition id was given or needed)."""
+    held: bool = False
+    """True when the acquisition id already held a live lease (a redelivered task): allowed,
+    nothing was taken again, ``wait_s`` is the time left until its slot."""
+
+    def __bool__(self) -> bool:
+        return self.allowed
+
+    @property
+    def denied_by(self) -> tuple[str, ...]:
+        """The names of the limits that could not admit the cost now."""
+        return tuple(state.limit for state in self.limits if not state.allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """The outcome of :meth:`Limiter.settle`.
+
+    ``delta`` is actual minus reserved cost: > 0 was charged, < 0 refunded. Any status
+    other than ``"settled"`` means nothing changed.
+    """
+
+    status: Literal["settled", "already_settled", "unknown", "mismatch"]
+    delta: float = 0.0
+
+    @property
+    def refunded(self) -> float:
+        """Tokens given back to every limit (0 when charged or nothing changed)."""
+        return max(-self.delta, 0.0)
+
+    @property
+    def charged(self) -> float:
+        """Extra tokens taken from every limit (0 when refunded or nothing changed)."""
+        return max(self.delta, 0.0)

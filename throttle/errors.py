@@ -1,0 +1,103 @@
+"""Exceptions raised by celery-throttled.
+
+Every error the package raises derives from :class:`ThrottleError`; driver exceptions
+(redis-py) never reach the caller raw, they are wrapped once at the Redis boundary::
+
+    ThrottleError
+     ├── ConfigError (ValueError)        a limit spec or config value is malformed
+     ├── RequestError (ValueError)       an acquire/settle argument is invalid
+     │    └── CostExceedsCapacity        the cost can never be admitted by a limit
+     ├── BackendError                    Redis answered with an error
+     │    └── BackendUnavailable         Redis could not be reached (connection, timeout)
+     └── Throttled                       a limit denied; carries ``retry_after_s``
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigError",
+    "CostExceedsCapacity",
+    "RequestError",
+    "ThrottleError",
+    "Throttled",
+]
+
+
+class ThrottleError(Exception):
+    """Base class of every error raised by this package."""
+
+
+class ConfigError(ThrottleError, ValueError):
+    """A limit spec or config value is malformed.
+
+    The message names where the problem is (``source``: a file or other origin, ``limit``:
+    the limit's name, ``field``) and the offending ``value``.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        field: str | None = None,
+        value: object = None,
+        limit: str | None = None,
+        source: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.field = field
+        self.value = value
+        self.limit = limit
+        self.source = source
+        place = [
+            part
+            for part in (
+                source,
+                f"limit {limit!r}" if limit else None,
+                f"field {field!r}" if field else None,
+            )
+            if part
+        ]
+        message = f"{': '.join(place)}: {problem}" if place else problem
+        if value is not None:
+            message += f" (got {value!r})"
+        super().__init__(message)
+
+
+class RequestError(ThrottleError, ValueError):
+    """An argument of an acquire or settle call is invalid (cost, key, wait, lease)."""
+
+
+class CostExceedsCapacity(RequestError):
+    """The cost is larger than a limit's capacity: it could never be admitted.
+
+    Raised at once rather than denied, so that a caller never reschedules forever.
+    """
+
+    def __init__(self, limit: str, cost: float, capacity: float) -> None:
+        self.limit = limit
+        self.cost = cost
+        self.capacity = capacity
+        super().__init__(
+            f"cost {cost:g} exceeds the capacity {capacity:g} of limit {limit!r}: "
+            "it can never be admitted"
+        )
+
+
+class BackendError(ThrottleError):
+    """Redis answered a limiter call with an error."""
+
+
+class BackendUnavailable(BackendError):
+    """Redis could not be reached (connection refused or lost, timeout)."""
+
+
+class Throttled(ThrottleError):
+    """A limit denied the acquisition; try again in ``retry_after_s`` seconds."""
+
+    def __init__(self, retry_after_s: float, denied_by: tuple[str, ...] = ()) -> None:
+        self.retry_after_s = retry_after_s
+        self.denied_by = denied_by
+        who = f" by {', '.join(denied_by)}" if denied_by else ""
+        super().__init__(f"throttled{who}: retry after {retry_after_s:.3f} s")

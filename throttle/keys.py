@@ -1,0 +1,86 @@
+"""Every Redis key of the package is built here.
+
+Layout: ``{prefix}:{{namespace}}:{kind}:{limit}:{key}``. The namespace sits in braces: it is
+the Redis Cluster hash tag, so every key of one namespace (state of all its limits and the
+lease records) lands in one slot and a multi-limit acquisition stays one atomic script.
+Limits that are never acquired together can live in different namespaces to spread load
+over a cluster's masters.
+
+Limit names and key values are encoded so that no two distinct (limit, key) pairs share a
+Redis key: values made only of ``[A-Za-z0-9_.@+=~-]`` (and at most 100 characters) are used
+as they are, others are percent-encoded (so they contain ``%``), and anything longer than 100
+characters after encoding becomes ``#`` + SHA-256. The three forms cannot collide, and braces
+in a value can never move the hash tag: the tag is always the first ``{...}`` of the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from throttle.errors import ConfigError
+from throttle.spec import Limit
+
+__all__ = ["KeySpace"]
+
+_SAFE = re.compile(r"[A-Za-z0-9_.@+=~-]{1,100}")
+_MAX_ENCODED = 100
+
+
+def encode(value: str) -> str:
+    """Encode one key component (limit name or key value) injectively, without ``:{}``."""
+    if _SAFE.fullmatch(value):
+        return value
+    encoded = quote(value, safe="")
+    if len(encoded) > _MAX_ENCODED:
+        return "#" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return encoded
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Names the Redis keys of one namespace.
+
+    Parameters
+    ----------
+    prefix:
+        First component of every key (default ``throttle``); no braces.
+    namespace:
+        The hash tag shared by all keys of this key space (default ``default``).
+    """
+
+    prefix: str = "throttle"
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        for what in ("prefix", "namespace"):
+            value = getattr(self, what)
+            if not isinstance(value, str) or not value or "{" in value or "}" in value:
+                raise ConfigError(
+                    "must be a non-empty string without braces", field=what, value=value
+                )
+        object.__setattr__(self, "_base", f"{self.prefix}:{{{self.namespace}}}:")
+
+    @property
+    def base(self) -> str:
+        """The common start of every key: ``prefix:{namespace}:``."""
+        base: str = self.__dict__["_base"]
+        return base
+
+    def state_keys(self, limit: Limit, key: str | None) -> tuple[str, ...]:
+        """The Redis keys holding ``limit``'s state for ``key`` (None: one global state).
+
+        Concurrency limits use two keys (holders and their units); others one.
+        """
+        name = f"{self.base}{limit.script_args[0]}:{encode(limit.name)}:"
+        if key is not None:
+            name += encode(key)
+        if limit.script_args[0] == "conc":
+            return (name, name + ":h")
+        return (name,)
+
+    def lease_key(self, acquisition_id: str) -> str:
+        """The lease record of one acquisition (what it took, for settle and redelivery)."""
+        return f"{self.base}lease:{encode(acquisition_id)}"

@@ -1,0 +1,254 @@
+"""Limit specs: what a limit allows, parsed from strings or config mappings.
+
+A :class:`Limit` is immutable and validated when built; it knows nothing of Redis keys,
+of Lua or of Celery. Strings read like the rate limits of public APIs::
+
+    Limit.parse("50/s")                                   # token bucket, 50/s, burst 50
+    Limit.parse("3500/m burst 100", name="openai")        # 3500 per minute, burst 100
+    Limit.parse("20/s burst 1", algorithm="gcra")         # strict spacing: one call per 50 ms
+    Limit.parse("10000/d", algorithm="fixed_window")      # a daily quota (UTC days)
+    Limit.parse("8 concurrent")                           # at most 8 in flight
+    Limit.from_mapping({"algorithm": "gcra", "rate": "20/s", "burst": 1}, name="github")
+
+The burst defaults to the count of the rate ("50/s" may take 50 at once after an idle
+second); write ``burst 1`` for strict spacing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from throttle.errors import ConfigError
+
+__all__ = ["Algorithm", "Limit"]
+
+
+class Algorithm(str, Enum):
+    """The algorithms a limit can use; the value is the name used in config files."""
+
+    TOKEN_BUCKET = "token_bucket"
+    """Bucket of ``burst`` tokens refilled at the rate: bursts up to ``burst``, then the rate."""
+    GCRA = "gcra"
+    """Leaky bucket / GCRA shaper: calls spaced by period/count, ``burst`` may come at once;
+    can reserve the next free slot."""
+    SLIDING_WINDOW = "sliding_window"
+    """Sliding-window counter: at most ``count`` per period, estimated in O(1) memory."""
+    FIXED_WINDOW = "fixed_window"
+    """Fixed window aligned to the epoch (UTC): hour or day quotas."""
+    CONCURRENCY = "concurrency"
+    """At most ``count`` units in flight, held under an expiring lease."""
+
+
+_ALIASES = {"leaky_bucket": Algorithm.GCRA, "token-bucket": Algorithm.TOKEN_BUCKET}
+# Short codes understood by the Lua scripts (lua/acquire.lua picks ALGO[code]).
+_CODES = {
+    Algorithm.TOKEN_BUCKET: "tb",
+    Algorithm.GCRA: "gcra",
+    Algorithm.SLIDING_WINDOW: "sw",
+    Algorithm.FIXED_WINDOW: "fw",
+    Algorithm.CONCURRENCY: "conc",
+}
+_UNITS_S = {
+    "ms": 0.001,
+    "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}  # fmt: skip
+_NUMBER = r"\d+(?:\.\d+)?"
+_RATE_RE = re.compile(
+    rf"(?P<count>{_NUMBER})\s*/\s*(?P<mult>{_NUMBER})?\s*(?P<unit>[a-z]+)"
+    rf"(?:\s+burst\s+(?P<burst>{_NUMBER}))?",
+    re.IGNORECASE,
+)
+_CONCURRENT_RE = re.compile(rf"(?P<count>{_NUMBER})\s+concurrent", re.IGNORECASE)
+_MAPPING_FIELDS = ("algorithm", "rate", "burst")
+
+
+def _algorithm(value: object, limit: str | None, source: str | None) -> Algorithm:
+    if isinstance(value, Algorithm):
+        return value
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in _ALIASES:
+            return _ALIASES[name]
+        for algorithm in Algorithm:
+            if algorithm.value == name:
+                return algorithm
+    known = ", ".join(a.value for a in Algorithm)
+    raise ConfigError(
+        f"unknown algorithm; expected one of {known}",
+        field="algorithm", value=value, limit=limit, source=source,
+    )  # fmt: skip
+
+
+def _positive(value: object, what: str, limit: str | None, source: str | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            "must be a number", field=what, value=value, limit=limit, source=source
+        )
+    number = float(value)
+    if not (0 < number < math.inf):
+        raise ConfigError(
+            "must be a finite number > 0", field=what, value=value, limit=limit, source=source
+        )
+    return number
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit: ``count`` per ``period_s`` seconds with a capacity of ``burst``.
+
+    Parameters
+    ----------
+    name:
+        Identifies the limit in keys, metrics and errors; unique within a namespace.
+    algorithm:
+        An :class:`Algorithm` (or its config name).
+    count:
+        Tokens per period; for ``concurrency``, the units that may be in flight.
+    period_s:
+        The period in seconds (ignored for ``concurrency``).
+    burst:
+        Capacity in tokens: the most one instant may take. Defaults to ``count``. Only
+        token bucket and GCRA accept another value; for windows and concurrency the
+        capacity is ``count``.
+    """
+
+    name: str
+    algorithm: Algorithm
+    count: float
+    period_s: float = 1.0
+    burst: float | None = None
+    # The four ARGV values of this limit for lua/acquire.lua, built once.
+    script_args: tuple[str, str, str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise ConfigError("a limit needs a non-empty name", field="name", value=name)
+        algorithm = _algorithm(self.algorithm, name, None)
+        count = _positive(self.count, "count", name, None)
+        period_s = 1.0
+        if algorithm is not Algorithm.CONCURRENCY:
+            period_s = _positive(self.period_s, "period_s", name, None)
+        burst = count
+        if self.burst is not None:
+            burst = _positive(self.burst, "burst", name, None)
+            if burst != count and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+                raise ConfigError(
+                    f"burst applies to token_bucket and gcra only, not {algorithm.value}",
+                    field="burst", value=self.burst, limit=name,
+                )  # fmt: skip
+        object.__setattr__(self, "algorithm", algorithm)
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "period_s", period_s)
+        object.__setattr__(self, "burst", burst)
+        args = (_CODES[algorithm], repr(count), repr(period_s * 1e6), repr(burst))
+        object.__setattr__(self, "script_args", args)
+
+    @property
+    def capacity(self) -> float:
+        """The largest cost one acquisition may take: the burst (the count for windows)."""
+        assert self.burst is not None  # set by __post_init__
+        return self.burst
+
+    @property
+    def rate_per_s(self) -> float:
+        """The sustained rate in tokens per second."""
+        return self.count / self.period_s
+
+    @classmethod
+    def parse(
+        cls,
+        spec: str,
+        *,
+        name: str = "",
+        algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+        source: str | None = None,
+        field: str = "rate",
+    ) -> Limit:
+        """Build a limit from a string such as ``"50/s"`` or ``"3500/m burst 100"``.
+
+        Grammar: ``COUNT "/" [N] UNIT ["burst" B]`` with UNIT one of ms, s, m, h, d (or
+        their long forms: sec, minute, hours, day...), or ``COUNT "concurrent"``.
+        ``name`` defaults to the spec itself. Errors name ``source``, the limit and
+        ``field``.
+        """
+        limit = name or (spec if isinstance(spec, str) else None)
+        if not isinstance(spec, str):
+            raise ConfigError(
+                "must be a string such as '50/s' or '3500/m burst 100'",
+                field=field, value=spec, limit=limit, source=source,
+            )  # fmt: skip
+        text = spec.strip()
+        algo = _algorithm(algorithm, limit, source)
+        concurrent = _CONCURRENT_RE.fullmatch(text)
+        if concurrent:
+            algo = Algorithm.CONCURRENCY
+            count, period_s, burst = float(concurrent["count"]), 1.0, None
+        else:
+            match = _RATE_RE.fullmatch(text)
+            if not match:
+                raise ConfigError(
+                    "malformed rate; expected COUNT/[N]UNIT [burst B], e.g. '50/s', "
+                    "'3500/m burst 100', '1/3h', or 'N concurrent'",
+                    field=field, value=spec, limit=limit, source=source,
+                )  # fmt: skip
+            unit = match["unit"].lower()
+            if unit not in _UNITS_S:
+                raise ConfigError(
+                    f"unknown time unit {match['unit']!r}; use ms, s, m, h or d",
+                    field=field, value=spec, limit=limit, source=source,
+                )  # fmt: skip
+            count = float(match["count"])
+            period_s = float(match["mult"] or 1) * _UNITS_S[unit]
+            burst = float(match["burst"]) if match["burst"] else None
+        try:
+            return cls(limit or spec, algo, count, period_s, burst)
+        except ConfigError as exc:
+            # Re-raise with the place the value came from.
+            raise ConfigError(
+                exc.problem, field=field, value=spec, limit=limit, source=source
+            ) from None
+
+    @classmethod
+    def from_mapping(
+        cls, config: Mapping[str, Any], *, name: str, source: str | None = None
+    ) -> Limit:
+        """Build a limit from a config mapping (one entry of a limits file).
+
+        Fields: ``rate`` (required; a rate string, which may carry ``burst``),
+        ``algorithm`` (default ``token_bucket``), ``burst`` (a number, overrides the one in
+        ``rate``). Unknown fields are errors, so that a typo never goes unnoticed.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError(
+                "a limit must be a mapping of fields", value=config, limit=name, source=source
+            )
+        for key in config:
+            if key not in _MAPPING_FIELDS:
+                raise ConfigError(
+                    f"unknown field; expected one of {', '.join(_MAPPING_FIELDS)}",
+                    field=str(key), value=config[key], limit=name, source=source,
+                )  # fmt: skip
+        if "rate" not in config:
+            raise ConfigError("missing field", field="rate", limit=name, source=source)
+        algorithm = _algorithm(config.get("algorithm", Algorithm.TOKEN_BUCKET), name, source)
+        limit = cls.parse(
+            config["rate"], name=name, algorithm=algorithm, source=source, field="rate"
+        )
+        if "burst" not in config:
+            return limit
+        burst = _positive(config["burst"], "burst", name, source)
+        try:
+            return cls(limit.name, limit.algorithm, limit.count, limit.period_s, burst)
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.problem, field="burst", value=config["burst"], limit=name, source=source
+            ) from None
