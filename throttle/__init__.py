@@ -12,8 +12,8 @@ from throttle.errors import (
     ConfigError,
     CostExceedsCapacity,
     RequestError,
-    ThrottleError,
     Throttled,
+    ThrottleError,
 )
 from throttle.keys import KeySpace
 from throttle.limiter import DEFAULT_LEASE_S, Limiter

@@ -7,7 +7,9 @@ from typing import Literal
 
 from throttle.spec import Limit
 
-__all__ = ["Acquisition", "Decision", "LimitState", "Settlement"]
+__all__ = ["Acquisition", "Decision", "LimitState", "SettleStatus", "Settlement"]
+
+SettleStatus = Literal["settled", "already_settled", "unknown", "mismatch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class Settlement:
     other than ``"settled"`` means nothing changed.
     """
 
-    status: Literal["settled", "already_settled", "unknown", "mismatch"]
+    status: SettleStatus
     delta: float = 0.0
 
     @property

@@ -37,7 +37,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from throttle.decision import Acquisition, Decision, LimitState, Settlement
+from throttle.decision import Acquisition, Decision, LimitState, Settlement, SettleStatus
 from throttle.errors import (
     BackendError,
     BackendUnavailable,
@@ -53,7 +53,8 @@ __all__ = ["DEFAULT_LEASE_S", "Limiter"]
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
 
-_SETTLE_STATUS = ("settled", "already_settled", "unknown", "mismatch")
+# The status codes of lua/settle.lua, in order.
+_SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unknown", "mismatch")
 
 
 def _number(value: object, what: str, *, positive: bool = False) -> float:
@@ -159,8 +160,8 @@ class Limiter:
             When Redis cannot be reached or answers with an error.
         """
         cost = _number(cost, "cost")
-        max_wait_us = math.ceil(_number(max_wait_s, "max_wait_s") * 1e6)
-        lease_us = math.ceil(_number(lease_s, "lease_s", positive=True) * 1e6)
+        max_wait_us = round(_number(max_wait_s, "max_wait_s") * 1e6)
+        lease_us = max(round(_number(lease_s, "lease_s", positive=True) * 1e6), 1)
         if not targets:
             raise RequestError("acquire needs at least one limit")
         keyspace = self.keyspace

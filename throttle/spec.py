@@ -89,9 +89,7 @@ def _algorithm(value: object, limit: str | None, source: str | None) -> Algorith
 
 def _positive(value: object, what: str, limit: str | None, source: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(
-            "must be a number", field=what, value=value, limit=limit, source=source
-        )
+        raise ConfigError("must be a number", field=what, value=value, limit=limit, source=source)
     number = float(value)
     if not (0 < number < math.inf):
         raise ConfigError(

@@ -1,0 +1,89 @@
+"""Fixtures: real Redis servers only, started here on free loopback ports.
+
+Tests use the server in ``THROTTLE_REDIS_URL`` when it is set, otherwise a private
+``redis-server``; every test works under its own key prefix and deletes only its own keys,
+so a user's Redis is never flushed. Tests that must disrupt the server (SCRIPT FLUSH) ask
+for ``private_redis`` and always get a server of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from hypothesis import settings
+
+from throttle import Limiter
+from throttle.testing import RedisServer
+
+# Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+EPOCH_US = 1_763_776_800_000_000  # 2025-11-22 02:00 UTC: a realistic Redis TIME in us
+
+
+class FakeClock:
+    """The test clock handed to ``Limiter(clock_us=...)``: microseconds, moved by hand."""
+
+    def __init__(self, now_us: int = EPOCH_US) -> None:
+        self.now_us = now_us
+
+    def __call__(self) -> int:
+        return self.now_us
+
+    def advance(self, seconds: float) -> None:
+        self.now_us += round(seconds * 1e6)
+
+
+@pytest.fixture(scope="session")
+def private_redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    url = os.environ.get("THROTTLE_REDIS_URL")
+    if url:
+        return url
+    server: RedisServer = request.getfixturevalue("private_redis")
+    return server.url
+
+
+@pytest.fixture
+def prefix(client: redis.Redis) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    yield name
+    # Remove only this test's keys (they would also expire on their own).
+    keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """One connection pool for the session; tests keep apart by key prefix."""
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def limiter(client: redis.Redis, prefix: str) -> Limiter:
+    return Limiter(client, prefix=prefix)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def clocked(client: redis.Redis, prefix: str, clock: FakeClock) -> Limiter:
+    """A limiter on the test clock: the scripts use ``clock`` instead of Redis TIME."""
+    return Limiter(client, prefix=prefix, clock_us=clock)

@@ -1,0 +1,92 @@
+"""The scripts survive SCRIPT FLUSH, and the wheel ships the only copy of each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import redis
+
+from tests.conftest import FakeClock
+from throttle import Limit, Limiter
+from throttle.scripts import ALGORITHM_FILES, lua_dir
+from throttle.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> None:
+    # On a server of our own: SCRIPT FLUSH would disturb anybody else's scripts.
+    client = private_redis.client()
+    limiter = Limiter(client, prefix="flush", clock_us=FakeClock())
+    limit = Limit.parse("1/h burst 1000", name="api")
+    stop = threading.Event()
+    flushes = 0
+
+    def flusher() -> None:
+        nonlocal flushes
+        other = private_redis.client()
+        while not stop.is_set():
+            other.script_flush()
+            flushes += 1
+            stop.wait(0.002)
+        other.close()
+
+    thread = threading.Thread(target=flusher)
+    thread.start()
+    try:
+        allowed = sum(limiter.acquire(limit).allowed for _ in range(1500))
+    finally:
+        stop.set()
+        thread.join()
+    assert flushes > 10
+    # The clock stands still: exactly the burst was admitted, not one more or less.
+    assert allowed == 1000
+    client.close()
+
+
+def test_script_cache_lost_on_restart_is_reloaded(private_redis: RedisServer) -> None:
+    client = private_redis.client()
+    limiter = Limiter(client, prefix="reload")
+    limit = Limit.parse("10/s", name="api")
+    assert limiter.acquire(limit).allowed
+    client.script_flush()
+    assert limiter.acquire(limit).remaining < 9
+    client.close()
+
+
+def test_lua_dir_is_the_repository_copy() -> None:
+    assert lua_dir() == ROOT / "lua"
+    assert sorted(p.name for p in lua_dir().glob("*.lua")) == sorted(
+        [*ALGORITHM_FILES, "prelude.lua", "acquire.lua", "settle.lua"]
+    )
+
+
+def test_every_script_opens_with_a_contract_header() -> None:
+    for path in lua_dir().glob("*.lua"):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith(f"-- {path.name}:"), path
+
+
+def test_the_wheel_carries_the_scripts(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("celery_throttled-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        for path in lua_dir().glob("*.lua"):
+            member = f"throttle/lua/{path.name}"
+            assert member in names
+            assert archive.read(member) == path.read_bytes()
+        assert "throttle/py.typed" in names
+
+
+def test_connection_is_not_opened_on_construction() -> None:
+    client = redis.Redis(port=1)  # nothing listens there
+    Limiter(client)  # registering scripts computes SHAs locally; no round trip
