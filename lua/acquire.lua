@@ -1,95 +1,116 @@
 -- acquire.lua: take `cost` from one or more limits, all or nothing.
 --
--- KEYS[1]      lease record of this acquisition (HASH; used only when ARGV[4] ~= '')
--- KEYS[2..]    state keys of each limit in order; a limit takes ALGO[algo].nkeys keys
+-- KEYS         the state keys of each limit in order (ALGO[code].nkeys each), then, when
+--              an acquisition id is given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      cost          tokens taken from every limit, >= 0, fractions allowed
 -- ARGV[3]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
--- ARGV[4]      acquisition   id of the lease record ('' = none); also the concurrency holder
--- ARGV[5]      lease_us      how long the record and concurrency units live after the slot
--- ARGV[6]      n             number of limits
--- ARGV[7..]    4 per limit:  algo ('tb'|'gcra'|'fw'|'sw'|'conc'), count, period_us, burst
+-- ARGV[4]      n             number of limits
+-- ARGV[5..]    4 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'), count, period_us, burst
 --              (burst = the capacity: bucket size, or count for windows and concurrency)
+-- then, optionally:
+-- ARGV[5+4n]   acquisition   id of the lease record; also the concurrency holder
+-- ARGV[6+4n]   lease_us      how long the record and concurrency units live after the slot
 --
--- Returns {status, allowed, wait_us, retry_after_us, n, then 4 per limit:
---          allowed, remaining (string), retry_after_us, reset_us}
---   status 0 = decided now; 1 = the acquisition already holds a live lease (a redelivery):
---              allowed, nothing taken again, wait_us = time until its reserved slot;
+-- Returns one string of space-separated numbers (one bulk reply is cheaper to parse than
+-- many), '%.17g' or integers:
+--   'status allowed wait_us retry_after_us' then per limit
+--   ' allowed remaining retry_after_us reset_us'
+--   status 0 = decided now;
+--          1 = the acquisition id already holds a live lease (a redelivery): allowed,
+--              nothing taken again, wait_us = time until its reserved slot, no limits;
 --          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable).
---   allowed 1/0. All times are integers in us; remaining is tokens left after this call.
---   On denial nothing is written anywhere, and retry_after_us is the largest wait among the
---   limits that could not admit the cost now.
+--   On denial nothing is written anywhere, and retry_after_us is the largest wait among
+--   the limits that could not admit the cost now.
 
 local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
 local max_wait = tonumber(ARGV[3])
-local acq = ARGV[4]
-local lease_us = tonumber(ARGV[5])
-local n = tonumber(ARGV[6])
+local n = tonumber(ARGV[4])
+local acq = ARGV[5 + 4 * n]
 
-if acq ~= '' then
-  local held = redis.call('HMGET', KEYS[1], 's', 'at')
+if acq then
+  local held = redis.call('HMGET', KEYS[#KEYS], 's', 'at')
   if held[1] == '1' then
-    return {1, 1, ceil_us(tonumber(held[2]) - now), 0, 0}
+    return '1 1 ' .. ceil_us(tonumber(held[2]) - now) .. ' 0'
   end
 end
 
+-- The common case, one limit and no lease record: the same steps as below without the
+-- bookkeeping of several limits (this path runs on every plain acquire).
+if n == 1 and not acq then
+  local algo = ALGO[ARGV[5]]
+  local l = {k = 1, algo = algo, count = tonumber(ARGV[6]), period_us = tonumber(ARGV[7]),
+             burst = tonumber(ARGV[8]), allowed = 0, wait = 0, retry = 0, remaining = 0,
+             reset = 0}
+  if cost > l.burst then
+    return '2 1'
+  end
+  algo.check(l, now, cost, max_wait)
+  local retry = 0
+  if l.allowed == 1 then
+    algo.commit(l, now, cost, acq, nil)
+  else
+    retry = l.retry
+  end
+  return '0 ' .. l.allowed .. ' ' .. l.wait .. ' ' .. retry .. ' ' .. l.allowed .. ' '
+         .. fmt(l.remaining) .. ' ' .. l.retry .. ' ' .. l.reset
+end
+
+-- One record per limit, created with all its fields (and room for an algorithm's private
+-- ones) so that no table is resized on this hot path.
 local limits = {}
-local ki = 2
-for i = 1, n do
-  local a = 6 + (i - 1) * 4
-  local algo = ALGO[ARGV[a + 1]]
-  local p = {count = tonumber(ARGV[a + 2]), period_us = tonumber(ARGV[a + 3]),
-             burst = tonumber(ARGV[a + 4])}
-  if cost > p.burst then
-    return {2, i, 0, 0, 0}
-  end
-  local keys = {}
-  for j = 1, algo.nkeys do
-    keys[j] = KEYS[ki]
-    ki = ki + 1
-  end
-  limits[i] = {algo = algo, p = p, keys = keys}
-end
-
 local allowed, wait, retry = 1, 0, 0
+local k = 1
 for i = 1, n do
-  local l = limits[i]
-  l.r = l.algo.check(l.keys, l.p, now, cost, max_wait)
-  if l.r.allowed == 0 then
+  local a = 4 * i
+  local algo = ALGO[ARGV[a + 1]]
+  local l = {k = k, algo = algo, count = tonumber(ARGV[a + 2]),
+             period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
+             allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
+  if cost > l.burst then
+    return '2 ' .. i
+  end
+  algo.check(l, now, cost, max_wait)
+  limits[i] = l
+  k = k + algo.nkeys
+  if l.allowed == 0 then
     allowed = 0
   end
-  wait = math.max(wait, l.r.wait)
-  retry = math.max(retry, l.r.retry, l.r.wait)
+  wait = math.max(wait, l.wait)
+  retry = math.max(retry, l.retry, l.wait)
 end
 
-local out = {0, allowed, 0, 0, n}
+local head
 if allowed == 1 then
-  out[3] = wait
+  head = '0 1 ' .. wait .. ' 0'
   local slot = now + wait
-  local expiry = slot + lease_us
-  local record = {}
+  local expiry, record
+  if acq then
+    expiry = slot + tonumber(ARGV[6 + 4 * n])
+    record = {'s', '1', 'c', cost, 'at', slot, 'n', n}
+  end
   for i = 1, n do
     local l = limits[i]
-    local mark = l.algo.commit(l.keys, l.p, now, cost, l.r, acq, expiry)
-    record[#record + 1] = 'k' .. i
-    record[#record + 1] = l.keys[1]
-    record[#record + 1] = 'm' .. i
-    record[#record + 1] = mark
+    local mark = l.algo.commit(l, now, cost, acq, expiry)
+    if acq then
+      record[#record + 1] = 'k' .. i
+      record[#record + 1] = KEYS[l.k]
+      record[#record + 1] = 'm' .. i
+      record[#record + 1] = mark
+    end
   end
-  if acq ~= '' then
-    redis.call('HSET', KEYS[1], 's', '1', 'c', fmt(cost), 'at', fmt(slot), 'n', n,
-               unpack(record))
-    redis.call('PEXPIRE', KEYS[1], ttl_ms(expiry - now) - 1000)
+  if acq then
+    redis.call('HSET', KEYS[#KEYS], unpack(record))
+    redis.call('PEXPIRE', KEYS[#KEYS], ttl_ms(expiry - now) - 1000)
   end
 else
-  out[4] = retry
+  head = '0 0 0 ' .. retry
 end
+-- Built by concatenation, not table.concat: for the usual one or two limits that makes
+-- fewer objects on the server.
 for i = 1, n do
-  local r = limits[i].r
-  out[#out + 1] = r.allowed
-  out[#out + 1] = fmt(r.remaining)
-  out[#out + 1] = r.retry
-  out[#out + 1] = r.reset
+  local l = limits[i]
+  head = head .. ' ' .. l.allowed .. ' ' .. fmt(l.remaining) .. ' ' .. l.retry .. ' ' .. l.reset
 end
-return out
+return head

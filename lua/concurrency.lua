@@ -2,84 +2,89 @@
 -- (1 per task by default) until it releases them or its lease expires.
 --
 -- State: two keys per (limit, key)
---   KEYS[1] ZSET  member = holder id, score = lease expiry (us)
---   KEYS[2] HASH  'h:' .. holder = units held;  't' = total units held
+--   KEYS[k]     ZSET  member = holder id, score = lease expiry (us)
+--   KEYS[k + 1] HASH  'h:' .. holder = units held;  't' = total units held
 -- A holder that dies without releasing frees its units when its lease expires: every
 -- check first sweeps the expired leases. Reservation is not supported (max_wait ignored);
 -- on denial `retry` is the time until the earliest lease expires: an upper bound, because
 -- a holder usually releases well before its lease ends.
+-- Private field of l: total (units held, read by check).
 
-local function conc_sweep(keys, now)
-  local total = tonumber(redis.call('HGET', keys[2], 't')) or 0
-  local gone = redis.call('ZRANGEBYSCORE', keys[1], '-inf', now)
+local function conc_sweep(l, now)
+  local z, h = KEYS[l.k], KEYS[l.k + 1]
+  local total = tonumber(redis.call('HGET', h, 't')) or 0
+  local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now)
   if #gone > 0 then
     local fields = {}
     for i, m in ipairs(gone) do
       fields[i] = 'h:' .. m
     end
-    for _, c in ipairs(redis.call('HMGET', keys[2], unpack(fields))) do
+    for _, c in ipairs(redis.call('HMGET', h, unpack(fields))) do
       total = total - (tonumber(c) or 0)
     end
-    redis.call('HDEL', keys[2], unpack(fields))
-    redis.call('ZREMRANGEBYSCORE', keys[1], '-inf', now)
-    if redis.call('ZCARD', keys[1]) == 0 then
+    redis.call('HDEL', h, unpack(fields))
+    redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+    if redis.call('ZCARD', z) == 0 then
       -- Nobody holds anything: drop the rounding dust of fractional costs.
       total = 0
     end
-    redis.call('HSET', keys[2], 't', fmt(total))
+    redis.call('HSET', h, 't', total)
   end
   return total
 end
 
-local function conc_expire(keys, now)
-  local last = redis.call('ZRANGE', keys[1], -1, -1, 'WITHSCORES')
+-- Expire both keys with the last lease (or delete them when nobody holds anything);
+-- returns the time in us until the last lease ends.
+local function conc_expire(l, now)
+  local z, h = KEYS[l.k], KEYS[l.k + 1]
+  local last = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
   if last[2] == nil then
-    redis.call('DEL', keys[1], keys[2])
+    redis.call('DEL', z, h)
     return 0
   end
   local idle = tonumber(last[2]) - now
-  redis.call('PEXPIRE', keys[1], ttl_ms(idle))
-  redis.call('PEXPIRE', keys[2], ttl_ms(idle))
+  redis.call('PEXPIRE', z, ttl_ms(idle))
+  redis.call('PEXPIRE', h, ttl_ms(idle))
   return idle
 end
 
 ALGO.conc = {
   nkeys = 2,
-  check = function(keys, p, now, cost, max_wait)
-    local total = conc_sweep(keys, now)
-    local r = {total = total, allowed = 0, wait = 0, retry = 0, reset = 0}
+  check = function(l, now, cost, max_wait)
+    local total = conc_sweep(l, now)
+    l.total = total
     local after = total
-    if total + cost <= p.count then
-      r.allowed = 1
+    if total + cost <= l.count then
+      l.allowed = 1
       after = total + cost
     else
-      local first = redis.call('ZRANGE', keys[1], 0, 0, 'WITHSCORES')
-      r.retry = ceil_us(tonumber(first[2]) - now)
+      local first = redis.call('ZRANGE', KEYS[l.k], 0, 0, 'WITHSCORES')
+      l.retry = ceil_us(tonumber(first[2]) - now)
     end
-    r.remaining = math.max(p.count - after, 0)
-    return r
+    l.remaining = math.max(l.count - after, 0)
   end,
-  commit = function(keys, p, now, cost, r, holder, expiry)
-    redis.call('ZADD', keys[1], expiry, holder)
-    redis.call('HSET', keys[2], 'h:' .. holder, fmt(cost), 't', fmt(r.total + cost))
-    r.reset = ceil_us(conc_expire(keys, now))
+  commit = function(l, now, cost, holder, expiry)
+    redis.call('ZADD', KEYS[l.k], expiry, holder)
+    redis.call('HSET', KEYS[l.k + 1], 'h:' .. holder, cost, 't', l.total + cost)
+    l.reset = ceil_us(conc_expire(l, now))
     return ''
   end,
   -- Settling a concurrency limit releases the holder's units; the cost change is irrelevant.
-  adjust = function(keys, p, now, delta, mark, holder)
+  adjust = function(l, now, delta, mark, holder)
+    local z, h = KEYS[l.k], KEYS[l.k + 1]
     -- Sweep first: a lease that expired has already given its units back.
-    local total = conc_sweep(keys, now)
-    local held = tonumber(redis.call('HGET', keys[2], 'h:' .. holder))
+    local total = conc_sweep(l, now)
+    local held = tonumber(redis.call('HGET', h, 'h:' .. holder))
     if held == nil then
       return
     end
-    redis.call('ZREM', keys[1], holder)
-    redis.call('HDEL', keys[2], 'h:' .. holder)
+    redis.call('ZREM', z, holder)
+    redis.call('HDEL', h, 'h:' .. holder)
     total = total - held
-    if total < 0 or redis.call('ZCARD', keys[1]) == 0 then
+    if total < 0 or redis.call('ZCARD', z) == 0 then
       total = 0
     end
-    redis.call('HSET', keys[2], 't', fmt(total))
-    conc_expire(keys, now)
+    redis.call('HSET', h, 't', total)
+    conc_expire(l, now)
   end,
 }

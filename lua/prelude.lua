@@ -1,14 +1,27 @@
 -- prelude.lua: helpers shared by every operation script.
 --
--- throttle/scripts.py builds each operation script (acquire.lua, settle.lua) as
---   prelude.lua + one file per algorithm + the operation file,
--- so every algorithm's arithmetic exists exactly once and a multi-limit acquisition is
--- still one atomic script. Nothing here touches a key.
+-- throttle/scripts.py builds each script sent to Redis as
+--   prelude.lua + the file of each algorithm the call uses + the operation file,
+-- so every algorithm's arithmetic exists exactly once, a single-limit call carries only its
+-- own algorithm, and a multi-limit acquisition over several algorithms is still one atomic
+-- script. Nothing here touches a key.
 --
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
--- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed.
--- Numbers go back to Redis and to the client as '%.17g' strings (exact round trip) or as
--- integers that were rounded on purpose: EVAL truncates bare floats and turns false into nil.
+-- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written by
+-- passing Lua numbers to redis.call, which Redis formats as '%.17g' (exact round trip) in C,
+-- faster than string.format in Lua; replies are text (EVAL would truncate a bare float reply
+-- and turn false into nil).
+--
+-- An algorithm is a table ALGO[code] = {nkeys, check, commit, adjust}. Its functions get
+-- `l`, the record of one limit, built once per limit and call by the operation script:
+--   l.k (index in KEYS of the limit's first key), l.count, l.period_us, l.burst
+--   and the outcome that check() fills in: l.allowed (1/0), l.wait (us until a reserved
+--   slot), l.retry (us until it could admit), l.remaining (tokens), l.reset (us until full).
+-- An algorithm may add a few private fields to l (what check read, for commit); the record
+-- is created with room for them, so that no table grows on this hot path.
+--   check(l, now, cost, max_wait)
+--   commit(l, now, cost, holder, expiry) -> mark (text kept in the lease record)
+--   adjust(l, now, delta, mark, holder)   charge (delta > 0) or refund (delta < 0)
 
 local ALGO = {}
 

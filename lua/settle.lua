@@ -1,16 +1,16 @@
 -- settle.lua: finish an acquisition with its actual cost: refund the unused part or charge
 -- the extra to every limit it took from, and release its concurrency units.
 --
--- KEYS[1]      lease record written by acquire.lua
--- KEYS[2..]    the same state keys, in the same order, as the acquisition
+-- KEYS         the same state keys, in the same order, as the acquisition, then its lease
+--              record written by acquire.lua
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      actual cost   '' = as reserved (a plain release)
 -- ARGV[3]      acquisition   id (the concurrency holder)
 -- ARGV[4]      n             number of limits
--- ARGV[5..]    4 per limit:  algo, count, period_us, burst (as for acquire.lua)
+-- ARGV[5..]    4 per limit:  code, count, period_us, burst (as for acquire.lua)
 --
--- Returns {status, delta}
---   status 0 = settled: delta (string) = actual - reserved, > 0 charged, < 0 refunded;
+-- Returns 'status delta'
+--   status 0 = settled: delta = actual - reserved, > 0 charged, < 0 refunded;
 --          1 = already settled, 2 = unknown or expired lease: nothing changed;
 --          3 = the keys differ from those recorded: nothing changed.
 -- A refund never raises a bucket above its capacity nor moves a GCRA slot before now; a
@@ -18,14 +18,15 @@
 
 local now = clock_us(ARGV[1])
 local n = tonumber(ARGV[4])
-local rec = redis.call('HMGET', KEYS[1], 's', 'c', 'n')
+local lease = KEYS[#KEYS]
+local rec = redis.call('HMGET', lease, 's', 'c', 'n')
 if rec[1] == false then
-  return {2, '0'}
+  return '2 0'
 elseif rec[1] ~= '1' then
-  return {1, '0'}
+  return '1 0'
 end
 if tonumber(rec[3]) ~= n then
-  return {3, '0'}
+  return '3 0'
 end
 
 local fields = {}
@@ -33,38 +34,33 @@ for i = 1, n do
   fields[#fields + 1] = 'k' .. i
   fields[#fields + 1] = 'm' .. i
 end
-local marks = redis.call('HMGET', KEYS[1], unpack(fields))
+local marks = redis.call('HMGET', lease, unpack(fields))
 
-local reserved = tonumber(rec[2])
 local delta = 0
 if ARGV[2] ~= '' then
-  delta = tonumber(ARGV[2]) - reserved
+  delta = tonumber(ARGV[2]) - tonumber(rec[2])
 end
 
 local limits = {}
-local ki = 2
+local k = 1
 for i = 1, n do
-  local a = 4 + (i - 1) * 4
+  local a = 4 * i
   local algo = ALGO[ARGV[a + 1]]
-  if marks[2 * i - 1] ~= KEYS[ki] then
-    return {3, '0'}
+  if marks[2 * i - 1] ~= KEYS[k] then
+    return '3 0'
   end
-  local keys = {}
-  for j = 1, algo.nkeys do
-    keys[j] = KEYS[ki]
-    ki = ki + 1
-  end
-  limits[i] = {algo = algo, keys = keys, mark = marks[2 * i], kind = ARGV[a + 1],
-               p = {count = tonumber(ARGV[a + 2]), period_us = tonumber(ARGV[a + 3]),
-                    burst = tonumber(ARGV[a + 4])}}
+  limits[i] = {k = k, algo = algo, conc = ARGV[a + 1] == 'conc', mark = marks[2 * i],
+               count = tonumber(ARGV[a + 2]), period_us = tonumber(ARGV[a + 3]),
+               burst = tonumber(ARGV[a + 4])}
+  k = k + algo.nkeys
 end
 
 for i = 1, n do
   local l = limits[i]
-  if delta ~= 0 or l.kind == 'conc' then
-    l.algo.adjust(l.keys, l.p, now, delta, l.mark, ARGV[3])
+  if delta ~= 0 or l.conc then
+    l.algo.adjust(l, now, delta, l.mark, ARGV[3])
   end
 end
 -- Keep the record (marked settled) until it expires, so that a second settle says so.
-redis.call('HSET', KEYS[1], 's', '2')
-return {0, fmt(delta)}
+redis.call('HSET', lease, 's', '2')
+return '0 ' .. fmt(delta)

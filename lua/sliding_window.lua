@@ -4,13 +4,14 @@
 --   previous_window_count * (1 - fraction_of_current_window_elapsed) + current_window_count
 -- (Cloudflare's approximation). It removes the 2 x burst of a fixed window at its edge.
 --
--- State: one HASH per (limit, key): w = current window index, c = its count, p = the count
--- of window w - 1. The key expires when its count no longer weighs on the estimate, at the
--- end of window w + 1. Reservation is not supported (max_wait ignored).
+-- State: one HASH per (limit, key): w = the current window index, c = its count, p = the
+-- count of window w - 1. The key expires when its count no longer weighs on the
+-- estimate, at the end of window w + 1. Reservation is not supported (max_wait ignored).
 -- mark = the window index the cost was counted in.
+-- Private fields of l: w, cur, prev (the window and the counts read by check).
 
-local function sw_read(key, w)
-  local s = redis.call('HMGET', key, 'w', 'c', 'p')
+local function sw_read(l, w)
+  local s = redis.call('HMGET', KEYS[l.k], 'w', 'c', 'p')
   local sw = tonumber(s[1])
   if sw == w then
     return tonumber(s[2]), tonumber(s[3])
@@ -20,50 +21,50 @@ local function sw_read(key, w)
   return 0, 0
 end
 
-local function sw_store(key, p, now, w, cur, prev)
-  redis.call('HSET', key, 'w', fmt(w), 'c', fmt(cur), 'p', fmt(prev))
-  redis.call('PEXPIRE', key, ttl_ms((w + 2) * p.period_us - now))
+local function sw_store(l, now, w, cur, prev)
+  redis.call('HSET', KEYS[l.k], 'w', w, 'c', cur, 'p', prev)
+  redis.call('PEXPIRE', KEYS[l.k], ttl_ms((w + 2) * l.period_us - now))
 end
 
 ALGO.sw = {
   nkeys = 1,
-  check = function(keys, p, now, cost, max_wait)
-    local w = math.floor(now / p.period_us)
-    local start = w * p.period_us
-    local cur, prev = sw_read(keys[1], w)
-    local est = prev * (1 - (now - start) / p.period_us) + cur
-    local r = {w = w, cur = cur, prev = prev, allowed = 0, wait = 0, retry = 0}
+  check = function(l, now, cost, max_wait)
+    local period = l.period_us
+    local w = math.floor(now / period)
+    local start = w * period
+    local cur, prev = sw_read(l, w)
+    local est = prev * (1 - (now - start) / period) + cur
+    l.w, l.cur, l.prev = w, cur, prev
     local after_cur = cur
-    if est + cost <= p.count then
-      r.allowed = 1
+    if est + cost <= l.count then
+      l.allowed = 1
       est = est + cost
       after_cur = cur + cost
-    elseif cur + cost <= p.count then
+    elseif cur + cost <= l.count then
       -- Enough room once the previous window has decayed a little more, in this window.
-      local f = 1 - (p.count - cur - cost) / prev
-      r.retry = ceil_us(start + f * p.period_us - now)
+      local f = 1 - (l.count - cur - cost) / prev
+      l.retry = ceil_us(start + f * period - now)
     else
       -- Only in the next window, once this window's count has decayed enough.
-      local f = math.max(1 - (p.count - cost) / cur, 0)
-      r.retry = ceil_us(start + (1 + f) * p.period_us - now)
+      local f = math.max(1 - (l.count - cost) / cur, 0)
+      l.retry = ceil_us(start + (1 + f) * period - now)
     end
-    r.remaining = math.max(p.count - est, 0)
+    l.remaining = math.max(l.count - est, 0)
     if after_cur > 0 then
-      r.reset = ceil_us(start + 2 * p.period_us - now)
+      l.reset = ceil_us(start + 2 * period - now)
     else
-      r.reset = ceil_us(start + p.period_us - now)
+      l.reset = ceil_us(start + period - now)
     end
-    return r
   end,
-  commit = function(keys, p, now, cost, r, holder, expiry)
-    sw_store(keys[1], p, now, r.w, r.cur + cost, r.prev)
-    return fmt(r.w)
+  commit = function(l, now, cost, holder, expiry)
+    sw_store(l, now, l.w, l.cur + cost, l.prev)
+    return l.w
   end,
   -- A charge lands in the current window; a refund goes back to the window that paid while
   -- that window still weighs on the estimate (the current or the previous one).
-  adjust = function(keys, p, now, delta, mark, holder)
-    local w = math.floor(now / p.period_us)
-    local cur, prev = sw_read(keys[1], w)
+  adjust = function(l, now, delta, mark, holder)
+    local w = math.floor(now / l.period_us)
+    local cur, prev = sw_read(l, w)
     local paid = tonumber(mark)
     if delta > 0 or paid == w then
       cur = math.max(cur + delta, 0)
@@ -72,6 +73,6 @@ ALGO.sw = {
     else
       return
     end
-    sw_store(keys[1], p, now, w, cur, prev)
+    sw_store(l, now, w, cur, prev)
   end,
 }

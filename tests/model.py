@@ -28,7 +28,7 @@ class Params:
 
     @classmethod
     def of(cls, limit: Limit) -> Params:
-        _, count, period_us, burst = limit.script_args
+        _, count, period_us, burst = limit.script_args  # exactly what the script receives
         return cls(float(count), float(period_us), float(burst))
 
 
@@ -299,7 +299,7 @@ class ModelLimiter:
                 return (True, True, ceil_us(record.slot - now), 0, ())
         checks = []
         for limit, key in targets:
-            algo = self.algos[limit.script_args[0]]
+            algo = self.algos[limit.code]
             p = Params.of(limit)
             checks.append((algo, key, p, algo.check(key, p, now, cost, max_wait_us)))
         allowed = all(r["allowed"] for *_, r in checks)
@@ -334,7 +334,7 @@ class ModelLimiter:
             return ("mismatch", 0.0)
         delta = 0.0 if actual is None else actual - record.cost
         for (limit, key), mark in zip(targets, record.marks, strict=True):
-            code = limit.script_args[0]
+            code = limit.code
             if delta != 0 or code == "conc":
                 self.algos[code].adjust(key, Params.of(limit), now, delta, mark, acq)
         record.settled = True

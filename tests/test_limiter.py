@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from tests.conftest import FakeClock
-from throttle import Acquisition, Limit, Limiter
+from throttle import Acquisition, Limit, Limiter, Throttled
 
 HOUR = 3600.0
 
@@ -211,7 +211,7 @@ def test_settling_twice_or_unknown_changes_nothing(clocked: Limiter) -> None:
         "never-acquired",
         5,
         decision.acquisition.targets,
-        (clocked.keyspace.lease_key("never-acquired"), *decision.acquisition.keys[1:]),
+        (*decision.acquisition.keys[:-1], clocked.keyspace.lease_key("never-acquired")),
     )
     assert clocked.settle(ghost, 0).status == "unknown"
     assert clocked.acquire(limit, cost=0).remaining == pytest.approx(9.0)
@@ -351,3 +351,13 @@ def test_cost_zero_peeks_without_taking(clocked: Limiter) -> None:
     for _ in range(3):
         assert clocked.acquire(limit, cost=0).remaining == pytest.approx(3.0)
     assert clocked.acquire(limit, cost=3).allowed
+
+
+def test_raise_if_denied_carries_the_delay(clocked: Limiter) -> None:
+    limit = Limit.parse("1/m", name="api")
+    assert clocked.acquire(limit).raise_if_denied().allowed
+    with pytest.raises(Throttled) as caught:
+        clocked.acquire(limit).raise_if_denied()
+    assert caught.value.retry_after_s == pytest.approx(60.0)
+    assert caught.value.denied_by == ("api",)
+    assert str(caught.value) == "throttled by api: retry after 60.000 s"

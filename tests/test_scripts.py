@@ -61,7 +61,7 @@ def test_script_cache_lost_on_restart_is_reloaded(private_redis: RedisServer) ->
 def test_lua_dir_is_the_repository_copy() -> None:
     assert lua_dir() == ROOT / "lua"
     assert sorted(p.name for p in lua_dir().glob("*.lua")) == sorted(
-        [*ALGORITHM_FILES, "prelude.lua", "acquire.lua", "settle.lua"]
+        [*ALGORITHM_FILES.values(), "prelude.lua", "acquire.lua", "settle.lua"]
     )
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
+from throttle.errors import Throttled
 from throttle.spec import Limit
 
 __all__ = ["Acquisition", "Decision", "LimitState", "SettleStatus", "Settlement"]
@@ -12,8 +13,9 @@ __all__ = ["Acquisition", "Decision", "LimitState", "SettleStatus", "Settlement"
 SettleStatus = Literal["settled", "already_settled", "unknown", "mismatch"]
 
 
-@dataclass(frozen=True, slots=True)
-class LimitState:
+# LimitState and Decision are NamedTuples: immutable like a frozen dataclass, but built in a
+# fraction of the time, and one of each is built on every acquire.
+class LimitState(NamedTuple):
     """One limit's view of a decision (all times in seconds, from the Redis clock)."""
 
     limit: str
@@ -38,11 +40,10 @@ class Acquisition:
     cost: float
     targets: tuple[tuple[Limit, str | None], ...]
     keys: tuple[str, ...]
-    """The lease record key, then the state keys of the targets, in order."""
+    """The state keys of the targets, in order, then the lease record key."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The answer to an acquisition over one or more limits.
 
     ``allowed`` is all or nothing: when any limit denies, nothing was taken from any.
@@ -73,6 +74,15 @@ class Decision:
     def denied_by(self) -> tuple[str, ...]:
         """The names of the limits that could not admit the cost now."""
         return tuple(state.limit for state in self.limits if not state.allowed)
+
+    def raise_if_denied(self) -> Decision:
+        """Return self when allowed; raise :class:`Throttled` (with the delay) when denied.
+
+        For callers that prefer an exception, as in ``limiter.acquire(...).raise_if_denied()``.
+        """
+        if not self.allowed:
+            raise Throttled(self.retry_after_s, self.denied_by)
+        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ in a value can never move the hash tag: the tag is always the first ``{...}`` of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -37,6 +38,18 @@ def encode(value: str) -> str:
     if len(encoded) > _MAX_ENCODED:
         return "#" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
     return encoded
+
+
+# Names are rebuilt on every acquire of a hot limit: cache the recent ones (strings only,
+# so the cache key hashes fast), bounded so that many tenants cannot grow it without end.
+@functools.lru_cache(maxsize=4096)
+def _state_keys(base: str, code: str, limit: str, key: str | None) -> tuple[str, ...]:
+    name = f"{base}{code}:{encode(limit)}:"
+    if key is not None:
+        name += encode(key)
+    if code == "conc":
+        return (name, name + ":h")
+    return (name,)
 
 
 @dataclass(frozen=True)
@@ -74,12 +87,7 @@ class KeySpace:
 
         Concurrency limits use two keys (holders and their units); others one.
         """
-        name = f"{self.base}{limit.script_args[0]}:{encode(limit.name)}:"
-        if key is not None:
-            name += encode(key)
-        if limit.script_args[0] == "conc":
-            return (name, name + ":h")
-        return (name,)
+        return _state_keys(self.base, limit.code, limit.name, key)
 
     def lease_key(self, acquisition_id: str) -> str:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""

@@ -3,6 +3,9 @@
 One Redis round trip per decision: the arithmetic runs in ``lua/acquire.lua`` on the Redis
 server, against the Redis clock. This module validates arguments, names keys (through
 :mod:`throttle.keys`), calls the script and turns its reply into a :class:`Decision`.
+It is on the hot path of every throttled call, so it avoids work it can do once: limit
+arguments are encoded when the limit is built, key names are cached, scripts are
+registered once per set of algorithms.
 
 Example::
 
@@ -46,7 +49,7 @@ from throttle.errors import (
 )
 from throttle.keys import KeySpace
 from throttle.scripts import script_source
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 
 __all__ = ["DEFAULT_LEASE_S", "Limiter"]
 
@@ -55,17 +58,31 @@ DEFAULT_LEASE_S = 300.0
 
 # The status codes of lua/settle.lua, in order.
 _SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unknown", "mismatch")
+_INF = math.inf
 
 
 def _number(value: object, what: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """``value`` as a finite float >= 0 (> 0 when ``positive``), or a RequestError."""
+    # Fast path first: this runs several times per acquire.
+    if type(value) is float or type(value) is int:
+        if (value > 0 if positive else value >= 0) and value != _INF:
+            return float(value)
+    elif isinstance(value, bool) or not isinstance(value, int | float):
         raise RequestError(f"{what} must be a number (got {value!r})")
-    number = float(value)
-    # NaN fails both comparisons, so it is refused here as well.
-    if not (number > 0.0 if positive else number >= 0.0) or number == math.inf:
-        bound = "> 0" if positive else ">= 0"
-        raise RequestError(f"{what} must be a finite number {bound} (got {value!r})")
-    return number
+    # NaN fails both comparisons, so it lands here as well.
+    bound = "> 0" if positive else ">= 0"
+    raise RequestError(f"{what} must be a finite number {bound} (got {value!r})")
+
+
+def _limit_state(limit: Limit, reply: list[Any], i: int) -> LimitState:
+    """One limit's four fields of an acquire.lua reply, from index ``i``."""
+    return LimitState(
+        limit.name,
+        int(reply[i]) == 1,
+        float(reply[i + 1]),
+        float(reply[i + 2]) / 1e6,
+        float(reply[i + 3]) / 1e6,
+    )
 
 
 class Limiter:
@@ -94,8 +111,9 @@ class Limiter:
         self.client = client
         self.keyspace = KeySpace(prefix, namespace)
         self._clock_us = clock_us
-        self._acquire: Script = client.register_script(script_source("acquire"))
-        self._settle: Script = client.register_script(script_source("settle"))
+        # One (acquire, settle) pair per set of algorithm codes; registering computes the
+        # SHA locally, the script reaches Redis on its first NOSCRIPT.
+        self._scripts: dict[frozenset[str], tuple[Script, Script]] = {}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Limiter:
@@ -159,41 +177,60 @@ class Limiter:
         BackendUnavailable, BackendError
             When Redis cannot be reached or answers with an error.
         """
+        n = len(targets)
         cost = _number(cost, "cost")
-        max_wait_us = round(_number(max_wait_s, "max_wait_s") * 1e6)
-        lease_us = max(round(_number(lease_s, "lease_s", positive=True) * 1e6), 1)
+        max_wait_us = round(_number(max_wait_s, "max_wait_s") * 1e6) if max_wait_s else 0
+        if lease_s is not DEFAULT_LEASE_S:
+            lease_s = _number(lease_s, "lease_s", positive=True)
         if not targets:
             raise RequestError("acquire needs at least one limit")
         keyspace = self.keyspace
-        keys: list[str] = [""]
-        args: list[Any] = ["", cost, max_wait_us, "", lease_us, len(targets)]
-        needs_id = False
+        keys: list[str] = []
+        args: list[Any] = [b"", cost, max_wait_us, n]
         for limit, key in targets:
-            if key is not None and (not isinstance(key, str) or not key):
+            if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
             if cost > limit.capacity:
                 raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-            needs_id = needs_id or limit.algorithm is Algorithm.CONCURRENCY
             keys.extend(keyspace.state_keys(limit, key))
             args.extend(limit.script_args)
-        if len(set(keys)) != len(keys):
+        if n > 1 and len(set(keys)) != len(keys):
             raise RequestError("the same limit and key appear twice in one acquisition")
-        if acquisition_id is None and needs_id:
-            acquisition_id = uuid.uuid4().hex
+        codes = targets[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in targets)
+        if acquisition_id is None and "conc" in codes:
+            acquisition_id = uuid.uuid4().hex  # a concurrency holder needs a name
         if acquisition_id is not None:
-            if not isinstance(acquisition_id, str) or not acquisition_id:
+            if type(acquisition_id) is not str or not acquisition_id:
                 raise RequestError(
                     f"acquisition_id must be a non-empty string (got {acquisition_id!r})"
                 )
-            args[3] = acquisition_id
-            keys[0] = keyspace.lease_key(acquisition_id)
-        else:
-            # Unused by the script, but every key must hash to the namespace's slot.
-            keys[0] = keyspace.base + "lease:"
+            keys.append(keyspace.lease_key(acquisition_id))
+            args.extend((acquisition_id, max(round(lease_s * 1e6), 1)))
         if self._clock_us is not None:
             args[0] = self._clock_us()
-        reply = self._call(self._acquire, keys, args)
-        return self._decision(reply, targets, cost, acquisition_id, keys)
+        reply = self._call(self._scripts_for(codes)[0], keys, args).split()
+        status = int(reply[0])
+        if status == 2:
+            # The script re-checks capacity; the check above normally fires first.
+            limit = targets[int(reply[1]) - 1][0]
+            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+        allowed = status == 1 or int(reply[1]) == 1
+        acquisition = None
+        if allowed and acquisition_id is not None:
+            acquisition = Acquisition(acquisition_id, cost, tuple(targets), tuple(keys))
+        wait_s = float(reply[2]) / 1e6
+        if status == 1:
+            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), acquisition, held=True)
+        states = tuple([_limit_state(targets[i][0], reply, 4 * i + 4) for i in range(n)])
+        if n == 1:
+            remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
+        else:
+            remaining = min(state.remaining for state in states)
+            reset_after_s = max(state.reset_after_s for state in states)
+        retry_after_s = float(reply[3]) / 1e6
+        return Decision(
+            allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
+        )
 
     def settle(self, acquisition: Acquisition, actual_cost: float | None) -> Settlement:
         """Finish an acquisition with what it really cost, and release its concurrency units.
@@ -204,19 +241,33 @@ class Limiter:
         the reserved cost (a plain release). Settling twice, or an acquisition whose
         record expired, changes nothing and says so in :attr:`Settlement.status`.
         """
-        args: list[Any] = ["", "", acquisition.id, len(acquisition.targets)]
+        args: list[Any] = [b"", b"", acquisition.id, len(acquisition.targets)]
         if actual_cost is not None:
             args[1] = _number(actual_cost, "actual_cost")
         for limit, _ in acquisition.targets:
             args.extend(limit.script_args)
         if self._clock_us is not None:
             args[0] = self._clock_us()
-        status, delta = self._call(self._settle, list(acquisition.keys), args)
+        codes = frozenset(limit.code for limit, _ in acquisition.targets)
+        status, delta = self._call(
+            self._scripts_for(codes)[1], list(acquisition.keys), args
+        ).split()
         return Settlement(_SETTLE_STATUS[int(status)], float(delta))
 
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
         return self.settle(acquisition, None)
+
+    def _scripts_for(self, codes: frozenset[str]) -> tuple[Script, Script]:
+        scripts = self._scripts.get(codes)
+        if scripts is None:
+            register = self.client.register_script
+            scripts = (
+                register(script_source("acquire", codes)),
+                register(script_source("settle", codes)),
+            )
+            self._scripts[codes] = scripts
+        return scripts
 
     @staticmethod
     def _call(script: Script, keys: list[str], args: list[Any]) -> Any:
@@ -226,42 +277,3 @@ class Limiter:
             raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
         except redis.RedisError as exc:
             raise BackendError(f"Redis refused a limiter call: {exc}") from exc
-
-    @staticmethod
-    def _decision(
-        reply: list[Any],
-        targets: Sequence[tuple[Limit, str | None]],
-        cost: float,
-        acquisition_id: str | None,
-        keys: list[str],
-    ) -> Decision:
-        status = reply[0]
-        if status == 2:
-            # The script re-checks capacity: the Python check above normally fires first.
-            limit = targets[reply[1] - 1][0]
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        allowed = reply[1] == 1
-        acquisition = None
-        if allowed and acquisition_id is not None:
-            acquisition = Acquisition(acquisition_id, cost, tuple(targets), tuple(keys))
-        if status == 1:
-            return Decision(True, 0.0, 0.0, 0.0, reply[2] / 1e6, (), acquisition, held=True)
-        states = tuple(
-            LimitState(
-                limit.name,
-                reply[i] == 1,
-                float(reply[i + 1]),
-                reply[i + 2] / 1e6,
-                reply[i + 3] / 1e6,
-            )
-            for (limit, _), i in zip(targets, range(5, 5 + 4 * len(targets), 4), strict=True)
-        )
-        return Decision(
-            allowed,
-            min(state.remaining for state in states),
-            reply[3] / 1e6,
-            max(state.reset_after_s for state in states),
-            reply[2] / 1e6,
-            states,
-            acquisition,
-        )

@@ -123,8 +123,13 @@ class Limit:
     count: float
     period_s: float = 1.0
     burst: float | None = None
-    # The four ARGV values of this limit for lua/acquire.lua, built once.
-    script_args: tuple[str, str, str, str] = field(init=False, repr=False, compare=False)
+    # The four ARGV values of this limit for lua/acquire.lua, built once and encoded (redis-py
+    # sends bytes as they are): algorithm code, count, period in us, capacity.
+    script_args: tuple[bytes, bytes, bytes, bytes] = field(init=False, repr=False, compare=False)
+    code: str = field(init=False, repr=False, compare=False)
+    """The short algorithm code the Lua scripts use (``tb``, ``gcra``, ``fw``, ``sw``...)."""
+    codes: frozenset[str] = field(init=False, repr=False, compare=False)
+    """``{code}``: the algorithms a script for this limit alone must carry."""
 
     def __post_init__(self) -> None:
         name = self.name
@@ -148,7 +153,9 @@ class Limit:
         object.__setattr__(self, "period_s", period_s)
         object.__setattr__(self, "burst", burst)
         args = (_CODES[algorithm], repr(count), repr(period_s * 1e6), repr(burst))
-        object.__setattr__(self, "script_args", args)
+        object.__setattr__(self, "script_args", tuple(arg.encode() for arg in args))
+        object.__setattr__(self, "code", _CODES[algorithm])
+        object.__setattr__(self, "codes", frozenset((self.code,)))
 
     @property
     def capacity(self) -> float:
