@@ -219,8 +219,8 @@ def run(args: argparse.Namespace, limit: Limit, url: str, where: str) -> int:
     print(f"\ntotal calls:    {total}")
     print(f"elapsed:        {elapsed:.3f} s (first to last call, Redis clock)")
     print(f"bound:          {bound:.1f} = burst {burst:g} + {rate:g}/s x {elapsed:.3f} s")
-    # Above 100% by up to the burst: the burst comes on top of the sustained rate.
-    print(f"utilization:    {total / (rate * elapsed):.1%} of rate x elapsed")
+    # Of the most the limit allows over the run: 100% means the fleet used every slot.
+    print(f"utilization:    {total / bound:.1%} of the bound")
     print(
         f"GCRA check:     {violations} of {total} calls too early for the upstream "
         f"(T = {1000 / rate:g} ms, tolerance {burst:g} T + {1000 * JITTER_S:g} ms jitter)"
