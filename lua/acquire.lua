@@ -13,13 +13,16 @@
 -- ARGV[6+4n]   lease_us      how long the record and concurrency units live after the slot
 --
 -- Returns one string of space-separated numbers (one bulk reply is cheaper to parse than
--- many), '%.17g' or integers:
+-- many): remaining as '%.17g'; durations are whole us, written exactly below 1e14 us
+-- (3 years), to 14 significant digits beyond.
 --   'status allowed wait_us retry_after_us' then per limit
 --   ' allowed remaining retry_after_us reset_us'
 --   status 0 = decided now;
---          1 = the acquisition id already holds a live lease (a redelivery): allowed,
---              nothing taken again, wait_us = time until its reserved slot, no limits;
---          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable).
+--          1 = the acquisition id already holds a live lease on these same keys (a
+--              redelivery): allowed, nothing taken again, wait_us = time until its reserved
+--              slot, then the cost it reserved instead of per-limit fields;
+--          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable);
+--          3 = the acquisition id holds a live lease on other limits or keys: nothing done.
 --   On denial nothing is written anywhere, and retry_after_us is the largest wait among
 --   the limits that could not admit the cost now.
 
@@ -30,9 +33,26 @@ local n = tonumber(ARGV[4])
 local acq = ARGV[5 + 4 * n]
 
 if acq then
-  local held = redis.call('HMGET', KEYS[#KEYS], 's', 'at')
+  local lease = KEYS[#KEYS]
+  local held = redis.call('HMGET', lease, 's', 'at', 'c', 'n')
   if held[1] == '1' then
-    return '1 1 ' .. ceil_us(tonumber(held[2]) - now) .. ' 0'
+    -- Taken already (a redelivered task): nothing again, if it is the same limits and keys.
+    if tonumber(held[4]) ~= n then
+      return '3'
+    end
+    local fields = {}
+    for i = 1, n do
+      fields[i] = 'k' .. i
+    end
+    local recorded = redis.call('HMGET', lease, unpack(fields))
+    local k = 1
+    for i = 1, n do
+      if recorded[i] ~= KEYS[k] then
+        return '3'
+      end
+      k = k + ALGO[ARGV[4 * i + 1]].nkeys
+    end
+    return '1 1 ' .. ceil_us(tonumber(held[2]) - now) .. ' 0 ' .. held[3]
   end
 end
 

@@ -6,15 +6,22 @@
 --   KEYS[k + 1] HASH  'h:' .. holder = units held;  't' = total units held
 -- A holder that dies without releasing frees its units when its lease expires: every
 -- check first sweeps the expired leases. Reservation is not supported (max_wait ignored);
--- on denial `retry` is the time until the earliest lease expires: an upper bound, because
--- a holder usually releases well before its lease ends.
+-- on denial `retry` is the time until the earliest lease expires: a holder usually releases
+-- sooner, and with weighted costs that one lease may not free enough units.
 -- Private field of l: total (units held, read by check).
+
+-- Leases swept per batch: unpack() has a limit (about 8000 values), and a crowd of dead
+-- holders must not make every later acquire fail.
+local SWEEP_BATCH = 1000
 
 local function conc_sweep(l, now)
   local z, h = KEYS[l.k], KEYS[l.k + 1]
   local total = tonumber(redis.call('HGET', h, 't')) or 0
-  local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now)
-  if #gone > 0 then
+  local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
+  if #gone == 0 then
+    return total
+  end
+  while #gone > 0 do
     local fields = {}
     for i, m in ipairs(gone) do
       fields[i] = 'h:' .. m
@@ -23,13 +30,17 @@ local function conc_sweep(l, now)
       total = total - (tonumber(c) or 0)
     end
     redis.call('HDEL', h, unpack(fields))
-    redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
-    if redis.call('ZCARD', z) == 0 then
-      -- Nobody holds anything: drop the rounding dust of fractional costs.
-      total = 0
+    redis.call('ZREM', z, unpack(gone))
+    if #gone < SWEEP_BATCH then
+      break
     end
-    redis.call('HSET', h, 't', total)
+    gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
   end
+  if redis.call('ZCARD', z) == 0 then
+    -- Nobody holds anything: drop the rounding dust of fractional costs.
+    total = 0
+  end
+  redis.call('HSET', h, 't', total)
   return total
 end
 
@@ -63,9 +74,12 @@ ALGO.conc = {
     end
     l.remaining = math.max(l.count - after, 0)
   end,
+  -- A holder of 0 units is not recorded: it holds nothing, and must not crowd the set.
   commit = function(l, now, cost, holder, expiry)
-    redis.call('ZADD', KEYS[l.k], expiry, holder)
-    redis.call('HSET', KEYS[l.k + 1], 'h:' .. holder, cost, 't', l.total + cost)
+    if cost > 0 then
+      redis.call('ZADD', KEYS[l.k], expiry, holder)
+      redis.call('HSET', KEYS[l.k + 1], 'h:' .. holder, cost, 't', l.total + cost)
+    end
     l.reset = ceil_us(conc_expire(l, now))
     return ''
   end,

@@ -7,14 +7,20 @@
 -- counted in it. The key expires when its window ends. Reservation is not
 -- supported (max_wait is ignored). mark (kept in the lease record) = the window index the
 -- cost was counted in, so that a refund only returns cost to the window that paid.
+-- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
+-- window: a step back must not reopen a window that is full.
 -- Private fields of l: w, n (the window and its count read by check).
 
-local function fw_used(l, w)
+-- The window now counts in and its count: floor(now / period_us), or the stored window
+-- when it is later (the clock stepped back).
+local function fw_read(l, now)
+  local w = math.floor(now / l.period_us)
   local s = redis.call('HMGET', KEYS[l.k], 'w', 'n')
-  if tonumber(s[1]) == w then
-    return tonumber(s[2])
+  local stored = tonumber(s[1])
+  if stored == nil or stored < w then
+    return w, 0
   end
-  return 0
+  return stored, tonumber(s[2])
 end
 
 local function fw_store(l, now, w, n)
@@ -25,8 +31,7 @@ end
 ALGO.fw = {
   nkeys = 1,
   check = function(l, now, cost, max_wait)
-    local w = math.floor(now / l.period_us)
-    local n = fw_used(l, w)
+    local w, n = fw_read(l, now)
     local window_end = (w + 1) * l.period_us - now
     l.w, l.n = w, n
     l.reset = ceil_us(window_end)
@@ -45,10 +50,10 @@ ALGO.fw = {
   end,
   -- A charge lands in the current window; a refund only in the window that paid, if current.
   adjust = function(l, now, delta, mark, holder)
-    local w = math.floor(now / l.period_us)
+    local w, n = fw_read(l, now)
     if delta < 0 and tonumber(mark) ~= w then
       return
     end
-    fw_store(l, now, w, math.max(fw_used(l, w) + delta, 0))
+    fw_store(l, now, w, math.max(n + delta, 0))
   end,
 }

@@ -47,7 +47,9 @@ local function ceil_us(x)
 end
 
 -- Key lifetime: until the state would read the same as a missing key (idle_us from now),
--- plus one second so a key never vanishes a moment before it is no longer needed.
+-- plus one second so a key never vanishes a moment before it is no longer needed. Capped
+-- (about 300 years) so that PEXPIRE always accepts it, however absurd a debt or lease: a
+-- script that failed half-way would leave its first writes done.
 local function ttl_ms(idle_us)
-  return math.ceil(math.max(idle_us, 0) / 1000) + 1000
+  return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
 end

@@ -8,17 +8,22 @@
 -- count of window w - 1. The key expires when its count no longer weighs on the
 -- estimate, at the end of window w + 1. Reservation is not supported (max_wait ignored).
 -- mark = the window index the cost was counted in.
+-- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
+-- window, with no credit for the time elapsed in it.
 -- Private fields of l: w, cur, prev (the window and the counts read by check).
 
-local function sw_read(l, w)
+-- The current window and its two counts: floor(now / period_us), or the stored window
+-- when it is later (the clock stepped back).
+local function sw_read(l, now)
+  local w = math.floor(now / l.period_us)
   local s = redis.call('HMGET', KEYS[l.k], 'w', 'c', 'p')
-  local sw = tonumber(s[1])
-  if sw == w then
-    return tonumber(s[2]), tonumber(s[3])
-  elseif sw == w - 1 then
-    return 0, tonumber(s[2])
+  local stored = tonumber(s[1])
+  if stored == nil or stored < w - 1 then
+    return w, 0, 0
+  elseif stored == w - 1 then
+    return w, 0, tonumber(s[2])
   end
-  return 0, 0
+  return stored, tonumber(s[2]), tonumber(s[3])
 end
 
 local function sw_store(l, now, w, cur, prev)
@@ -30,10 +35,9 @@ ALGO.sw = {
   nkeys = 1,
   check = function(l, now, cost, max_wait)
     local period = l.period_us
-    local w = math.floor(now / period)
+    local w, cur, prev = sw_read(l, now)
     local start = w * period
-    local cur, prev = sw_read(l, w)
-    local est = prev * (1 - (now - start) / period) + cur
+    local est = prev * (1 - math.max(now - start, 0) / period) + cur
     l.w, l.cur, l.prev = w, cur, prev
     local after_cur = cur
     if est + cost <= l.count then
@@ -63,8 +67,7 @@ ALGO.sw = {
   -- A charge lands in the current window; a refund goes back to the window that paid while
   -- that window still weighs on the estimate (the current or the previous one).
   adjust = function(l, now, delta, mark, holder)
-    local w = math.floor(now / l.period_us)
-    local cur, prev = sw_read(l, w)
+    local w, cur, prev = sw_read(l, now)
     local paid = tonumber(mark)
     if delta > 0 or paid == w then
       cur = math.max(cur + delta, 0)

@@ -27,6 +27,9 @@ class LimitState(NamedTuple):
     reset_after_s: float
     """How long until this limit is back to full capacity if nothing else is taken."""
 
+    def __bool__(self) -> bool:
+        return self.allowed
+
 
 @dataclass(frozen=True, slots=True)
 class Acquisition:

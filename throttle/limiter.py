@@ -35,10 +35,11 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError, RedisClusterException
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement, SettleStatus
 from throttle.errors import (
@@ -51,26 +52,37 @@ from throttle.keys import KeySpace
 from throttle.scripts import script_source
 from throttle.spec import Limit
 
-__all__ = ["DEFAULT_LEASE_S", "Limiter"]
+__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter"]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
+MAX_DURATION_S = 10 * 365 * 86400.0
+"""The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
+DEFAULT_TIMEOUT_S = 5.0
+"""Socket timeouts of :meth:`Limiter.from_url`: a hung Redis must not block a worker."""
 
 # The status codes of lua/settle.lua, in order.
 _SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unknown", "mismatch")
 _INF = math.inf
+_NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 
 
-def _number(value: object, what: str, *, positive: bool = False) -> float:
-    """``value`` as a finite float >= 0 (> 0 when ``positive``), or a RequestError."""
-    # Fast path first: this runs several times per acquire.
-    if type(value) is float or type(value) is int:
-        if (value > 0 if positive else value >= 0) and value != _INF:
-            return float(value)
-    elif isinstance(value, bool) or not isinstance(value, int | float):
+def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
+    """``value`` as a finite float >= 0 (> 0 when ``positive``, <= ``most``), or a
+    RequestError that names ``what`` and the value."""
+    # bool is an int subclass, and never a cost; other int and float subclasses are fine.
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise RequestError(f"{what} must be a number (got {value!r})")
-    # NaN fails both comparisons, so it lands here as well.
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = _INF
+    if (number > 0 if positive else number >= 0) and number <= most and number != _INF:
+        return number
+    # NaN fails every comparison, so it lands here as well.
     bound = "> 0" if positive else ">= 0"
+    if most != _INF:
+        bound += f" and <= {most:g}"
     raise RequestError(f"{what} must be a finite number {bound} (got {value!r})")
 
 
@@ -116,9 +128,21 @@ class Limiter:
         self._scripts: dict[frozenset[str], tuple[Script, Script]] = {}
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> Limiter:
-        """A limiter on ``redis.Redis.from_url(url)`` (``redis://``, ``rediss://``, ``unix://``)."""
-        return cls(redis.Redis.from_url(url), **kwargs)
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "throttle",
+        namespace: str = "default",
+        **client_options: Any,
+    ) -> Limiter:
+        """A limiter on ``redis.Redis.from_url(url, **client_options)`` (``redis://``,
+        ``rediss://``, ``unix://``), with socket timeouts of :data:`DEFAULT_TIMEOUT_S`
+        unless given, so that a hung Redis raises :class:`BackendUnavailable`."""
+        client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
+        client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
+        client = redis.Redis.from_url(url, **client_options)
+        return cls(client, prefix=prefix, namespace=namespace)
 
     def acquire(
         self,
@@ -126,7 +150,7 @@ class Limiter:
         key: str | None = None,
         *,
         cost: float = 1.0,
-        max_wait_s: float = 0.0,
+        max_wait_s: float = _NO_WAIT,
         acquisition_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> Decision:
@@ -144,7 +168,7 @@ class Limiter:
         targets: Sequence[tuple[Limit, str | None]],
         *,
         cost: float = 1.0,
-        max_wait_s: float = 0.0,
+        max_wait_s: float = _NO_WAIT,
         acquisition_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> Decision:
@@ -173,15 +197,19 @@ class Limiter:
         Raises
         ------
         RequestError
-            On an invalid argument (cost, key, wait, lease, the same target twice).
+            On an invalid argument (cost, key, wait, lease, the same target twice), or when
+            ``acquisition_id`` already holds a live lease on other limits or keys.
         BackendUnavailable, BackendError
             When Redis cannot be reached or answers with an error.
         """
         n = len(targets)
         cost = _number(cost, "cost")
-        max_wait_us = round(_number(max_wait_s, "max_wait_s") * 1e6) if max_wait_s else 0
+        # The defaults are checked once, here, by identity: this is the hot path.
+        max_wait_us = 0
+        if max_wait_s is not _NO_WAIT:
+            max_wait_us = round(_number(max_wait_s, "max_wait_s", most=MAX_DURATION_S) * 1e6)
         if lease_s is not DEFAULT_LEASE_S:
-            lease_s = _number(lease_s, "lease_s", positive=True)
+            lease_s = _number(lease_s, "lease_s", positive=True, most=MAX_DURATION_S)
         if not targets:
             raise RequestError("acquire needs at least one limit")
         keyspace = self.keyspace
@@ -214,13 +242,20 @@ class Limiter:
             # The script re-checks capacity; the check above normally fires first.
             limit = targets[int(reply[1]) - 1][0]
             raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        allowed = status == 1 or int(reply[1]) == 1
+        if status == 3:
+            raise RequestError(
+                f"acquisition {acquisition_id!r} already holds a lease on other limits or "
+                "keys: an id names one acquisition"
+            )
+        wait_s = float(reply[2]) / 1e6
+        if status == 1:
+            # Held already (a redelivery): the lease's own cost, not this call's.
+            held = Acquisition(str(acquisition_id), float(reply[4]), tuple(targets), tuple(keys))
+            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True)
+        allowed = int(reply[1]) == 1
         acquisition = None
         if allowed and acquisition_id is not None:
             acquisition = Acquisition(acquisition_id, cost, tuple(targets), tuple(keys))
-        wait_s = float(reply[2]) / 1e6
-        if status == 1:
-            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), acquisition, held=True)
         states = tuple([_limit_state(targets[i][0], reply, 4 * i + 4) for i in range(n)])
         if n == 1:
             remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
@@ -241,6 +276,11 @@ class Limiter:
         the reserved cost (a plain release). Settling twice, or an acquisition whose
         record expired, changes nothing and says so in :attr:`Settlement.status`.
         """
+        if not isinstance(acquisition, Acquisition):
+            raise RequestError(
+                f"settle needs the Acquisition of an allowed, recorded decision "
+                f"(got {acquisition!r})"
+            )
         args: list[Any] = [b"", b"", acquisition.id, len(acquisition.targets)]
         if actual_cost is not None:
             args[1] = _number(actual_cost, "actual_cost")
@@ -269,11 +309,16 @@ class Limiter:
             self._scripts[codes] = scripts
         return scripts
 
-    @staticmethod
-    def _call(script: Script, keys: list[str], args: list[Any]) -> Any:
+    def _call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
         try:
-            return script(keys, args)
+            try:
+                return script(keys, args)
+            except NoScriptError:
+                # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
+                # (registered from a str: see _scripts_for)
+                return self.client.eval(cast(str, script.script), len(keys), *keys, *args)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-        except redis.RedisError as exc:
+        except (redis.RedisError, RedisClusterException) as exc:
             raise BackendError(f"Redis refused a limiter call: {exc}") from exc

@@ -90,7 +90,10 @@ def _algorithm(value: object, limit: str | None, source: str | None) -> Algorith
 def _positive(value: object, what: str, limit: str | None, source: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError("must be a number", field=what, value=value, limit=limit, source=source)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
     if not (0 < number < math.inf):
         raise ConfigError(
             "must be a finite number > 0", field=what, value=value, limit=limit, source=source
@@ -174,7 +177,7 @@ class Limit:
         spec: str,
         *,
         name: str = "",
-        algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+        algorithm: Algorithm | str | None = None,
         source: str | None = None,
         field: str = "rate",
     ) -> Limit:
@@ -182,8 +185,10 @@ class Limit:
 
         Grammar: ``COUNT "/" [N] UNIT ["burst" B]`` with UNIT one of ms, s, m, h, d (or
         their long forms: sec, minute, hours, day...), or ``COUNT "concurrent"``.
-        ``name`` defaults to the spec itself. Errors name ``source``, the limit and
-        ``field``.
+        ``algorithm`` defaults to ``token_bucket`` for a rate and ``concurrency`` for
+        ``N concurrent``; a rate with ``concurrency``, or ``N concurrent`` with another
+        algorithm, is an error. ``name`` defaults to the spec itself. Errors name
+        ``source``, the limit and ``field``.
         """
         limit = name or (spec if isinstance(spec, str) else None)
         if not isinstance(spec, str):
@@ -192,11 +197,22 @@ class Limit:
                 field=field, value=spec, limit=limit, source=source,
             )  # fmt: skip
         text = spec.strip()
-        algo = _algorithm(algorithm, limit, source)
+        algo = None if algorithm is None else _algorithm(algorithm, limit, source)
         concurrent = _CONCURRENT_RE.fullmatch(text)
         if concurrent:
+            if algo not in (None, Algorithm.CONCURRENCY):
+                raise ConfigError(
+                    f"'N concurrent' is a concurrency limit, not {algo.value}; write a rate "
+                    "such as '10/s'",
+                    field=field, value=spec, limit=limit, source=source,
+                )  # fmt: skip
             algo = Algorithm.CONCURRENCY
             count, period_s, burst = float(concurrent["count"]), 1.0, None
+        elif algo is Algorithm.CONCURRENCY:
+            raise ConfigError(
+                "a concurrency limit is written 'N concurrent' (at most N in flight)",
+                field=field, value=spec, limit=limit, source=source,
+            )  # fmt: skip
         else:
             match = _RATE_RE.fullmatch(text)
             if not match:
@@ -214,6 +230,7 @@ class Limit:
             count = float(match["count"])
             period_s = float(match["mult"] or 1) * _UNITS_S[unit]
             burst = float(match["burst"]) if match["burst"] else None
+            algo = algo or Algorithm.TOKEN_BUCKET
         try:
             return cls(limit or spec, algo, count, period_s, burst)
         except ConfigError as exc:
@@ -229,8 +246,9 @@ class Limit:
         """Build a limit from a config mapping (one entry of a limits file).
 
         Fields: ``rate`` (required; a rate string, which may carry ``burst``),
-        ``algorithm`` (default ``token_bucket``), ``burst`` (a number, overrides the one in
-        ``rate``). Unknown fields are errors, so that a typo never goes unnoticed.
+        ``algorithm`` (default ``token_bucket``, or ``concurrency`` for ``N concurrent``),
+        ``burst`` (a number, overrides the one in ``rate``). Unknown fields are errors, so
+        that a typo never goes unnoticed.
         """
         if not isinstance(config, Mapping):
             raise ConfigError(
@@ -244,7 +262,9 @@ class Limit:
                 )  # fmt: skip
         if "rate" not in config:
             raise ConfigError("missing field", field="rate", limit=name, source=source)
-        algorithm = _algorithm(config.get("algorithm", Algorithm.TOKEN_BUCKET), name, source)
+        algorithm = config.get("algorithm")
+        if algorithm is not None:
+            algorithm = _algorithm(algorithm, name, source)
         limit = cls.parse(
             config["rate"], name=name, algorithm=algorithm, source=source, field="rate"
         )

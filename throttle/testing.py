@@ -22,7 +22,7 @@ from types import TracebackType
 
 import redis
 
-__all__ = ["RedisServer", "free_port"]
+__all__ = ["RedisServer", "free_port", "redis_url_from_env"]
 
 
 def free_port() -> int:
