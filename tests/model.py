@@ -113,13 +113,15 @@ class FixedWindow:
     def __init__(self) -> None:
         self.state: dict[str, tuple[float, float]] = {}
 
-    def used(self, key: str, w: float) -> float:
+    def read(self, key: str, p: Params, now: float) -> tuple[float, float]:
+        w = float(math.floor(now / p.period_us))
         stored = self.state.get(key)
-        return stored[1] if stored is not None and stored[0] == w else 0.0
+        if stored is None or stored[0] < w:
+            return w, 0.0
+        return stored  # the same window, or a later one (the clock stepped back)
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
-        w = float(math.floor(now / p.period_us))
-        n = self.used(key, w)
+        w, n = self.read(key, p, now)
         window_end = (w + 1) * p.period_us - now
         r: Check = {"w": w, "n": n, "allowed": 0, "wait": 0, "retry": 0}
         r["reset"] = ceil_us(window_end)
@@ -136,32 +138,29 @@ class FixedWindow:
         return repr(r["w"])
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
-        w = float(math.floor(now / p.period_us))
+        w, n = self.read(key, p, now)
         if delta < 0 and float(mark) != w:
             return
-        self.state[key] = (w, max(self.used(key, w) + delta, 0.0))
+        self.state[key] = (w, max(n + delta, 0.0))
 
 
 class SlidingWindow:
     def __init__(self) -> None:
         self.state: dict[str, tuple[float, float, float]] = {}
 
-    def read(self, key: str, w: float) -> tuple[float, float]:
+    def read(self, key: str, p: Params, now: float) -> tuple[float, float, float]:
+        w = float(math.floor(now / p.period_us))
         stored = self.state.get(key)
-        if stored is None:
-            return 0.0, 0.0
-        sw, c, prev = stored
-        if sw == w:
-            return c, prev
-        if sw == w - 1:
-            return 0.0, c
-        return 0.0, 0.0
+        if stored is None or stored[0] < w - 1:
+            return w, 0.0, 0.0
+        if stored[0] == w - 1:
+            return w, 0.0, stored[1]
+        return stored  # the same window, or a later one (the clock stepped back)
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
-        w = float(math.floor(now / p.period_us))
+        w, cur, prev = self.read(key, p, now)
         start = w * p.period_us
-        cur, prev = self.read(key, w)
-        est = prev * (1 - (now - start) / p.period_us) + cur
+        est = prev * (1 - max(now - start, 0) / p.period_us) + cur
         r: Check = {"w": w, "cur": cur, "prev": prev, "allowed": 0, "wait": 0, "retry": 0}
         after_cur = cur
         if est + cost <= p.count:
@@ -186,8 +185,7 @@ class SlidingWindow:
         return repr(r["w"])
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
-        w = float(math.floor(now / p.period_us))
-        cur, prev = self.read(key, w)
+        w, cur, prev = self.read(key, p, now)
         paid = float(mark)
         if delta > 0 or paid == w:
             cur = max(cur + delta, 0.0)
@@ -239,9 +237,12 @@ class Concurrency:
         self, key: str, p: Params, now: float, cost: float, r: Check, *, holder: str, expiry: float
     ) -> str:
         h = self.state.setdefault(key, _Holders())
-        h.leases[holder] = (expiry, cost)
-        h.total = r["total"] + cost
-        r["reset"] = ceil_us(max(exp for exp, _ in h.leases.values()) - now)
+        if cost > 0:
+            h.leases[holder] = (expiry, cost)
+            h.total = r["total"] + cost
+        r["reset"] = ceil_us(max(exp for exp, _ in h.leases.values()) - now) if h.leases else 0
+        if not h.leases:
+            h.total = 0.0  # the script deletes both keys when nobody holds anything
         return ""
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
@@ -292,10 +293,13 @@ class ModelLimiter:
         acq: str | None = None,
         lease_us: int = 300_000_000,
     ) -> Summary:
-        """-> (allowed, held, wait_us, retry_us, per-limit (allowed, remaining, retry, reset))"""
+        """-> (allowed, held, wait_us, retry_us, per-limit (allowed, remaining, retry, reset));
+        a held acquisition on other keys -> "mismatch"."""
         if acq is not None:
             record = self.records.get(acq)
             if record is not None and not record.settled:
+                if record.keys != tuple(key for _, key in targets):
+                    return ("mismatch",)
                 return (True, True, ceil_us(record.slot - now), 0, ())
         checks = []
         for limit, key in targets:

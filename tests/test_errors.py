@@ -114,6 +114,16 @@ BAD_CALLS = [
     pytest.param({"max_wait_s": -1}, "max_wait_s must be a finite number >= 0", id="neg-wait"),
     pytest.param({"lease_s": 0}, "lease_s must be a finite number > 0", id="zero-lease"),
     pytest.param({"acquisition_id": ""}, "acquisition_id must be a non-empty", id="empty-id"),
+    pytest.param({"cost": 10**400}, "cost must be a finite number >= 0", id="huge-int-cost"),
+    pytest.param({"max_wait_s": None}, "max_wait_s must be a number (got None)", id="none-wait"),
+    pytest.param(
+        {"max_wait_s": 1e12},
+        "max_wait_s must be a finite number >= 0 and <= 3.1536e+08",
+        id="absurd-wait",
+    ),
+    pytest.param(
+        {"lease_s": 1e15}, "lease_s must be a finite number > 0 and <= ", id="absurd-lease"
+    ),
 ]
 
 
@@ -152,6 +162,38 @@ def test_the_same_target_twice_is_refused(limiter: Limiter) -> None:
         limiter.acquire_many([(limit, "a"), (limit, "a")])
     with pytest.raises(RequestError, match="at least one limit"):
         limiter.acquire_many([])
+
+
+def test_number_subclasses_are_numbers(limiter: Limiter) -> None:
+    class Units(float):
+        pass
+
+    assert limiter.acquire(Limit.parse("10/s", name="api"), cost=Units(2.0)).remaining == 8
+
+
+def test_settle_needs_an_acquisition(limiter: Limiter) -> None:
+    denied = limiter.acquire(Limit.parse("1/h", name="api"), cost=0)
+    with pytest.raises(RequestError, match="settle needs the Acquisition"):
+        limiter.settle(denied.acquisition, 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spec", "algorithm", "problem"),
+    [
+        ("8 concurrent", "gcra", "'N concurrent' is a concurrency limit, not gcra"),
+        ("10/s", "concurrency", "a concurrency limit is written 'N concurrent'"),
+    ],
+)
+def test_a_spec_and_an_algorithm_that_disagree(spec: str, algorithm: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        Limit.parse(spec, name="x", algorithm=algorithm)
+    with pytest.raises(ConfigError, match=problem):
+        Limit.from_mapping({"rate": spec, "algorithm": algorithm}, name="x")
+
+
+def test_huge_numbers_in_a_limit() -> None:
+    with pytest.raises(ConfigError, match="finite number > 0"):
+        Limit("x", "token_bucket", 10**400)  # type: ignore[arg-type]
 
 
 def test_settle_rejects_a_bad_actual_cost(limiter: Limiter) -> None:

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from tests.conftest import FakeClock
-from throttle import Acquisition, Limit, Limiter, Throttled
+from throttle import Acquisition, Limit, Limiter, RequestError, Throttled
 
 HOUR = 3600.0
 
@@ -226,15 +226,28 @@ def test_settling_an_expired_lease_changes_nothing(limiter: Limiter) -> None:
     assert limiter.acquire(limit, cost=0).remaining == pytest.approx(5.0, abs=0.01)
 
 
-def test_settle_with_other_keys_is_refused(clocked: Limiter) -> None:
+def test_an_id_names_one_acquisition(clocked: Limiter) -> None:
     limit = Limit.parse("10/h", name="api")
     first = clocked.acquire(limit, "a", cost=5, acquisition_id="t")
     assert first.acquisition is not None
-    wrong = clocked.acquire(limit, "b", cost=5, acquisition_id="t")  # held: takes nothing
-    assert wrong.held
-    assert wrong.acquisition is not None
-    assert clocked.settle(wrong.acquisition, 0).status == "mismatch"
+    # The same id on other keys (or limits) is refused, and takes nothing from them.
+    with pytest.raises(RequestError, match="'t' already holds a lease on other limits or keys"):
+        clocked.acquire(limit, "b", cost=5, acquisition_id="t")
+    streams = Limit.parse("1 concurrent", name="streams")
+    with pytest.raises(RequestError, match="already holds a lease"):
+        clocked.acquire(streams, acquisition_id="t")
+    assert clocked.acquire(limit, "b", cost=0).remaining == 10
+    assert clocked.acquire(streams).allowed
+    # A settle that names other keys than the record's changes nothing.
+    forged = Acquisition(
+        "t",
+        5,
+        ((limit, "b"),),
+        (state_key(clocked, limit, "b"), clocked.keyspace.lease_key("t")),
+    )
+    assert clocked.settle(forged, 0).status == "mismatch"
     assert clocked.settle(first.acquisition, 0).status == "settled"
+    assert clocked.acquire(limit, "a", cost=0).remaining == 10
 
 
 def test_the_same_acquisition_id_does_not_pay_twice(clocked: Limiter, clock: FakeClock) -> None:
@@ -243,9 +256,11 @@ def test_the_same_acquisition_id_does_not_pay_twice(clocked: Limiter, clock: Fak
     first = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
     assert first.wait_s == pytest.approx(1.0)
     clock.advance(0.4)
-    redelivered = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    redelivered = clocked.acquire(limit, cost=0.5, acquisition_id="task-9", max_wait_s=5)
     assert redelivered.held
     assert redelivered.wait_s == pytest.approx(0.6)  # the same slot, nothing taken again
+    assert redelivered.acquisition is not None
+    assert redelivered.acquisition.cost == 1.0  # what the lease reserved, not this call
     assert clocked.acquire(limit, max_wait_s=5).wait_s == pytest.approx(1.6)
     # Once settled, the id may acquire (and pay) anew.
     assert first.acquisition is not None
@@ -326,10 +341,12 @@ def test_every_key_has_a_ttl_and_idle_keys_vanish(
     assert decision.allowed
     keys = list(client.scan_iter(match=f"{prefix}:*"))
     assert keys
-    ttls = {key: client.pttl(key) for key in keys}
-    # Every key expires, no later than its state stops mattering plus one second: a
-    # second-long window lives at most into the next window; a lease 0.5 s.
-    assert all(0 < ttl <= 3000 for ttl in ttls.values()), ttls
+    ttls = {key.decode(): client.pttl(key) for key in keys}
+    # Every key expires: no sooner than its state stops mattering, plus one second (a lease
+    # record: when the lease ends), and no later than the end of the next 1 s window.
+    for key, ttl in ttls.items():
+        least = 400 if ":lease:" in key else 1000
+        assert least <= ttl <= 3000, ttls
     deadline = time.monotonic() + 5
     while list(client.scan_iter(match=f"{prefix}:*")) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -341,16 +358,61 @@ def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: Fake
     assert clocked.acquire(limit, cost=5).allowed
     clock.advance(2)
     assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
-    clock.advance(-1)
-    clock.advance(1)
+    clock.advance(-1)  # Redis TIME stepped back a second
     assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
+    clock.advance(1)  # back where it was: that second must not be refilled again
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
+    clock.advance(1)
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(3.0)
 
 
-def test_cost_zero_peeks_without_taking(clocked: Limiter) -> None:
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
+def test_a_clock_step_back_does_not_reopen_a_full_window(
+    clocked: Limiter, clock: FakeClock, algorithm: str
+) -> None:
+    limit = Limit.parse("3/m", name="quota", algorithm=algorithm)
+    clock.now_us = clock.now_us // 60_000_000 * 60_000_000 + 60_000_000  # a minute starts
+    assert [clocked.acquire(limit).allowed for _ in range(4)] == [True, True, True, False]
+    clock.advance(-0.001)  # back into the previous minute
+    assert not clocked.acquire(limit).allowed
+    clock.advance(0.002)
+    assert not clocked.acquire(limit).allowed
+
+
+def test_cost_zero_peeks_without_taking(clocked: Limiter, client: redis.Redis) -> None:
     limit = Limit.parse("3/m", name="api")
     for _ in range(3):
         assert clocked.acquire(limit, cost=0).remaining == pytest.approx(3.0)
     assert clocked.acquire(limit, cost=3).allowed
+    # A cost-0 call on a concurrency limit holds nothing and leaves no holder behind.
+    streams = Limit.parse("2 concurrent", name="streams")
+    for _ in range(5):
+        assert clocked.acquire(streams, cost=0).allowed
+    assert client.exists(*clocked.keyspace.state_keys(streams, None)) == 0
+    assert clocked.acquire(streams, cost=2).allowed
+
+
+def test_cost_zero_is_denied_while_a_limit_is_in_debt(clocked: Limiter, clock: FakeClock) -> None:
+    # Debt (a reservation or a charge) is owed before anything else passes, even nothing.
+    limit = Limit.parse("2/s burst 2", name="api")
+    assert clocked.acquire(limit, cost=2).allowed
+    assert clocked.acquire(limit, cost=1, max_wait_s=1).wait_s == pytest.approx(0.5)
+    peek = clocked.acquire(limit, cost=0)
+    assert (peek.allowed, peek.remaining, peek.retry_after_s) == (False, 0.0, pytest.approx(0.5))
+    clock.advance(0.5)
+    assert clocked.acquire(limit, cost=0).allowed
+
+
+def test_thousands_of_dead_holders_are_swept(clocked: Limiter, clock: FakeClock) -> None:
+    # More expired leases than one sweep batch (and than Lua's unpack() could take at once).
+    limit = Limit.parse("5000 concurrent", name="crowd")
+    for i in range(2500):
+        assert clocked.acquire(limit, acquisition_id=f"dead-{i}", lease_s=10).allowed
+    assert not clocked.acquire(limit, cost=2501).allowed
+    clock.advance(10)
+    full = clocked.acquire(limit, cost=5000)
+    assert full.allowed
+    assert full.remaining == 0
 
 
 def test_raise_if_denied_carries_the_delay(clocked: Limiter) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import EPOCH_US, FakeClock
 from tests.model import ModelLimiter
-from throttle import Decision, Limit, Limiter
+from throttle import Decision, Limit, Limiter, RequestError
 
 ALGORITHMS = ("token_bucket", "gcra", "sliding_window", "fixed_window", "concurrency")
 
@@ -39,13 +40,16 @@ def steps(capacity: float, period_us: float) -> st.SearchStrategy[list[tuple[Any
         st.integers(0, 2_000),
         st.integers(0, int(2 * period_us)),
         st.integers(-1_000, 0),  # Redis TIME may step back a little
+        st.integers(-int(period_us), 0),  # or across a window edge
     )
     cost = st.one_of(
         st.sampled_from([0.0, 1.0, 0.5, 2.0]).filter(lambda c: c <= capacity),
         st.floats(0.0, capacity, allow_nan=False),
     )
     wait = st.one_of(st.just(0), st.integers(0, int(3 * period_us)))
-    acquire = st.tuples(st.just("acquire"), dt, cost, wait, st.booleans())
+    # Ids from a small pool: the same id comes back (a redelivery, a re-acquire after settle).
+    ident = st.one_of(st.none(), st.sampled_from(["a", "b", "c"]))
+    acquire = st.tuples(st.just("acquire"), dt, cost, wait, ident)
     settle = st.tuples(
         st.just("settle"), dt, st.integers(0, 50), st.one_of(st.none(), cost), st.booleans()
     )
@@ -81,17 +85,20 @@ def run_against_model(
         for i, step in enumerate(sequence):
             clock.now_us += step[1]
             if step[0] == "acquire":
-                _, _, cost, wait_us, with_id = step
-                acq = f"a{i}" if with_id else None
+                _, _, cost, wait_us, acq = step
+                if acq is None and any(lim.code == "conc" for lim, _ in targets):
+                    acq = f"generated-{i}"  # what the limiter would generate, but known
+                expected = model.acquire(
+                    model_targets, now=clock.now_us, cost=cost, max_wait_us=wait_us, acq=acq
+                )
+                if expected == ("mismatch",):
+                    with pytest.raises(RequestError, match="already holds a lease"):
+                        limiter.acquire_many(
+                            targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
+                        )
+                    continue
                 real = limiter.acquire_many(
                     targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
-                )
-                expected = model.acquire(
-                    model_targets,
-                    now=clock.now_us,
-                    cost=cost,
-                    max_wait_us=wait_us,
-                    acq=real.acquisition.id if real.acquisition else acq,
                 )
                 assert summary(real) == expected, f"step {i}: {step}"
                 if real.acquisition:

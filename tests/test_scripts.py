@@ -48,13 +48,14 @@ def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> Non
     client.close()
 
 
-def test_script_cache_lost_on_restart_is_reloaded(private_redis: RedisServer) -> None:
+def test_a_flushed_script_is_reloaded_and_state_kept(private_redis: RedisServer) -> None:
     client = private_redis.client()
-    limiter = Limiter(client, prefix="reload")
+    limiter = Limiter(client, prefix="reload", clock_us=FakeClock())
     limit = Limit.parse("10/s", name="api")
-    assert limiter.acquire(limit).allowed
-    client.script_flush()
-    assert limiter.acquire(limit).remaining < 9
+    assert limiter.acquire(limit).remaining == 9
+    client.script_flush()  # what a Redis restart or failover does to the script cache
+    assert limiter.acquire(limit).remaining == 8
+    assert client.script_exists(limiter._scripts_for(limit.codes)[0].sha) == [True]
     client.close()
 
 
@@ -87,6 +88,8 @@ def test_the_wheel_carries_the_scripts(tmp_path: Path) -> None:
         assert "throttle/py.typed" in names
 
 
-def test_connection_is_not_opened_on_construction() -> None:
-    client = redis.Redis(port=1)  # nothing listens there
-    Limiter(client)  # registering scripts computes SHAs locally; no round trip
+def test_no_connection_is_opened_before_the_first_call() -> None:
+    client = redis.Redis(port=1)  # nothing listens there: any round trip would fail
+    limiter = Limiter(client)
+    limiter._scripts_for(frozenset({"tb", "gcra"}))  # registering computes SHAs locally
+    assert len(limiter._scripts) == 1

@@ -44,6 +44,7 @@ def test_algorithm_and_name() -> None:
 def test_concurrency_spec() -> None:
     limit = Limit.parse("8 concurrent", name="streams")
     assert (limit.algorithm, limit.count, limit.capacity) == (Algorithm.CONCURRENCY, 8, 8)
+    assert Limit.parse("8 concurrent", algorithm="concurrency").algorithm is Algorithm.CONCURRENCY
 
 
 def test_from_mapping() -> None:
