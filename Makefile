@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Each sets itself up,
 # idempotently, on a fresh machine: a virtualenv with pinned dependencies, and redis-server
-# (plus faketime, for the clock-skew test) from apt-get when they are not on PATH.
+# (plus faketime, for the clock-skew test, and python3-venv) from apt-get when missing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -21,6 +21,7 @@ system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
