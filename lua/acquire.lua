@@ -23,8 +23,9 @@
 --              slot, then the cost it reserved instead of per-limit fields;
 --          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable);
 --          3 = the acquisition id holds a live lease on other limits or keys: nothing done.
---   On denial nothing is written anywhere, and retry_after_us is the largest wait among
---   the limits that could not admit the cost now.
+--   On denial nothing is taken from any limit (the only writes are a concurrency limit's
+--   sweep of expired leases), and retry_after_us is the largest wait among the limits that
+--   could not admit the cost now.
 
 local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])

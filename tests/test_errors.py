@@ -156,6 +156,13 @@ def test_a_cost_above_capacity_fails_at_once(limiter: Limiter, spec: tuple[str, 
     assert limiter.acquire(limit, cost=3).allowed  # nothing was taken by the refusal
 
 
+def test_a_spec_string_is_not_a_limit(limiter: Limiter) -> None:
+    with pytest.raises(
+        RequestError, match=r"expected a Limit, e.g. Limit.parse\('50/s'\) \(got '50/s'\)"
+    ):
+        limiter.acquire("50/s")  # type: ignore[arg-type]
+
+
 def test_the_same_target_twice_is_refused(limiter: Limiter) -> None:
     limit = Limit.parse("10/s", name="api")
     with pytest.raises(RequestError, match="appear twice"):

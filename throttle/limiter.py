@@ -187,9 +187,10 @@ class Limiter:
             says when the slot comes. Window and concurrency limits admit now or deny.
         acquisition_id:
             Records the acquisition under this id (a task id, say) so that it can be
-            settled, and so that acquiring again with the same id while the record lives
-            takes nothing twice (``Decision.held``). Generated when a concurrency limit
-            is among the targets and none is given.
+            settled, and so that acquiring again with the same id, on the same limits and
+            keys, while the record lives and is not settled, takes nothing twice
+            (``Decision.held``). Generated when a concurrency limit is among the targets
+            and none is given.
         lease_s:
             How long the record and concurrency units live after the slot, in seconds; a
             holder that dies without settling gives its units back when it ends.
@@ -216,6 +217,8 @@ class Limiter:
         keys: list[str] = []
         args: list[Any] = [b"", cost, max_wait_us, n]
         for limit, key in targets:
+            if not isinstance(limit, Limit):
+                raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
             if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
             if cost > limit.capacity:
