@@ -7,9 +7,13 @@ What it shows:
 * GCRA reservation: ``acquire(limit, max_wait_s=...)`` does not make workers poll. It takes
   the next free slot at once and says how long to sleep until it (``decision.wait_s``), so
   the fleet calls at exactly the rate, spaced evenly, with no retry storm.
-* The result as the rate-limited upstream API would see it: every call time is read from the
-  Redis clock, and the merged calls are checked against the limit (count bound, GCRA
-  conformance, calls per second).
+* The result as the rate-limited upstream sees it: every call is a real HTTP request to the
+  mock API of ``workers/mock_api.py``, which enforces its own limit on arrival times and
+  answers 429 to a call that breaks it. The upstream allows the fleet's rate with one call of
+  headroom in its burst: a saturated fleet runs exactly at the limit's edge, and a few ms of
+  scheduling jitter must not count as a violation (production limits keep the same margin).
+  Call times are also read from the Redis clock and checked (count bound, GCRA conformance,
+  calls per second).
 
 Redis: the server named by ``THROTTLE_REDIS_URL`` if set (the demo only writes keys under a
 fresh prefix, which expire by themselves, and never flushes anything), else a private
@@ -19,10 +23,12 @@ fresh prefix, which expire by themselves, and never flushes anything), else a pr
 from __future__ import annotations
 
 import argparse
+import http.client
 import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -34,6 +40,7 @@ import redis
 
 from throttle import ConfigError, Limit, Limiter
 from throttle.testing import RedisServer, redis_url_from_env
+from workers.mock_api import MockApi, serve
 
 JITTER_S = 0.010
 """Scheduling jitter forgiven by the checks (see :func:`count_violations`)."""
@@ -46,6 +53,8 @@ class FleetPlan:
     """What every worker is told: where the limit lives, which limit, and when to run."""
 
     url: str
+    api_port: int
+    """The mock upstream API, on 127.0.0.1."""
     prefix: str
     limit: Limit
     max_wait_s: float
@@ -66,6 +75,8 @@ class WorkerReport:
     waited_s: float = 0.0
     """Total time spent sleeping until reserved slots."""
     denied: int = 0
+    rejected: int = 0
+    """Calls the upstream answered with 429."""
     error: str | None = None
 
 
@@ -82,6 +93,7 @@ def worker(index: int, plan: FleetPlan, results: Queue[WorkerReport]) -> None:
         # Connections must not cross a process boundary: each process opens its own.
         client = redis.Redis.from_url(plan.url)
         limiter = Limiter(client, prefix=plan.prefix)
+        api = http.client.HTTPConnection("127.0.0.1", plan.api_port, timeout=10)
         time.sleep(max(0.0, plan.start_at - redis_now(client)))
         while redis_now(client) < plan.end_at:
             decision = limiter.acquire(plan.limit, max_wait_s=plan.max_wait_s)
@@ -93,8 +105,13 @@ def worker(index: int, plan: FleetPlan, results: Queue[WorkerReport]) -> None:
             # The slot is ours (the token is already taken): sleep until it comes.
             time.sleep(decision.wait_s)
             report.waited_s += decision.wait_s
-            # This is where the real API call would go; record when it leaves.
+            # The call to the upstream, and when it left (on the Redis clock).
             report.calls.append(redis_now(client))
+            api.request("GET", "/call", headers={"X-Task-Id": f"{index}-{len(report.calls)}"})
+            response = api.getresponse()
+            response.read()
+            report.rejected += response.status == 429
+        api.close()
         client.close()
     except Exception:
         report.error = traceback.format_exc()
@@ -173,8 +190,15 @@ def run(args: argparse.Namespace, limit: Limit, url: str, where: str) -> int:
     # a handshake between processes (a late process simply joins late).
     start_at = redis_now(client) + START_DELAY_S
     client.close()
-    plan = FleetPlan(url, prefix, limit, args.max_wait, start_at, start_at + args.seconds)
+    # The upstream: the same rate, one call more of burst (see the module docstring).
+    upstream = MockApi(limit.rate_per_s, limit.capacity + 1)
+    server = serve(upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api_port = server.server_address[1]
+    plan = FleetPlan(url, api_port, prefix, limit, args.max_wait, start_at, start_at + args.seconds)
 
+    print(f"upstream: mock API on 127.0.0.1:{api_port}, {limit.rate_per_s:g}/s burst "
+          f"{limit.capacity + 1:g}, judging each call by its arrival time")  # fmt: skip
     print(f"limit:    {limit.name} = {args.rate} ({limit.algorithm.value}), shared by all")
     print(f"workers:  {args.workers} (processes), {args.seconds:g} s each")
     print(f"reserve:  max_wait_s={args.max_wait:g} (slots up to that far ahead, else denied)")
@@ -198,6 +222,9 @@ def run(args: argparse.Namespace, limit: Limit, url: str, where: str) -> int:
         process.join(timeout=5)
         if process.is_alive():
             process.terminate()
+    api_stats = upstream.stats()
+    server.shutdown()
+    server.server_close()
     if errors:
         print("\nFAILED:", *errors, sep="\n", file=sys.stderr)
         return 1
@@ -225,10 +252,15 @@ def run(args: argparse.Namespace, limit: Limit, url: str, where: str) -> int:
         f"GCRA check:     {violations} of {total} calls too early for the upstream "
         f"(T = {1000 / rate:g} ms, tolerance {burst:g} T + {1000 * JITTER_S:g} ms jitter)"
     )
+    rejected = sum(r.rejected for r in reports)
+    print(
+        f"upstream:       {api_stats['calls']} calls arrived, {api_stats['violations']} "
+        f"answered 429 (the workers counted {rejected})"
+    )
     print_histogram(times, rate)
 
     # The same jitter allowance as the GCRA check: the bound is tight at saturation.
-    if total > burst + rate * (elapsed + JITTER_S) or violations:
+    if total > burst + rate * (elapsed + JITTER_S) or violations or api_stats["violations"]:
         print(f"\nFAILED: the fleet exceeded {args.rate}", file=sys.stderr)
         return 1
     print(f"\nOK: {args.workers} processes made {total} calls and stayed within {args.rate}.")

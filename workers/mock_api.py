@@ -1,0 +1,212 @@
+"""A mock third-party API that enforces its own rate limit: ``python -m workers.mock_api``.
+
+It stands for the rate-capped upstream (an LLM provider, GitHub, a payment gateway) that a
+fleet of throttled workers calls. It is deliberately independent of the ``throttle``
+package: it judges each request by the moment it really arrives (its own monotonic clock)
+with its own limiter, as the real API would, so it can tell whether the fleet's shaping
+worked.
+
+* ``GET|POST /call``: one call. 200 with a JSON body when the limit allows it; 429 with
+  ``Retry-After`` (whole seconds, rounded up) and ``RateLimit-*`` headers when it breaks the
+  limit. A ``X-Task-Id`` header, if sent, is recorded with the arrival.
+* ``GET /stats``: calls, violations (429s), the limit, and the first and last arrival.
+* ``GET /arrivals``: every arrival: time (s since the server started), allowed, task id.
+* ``POST /limit`` with ``{"rate": 10, "burst": 1}``: change the limit mid-run (the upstream
+  lowering its limit); ``POST /reset``: forget the arrivals and refill the bucket.
+
+The limit is a token bucket of ``burst`` tokens refilled at ``rate`` per second; with
+``burst`` 1 that is strict spacing (one call every 1/rate s), the strictest upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["MockApi", "UpstreamLimit", "serve"]
+
+
+@dataclass
+class UpstreamLimit:
+    """The upstream's own limit: a bucket of ``burst`` calls refilled at ``rate`` per second.
+
+    Kept in seconds of ``time.monotonic()``; a call conforms when a whole token is there.
+    """
+
+    rate: float
+    burst: float = 1.0
+    tokens: float = field(init=False)
+    stamp: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and self.burst >= 1 and math.isfinite(self.rate * self.burst)):
+            raise ValueError(f"rate must be > 0 and burst >= 1 (got {self.rate}, {self.burst})")
+        self.tokens = self.burst
+        self.stamp = time.monotonic()
+
+    def take(self, now: float) -> tuple[bool, float]:
+        """Take one token at ``now``: (allowed, seconds until a token is there)."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True, 0.0
+        return False, (1 - self.tokens) / self.rate
+
+
+@dataclass
+class Arrival:
+    at_s: float
+    allowed: bool
+    task_id: str | None
+
+
+class MockApi:
+    """The state of the mock API: its limit and every arrival, behind one lock."""
+
+    def __init__(self, rate: float, burst: float = 1.0) -> None:
+        self.lock = threading.Lock()
+        self.limit = UpstreamLimit(rate, burst)
+        self.started = time.monotonic()
+        self.arrivals: list[Arrival] = []
+
+    def call(self, task_id: str | None) -> tuple[bool, float, float, UpstreamLimit]:
+        """Judge one call at its arrival: (allowed, retry after s, tokens left, the limit)."""
+        with self.lock:
+            now = time.monotonic()
+            allowed, retry_after_s = self.limit.take(now)
+            self.arrivals.append(Arrival(now - self.started, allowed, task_id))
+            return allowed, retry_after_s, self.limit.tokens, self.limit
+
+    def set_limit(self, rate: float, burst: float) -> None:
+        with self.lock:
+            self.limit = UpstreamLimit(rate, burst)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.limit = UpstreamLimit(self.limit.rate, self.limit.burst)
+            self.arrivals.clear()
+            self.started = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            arrivals = list(self.arrivals)
+            rate, burst = self.limit.rate, self.limit.burst
+        return {
+            "calls": len(arrivals),
+            "allowed": sum(a.allowed for a in arrivals),
+            "violations": sum(not a.allowed for a in arrivals),
+            "rate": rate,
+            "burst": burst,
+            "first_s": arrivals[0].at_s if arrivals else None,
+            "last_s": arrivals[-1].at_s if arrivals else None,
+        }
+
+    def arrivals_json(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [
+                {"at_s": a.at_s, "allowed": a.allowed, "task_id": a.task_id} for a in self.arrivals
+            ]
+
+
+def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse connections, as with a real API
+
+        def _reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _call(self) -> None:
+            allowed, retry_after_s, tokens, limit = api.call(self.headers.get("X-Task-Id"))
+            headers = {
+                "RateLimit-Limit": f"{limit.burst:g}",
+                "RateLimit-Remaining": str(max(math.floor(tokens), 0)),
+                "RateLimit-Reset": str(math.ceil((limit.burst - tokens) / limit.rate)),
+            }
+            if allowed:
+                self._reply(200, {"ok": True}, headers)
+            else:
+                headers["Retry-After"] = str(max(math.ceil(retry_after_s), 1))
+                self._reply(429, {"error": "rate_limit_exceeded"}, headers)
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("Content-Length") or 0)
+            loaded = json.loads(self.rfile.read(length) or b"{}")
+            return loaded if isinstance(loaded, dict) else {}
+
+        def do_GET(self) -> None:
+            if self.path == "/call":
+                self._call()
+            elif self.path == "/stats":
+                self._reply(200, api.stats())
+            elif self.path == "/arrivals":
+                self._reply(200, api.arrivals_json())
+            else:
+                self._reply(404, {"error": f"no such path {self.path}"})
+
+        def do_POST(self) -> None:
+            if self.path == "/call":
+                self._body()  # drain it: the connection is reused
+                self._call()
+            elif self.path == "/limit":
+                try:
+                    body = self._body()
+                    api.set_limit(float(body["rate"]), float(body.get("burst", 1)))
+                except (KeyError, TypeError, ValueError) as exc:
+                    self._reply(400, {"error": f"bad limit: {exc}"})
+                    return
+                self._reply(200, api.stats())
+            elif self.path == "/reset":
+                self._body()
+                api.reset()
+                self._reply(200, api.stats())
+            else:
+                self._reply(404, {"error": f"no such path {self.path}"})
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per call would drown a run of thousands
+
+    return Handler
+
+
+def serve(api: MockApi, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A server for ``api`` bound to ``host:port`` (0: a free port); call serve_forever()."""
+    server = ThreadingHTTPServer((host, port), _handler(api))
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A mock API that enforces its own limit.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument("--rate", type=float, default=20.0, help="calls per second")
+    parser.add_argument("--burst", type=float, default=1.0, help="1 = strict spacing")
+    args = parser.parse_args(argv)
+    server = serve(MockApi(args.rate, args.burst), args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"mock API on http://{host!s}:{port} ({args.rate:g}/s burst {args.burst:g})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
