@@ -20,7 +20,7 @@ from throttle import Limiter
 from throttle.testing import RedisServer
 
 # Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
-settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True, max_examples=200)
 settings.register_profile("explore", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

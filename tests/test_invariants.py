@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import EPOCH_US
@@ -36,7 +36,6 @@ def calls(period_us: float, capacity: float) -> st.SearchStrategy[list[tuple[int
     )
 
 
-@settings(max_examples=400)
 @given(data=st.data(), algorithm=st.sampled_from(["token_bucket", "gcra"]))
 def test_buckets_never_admit_more_than_burst_plus_rate_times_time(
     data: st.DataObject, algorithm: str
@@ -64,7 +63,6 @@ def test_buckets_never_admit_more_than_burst_plus_rate_times_time(
             assert total <= bound + SLACK + rate_per_us * len(slots), (start, end, total, bound)
 
 
-@settings(max_examples=400)
 @given(
     data=st.data(),
     algorithm=st.sampled_from(["fixed_window", "sliding_window"]),
@@ -90,7 +88,6 @@ def test_windows_never_admit_more_than_count_per_window(
     assert all(total <= limit.count + SLACK for total in per_window.values()), per_window
 
 
-@settings(max_examples=400)
 @given(data=st.data())
 def test_concurrency_never_holds_more_than_count(data: st.DataObject) -> None:
     limit = Limit("l", "concurrency", data.draw(counts))  # type: ignore[arg-type]

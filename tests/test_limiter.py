@@ -423,3 +423,13 @@ def test_raise_if_denied_carries_the_delay(clocked: Limiter) -> None:
     assert caught.value.retry_after_s == pytest.approx(60.0)
     assert caught.value.denied_by == ("api",)
     assert str(caught.value) == "throttled by api: retry after 60.000 s"
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_back_to_back_calls_get_the_burst_and_no_more(
+    clocked: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # throttled-py 3.5 at "10/s burst 4" floors its TTL to 0 and admits 100 of 100.
+    limit = Limit.parse("10/s burst 4", name="api", algorithm=algorithm)
+    assert sum(clocked.acquire(limit).allowed for _ in range(100)) == 4
+    assert client.pttl(state_key(clocked, limit)) > 1000

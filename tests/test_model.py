@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import EPOCH_US, FakeClock
@@ -128,31 +128,26 @@ def _check_algorithm(client: redis.Redis, case: tuple[Limit, list[tuple[Any, ...
     run_against_model(client, [(limit, "k")], sequence)
 
 
-@settings(max_examples=150)
 @given(case=single_case("token_bucket"))
 def test_token_bucket_matches_model(client: redis.Redis, case: Any) -> None:
     _check_algorithm(client, case)
 
 
-@settings(max_examples=150)
 @given(case=single_case("gcra"))
 def test_gcra_matches_model(client: redis.Redis, case: Any) -> None:
     _check_algorithm(client, case)
 
 
-@settings(max_examples=150)
 @given(case=single_case("sliding_window"))
 def test_sliding_window_matches_model(client: redis.Redis, case: Any) -> None:
     _check_algorithm(client, case)
 
 
-@settings(max_examples=150)
 @given(case=single_case("fixed_window"))
 def test_fixed_window_matches_model(client: redis.Redis, case: Any) -> None:
     _check_algorithm(client, case)
 
 
-@settings(max_examples=150)
 @given(case=single_case("concurrency"))
 def test_concurrency_matches_model(client: redis.Redis, case: Any) -> None:
     _check_algorithm(client, case)
@@ -167,7 +162,6 @@ def multi_case(draw: st.DrawFn) -> tuple[list[tuple[Limit, str | None]], list[tu
     return targets, draw(steps(capacity, period_us))
 
 
-@settings(max_examples=200)
 @given(case=multi_case())
 def test_multi_limit_matches_model(client: redis.Redis, case: Any) -> None:
     targets, sequence = case
