@@ -117,40 +117,14 @@ def run_against_model(
             client.delete(*keys)
 
 
-@st.composite
-def single_case(draw: st.DrawFn, algorithm: str) -> tuple[Limit, list[tuple[Any, ...]]]:
-    limit = draw(limits(algorithm))
-    return limit, draw(steps(limit.capacity, limit.period_s * 1e6))
-
-
-def _check_algorithm(client: redis.Redis, case: tuple[Limit, list[tuple[Any, ...]]]) -> None:
-    limit, sequence = case
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_each_script_matches_its_model(
+    client: redis.Redis, algorithm: str, data: st.DataObject
+) -> None:
+    limit = data.draw(limits(algorithm))
+    sequence = data.draw(steps(limit.capacity, limit.period_s * 1e6))
     run_against_model(client, [(limit, "k")], sequence)
-
-
-@given(case=single_case("token_bucket"))
-def test_token_bucket_matches_model(client: redis.Redis, case: Any) -> None:
-    _check_algorithm(client, case)
-
-
-@given(case=single_case("gcra"))
-def test_gcra_matches_model(client: redis.Redis, case: Any) -> None:
-    _check_algorithm(client, case)
-
-
-@given(case=single_case("sliding_window"))
-def test_sliding_window_matches_model(client: redis.Redis, case: Any) -> None:
-    _check_algorithm(client, case)
-
-
-@given(case=single_case("fixed_window"))
-def test_fixed_window_matches_model(client: redis.Redis, case: Any) -> None:
-    _check_algorithm(client, case)
-
-
-@given(case=single_case("concurrency"))
-def test_concurrency_matches_model(client: redis.Redis, case: Any) -> None:
-    _check_algorithm(client, case)
 
 
 @st.composite
