@@ -60,10 +60,8 @@ end
 -- The common case, one limit and no lease record: the same steps as below without the
 -- bookkeeping of several limits (this path runs on every plain acquire).
 if n == 1 and not acq then
-  local algo = ALGO[ARGV[5]]
-  local l = {k = 1, algo = algo, count = tonumber(ARGV[6]), period_us = tonumber(ARGV[7]),
-             burst = tonumber(ARGV[8]), allowed = 0, wait = 0, retry = 0, remaining = 0,
-             reset = 0}
+  local l = limit_record(1, 1)
+  local algo = l.algo
   if cost > l.burst then
     return '2 1'
   end
@@ -78,17 +76,12 @@ if n == 1 and not acq then
          .. fmt(l.remaining) .. ' ' .. l.retry .. ' ' .. l.reset
 end
 
--- One record per limit, created with all its fields (and room for an algorithm's private
--- ones) so that no table is resized on this hot path.
 local limits = {}
 local allowed, wait, retry = 1, 0, 0
 local k = 1
 for i = 1, n do
-  local a = 4 * i
-  local algo = ALGO[ARGV[a + 1]]
-  local l = {k = k, algo = algo, count = tonumber(ARGV[a + 2]),
-             period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
-             allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
+  local l = limit_record(i, k)
+  local algo = l.algo
   if cost > l.burst then
     return '2 ' .. i
   end

@@ -46,6 +46,17 @@ local function ceil_us(x)
   return math.ceil(x)
 end
 
+-- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
+-- (4 values per limit from ARGV[4i + 1]: code, count, period_us, burst), whose first key is
+-- KEYS[k]. Created with every field (and room for an algorithm's private ones), so that no
+-- table is resized on the hot path.
+local function limit_record(i, k)
+  local a = 4 * i
+  return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
+          period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
+          allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
+end
+
 -- Key lifetime: until the state would read the same as a missing key (idle_us from now),
 -- plus one second so a key never vanishes a moment before it is no longer needed. Capped
 -- (about 300 years) so that PEXPIRE always accepts it, however absurd a debt or lease: a

@@ -44,20 +44,18 @@ end
 local limits = {}
 local k = 1
 for i = 1, n do
-  local a = 4 * i
-  local algo = ALGO[ARGV[a + 1]]
   if marks[2 * i - 1] ~= KEYS[k] then
     return '3 0'
   end
-  limits[i] = {k = k, algo = algo, conc = ARGV[a + 1] == 'conc', mark = marks[2 * i],
-               count = tonumber(ARGV[a + 2]), period_us = tonumber(ARGV[a + 3]),
-               burst = tonumber(ARGV[a + 4])}
-  k = k + algo.nkeys
+  local l = limit_record(i, k)
+  l.mark = marks[2 * i]
+  limits[i] = l
+  k = k + l.algo.nkeys
 end
 
 for i = 1, n do
   local l = limits[i]
-  if delta ~= 0 or l.conc then
+  if delta ~= 0 or l.code == 'conc' then
     l.algo.adjust(l, now, delta, l.mark, ARGV[3])
   end
 end
