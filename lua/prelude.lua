@@ -47,13 +47,14 @@ local function ceil_us(x)
 end
 
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
--- (4 values per limit from ARGV[4i + 1]: code, count, period_us, burst), whose first key is
--- KEYS[k]. Created with every field (and room for an algorithm's private ones), so that no
--- table is resized on the hot path.
+-- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
+-- key is KEYS[k]. Created with every field (and room for an algorithm's private ones), so
+-- that no table is resized on the hot path. cost is nil when its ARGV is ''.
 local function limit_record(i, k)
-  local a = 4 * i
+  local a = 5 * i - 2
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
           period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
+          cost = tonumber(ARGV[a + 5]),
           allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
 end
 

@@ -165,7 +165,7 @@ class Limiter:
 
     def acquire_many(
         self,
-        targets: Sequence[tuple[Limit, str | None]],
+        targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]],
         *,
         cost: float = 1.0,
         max_wait_s: float = _NO_WAIT,
@@ -177,10 +177,13 @@ class Limiter:
         Parameters
         ----------
         targets:
-            Pairs of a limit and the key it applies to (``None``: one state for all).
+            Pairs of a limit and the key it applies to (``None``: one state for all), or
+            triples that add this limit's own cost (one call may cost 1 request from one
+            limit and 2000 tokens from another).
         cost:
-            Tokens to take from each limit, >= 0, fractions allowed. A cost above a
-            limit's capacity raises :class:`CostExceedsCapacity` (it could never pass).
+            Tokens to take from each limit without a cost of its own, >= 0, fractions
+            allowed. A cost above a limit's capacity raises :class:`CostExceedsCapacity`
+            (it could never pass).
         max_wait_s:
             Reserve instead of deny when token bucket and GCRA limits can admit the cost
             within this many seconds: the tokens are taken now and ``Decision.wait_s``
@@ -205,6 +208,7 @@ class Limiter:
         """
         n = len(targets)
         cost = _number(cost, "cost")
+        encoded_cost = repr(cost).encode()
         # The defaults are checked once, here, by identity: this is the hot path.
         max_wait_us = 0
         if max_wait_s is not _NO_WAIT:
@@ -215,19 +219,31 @@ class Limiter:
             raise RequestError("acquire needs at least one limit")
         keyspace = self.keyspace
         keys: list[str] = []
-        args: list[Any] = [b"", cost, max_wait_us, n]
-        for limit, key in targets:
+        args: list[Any] = [b"", max_wait_us, n]
+        pairs: list[tuple[Limit, str | None]] = []
+        costs: list[float] = []
+        for target in targets:
+            if len(target) == 3:
+                limit, key, own = target
+                limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
+                encoded = repr(limit_cost).encode()
+            else:
+                limit, key = target
+                limit_cost, encoded = cost, encoded_cost
             if not isinstance(limit, Limit):
                 raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
             if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-            if cost > limit.capacity:
-                raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+            if limit_cost > limit.capacity:
+                raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
             keys.extend(keyspace.state_keys(limit, key))
             args.extend(limit.script_args)
+            args.append(encoded)
+            pairs.append((limit, key))
+            costs.append(limit_cost)
         if n > 1 and len(set(keys)) != len(keys):
             raise RequestError("the same limit and key appear twice in one acquisition")
-        codes = targets[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in targets)
+        codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
         if acquisition_id is None and "conc" in codes:
             acquisition_id = uuid.uuid4().hex  # a concurrency holder needs a name
         if acquisition_id is not None:
@@ -243,8 +259,9 @@ class Limiter:
         status = int(reply[0])
         if status == 2:
             # The script re-checks capacity; the check above normally fires first.
-            limit = targets[int(reply[1]) - 1][0]
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+            index = int(reply[1]) - 1
+            limit = pairs[index][0]
+            raise CostExceedsCapacity(limit.name, costs[index], limit.capacity)
         if status == 3:
             raise RequestError(
                 f"acquisition {acquisition_id!r} already holds a lease on other limits or "
@@ -252,14 +269,15 @@ class Limiter:
             )
         wait_s = float(reply[2]) / 1e6
         if status == 1:
-            # Held already (a redelivery): the lease's own cost, not this call's.
-            held = Acquisition(str(acquisition_id), float(reply[4]), tuple(targets), tuple(keys))
+            # Held already (a redelivery): the lease's own costs, not this call's.
+            held_costs = tuple(float(c) for c in reply[4 : 4 + n])
+            held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), tuple(keys))
             return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True)
         allowed = int(reply[1]) == 1
         acquisition = None
         if allowed and acquisition_id is not None:
-            acquisition = Acquisition(acquisition_id, cost, tuple(targets), tuple(keys))
-        states = tuple([_limit_state(targets[i][0], reply, 4 * i + 4) for i in range(n)])
+            acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), tuple(keys))
+        states = tuple([_limit_state(pairs[i][0], reply, 4 * i + 4) for i in range(n)])
         if n == 1:
             remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
         else:
@@ -270,32 +288,45 @@ class Limiter:
             allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
         )
 
-    def settle(self, acquisition: Acquisition, actual_cost: float | None) -> Settlement:
+    def settle(
+        self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
+    ) -> Settlement:
         """Finish an acquisition with what it really cost, and release its concurrency units.
 
-        The difference to the reserved cost is refunded (never above capacity; for GCRA
-        never to a slot before now; for windows only to the window that paid, while it
-        counts) or charged (debt is allowed: later callers wait for it). ``None`` keeps
-        the reserved cost (a plain release). Settling twice, or an acquisition whose
-        record expired, changes nothing and says so in :attr:`Settlement.status`.
+        ``actual_cost`` is one number for every limit, one per limit (in the order of the
+        acquisition's targets; ``None`` for a limit keeps its reserved cost), or ``None``
+        to keep every reserved cost (a plain release). The difference to the reserved cost
+        is refunded (never above capacity; for GCRA never to a slot before now; for windows
+        only to the window that paid, while it counts) or charged (debt is allowed: later
+        callers wait for it). Settling twice, or an acquisition whose record expired,
+        changes nothing and says so in :attr:`Settlement.status`.
         """
         if not isinstance(acquisition, Acquisition):
             raise RequestError(
                 f"settle needs the Acquisition of an allowed, recorded decision "
                 f"(got {acquisition!r})"
             )
-        args: list[Any] = [b"", b"", acquisition.id, len(acquisition.targets)]
-        if actual_cost is not None:
-            args[1] = _number(actual_cost, "actual_cost")
-        for limit, _ in acquisition.targets:
+        n = len(acquisition.targets)
+        actuals: Sequence[float | None]
+        if actual_cost is None or not isinstance(actual_cost, Sequence):
+            actuals = (actual_cost,) * n
+        else:
+            actuals = actual_cost
+            if len(actuals) != n:
+                raise RequestError(
+                    f"settle got {len(actuals)} actual costs for {n} limits: give one number, "
+                    "or one per limit"
+                )
+        args: list[Any] = [b"", acquisition.id, n]
+        for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(limit.script_args)
+            args.append(b"" if actual is None else _number(actual, "actual_cost"))
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
-        status, delta = self._call(
-            self._scripts_for(codes)[1], list(acquisition.keys), args
-        ).split()
-        return Settlement(_SETTLE_STATUS[int(status)], float(delta))
+        reply = self._call(self._scripts_for(codes)[1], list(acquisition.keys), args).split()
+        deltas = tuple(float(delta) for delta in reply[1:])
+        return Settlement(_SETTLE_STATUS[int(reply[0])], deltas)
 
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
