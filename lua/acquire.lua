@@ -21,7 +21,8 @@
 --   status 0 = decided now;
 --          1 = the acquisition id already holds a live lease on these same keys (a
 --              redelivery): allowed, nothing taken again, wait_us = time until its reserved
---              slot, then the cost it reserved from each limit instead of per-limit fields;
+--              slot, retry_after_us = how long ago the slot passed (0 if it has not), then
+--              the cost it reserved from each limit instead of per-limit fields;
 --          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable);
 --          3 = the acquisition id holds a live lease on other limits or keys: nothing done.
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
@@ -50,7 +51,8 @@ if acq then
     end
     local recorded = redis.call('HMGET', lease, unpack(fields))
     local k = 1
-    local reply = '1 1 ' .. ceil_us(tonumber(held[2]) - now) .. ' 0'
+    local at = tonumber(held[2])
+    local reply = '1 1 ' .. ceil_us(at - now) .. ' ' .. ceil_us(now - at)
     for i = 1, n do
       if recorded[i] ~= KEYS[k] then
         return '3'

@@ -300,7 +300,7 @@ class ModelLimiter:
             if record is not None and not record.settled:
                 if record.keys != tuple(key for _, key in targets):
                     return ("mismatch",)
-                return (True, True, ceil_us(record.slot - now), 0, ())
+                return (True, True, ceil_us(record.slot - now), ceil_us(now - record.slot), ())
         costs = cost if isinstance(cost, list) else [cost] * len(targets)
         checks = []
         for (limit, key), c in zip(targets, costs, strict=True):

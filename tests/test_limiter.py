@@ -296,6 +296,11 @@ def test_the_same_acquisition_id_does_not_pay_twice(clocked: Limiter, clock: Fak
     assert redelivered.wait_s == pytest.approx(0.6)  # the same slot, nothing taken again
     assert redelivered.acquisition is not None
     assert redelivered.acquisition.cost == 1.0  # what the lease reserved, not this call
+    assert redelivered.late_s == 0
+    clock.advance(0.85)  # 0.25 s past the slot
+    late = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    assert late.held and late.wait_s == 0 and late.late_s == pytest.approx(0.25)
+    clock.advance(-0.85)
     assert clocked.acquire(limit, max_wait_s=5).wait_s == pytest.approx(1.6)
     # Once settled, the id may acquire (and pay) anew.
     assert first.acquisition is not None

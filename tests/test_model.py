@@ -67,7 +67,7 @@ def summary(decision: Decision) -> tuple[Any, ...]:
         decision.allowed,
         decision.held,
         us(decision.wait_s),
-        us(decision.retry_after_s),
+        us(decision.late_s if decision.held else decision.retry_after_s),
         per_limit,
     )
 

@@ -75,6 +75,8 @@ class Decision(NamedTuple):
     held: bool = False
     """True when the acquisition id already held a live lease (a redelivered task): allowed,
     nothing was taken again, ``wait_s`` is the time left until its slot."""
+    late_s: float = 0.0
+    """When ``held``: how long ago the reserved slot passed (0 if it has not yet)."""
 
     def __bool__(self) -> bool:
         return self.allowed

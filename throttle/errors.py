@@ -9,7 +9,8 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
      │    └── CostExceedsCapacity        the cost can never be admitted by a limit
      ├── BackendError                    Redis answered with an error
      │    └── BackendUnavailable         Redis could not be reached (connection, timeout)
-     └── Throttled                       a limit denied; carries ``retry_after_s``
+     ├── Throttled                       a limit denied; carries ``retry_after_s``
+     └── ThrottleTimeout                 a task's throttle deadline passed before its slot
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "CostExceedsCapacity",
     "RequestError",
     "ThrottleError",
+    "ThrottleTimeout",
     "Throttled",
 ]
 
@@ -101,3 +103,17 @@ class Throttled(ThrottleError):
         self.denied_by = denied_by
         who = f" by {', '.join(denied_by)}" if denied_by else ""
         super().__init__(f"throttled{who}: retry after {retry_after_s:.3f} s")
+
+
+class ThrottleTimeout(ThrottleError):
+    """A task could not get its slot before its throttle deadline (``max_wait`` or
+    ``expires``): it fails with this error instead of waiting forever."""
+
+    def __init__(self, limits: tuple[str, ...], waited_s: float, needed_s: float) -> None:
+        self.limits = limits
+        self.waited_s = waited_s
+        self.needed_s = needed_s
+        super().__init__(
+            f"throttle deadline passed: limit {', '.join(limits) or '?'} would admit the task "
+            f"in {needed_s:.3f} s, beyond its deadline (waited {waited_s:.3f} s)"
+        )

@@ -52,7 +52,7 @@ from throttle.keys import KeySpace
 from throttle.scripts import script_source
 from throttle.spec import Limit
 
-__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter"]
+__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter", "run_script"]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
@@ -272,7 +272,8 @@ class Limiter:
             # Held already (a redelivery): the lease's own costs, not this call's.
             held_costs = tuple(float(c) for c in reply[4 : 4 + n])
             held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), tuple(keys))
-            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True)
+            late_s = float(reply[3]) / 1e6
+            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True, late_s=late_s)
         allowed = int(reply[1]) == 1
         acquisition = None
         if allowed and acquisition_id is not None:
@@ -344,15 +345,29 @@ class Limiter:
         return scripts
 
     def _call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
+        return run_script(self.client, script, keys, args)
+
+
+def run_script(client: redis.Redis, script: Script, keys: list[str], args: list[Any]) -> Any:
+    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
+    try:
         try:
-            try:
-                return script(keys, args)
-            except NoScriptError:
-                # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
-                # (registered from a str: see _scripts_for)
-                return self.client.eval(cast(str, script.script), len(keys), *keys, *args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-        except (redis.RedisError, RedisClusterException) as exc:
-            raise BackendError(f"Redis refused a limiter call: {exc}") from exc
+            return script(keys, args)
+        except NoScriptError:
+            # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
+            # (registered from a str: see Limiter._scripts_for)
+            return client.eval(cast(str, script.script), len(keys), *keys, *args)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendError(f"Redis refused a limiter call: {exc}") from exc
+
+
+def wrap_errors(call: Callable[[], Any]) -> Any:
+    """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
+    try:
+        return call()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendError(f"Redis refused a limiter call: {exc}") from exc

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-__all__ = ["ALGORITHM_FILES", "lua_dir", "script_source"]
+__all__ = ["ALGORITHM_FILES", "lua_dir", "operation_source", "script_source"]
 
 # Algorithm code (as sent in ARGV) -> the file that defines ALGO[code].
 ALGORITHM_FILES = {
@@ -50,3 +50,10 @@ def script_source(operation: str, codes: frozenset[str]) -> str:
     named by ``codes`` (``{"tb"}``, ``{"tb", "gcra", "fw"}``...)."""
     files = [ALGORITHM_FILES[code] for code in sorted(codes)]
     return "\n".join(_read(name) for name in ["prelude.lua", *files, f"{operation}.lua"])
+
+
+@functools.cache
+def operation_source(operation: str) -> str:
+    """The source of an operation that uses no algorithm (``"park"``, ``"claim_parked"``...):
+    the prelude (for the clock) and the operation file."""
+    return "\n".join(_read(name) for name in ["prelude.lua", f"{operation}.lua"])
