@@ -343,8 +343,10 @@ class Settings:
         settings = cls(**values)
         if settings.park_lead_s >= settings.park_after_s:
             raise ConfigError(
-                "park_lead must be shorter than park_after", field="settings.park_lead",
-                value=config.get("park_lead"), source=source,
+                f"park_lead ({settings.park_lead_s:g} s) must be shorter than park_after "
+                f"({settings.park_after_s:g} s)",
+                field="settings.park_lead" if "park_lead" in config else "settings.park_after",
+                value=config.get("park_lead", config.get("park_after")), source=source,
             )  # fmt: skip
         return settings
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import redis
 
-from throttle.errors import RequestError
 from throttle.keys import KeySpace
 from throttle.limiter import wrap_errors
 from throttle.spec import Limit
@@ -58,7 +57,13 @@ class RateBook:
     def overrides(self) -> dict[str, str]:
         """The stored rates (limit name -> spec), read afresh."""
         raw = wrap_errors(lambda: self.client.hgetall(self.key))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        book = {}
+        for name, spec in raw.items():
+            try:
+                book[name.decode()] = spec.decode()
+            except UnicodeDecodeError:
+                continue  # written by hand, not by set(): ignored like any bad rate
+        return book
 
     def current(self, limit: Limit) -> Limit:
         """``limit`` with its run-time rate, if one is stored (re-read every refresh_s).
@@ -77,9 +82,7 @@ class RateBook:
         if built is None:
             try:
                 built = Limit.parse(spec, name=limit.name, algorithm=limit.algorithm)
-            except RequestError:
-                return limit
-            except ValueError:
+            except ValueError:  # ConfigError: a bad rate written by hand
                 return limit
             self._built[(limit, spec)] = built
         return built
