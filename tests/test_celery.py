@@ -230,6 +230,27 @@ def test_long_waits_are_parked_in_redis_and_released_once(fleet: Fleet) -> None:
     assert lot.counts() == (0, 0)
 
 
+def test_parked_tasks_survive_a_releaser_that_dies_and_run_once(fleet: Fleet) -> None:
+    # A releaser that claims parked tasks and dies, some after publishing them (two copies
+    # will exist), some before: the fleet's releasers take them again when the claims
+    # expire, and the worker that starts a copy first is the only one to run it.
+    from tests.celery_app import app, far  # noqa: PLC0415
+    from throttle.celery import Releaser  # noqa: PLC0415
+
+    lot = ParkingLot(fleet.client, fleet.keyspace)
+    handles = [far.delay(x) for x in range(12)]
+    deadline = time.monotonic() + 10
+    while lot.counts()[0] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    grabbed = lot.claim(lead_s=3600, claim_s=1.0)  # the doomed releaser's claims
+    assert len(grabbed) >= 4
+    Releaser(app).publish(grabbed[: len(grabbed) // 2])  # published, never committed
+    done = results(handles)
+    assert [r["x"] for r in done] == list(range(12))
+    assert all(fleet.runs(h.id) == 1 for h in handles)
+    assert lot.counts() == (0, 0)
+
+
 def test_a_rate_changed_at_run_time_is_followed_by_the_fleet(fleet: Fleet) -> None:
     from tests.celery_app import live  # noqa: PLC0415
 

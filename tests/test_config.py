@@ -58,13 +58,27 @@ def test_example_limits_file_loads() -> None:
     assert (mail.algorithm, mail.period_s) == (Algorithm.FIXED_WINDOW, 86400)
     streams = config.rule("llm-streams").limit
     assert (streams.algorithm, streams.capacity) == (Algorithm.CONCURRENCY, 8)
-    # The file sets none of the rule fields: every rule has the documented defaults.
-    for rule in config.rules.values():
-        assert (rule.key, rule.cost, rule.max_wait_s) == (None, 1.0, None)
-        assert (rule.on_timeout, rule.on_error, rule.on_redis_down) == ("fail", "keep", "defer")
-    assert config.queues == {}
-    assert config.tasks == {}
-    assert config.settings == Settings()
+    # The rule fields, where the file sets them, and their defaults where it does not.
+    assert config.rule("github").key == "{token_id}"
+    assert config.rule("github").max_wait_s == 7200
+    tokens = config.rule("openai-tokens")
+    assert (tokens.cost, tokens.on_error, tokens.estimated) == ("max_tokens", "refund", True)
+    assert config.rule("stripe").dead_letter_queue == "payments-late"
+    assert config.rule("mail-daily").key_fields == ("domain",)
+    streams_rule = config.rule("llm-streams")
+    assert (streams_rule.key, streams_rule.cost, streams_rule.max_wait_s) == (None, 1.0, None)
+    assert (streams_rule.on_timeout, streams_rule.on_error, streams_rule.on_redis_down) == (
+        "fail",
+        "keep",
+        "defer",
+    )
+    assert config.queues == {"github": ("github",), "payments": ("stripe",)}
+    assert config.rules_for("proj.tasks.stream", "github") == (
+        config.rule("openai-requests"),
+        config.rule("llm-streams"),
+        config.rule("github"),
+    )
+    assert config.settings == Settings(refresh_s=2.0, park_after_s=10.0)
 
 
 def test_demo_file_loads() -> None:

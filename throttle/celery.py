@@ -77,7 +77,7 @@ from throttle.errors import (
     ThrottleTimeout,
 )
 from throttle.limiter import DEFAULT_LEASE_S, Limiter
-from throttle.parking import ParkingLot
+from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
 from throttle.spec import Algorithm, Limit
 
@@ -86,6 +86,7 @@ __all__ = [
     "Throttler",
     "install",
     "report_cost",
+    "slot_time",
     "throttled",
 ]
 
@@ -341,6 +342,8 @@ class _Ticket:
 
     acquisition: Acquisition | None
     rules: tuple[Rule, ...]
+    slot_at: float
+    """When the slot came, in epoch s of this worker's clock."""
     reported: dict[str | None, float] = field(default_factory=dict)
 
 
@@ -365,6 +368,13 @@ def report_cost(actual: float, limit: str | None = None) -> None:
     ticket = _ticket.get()
     if ticket is not None:
         ticket.reported[limit] = float(actual)
+
+
+def slot_time() -> float | None:
+    """When the running task's slot came (epoch s, this worker's clock), or None outside a
+    throttled task: ``time.time() - slot_time()`` is how late the call is behind its slot."""
+    ticket = _ticket.get()
+    return None if ticket is None else ticket.slot_at
 
 
 def _queue_of(request: Any) -> str | None:
@@ -505,7 +515,7 @@ class _Gate:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self.throttler.limiter.settle(decision.acquisition, 0.0)
                     return self._decide(time.time())
-                return _Ticket(decision.acquisition, self.rules)
+                return _Ticket(decision.acquisition, self.rules, now + wait)
             # A slot is reserved, further ahead: come back just before it.
             self._defer(wait - EARLY_S, wait, decision)
         retry = decision.retry_after_s
@@ -572,7 +582,7 @@ class _Gate:
             if decision.allowed:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
-                return _Ticket(decision.acquisition, self.rules)
+                return _Ticket(decision.acquisition, self.rules, now + decision.wait_s)
             retry = decision.retry_after_s
             if self.deadline is not None and now + retry > self.deadline:
                 raise ThrottleTimeout(decision.denied_by, retry, max(self.deadline - now, 0.0))
@@ -774,10 +784,16 @@ class Releaser(threading.Thread):
     def release_once(self) -> int:
         """Claim, publish and commit one batch; returns how many were released."""
         throttler = Throttler.of(self.app)
-        lead = self.poll_s * 2
-        claimed = throttler.parking.claim(lead_s=lead, batch=self.batch)
-        if not claimed:
-            return 0
+        claimed = throttler.parking.claim(lead_s=self.poll_s * 2, batch=self.batch)
+        if claimed:
+            self.publish(claimed)
+            throttler.parking.commit(claimed)
+        return len(claimed)
+
+    def publish(self, claimed: Sequence[Claimed]) -> None:
+        """Send claimed tasks to the broker, each with its parking token and publish id, to
+        arrive ``park_lead`` before its slot."""
+        lead_s = Throttler.of(self.app).settings.park_lead_s
         for item in claimed:
             content_type, encoding, body = item.payload.split(b"\n", 2)
             options = loads(  # type: ignore[no-untyped-call]
@@ -787,10 +803,7 @@ class Releaser(threading.Thread):
             headers = dict(sig.options.get("headers") or {})
             headers[H_PARKED] = item.token
             headers[H_PUBLISH] = item.publish_id
-            countdown = max(item.due_in_s, 0.0) + throttler.settings.park_lead_s
-            sig.apply_async(countdown=countdown, headers=headers)
-        throttler.parking.commit(claimed)
-        return len(claimed)
+            sig.apply_async(countdown=max(item.due_in_s, 0.0) + lead_s, headers=headers)
 
 
 def install(app: Celery, *, config: Any = None) -> Celery:

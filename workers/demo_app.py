@@ -19,12 +19,13 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from celery import Celery
 
-from throttle.celery import ThrottledTask, install, report_cost, throttled
+from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/0")
 CONFIG = os.environ.get(
@@ -69,8 +70,12 @@ def _post(path: str, task_id: str | None) -> int:
 @app.task(bind=True)
 def call_api(self, n: int) -> dict[str, object]:
     """One call to the upstream (throttled by queue ``upstream``'s limits)."""
+    late_s = _late()
     status = _post("/call", self.request.id)
-    return {"n": n, "status": status, "id": self.request.id, "deferrals": _deferrals(self)}
+    return {
+        "n": n, "status": status, "id": self.request.id, "deferrals": _deferrals(self),
+        "late_s": late_s,
+    }  # fmt: skip
 
 
 @app.task(bind=True)
@@ -80,6 +85,12 @@ def complete(self, tenant: str, max_tokens: int, used: int) -> dict[str, object]
     status = _post("/call", self.request.id)
     report_cost(used)
     return {"tenant": tenant, "status": status, "used": used, "deferrals": _deferrals(self)}
+
+
+def _late() -> float | None:
+    """How late this call is behind the slot the throttler gave it, in s."""
+    slot = slot_time()
+    return None if slot is None else time.time() - slot
 
 
 def _deferrals(task: object) -> int:
