@@ -33,6 +33,7 @@ install(app)
 
 def _record(task: Any, name: str) -> dict[str, Any]:
     """Count this execution in Redis (so tests see duplicates) and describe it."""
+    at = time.time()  # first: when the body started, before any Redis round trip
     client = redis.Redis.from_url(BROKER)
     runs = client.incr(f"test:runs:{task.request.id}")
     client.expire(f"test:runs:{task.request.id}", 600)
@@ -43,7 +44,7 @@ def _record(task: Any, name: str) -> dict[str, Any]:
         "retries": task.request.retries,
         "deferrals": headers.get("throttle_deferrals", 0),
         "runs": runs,
-        "at": time.time(),
+        "at": at,
     }
 
 
@@ -119,3 +120,16 @@ def far(self: Any, x: int) -> dict[str, Any]:
 @throttled("live")
 def live(self: Any, x: int) -> dict[str, Any]:
     return {**_record(self, "live"), "x": x}
+
+
+@app.task(bind=True)
+@throttled("strict")
+def strict(self: Any, x: int) -> dict[str, Any]:
+    return {**_record(self, "strict"), "x": x}
+
+
+@app.task
+def block(seconds: float) -> float:
+    """Occupies a pool child (not throttled): saturates the workers."""
+    time.sleep(seconds)
+    return seconds

@@ -39,6 +39,7 @@ limits:
   shaped: {algorithm: gcra, rate: 4/s, burst: 1}
   parked: {algorithm: gcra, rate: 2/s, burst: 1}
   live: {algorithm: gcra, rate: 10/s, burst: 1}
+  strict: {algorithm: gcra, rate: 10/s, burst: 1}
 queues:
   upstream: [upstream]
   shaped: [shaped]
@@ -249,6 +250,26 @@ def test_parked_tasks_survive_a_releaser_that_dies_and_run_once(fleet: Fleet) ->
     assert [r["x"] for r in done] == list(range(12))
     assert all(fleet.runs(h.id) == 1 for h in handles)
     assert lot.counts() == (0, 0)
+
+
+def test_a_late_batch_does_not_burst_when_the_workers_were_saturated(fleet: Fleet) -> None:
+    # Given tasks that reserved slots 100 ms apart and were re-published for them, and then
+    # every pool child busy for 2 s, so that many slots pass while nobody can run them
+    from tests.celery_app import block, strict  # noqa: PLC0415
+
+    handles = [strict.delay(x) for x in range(30)]
+    time.sleep(0.3)
+    blockers = [block.delay(2.0) for _ in range(8)]
+    done = results(handles)
+    results(blockers)
+    # Then the tasks that come due together when the children free up do not run together:
+    # a task later than late_tolerance (20 ms) gives its passed slot up and takes a new one.
+    # (Without that, the gaps after the blockers were 0.1 ms.)
+    starts = sorted(r["at"] for r in done)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) > 0.1 - 0.02 - 0.005, [round(g, 3) for g in gaps]
+    assert all(r["runs"] == 1 for r in done)
+    assert sum(r["deferrals"] for r in done) >= 10  # they were rescheduled, some twice
 
 
 def test_a_rate_changed_at_run_time_is_followed_by_the_fleet(fleet: Fleet) -> None:

@@ -503,17 +503,20 @@ class _Gate:
         decision = self._acquire(self._horizon(now))
         if decision.allowed and decision.held and decision.late_s > self.settings.late_tolerance_s:
             # The task reached its reserved slot late (busy workers): calling now could land
-            # on the next task's slot. Give the slot back and take a new one.
+            # on the next task's slot. Give the slot up and take a new one. Not a refund: the
+            # passed slot is lost capacity (a burst-1 API cannot bank it), and handing it
+            # back would book the same future slot twice.
             assert decision.acquisition is not None
-            self.throttler.limiter.settle(decision.acquisition, 0.0)
+            self.throttler.limiter.settle(decision.acquisition, None)
             decision = self._acquire(self._horizon(now))
         self.throttler.outage(None)
         if decision.allowed:
             wait = decision.wait_s
             if wait <= self.settings.sleep_max_s:
                 if wait > 0 and self._sleep_until_slot(wait) and decision.acquisition:
-                    # Woke too late (a busy machine): the slot passed, take a new one.
-                    self.throttler.limiter.settle(decision.acquisition, 0.0)
+                    # Woke too late (a busy machine): the slot passed, take a new one (the
+                    # passed slot is given up, not refunded: see above).
+                    self.throttler.limiter.settle(decision.acquisition, None)
                     return self._decide(time.time())
                 return _Ticket(decision.acquisition, self.rules, now + wait)
             # A slot is reserved, further ahead: come back just before it.
