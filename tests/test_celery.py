@@ -202,6 +202,25 @@ def test_a_deadline_ends_in_throttle_timeout_or_the_dead_letter_queue(fleet: Fle
     assert sent.id.encode() in fleet.client.lindex("dead", 0)
 
 
+def test_a_task_that_would_expire_before_its_slot_fails_at_once(fleet: Fleet) -> None:
+    from tests.celery_app import slow  # noqa: PLC0415
+
+    # 4/s: the 12th slot is ~3 s away, beyond the tasks' expiry 1.5 s from now
+    handles = [slow.apply_async((x,), expires=1.5) for x in range(12)]
+    outcomes = []
+    for handle in handles:
+        try:
+            handle.get(timeout=30)
+            outcomes.append("ran")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    # Slots 250 ms apart: about 1 + 1.5 * 4 fit before the expiry (whichever tasks the
+    # children took first), the rest fail with ThrottleTimeout rather than being revoked
+    # later or waiting forever.
+    assert 4 <= outcomes.count("ran") <= 8, outcomes
+    assert outcomes.count("ThrottleTimeout") == 12 - outcomes.count("ran"), outcomes
+
+
 def test_queue_limits_apply_to_undecorated_tasks(fleet: Fleet) -> None:
     from tests.celery_app import plain  # noqa: PLC0415
 

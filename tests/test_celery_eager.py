@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from throttle import Limiter, ThrottleTimeout
+from throttle import ConfigError, Limit, Limiter, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
 
 
@@ -125,3 +125,38 @@ def test_outside_a_task_the_function_is_plain_and_report_cost_is_a_no_op() -> No
     assert slot_time() is None
     with pytest.raises(ValueError, match="finite number >= 0"):
         report_cost(-1)
+
+
+def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
+    seen: list[str] = []
+
+    def tenant_of(order: dict[str, Any], **_: Any) -> str:
+        seen.append(order["tenant"])
+        return order["tenant"]
+
+    @app.task
+    @throttled("3/h burst 3", key=tenant_of, cost=lambda order, **_: len(order["items"]))
+    def place(order: dict[str, Any]) -> int:
+        return len(order["items"])
+
+    assert place.delay({"tenant": "acme", "items": [1, 2]}).get() == 2
+    assert place.delay({"tenant": "globex", "items": [1, 2, 3]}).get() == 3
+    assert seen == ["acme", "globex"]
+    limiter = Throttler.of(app).limiter
+    rule = _rule_of(place)
+    assert limiter.acquire(rule, "acme", cost=0).remaining == pytest.approx(1, abs=0.01)
+    assert limiter.acquire(rule, "globex", cost=0).remaining == pytest.approx(0, abs=0.01)
+
+    @app.task
+    @throttled("budget")  # key "{tenant}": this task has no such argument
+    def keyless(x: int) -> int:
+        return x
+
+    with pytest.raises(ConfigError, match=r"limit 'budget': field 'key': the task has no "
+                       r"argument 'tenant' for the key template"):  # fmt: skip
+        keyless.delay(1).get()
+
+
+def _rule_of(task: Any) -> Limit:
+    spec = task.run.__throttle__
+    return spec.rules[0].limit
