@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from throttle import ConfigError, Limit, Limiter, ThrottleTimeout
+from throttle import BackendUnavailable, ConfigError, Limit, Limiter, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
 
 
@@ -160,3 +160,34 @@ def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
 def _rule_of(task: Any) -> Limit:
     spec = task.run.__throttle__
     return spec.rules[0].limit
+
+
+def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
+    from throttle.testing import free_port  # noqa: PLC0415
+
+    app = Celery("down", set_as_current=False, task_cls=ThrottledTask)
+    app.conf.update(
+        task_always_eager=True,
+        throttle_redis_url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+        throttle_config={
+            "settings": {"prefix": prefix},
+            "limits": {
+                "open": {"rate": "5/s", "on_redis_down": "allow"},
+                "closed": {"rate": "5/s"},
+            },
+        },
+    )
+
+    @app.task
+    @throttled("open")
+    def fail_open(x: int) -> int:
+        return x
+
+    @app.task
+    @throttled("closed")
+    def fail_closed(x: int) -> int:
+        return x
+
+    assert fail_open.delay(7).get() == 7
+    with pytest.raises(BackendUnavailable, match="Redis is unreachable"):
+        fail_closed.delay(7).get()

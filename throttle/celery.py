@@ -151,16 +151,21 @@ def _spec(items: Sequence[Limit | Rule | str], owner: str, options: Mapping[str,
     return _Spec(tuple(rules), tuple(names), rule_options)
 
 
+# inspect.signature costs tens of us; a task's function never changes.
+_signature = functools.lru_cache(maxsize=1024)(inspect.signature)
+
+
 def _arguments(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The task's arguments by name (positional ones bound to the function's parameters)."""
     try:
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        signature = _signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return dict(kwargs)
     named = dict(bound.arguments)
-    for parameter in inspect.signature(fn).parameters.values():
+    for parameter in signature.parameters.values():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in named:
             named.update(named.pop(parameter.name))
     return named
@@ -232,6 +237,15 @@ class Throttler:
         self.parking = ParkingLot(limiter.client, keyspace)
         self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
         self._outage = False
+        # Parked tasks need releasers: install() adds one to every worker of the app. Without
+        # it a long wait stays an ETA message (with the risks parking avoids) rather than be
+        # parked for ever.
+        self.releasing = ThrottleStep in app.steps["worker"]
+        if not self.releasing:
+            logger.warning(
+                "throttle: install(app) was not called: long waits stay ETA messages in "
+                "workers instead of being parked in Redis"
+            )
 
     _instances: ClassVar[dict[tuple[int, int], Throttler]] = {}
 
@@ -290,8 +304,11 @@ class Throttler:
                     if spec.overrides:
                         rule = Rule(**{**_rule_fields(rule), **_override_fields(spec.overrides)})
                     found.setdefault(name, rule)
-            for rule in self.config.rules_for(task.name, queue):
-                found.setdefault(rule.name, rule)
+            # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by
+            # the file: a limit on the default queue must not stall a chord's bookkeeping.
+            if not task.name.startswith("celery."):
+                for rule in self.config.rules_for(task.name, queue):
+                    found.setdefault(rule.name, rule)
             rules = self._resolved[cache_key] = tuple(found.values())
         return rules
 
@@ -545,7 +562,7 @@ class _Gate:
         headers[H_DEFERRALS] = (deferrals if isinstance(deferrals, int) else 0) + 1
         limits = decision.denied_by or tuple(rule.name for rule in self.rules)
         reason = Throttled(wait_s, limits)
-        if countdown > self.settings.park_after_s:
+        if countdown > self.settings.park_after_s and self.throttler.releasing:
             sig = task.signature_from_request(request, headers=headers)
             content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
                 dict(sig), serializer=task.serializer
@@ -599,12 +616,13 @@ class _Gate:
             return None  # fail open: run without a ticket
         if self.request.is_eager or self.request.called_directly:
             raise exc
-        headers = dict(self.headers)
+        # Jittered, so that the tasks deferred during an outage do not all come back at once.
+        countdown = BACKEND_RETRY_S + random.uniform(0.0, self.settings.jitter_s)
         sig = self.task.signature_from_request(
-            self.request, countdown=BACKEND_RETRY_S, headers=headers
+            self.request, countdown=countdown, headers=dict(self.headers)
         )
         sig.apply_async()
-        raise Retry(exc=exc, when=BACKEND_RETRY_S, sig=sig)
+        raise Retry(exc=exc, when=countdown, sig=sig)
 
 
 def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
