@@ -756,6 +756,9 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
     it), and runs the releaser of parked tasks."""
 
     label = "throttle"
+    # Start after the pool has forked its children: the releaser is a thread, and a fork
+    # while it holds a lock would hand the child a lock that nobody releases.
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
