@@ -7,21 +7,27 @@
 -- script. Nothing here touches a key.
 --
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
--- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written by
--- passing Lua numbers to redis.call, which Redis formats as '%.17g' (exact round trip) in C,
--- faster than string.format in Lua; replies are text (EVAL would truncate a bare float reply
--- and turn false into nil).
+-- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written
+-- exactly and in C, never formatted in Lua: several numbers packed as doubles (struct), or
+-- one number passed to redis.call, which Redis formats as '%.17g'; replies are text (EVAL
+-- would truncate a bare float reply and turn false into nil).
 --
--- An algorithm is a table ALGO[code] = {nkeys, check, commit, adjust}. Its functions get
--- `l`, the record of one limit, built once per limit and call by the operation script:
---   l.k (index in KEYS of the limit's first key), l.count, l.period_us, l.burst
---   and the outcome that check() fills in: l.allowed (1/0), l.wait (us until a reserved
---   slot), l.retry (us until it could admit), l.remaining (tokens), l.reset (us until full).
--- An algorithm may add a few private fields to l (what check read, for commit); the record
--- is created with room for them, so that no table grows on this hot path.
---   check(l, now, cost, max_wait)
---   commit(l, now, cost, holder, expiry) -> mark (text kept in the lease record)
---   adjust(l, now, delta, mark, holder)   charge (delta > 0) or refund (delta < 0)
+-- Each algorithm file defines three local functions, check, commit and adjust, that take
+-- plain values (no per-call table: this runs on every acquire), and ends with the one line
+-- that registers them, ALGO[code] = {nkeys = ..., check = check, commit = commit,
+-- adjust = adjust}, for the drivers of several limits (acquire.lua, settle.lua). In a script
+-- of several algorithms each file's functions shadow the previous file's, after that file
+-- registered its own. Each function gets k, the index in KEYS of the limit's first key, and
+-- the limit's count, period_us and burst:
+--   check(k, count, period_us, burst, now, cost, max_wait)
+--     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
+--        remaining (tokens), reset (us until full), then up to three values of the state it
+--        read (s1, s2, s3), handed to commit; reads only
+--   commit(k, count, period_us, burst, now, cost, holder, expiry, s1, s2, s3)
+--     writes the state check read with cost taken; -> mark (text kept in the lease record)
+--     [, reset: when committing changes it]
+--   adjust(k, count, period_us, burst, now, delta, mark, holder)
+--     charge (delta > 0) or refund (delta < 0)
 
 local ALGO = {}
 
@@ -48,13 +54,14 @@ end
 
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
 -- (4 values per limit from ARGV[4i + 1]: code, count, period_us, burst), whose first key is
--- KEYS[k]. Created with every field (and room for an algorithm's private ones), so that no
--- table is resized on the hot path.
+-- KEYS[k], for the drivers of several limits. Created with every field (check's outcome and
+-- the state it read), so that no table is resized on that path.
 local function limit_record(i, k)
   local a = 4 * i
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
           period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
-          allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
+          allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0,
+          s1 = false, s2 = false, s3 = false}
 end
 
 -- Key lifetime: until the state would read the same as a missing key (idle_us from now),

@@ -56,7 +56,7 @@ end
 for i = 1, n do
   local l = limits[i]
   if delta ~= 0 or l.code == 'conc' then
-    l.algo.adjust(l, now, delta, l.mark, ARGV[3])
+    l.algo.adjust(l.k, l.count, l.period_us, l.burst, now, delta, l.mark, ARGV[3])
   end
 end
 -- Keep the record (marked settled) until it expires, so that a second settle says so.
