@@ -17,8 +17,9 @@
 -- that registers them, ALGO[code] = {nkeys = ..., check = check, commit = commit,
 -- adjust = adjust}, for the drivers of several limits (acquire.lua, settle.lua). In a script
 -- of several algorithms each file's functions shadow the previous file's, after that file
--- registered its own. Each function gets k, the index in KEYS of the limit's first key, and
--- the limit's count, period_us and burst:
+-- registered its own. The one-limit script (acquire_one.lua) is sent without the
+-- registration line and calls check and commit directly. Each function gets k, the index in
+-- KEYS of the limit's first key, and the limit's count, period_us and burst:
 --   check(k, count, period_us, burst, now, cost, max_wait)
 --     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
 --        remaining (tokens), reset (us until full), then up to three values of the state it

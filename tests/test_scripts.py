@@ -12,7 +12,7 @@ import redis
 
 from tests.conftest import FakeClock
 from throttle import Limit, Limiter
-from throttle.scripts import ALGORITHM_FILES, lua_dir
+from throttle.scripts import ALGORITHM_FILES, ONE_LIMIT_OPERATION, lua_dir, script_source
 from throttle.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,14 +55,15 @@ def test_a_flushed_script_is_reloaded_and_state_kept(private_redis: RedisServer)
     assert limiter.acquire(limit).remaining == 9
     client.script_flush()  # what a Redis restart or failover does to the script cache
     assert limiter.acquire(limit).remaining == 8
-    assert client.script_exists(limiter._scripts_for(limit.codes)[0].sha) == [True]
+    # The script of a plain one-limit acquire (lua/acquire_one.lua) is back in Redis.
+    assert client.script_exists(limiter._one[limit.code].sha) == [True]
     client.close()
 
 
 def test_lua_dir_is_the_repository_copy() -> None:
     assert lua_dir() == ROOT / "lua"
     assert sorted(p.name for p in lua_dir().glob("*.lua")) == sorted(
-        [*ALGORITHM_FILES.values(), "prelude.lua", "acquire.lua", "settle.lua"]
+        [*ALGORITHM_FILES.values(), "prelude.lua", "acquire.lua", "acquire_one.lua", "settle.lua"]
     )
 
 
@@ -93,3 +94,16 @@ def test_no_connection_is_opened_before_the_first_call() -> None:
     limiter = Limiter(client)
     limiter._scripts_for(frozenset({"tb", "gcra"}))  # registering computes SHAs locally
     assert len(limiter._scripts) == 1
+
+
+def test_one_limit_scripts_leave_out_only_the_registration() -> None:
+    for code, name in ALGORITHM_FILES.items():
+        full = script_source("acquire", frozenset({code}))
+        assert f"\nALGO.{code} = {{nkeys = " in full, name
+        if code == "conc":
+            continue  # concurrency always records a holder: acquire.lua
+        one = script_source(ONE_LIMIT_OPERATION, frozenset({code}))
+        assert f"ALGO.{code} =" not in one, name
+        # Everything else of the algorithm's file is there, once.
+        body = (lua_dir() / name).read_text().rsplit(f"ALGO.{code} =", 1)[0]
+        assert one.count(body) == 1, name
