@@ -1,10 +1,10 @@
 -- acquire_one.lua: the common call, one limit and no acquisition id: acquire.lua's
 -- decision for n = 1, without the bookkeeping of several limits and of lease records.
 --
--- Sent as prelude.lua + the limit's algorithm file without its ALGO registration line + this
--- file (throttle/scripts.py): it calls that algorithm's check and commit directly and builds
--- no table, because this runs on every plain acquire and every table and function a script
--- creates costs server time on each call.
+-- Sent as prelude.lua and the limit's algorithm file, each up to its "several limits only"
+-- line, + this file (throttle/scripts.py): it calls that algorithm's check and commit
+-- directly and builds no table, because this runs on every plain acquire and every table
+-- and function a script creates costs server time on each call.
 --
 -- KEYS[1]      the limit's state key
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)

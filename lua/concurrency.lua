@@ -80,23 +80,28 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, tot
   return '', ceil_us(conc_expire(k, now))
 end
 
--- Settling a concurrency limit releases the holder's units; the cost change is irrelevant.
-local function adjust(k, count, period_us, burst, now, delta, mark, holder)
-  local z, h = KEYS[k], KEYS[k + 1]
-  -- Sweep first: a lease that expired has already given its units back.
-  local total = conc_sweep(k, now)
-  local held = tonumber(redis.call('HGET', h, 'h:' .. holder))
-  if held == nil then
-    return
-  end
-  redis.call('ZREM', z, holder)
-  redis.call('HDEL', h, 'h:' .. holder)
-  total = total - held
-  if total < 0 or redis.call('ZCARD', z) == 0 then
-    total = 0
-  end
-  redis.call('HSET', h, 't', total)
-  conc_expire(k, now)
-end
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
-ALGO.conc = {nkeys = 2, check = check, commit = commit, adjust = adjust}
+ALGO.conc = {
+  nkeys = 2,
+  check = check,
+  commit = commit,
+  -- Settling a concurrency limit releases the holder's units; the cost change is irrelevant.
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local z, h = KEYS[k], KEYS[k + 1]
+    -- Sweep first: a lease that expired has already given its units back.
+    local total = conc_sweep(k, now)
+    local held = tonumber(redis.call('HGET', h, 'h:' .. holder))
+    if held == nil then
+      return
+    end
+    redis.call('ZREM', z, holder)
+    redis.call('HDEL', h, 'h:' .. holder)
+    total = total - held
+    if total < 0 or redis.call('ZCARD', z) == 0 then
+      total = 0
+    end
+    redis.call('HSET', h, 't', total)
+    conc_expire(k, now)
+  end,
+}

@@ -39,13 +39,18 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, 
   return w
 end
 
--- A charge lands in the current window; a refund only in the window that paid, if current.
-local function adjust(k, count, period_us, burst, now, delta, mark, holder)
-  local _, _, _, _, _, w, n = check(k, count, period_us, burst, now, 0, 0)
-  if delta < 0 and tonumber(mark) ~= w then
-    return
-  end
-  commit(k, count, period_us, burst, now, 0, holder, nil, w, math.max(n + delta, 0))
-end
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
-ALGO.fw = {nkeys = 1, check = check, commit = commit, adjust = adjust}
+ALGO.fw = {
+  nkeys = 1,
+  check = check,
+  commit = commit,
+  -- A charge lands in the current window; a refund only in the window that paid, if current.
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, w, n = check(k, count, period_us, burst, now, 0, 0)
+    if delta < 0 and tonumber(mark) ~= w then
+      return
+    end
+    commit(k, count, period_us, burst, now, 0, holder, nil, w, math.max(n + delta, 0))
+  end,
+}

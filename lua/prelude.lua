@@ -12,14 +12,16 @@
 -- one number passed to redis.call, which Redis formats as '%.17g'; replies are text (EVAL
 -- would truncate a bare float reply and turn false into nil).
 --
--- Each algorithm file defines three local functions, check, commit and adjust, that take
--- plain values (no per-call table: this runs on every acquire), and ends with the one line
--- that registers them, ALGO[code] = {nkeys = ..., check = check, commit = commit,
--- adjust = adjust}, for the drivers of several limits (acquire.lua, settle.lua). In a script
--- of several algorithms each file's functions shadow the previous file's, after that file
--- registered its own. The one-limit script (acquire_one.lua) is sent without the
--- registration line and calls check and commit directly. Each function gets k, the index in
--- KEYS of the limit's first key, and the limit's count, period_us and burst:
+-- Each algorithm file defines local functions check and commit that take plain values (no
+-- per-call table: this runs on every acquire), then, after the line
+--   -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+-- registers them with its adjust in ALGO[code] = {nkeys, check, commit, adjust} for the
+-- drivers of several limits (acquire.lua, settle.lua). In a script of several algorithms
+-- each file's check and commit shadow the previous file's, after that file registered its
+-- own. The one-limit script (acquire_one.lua) is this file and one algorithm's, each up to
+-- that line, and calls check and commit directly: every table and function a script
+-- creates costs server time on each call. Each function gets k, the index in KEYS of the
+-- limit's first key, and the limit's count, period_us and burst:
 --   check(k, count, period_us, burst, now, cost, max_wait)
 --     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
 --        remaining (tokens), reset (us until full), then up to three values of the state it
@@ -29,8 +31,6 @@
 --     [, reset: when committing changes it]
 --   adjust(k, count, period_us, burst, now, delta, mark, holder)
 --     charge (delta > 0) or refund (delta < 0)
-
-local ALGO = {}
 
 -- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
 local function clock_us(explicit)
@@ -53,6 +53,18 @@ local function ceil_us(x)
   return math.ceil(x)
 end
 
+-- Key lifetime: until the state would read the same as a missing key (idle_us from now),
+-- plus one second so a key never vanishes a moment before it is no longer needed. Capped
+-- (about 300 years) so that PEXPIRE always accepts it, however absurd a debt or lease: a
+-- script that failed half-way would leave its first writes done.
+local function ttl_ms(idle_us)
+  return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
+end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+
+local ALGO = {}
+
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
 -- (4 values per limit from ARGV[4i + 1]: code, count, period_us, burst), whose first key is
 -- KEYS[k], for the drivers of several limits. Created with every field (check's outcome and
@@ -63,12 +75,4 @@ local function limit_record(i, k)
           period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
           allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0,
           s1 = false, s2 = false, s3 = false}
-end
-
--- Key lifetime: until the state would read the same as a missing key (idle_us from now),
--- plus one second so a key never vanishes a moment before it is no longer needed. Capped
--- (about 300 years) so that PEXPIRE always accepts it, however absurd a debt or lease: a
--- script that failed half-way would leave its first writes done.
-local function ttl_ms(idle_us)
-  return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
 end

@@ -57,19 +57,24 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, 
   return w
 end
 
--- A charge lands in the current window; a refund goes back to the window that paid while
--- that window still weighs on the estimate (the current or the previous one).
-local function adjust(k, count, period_us, burst, now, delta, mark, holder)
-  local _, _, _, _, _, w, cur, prev = check(k, count, period_us, burst, now, 0, 0)
-  local paid = tonumber(mark)
-  if delta > 0 or paid == w then
-    cur = math.max(cur + delta, 0)
-  elseif paid == w - 1 then
-    prev = math.max(prev + delta, 0)
-  else
-    return
-  end
-  commit(k, count, period_us, burst, now, 0, holder, nil, w, cur, prev)
-end
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
-ALGO.sw = {nkeys = 1, check = check, commit = commit, adjust = adjust}
+ALGO.sw = {
+  nkeys = 1,
+  check = check,
+  commit = commit,
+  -- A charge lands in the current window; a refund goes back to the window that paid while
+  -- that window still weighs on the estimate (the current or the previous one).
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, w, cur, prev = check(k, count, period_us, burst, now, 0, 0)
+    local paid = tonumber(mark)
+    if delta > 0 or paid == w then
+      cur = math.max(cur + delta, 0)
+    elseif paid == w - 1 then
+      prev = math.max(prev + delta, 0)
+    else
+      return
+    end
+    commit(k, count, period_us, burst, now, 0, holder, nil, w, cur, prev)
+  end,
+}

@@ -43,10 +43,15 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, tok
   return ''
 end
 
--- delta > 0 charges extra tokens (may leave a debt), delta < 0 refunds (never above burst).
-local function adjust(k, count, period_us, burst, now, delta, mark, holder)
-  local _, _, _, _, _, tokens, ts = check(k, count, period_us, burst, now, 0, 0)
-  commit(k, count, period_us, burst, now, 0, holder, nil, math.min(burst, tokens - delta), ts)
-end
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
-ALGO.tb = {nkeys = 1, check = check, commit = commit, adjust = adjust}
+ALGO.tb = {
+  nkeys = 1,
+  check = check,
+  commit = commit,
+  -- delta > 0 charges extra tokens (may leave a debt), delta < 0 refunds (never above burst).
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, tokens, ts = check(k, count, period_us, burst, now, 0, 0)
+    commit(k, count, period_us, burst, now, 0, holder, nil, math.min(burst, tokens - delta), ts)
+  end,
+}

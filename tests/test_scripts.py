@@ -12,7 +12,13 @@ import redis
 
 from tests.conftest import FakeClock
 from throttle import Limit, Limiter
-from throttle.scripts import ALGORITHM_FILES, ONE_LIMIT_OPERATION, lua_dir, script_source
+from throttle.scripts import (
+    ALGORITHM_FILES,
+    ONE_LIMIT_OPERATION,
+    SEVERAL_LIMITS_ONLY,
+    lua_dir,
+    script_source,
+)
 from throttle.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,14 +102,19 @@ def test_no_connection_is_opened_before_the_first_call() -> None:
     assert len(limiter._scripts) == 1
 
 
-def test_one_limit_scripts_leave_out_only_the_registration() -> None:
+def test_one_limit_scripts_stop_each_file_at_the_marker() -> None:
+    prelude = (lua_dir() / "prelude.lua").read_text()
     for code, name in ALGORITHM_FILES.items():
+        text = (lua_dir() / name).read_text()
+        assert text.count(SEVERAL_LIMITS_ONLY) == 1, name
         full = script_source("acquire", frozenset({code}))
-        assert f"\nALGO.{code} = {{nkeys = " in full, name
+        assert f"\nALGO.{code} = {{" in full, name
         if code == "conc":
             continue  # concurrency always records a holder: acquire.lua
         one = script_source(ONE_LIMIT_OPERATION, frozenset({code}))
-        assert f"ALGO.{code} =" not in one, name
-        # Everything else of the algorithm's file is there, once.
-        body = (lua_dir() / name).read_text().rsplit(f"ALGO.{code} =", 1)[0]
-        assert one.count(body) == 1, name
+        assert "ALGO" not in one.split("-- KEYS[1]")[1], name  # only acquire_one's comments
+        assert "local function limit_record" not in one
+        # Everything before the marker, of the prelude and of the algorithm, is there once.
+        for source in (prelude, text):
+            head = source.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
+            assert one.count(head) == 1, name

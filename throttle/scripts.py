@@ -6,10 +6,12 @@ written once; a single-limit call carries only its own algorithm (EVAL re-create
 function of a script on each call, so unused ones would cost server time); and a
 multi-limit acquisition over several algorithms still runs as one atomic script.
 
-The common call, one limit and no acquisition id, runs ``acquire_one.lua`` instead: sent
-after the algorithm's file without that file's last line, the ``ALGO[code] = {...}``
-registration that only the drivers of several limits need, it calls the algorithm's
-``check`` and ``commit`` directly (see ``prelude.lua``).
+The common call, one limit and no acquisition id, runs ``acquire_one.lua`` instead, after
+``prelude.lua`` and the algorithm's file each cut at the line :data:`SEVERAL_LIMITS_ONLY`:
+what follows it (the ``ALGO`` registry, the per-limit record, each algorithm's
+``ALGO[code]`` entry and its ``adjust``) serves only the drivers of several limits, and a
+script pays for every table and function it creates on each call. ``acquire_one.lua``
+calls the algorithm's ``check`` and ``commit`` directly (see ``prelude.lua``).
 
 Scripts are registered as redis-py :class:`~redis.commands.core.Script` objects, which
 call EVALSHA and reload the script on NOSCRIPT (after ``SCRIPT FLUSH`` or a restart).
@@ -18,10 +20,15 @@ call EVALSHA and reload the script on NOSCRIPT (after ``SCRIPT FLUSH`` or a rest
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
-__all__ = ["ALGORITHM_FILES", "ONE_LIMIT_OPERATION", "lua_dir", "script_source"]
+__all__ = [
+    "ALGORITHM_FILES",
+    "ONE_LIMIT_OPERATION",
+    "SEVERAL_LIMITS_ONLY",
+    "lua_dir",
+    "script_source",
+]
 
 # Algorithm code (as sent in ARGV) -> the file that defines ALGO[code].
 ALGORITHM_FILES = {
@@ -34,8 +41,11 @@ ALGORITHM_FILES = {
 ONE_LIMIT_OPERATION = "acquire_one"
 """The operation of one limit without an acquisition id (not for concurrency limits)."""
 
-# The last line of every algorithm file: ALGO.<code> = {nkeys = ..., check = check, ...}
-_REGISTRATION = re.compile(r"^ALGO\.(?P<code>\w+) = \{[^\n]*\}\s*\Z", re.MULTILINE)
+SEVERAL_LIMITS_ONLY = (
+    "-- ==== several limits only: acquire_one.lua is sent without the rest of this file ===="
+)
+"""The line, once in ``prelude.lua`` and in each algorithm file, where the one-limit script
+stops reading that file."""
 
 
 @functools.cache
@@ -56,14 +66,12 @@ def _read(name: str) -> str:
     return (lua_dir() / name).read_text(encoding="utf-8")
 
 
-def _unregistered(code: str) -> str:
-    """An algorithm's file without its closing ``ALGO[code] = {...}`` line."""
-    name = ALGORITHM_FILES[code]
-    source = _read(name)
-    match = _REGISTRATION.search(source)
-    if match is None or match["code"] != code:
-        raise ValueError(f"{name} must end with its one-line registration ALGO.{code} = {{...}}")
-    return source[: match.start()]
+def _one_limit_part(name: str) -> str:
+    """A file up to its :data:`SEVERAL_LIMITS_ONLY` line."""
+    parts = _read(name).split(f"\n{SEVERAL_LIMITS_ONLY}\n")
+    if len(parts) != 2:
+        raise ValueError(f"{name} must hold the line {SEVERAL_LIMITS_ONLY!r} exactly once")
+    return parts[0]
 
 
 @functools.cache
@@ -75,7 +83,11 @@ def script_source(operation: str, codes: frozenset[str]) -> str:
         if len(codes) != 1 or "conc" in codes:
             raise ValueError(f"{operation} takes one algorithm other than conc (got {codes})")
         (code,) = codes
-        parts = [_read("prelude.lua"), _unregistered(code), _read(f"{operation}.lua")]
+        parts = [
+            _one_limit_part("prelude.lua"),
+            _one_limit_part(ALGORITHM_FILES[code]),
+            _read(f"{operation}.lua"),
+        ]
     else:
         files = [ALGORITHM_FILES[code] for code in sorted(codes)]
         parts = [_read(name) for name in ["prelude.lua", *files, f"{operation}.lua"]]
