@@ -16,7 +16,12 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   local tat = now
   local s = redis.call('GET', KEYS[k])
   if s then
-    tat = math.max(struct.unpack('<d', s), now)
+    -- 8 bytes: a packed double; anything else is the text TAT of an earlier build.
+    if #s == 8 then
+      tat = math.max(struct.unpack('<d', s), now)
+    else
+      tat = math.max(tonumber(s), now)
+    end
   end
   local new_tat = tat + cost * interval
   local conform_at = new_tat - burst * interval
