@@ -172,17 +172,53 @@ class Limiter:
         lease_s: float = DEFAULT_LEASE_S,
     ) -> Decision:
         """Take ``cost`` tokens from one limit for ``key``; see :meth:`acquire_many`."""
-        if acquisition_id is None and type(limit) is Limit and limit.code != "conc":
-            # The common call, one limit and nothing to record: the same checks in the same
-            # order as acquire_many, then the one-limit script.
-            checked_cost, max_wait_us, _ = _options(cost, max_wait_s, lease_s)
-            return self._acquire_one(limit, key, checked_cost, max_wait_us)
-        return self.acquire_many(
-            ((limit, key),),
-            cost=cost,
-            max_wait_s=max_wait_s,
-            acquisition_id=acquisition_id,
-            lease_s=lease_s,
+        if acquisition_id is not None or type(limit) is not Limit or limit.code == "conc":
+            return self.acquire_many(
+                ((limit, key),),
+                cost=cost,
+                max_wait_s=max_wait_s,
+                acquisition_id=acquisition_id,
+                lease_s=lease_s,
+            )
+        # The common call, one limit and nothing to record, runs lua/acquire_one.lua. The
+        # same checks in the same order as acquire_many; written out here, because every
+        # Python call on this path shows in the latency.
+        if (
+            type(cost) is float
+            and 0.0 <= cost < _INF
+            and max_wait_s is _NO_WAIT
+            and lease_s is DEFAULT_LEASE_S
+        ):
+            max_wait_us = 0
+        else:
+            cost, max_wait_us, _ = _options(cost, max_wait_s, lease_s)
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        if cost > limit.capacity:
+            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+        script = self._one.get(limit.code)
+        if script is None:
+            script = self._one[limit.code] = self.client.register_script(
+                script_source(ONE_LIMIT_OPERATION, limit.codes)
+            )
+        _, count, period_us, burst = limit.script_args
+        clock = self._clock_us
+        args = [b"" if clock is None else clock(), cost, max_wait_us, count, period_us, burst]
+        reply = self._call(script, self.keyspace.state_keys(limit, key), args).split()
+        if reply[0] != b"0":
+            # The script re-checks capacity; the check above normally fires first.
+            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+        allowed = reply[1] == b"1"
+        remaining = float(reply[4])
+        retry_after_s = float(reply[3]) / 1e6
+        reset_after_s = float(reply[5]) / 1e6
+        # tuple.__new__ straight away: the same NamedTuples in half the time of their
+        # generated __new__.
+        state = _new(LimitState, (limit.name, allowed, remaining, retry_after_s, reset_after_s))
+        wait_s = float(reply[2]) / 1e6
+        return _new(
+            Decision,
+            (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False),
         )
 
     def acquire_many(
@@ -226,13 +262,14 @@ class Limiter:
             When Redis cannot be reached or answers with an error.
         """
         n = len(targets)
-        cost, max_wait_us, lease_s = _options(cost, max_wait_s, lease_s)
+        checked = _options(cost, max_wait_s, lease_s)
         if not targets:
             raise RequestError("acquire needs at least one limit")
         if n == 1 and acquisition_id is None:
             limit, key = targets[0]
             if type(limit) is Limit and limit.code != "conc":
-                return self._acquire_one(limit, key, cost, max_wait_us)
+                return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
+        cost, max_wait_us, lease_s = checked
         keyspace = self.keyspace
         keys: list[str] = []
         args: list[Any] = [b"", cost, max_wait_us, n]
@@ -288,39 +325,6 @@ class Limiter:
         retry_after_s = float(reply[3]) / 1e6
         return Decision(
             allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
-        )
-
-    def _acquire_one(
-        self, limit: Limit, key: str | None, cost: float, max_wait_us: int
-    ) -> Decision:
-        """One limit, no acquisition id (options already checked): lua/acquire_one.lua."""
-        if key is not None and (type(key) is not str or not key):
-            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-        if cost > limit.capacity:
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        script = self._one.get(limit.code)
-        if script is None:
-            script = self._one[limit.code] = self.client.register_script(
-                script_source(ONE_LIMIT_OPERATION, limit.codes)
-            )
-        _, count, period_us, burst = limit.script_args
-        now = b"" if self._clock_us is None else self._clock_us()
-        args = [now, cost, max_wait_us, count, period_us, burst]
-        reply = self._call(script, self.keyspace.state_keys(limit, key), args).split()
-        if reply[0] != b"0":
-            # The script re-checks capacity; the check above normally fires first.
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        allowed = reply[1] == b"1"
-        remaining = float(reply[4])
-        retry_after_s = float(reply[3]) / 1e6
-        reset_after_s = float(reply[5]) / 1e6
-        # tuple.__new__ straight away: the same NamedTuples in half the time of their
-        # generated __new__ (this runs on every acquire).
-        state = _new(LimitState, (limit.name, allowed, remaining, retry_after_s, reset_after_s))
-        wait_s = float(reply[2]) / 1e6
-        return _new(
-            Decision,
-            (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False),
         )
 
     def settle(self, acquisition: Acquisition, actual_cost: float | None) -> Settlement:
