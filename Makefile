@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint typecheck pytest demo bench clean
+.PHONY: setup system-deps test lint typecheck pytest demo demo-core bench bench-celery clean
 
 setup: system-deps $(STAMP)
 
@@ -40,6 +40,10 @@ pytest: setup
 test: lint typecheck pytest
 
 demo: setup
+	$(PY) -m workers.celery_demo
+
+# The limiter alone, without Celery: processes sharing one limit in Redis.
+demo-core: setup
 	$(PY) -m workers.fleet_demo
 
 bench: setup

@@ -8,9 +8,9 @@
 --
 -- KEYS[1]      the limit's state key
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
--- ARGV[2]      cost          as acquire.lua
--- ARGV[3]      max_wait_us   as acquire.lua
--- ARGV[4..6]   count, period_us, burst of the limit (as acquire.lua, without the code)
+-- ARGV[2]      max_wait_us   as acquire.lua
+-- ARGV[3..6]   count, period_us, burst, cost of the limit: acquire.lua's 5 values of one
+--              limit without the code (cost = tokens taken from this limit, >= 0)
 -- Not for concurrency limits: a holder always has an acquisition id (acquire.lua).
 --
 -- Returns 'status allowed wait_us retry_after_us remaining reset_us' (formats as acquire.lua)
@@ -18,14 +18,14 @@
 --   A denial writes nothing.
 
 local now = clock_us(ARGV[1])
-local cost = tonumber(ARGV[2])
-local burst = tonumber(ARGV[6])
+local cost = tonumber(ARGV[6])
+local burst = tonumber(ARGV[5])
 if cost > burst then
   return '2 1'
 end
-local count, period_us = tonumber(ARGV[4]), tonumber(ARGV[5])
+local count, period_us = tonumber(ARGV[3]), tonumber(ARGV[4])
 local allowed, wait, retry, remaining, reset, s1, s2, s3 =
-  check(1, count, period_us, burst, now, cost, tonumber(ARGV[3]))
+  check(1, count, period_us, burst, now, cost, tonumber(ARGV[2]))
 if allowed == 1 then
   commit(1, count, period_us, burst, now, cost, nil, nil, s1, s2, s3)
 end

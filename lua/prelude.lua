@@ -20,7 +20,9 @@
 -- each file's check and commit shadow the previous file's, after that file registered its
 -- own. The one-limit script (acquire_one.lua) is this file and one algorithm's, each up to
 -- that line, and calls check and commit directly: every table and function a script
--- creates costs server time on each call. Each function gets k, the index in KEYS of the
+-- creates costs server time on each call. The parking lot's operations (park.lua,
+-- claim_parked.lua, commit_parked.lua, accept_parked.lua) use no algorithm: they are this
+-- file up to that line + the operation file. Each function gets k, the index in KEYS of the
 -- limit's first key, and the limit's count, period_us and burst:
 --   check(k, count, period_us, burst, now, cost, max_wait)
 --     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
@@ -66,13 +68,15 @@ end
 local ALGO = {}
 
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
--- (4 values per limit from ARGV[4i + 1]: code, count, period_us, burst), whose first key is
--- KEYS[k], for the drivers of several limits. Created with every field (check's outcome and
--- the state it read), so that no table is resized on that path.
+-- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
+-- key is KEYS[k], for the drivers of several limits. Created with every field (check's
+-- outcome and the state it read), so that no table is resized on that path. cost is nil
+-- when its ARGV is '' (settle.lua: as reserved).
 local function limit_record(i, k)
-  local a = 4 * i
+  local a = 5 * i - 2
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
           period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
+          cost = tonumber(ARGV[a + 5]),
           allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0,
           s1 = false, s2 = false, s3 = false}
 end

@@ -4,12 +4,12 @@
 -- KEYS         the same state keys, in the same order, as the acquisition, then its lease
 --              record written by acquire.lua
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
--- ARGV[2]      actual cost   '' = as reserved (a plain release)
--- ARGV[3]      acquisition   id (the concurrency holder)
--- ARGV[4]      n             number of limits
--- ARGV[5..]    4 per limit:  code, count, period_us, burst (as for acquire.lua)
+-- ARGV[2]      acquisition   id (the concurrency holder)
+-- ARGV[3]      n             number of limits
+-- ARGV[4..]    5 per limit:  code, count, period_us, burst (as for acquire.lua), then the
+--              actual cost for this limit ('' = as reserved: a plain release)
 --
--- Returns 'status delta'
+-- Returns 'status' then, when settled, one delta per limit
 --   status 0 = settled: delta = actual - reserved, > 0 charged, < 0 refunded;
 --          1 = already settled, 2 = unknown or expired lease: nothing changed;
 --          3 = the keys differ from those recorded: nothing changed.
@@ -17,48 +17,51 @@
 -- window refund returns cost only to the window that paid, while it still counts.
 
 local now = clock_us(ARGV[1])
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[3])
 local lease = KEYS[#KEYS]
-local rec = redis.call('HMGET', lease, 's', 'c', 'n')
+local rec = redis.call('HMGET', lease, 's', 'n')
 if rec[1] == false then
-  return '2 0'
+  return '2'
 elseif rec[1] ~= '1' then
-  return '1 0'
+  return '1'
 end
-if tonumber(rec[3]) ~= n then
-  return '3 0'
+if tonumber(rec[2]) ~= n then
+  return '3'
 end
 
 local fields = {}
 for i = 1, n do
   fields[#fields + 1] = 'k' .. i
   fields[#fields + 1] = 'm' .. i
+  fields[#fields + 1] = 'c' .. i
 end
 local marks = redis.call('HMGET', lease, unpack(fields))
-
-local delta = 0
-if ARGV[2] ~= '' then
-  delta = tonumber(ARGV[2]) - tonumber(rec[2])
-end
 
 local limits = {}
 local k = 1
 for i = 1, n do
-  if marks[2 * i - 1] ~= KEYS[k] then
-    return '3 0'
+  if marks[3 * i - 2] ~= KEYS[k] then
+    return '3'
   end
   local l = limit_record(i, k)
-  l.mark = marks[2 * i]
+  l.mark = marks[3 * i - 1]
+  -- l.cost is the actual cost here (nil: as reserved); delta = actual - reserved.
+  l.delta = 0
+  if l.cost then
+    l.delta = l.cost - tonumber(marks[3 * i])
+  end
   limits[i] = l
   k = k + l.algo.nkeys
 end
 
+local reply = '0'
 for i = 1, n do
   local l = limits[i]
-  if delta ~= 0 or l.code == 'conc' then
-    l.algo.adjust(l.k, l.count, l.period_us, l.burst, now, delta, l.mark, ARGV[3])
+  if l.delta ~= 0 or l.code == 'conc' then
+    l.algo.adjust(l.k, l.count, l.period_us, l.burst, now, l.delta, l.mark, ARGV[2])
   end
+  reply = reply .. ' ' .. fmt(l.delta)
 end
 -- Keep the record (marked settled) until it expires, so that a second settle says so.
 redis.call('HSET', lease, 's', '2')
-return '0 ' .. fmt(delta)
+return reply

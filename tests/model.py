@@ -258,7 +258,7 @@ class Concurrency:
 @dataclass
 class Record:
     settled: bool
-    cost: float
+    costs: tuple[float, ...]
     slot: float
     keys: tuple[str, ...]
     marks: tuple[str, ...]
@@ -288,7 +288,7 @@ class ModelLimiter:
         targets: list[tuple[Limit, str]],
         *,
         now: int,
-        cost: float,
+        cost: float | list[float],
         max_wait_us: int = 0,
         acq: str | None = None,
         lease_us: int = 300_000_000,
@@ -300,24 +300,25 @@ class ModelLimiter:
             if record is not None and not record.settled:
                 if record.keys != tuple(key for _, key in targets):
                     return ("mismatch",)
-                return (True, True, ceil_us(record.slot - now), 0, ())
+                return (True, True, ceil_us(record.slot - now), ceil_us(now - record.slot), ())
+        costs = cost if isinstance(cost, list) else [cost] * len(targets)
         checks = []
-        for limit, key in targets:
+        for (limit, key), c in zip(targets, costs, strict=True):
             algo = self.algos[limit.code]
             p = Params.of(limit)
-            checks.append((algo, key, p, algo.check(key, p, now, cost, max_wait_us)))
+            checks.append((algo, key, p, algo.check(key, p, now, c, max_wait_us)))
         allowed = all(r["allowed"] for *_, r in checks)
         wait = max(r["wait"] for *_, r in checks)
         retry = max(max(r["retry"], r["wait"]) for *_, r in checks)
         if allowed:
             slot = now + wait
             marks = tuple(
-                algo.commit(key, p, now, cost, r, holder=acq or "", expiry=slot + lease_us)
-                for algo, key, p, r in checks
+                algo.commit(key, p, now, c, r, holder=acq or "", expiry=slot + lease_us)
+                for (algo, key, p, r), c in zip(checks, costs, strict=True)
             )
             if acq is not None:
                 keys = tuple(key for _, key in targets)
-                self.records[acq] = Record(False, cost, slot, keys, marks)
+                self.records[acq] = Record(False, tuple(costs), slot, keys, marks)
             retry = 0
         else:
             wait = 0
@@ -327,19 +328,27 @@ class ModelLimiter:
         return (allowed, False, wait, retry, per_limit)
 
     def settle(
-        self, acq: str, targets: list[tuple[Limit, str]], *, now: int, actual: float | None
-    ) -> tuple[str, float]:
+        self,
+        acq: str,
+        targets: list[tuple[Limit, str]],
+        *,
+        now: int,
+        actual: float | list[float | None] | None,
+    ) -> tuple[str, tuple[float, ...]]:
         record = self.records.get(acq)
         if record is None:
-            return ("unknown", 0.0)
+            return ("unknown", ())
         if record.settled:
-            return ("already_settled", 0.0)
+            return ("already_settled", ())
         if record.keys != tuple(key for _, key in targets):
-            return ("mismatch", 0.0)
-        delta = 0.0 if actual is None else actual - record.cost
-        for (limit, key), mark in zip(targets, record.marks, strict=True):
+            return ("mismatch", ())
+        actuals = actual if isinstance(actual, list) else [actual] * len(targets)
+        deltas = tuple(
+            0.0 if a is None else a - c for a, c in zip(actuals, record.costs, strict=True)
+        )
+        for (limit, key), mark, delta in zip(targets, record.marks, deltas, strict=True):
             code = limit.code
             if delta != 0 or code == "conc":
                 self.algos[code].adjust(key, Params.of(limit), now, delta, mark, acq)
         record.settled = True
-        return ("settled", delta)
+        return ("settled", deltas)

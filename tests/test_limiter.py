@@ -8,7 +8,15 @@ import pytest
 import redis
 
 from tests.conftest import FakeClock
-from throttle import Acquisition, Limit, Limiter, RequestError, Throttled
+from throttle import (
+    Acquisition,
+    CostExceedsCapacity,
+    Decision,
+    Limit,
+    Limiter,
+    RequestError,
+    Throttled,
+)
 
 HOUR = 3600.0
 
@@ -120,6 +128,41 @@ def test_multi_limit_is_all_or_nothing(clocked: Limiter) -> None:
     assert daily_left == pytest.approx(49998.0)
 
 
+def test_each_limit_can_have_its_own_cost(clocked: Limiter) -> None:
+    # An LLM call: 1 of 3 requests per minute and an estimated 2000 of 5000 tokens per minute.
+    requests = Limit.parse("3/m", name="requests")
+    tokens = Limit.parse("5000/m", name="tokens")
+    first = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 2000)], acquisition_id="call-1"
+    )
+    assert first.allowed and first.acquisition is not None
+    assert first.acquisition.costs == (1.0, 2000.0)
+    assert [s.remaining for s in first.limits] == [pytest.approx(2.0), pytest.approx(3000.0)]
+    # All or nothing: 4000 more tokens do not fit, so no request is taken either.
+    denied = clocked.acquire_many([(requests, "acme", 1), (tokens, "acme", 4000)])
+    assert denied.denied_by == ("tokens",)
+    assert clocked.acquire(requests, "acme", cost=0).remaining == pytest.approx(2.0)
+    # The call used 1200 tokens: settle the tokens, keep the request as reserved.
+    settled = clocked.settle(first.acquisition, [None, 1200])
+    assert settled.deltas == (0.0, -800.0)
+    assert clocked.acquire(tokens, "acme", cost=0).remaining == pytest.approx(3800.0)
+    assert clocked.acquire(requests, "acme", cost=0).remaining == pytest.approx(2.0)
+    # A redelivered call does not pay twice, and knows what it reserved.
+    second = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 100)], acquisition_id="call-2"
+    )
+    held = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 999)], acquisition_id="call-2"
+    )
+    assert held.held and held.acquisition is not None
+    assert held.acquisition.costs == (1.0, 100.0)
+    assert second.acquisition is not None
+    with pytest.raises(RequestError, match="1 actual costs for 2 limits"):
+        clocked.settle(second.acquisition, [5])
+    with pytest.raises(CostExceedsCapacity, match="cost 6000 exceeds the capacity 5000"):
+        clocked.acquire_many([(requests, "acme", 1), (tokens, "acme", 6000)])
+
+
 def test_multi_limit_retry_after_is_the_largest_denial(clocked: Limiter) -> None:
     short = Limit.parse("1/s", name="short")
     long = Limit.parse("1/m", name="long")
@@ -209,7 +252,7 @@ def test_settling_twice_or_unknown_changes_nothing(clocked: Limiter) -> None:
     assert (again.status, again.delta) == ("already_settled", 0.0)
     ghost = Acquisition(
         "never-acquired",
-        5,
+        (5.0,),
         decision.acquisition.targets,
         (*decision.acquisition.keys[:-1], clocked.keyspace.lease_key("never-acquired")),
     )
@@ -241,7 +284,7 @@ def test_an_id_names_one_acquisition(clocked: Limiter) -> None:
     # A settle that names other keys than the record's changes nothing.
     forged = Acquisition(
         "t",
-        5,
+        (5.0,),
         ((limit, "b"),),
         (state_key(clocked, limit, "b"), clocked.keyspace.lease_key("t")),
     )
@@ -261,6 +304,11 @@ def test_the_same_acquisition_id_does_not_pay_twice(clocked: Limiter, clock: Fak
     assert redelivered.wait_s == pytest.approx(0.6)  # the same slot, nothing taken again
     assert redelivered.acquisition is not None
     assert redelivered.acquisition.cost == 1.0  # what the lease reserved, not this call
+    assert redelivered.late_s == 0
+    clock.advance(0.85)  # 0.25 s past the slot
+    late = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    assert late.held and late.wait_s == 0 and late.late_s == pytest.approx(0.25)
+    clock.advance(-0.85)
     assert clocked.acquire(limit, max_wait_s=5).wait_s == pytest.approx(1.6)
     # Once settled, the id may acquire (and pay) anew.
     assert first.acquisition is not None
@@ -447,3 +495,21 @@ def test_gcra_reads_the_text_tat_of_an_earlier_build(
     clock.advance(0.05)
     assert clocked.acquire(limit).allowed
     assert len(client.get(state_key(clocked, limit)) or b"") == 8
+
+
+def test_one_limit_with_its_own_cost_runs_the_one_limit_script(clocked: Limiter) -> None:
+    limit = Limit.parse("10/s", name="api")
+    # A (limit, key, cost) triple alone, without an id: the cost is the limit's, not `cost`.
+    decision = clocked.acquire_many([(limit, "k", 3)], cost=5)
+    assert decision.allowed and decision.remaining == 7
+    assert decision.late_s == 0.0 and decision.acquisition is None
+    assert len(decision) == len(Decision._fields)  # every field, late_s included
+    assert clocked.acquire(limit, "k").remaining == 6
+    assert limit.code in clocked._one  # lua/acquire_one.lua ran, not acquire.lua
+    with pytest.raises(RequestError, match="cost of limit 'api'"):
+        clocked.acquire_many([(limit, "k", -1)])
+    with pytest.raises(CostExceedsCapacity):
+        clocked.acquire_many([(limit, "k", 11)])
+    # The global cost is still checked, as acquire_many always did.
+    with pytest.raises(RequestError, match="cost must be"):
+        clocked.acquire_many([(limit, "k", 1)], cost=-1)

@@ -67,7 +67,7 @@ def summary(decision: Decision) -> tuple[Any, ...]:
         decision.allowed,
         decision.held,
         us(decision.wait_s),
-        us(decision.retry_after_s),
+        us(decision.late_s if decision.held else decision.retry_after_s),
         per_limit,
     )
 
@@ -91,14 +91,19 @@ def run_against_model(
                 expected = model.acquire(
                     model_targets, now=clock.now_us, cost=cost, max_wait_us=wait_us, acq=acq
                 )
+                # A list of costs is one per limit: the limiter takes (limit, key, cost).
+                call_targets: list[Any] = list(targets)
+                if isinstance(cost, list):
+                    call_targets = [(*t, c) for t, c in zip(targets, cost, strict=True)]
+                    cost = 1.0
                 if expected == ("mismatch",):
                     with pytest.raises(RequestError, match="already holds a lease"):
                         limiter.acquire_many(
-                            targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
+                            call_targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
                         )
                     continue
                 real = limiter.acquire_many(
-                    targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
+                    call_targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
                 )
                 assert summary(real) == expected, f"step {i}: {step}"
                 if real.acquisition:
@@ -110,7 +115,7 @@ def run_against_model(
                 expected_settle = model.settle(
                     acquisition.id, model_targets, now=clock.now_us, actual=actual
                 )
-                assert (result.status, result.delta) == expected_settle, f"step {i}: {step}"
+                assert (result.status, result.deltas) == expected_settle, f"step {i}: {step}"
     finally:
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:
@@ -124,6 +129,14 @@ def test_each_script_matches_its_model(
 ) -> None:
     limit = data.draw(limits(algorithm))
     sequence = data.draw(steps(limit.capacity, limit.period_s * 1e6))
+    if data.draw(st.booleans()):
+        # The cost as the limit's own ((limit, key, cost): the one-limit script takes it too),
+        # and the actual cost of a settle as a sequence of one.
+        for i, step in enumerate(sequence):
+            if step[0] == "acquire":
+                sequence[i] = (step[0], step[1], [step[2]], *step[3:])
+            elif step[3] is not None:
+                sequence[i] = (*step[:3], [step[3]], *step[4:])
     run_against_model(client, [(limit, "k")], sequence)
 
 
@@ -133,7 +146,20 @@ def multi_case(draw: st.DrawFn) -> tuple[list[tuple[Limit, str | None]], list[tu
     targets = [(lim, draw(st.sampled_from([None, "tenant-a"]))) for lim in chosen]
     capacity = min(lim.capacity for lim in chosen)
     period_us = min(lim.period_s for lim in chosen) * 1e6
-    return targets, draw(steps(capacity, period_us))
+    sequence = draw(steps(capacity, period_us))
+    if draw(st.booleans()):
+        # Each limit its own cost (1 request and 2000 tokens), on acquire and on settle.
+        def own(lim: Limit) -> st.SearchStrategy[float]:
+            return st.sampled_from([0.0, 1.0, lim.capacity]) | st.floats(0.0, lim.capacity)
+
+        for i, step in enumerate(sequence):
+            per_limit = [draw(own(lim)) for lim in chosen]
+            if step[0] == "acquire":
+                sequence[i] = (step[0], step[1], per_limit, *step[3:])
+            elif step[3] is not None:
+                actual = [draw(st.none() | own(lim)) for lim in chosen]
+                sequence[i] = (*step[:3], actual, *step[4:])
+    return targets, sequence
 
 
 @given(case=multi_case())

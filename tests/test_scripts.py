@@ -17,11 +17,13 @@ from throttle.scripts import (
     ONE_LIMIT_OPERATION,
     SEVERAL_LIMITS_ONLY,
     lua_dir,
+    operation_source,
     script_source,
 )
 from throttle.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+PARKING_OPERATIONS = ["park.lua", "claim_parked.lua", "commit_parked.lua", "accept_parked.lua"]
 
 
 def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> None:
@@ -69,7 +71,14 @@ def test_a_flushed_script_is_reloaded_and_state_kept(private_redis: RedisServer)
 def test_lua_dir_is_the_repository_copy() -> None:
     assert lua_dir() == ROOT / "lua"
     assert sorted(p.name for p in lua_dir().glob("*.lua")) == sorted(
-        [*ALGORITHM_FILES.values(), "prelude.lua", "acquire.lua", "acquire_one.lua", "settle.lua"]
+        [
+            *ALGORITHM_FILES.values(),
+            "prelude.lua",
+            "acquire.lua",
+            "acquire_one.lua",
+            "settle.lua",
+            *PARKING_OPERATIONS,
+        ]
     )
 
 
@@ -118,3 +127,13 @@ def test_one_limit_scripts_stop_each_file_at_the_marker() -> None:
         for source in (prelude, text):
             head = source.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
             assert one.count(head) == 1, name
+
+
+def test_parking_operations_carry_the_prelude_up_to_the_marker() -> None:
+    prelude = (lua_dir() / "prelude.lua").read_text()
+    head = prelude.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
+    for name in PARKING_OPERATIONS:
+        source = operation_source(name.removesuffix(".lua"))
+        assert source.count(head) == 1, name
+        assert "local ALGO" not in source and "limit_record" not in source, name
+        assert source.endswith((lua_dir() / name).read_text()), name

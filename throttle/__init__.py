@@ -1,8 +1,10 @@
 """celery-throttled: fleet-wide rate limits for Celery tasks, enforced in Redis.
 
-The limiter core (this release): atomic Lua scripts for token bucket, GCRA (leaky bucket
+The limiter core (this package): atomic Lua scripts for token bucket, GCRA (leaky bucket
 shaping with slot reservation), sliding and fixed windows and concurrency limits, against the
 Redis clock, with multi-limit all-or-nothing acquisition and cost settle (refund or charge).
+The Celery integration is :mod:`throttle.celery` (``@throttled``, ``ThrottledTask``,
+``install``); limits files are read by :mod:`throttle.config`.
 """
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
@@ -14,6 +16,7 @@ from throttle.errors import (
     RequestError,
     Throttled,
     ThrottleError,
+    ThrottleTimeout,
 )
 from throttle.keys import KeySpace
 from throttle.limiter import DEFAULT_LEASE_S, Limiter
@@ -35,5 +38,6 @@ __all__ = [
     "RequestError",
     "Settlement",
     "ThrottleError",
+    "ThrottleTimeout",
     "Throttled",
 ]

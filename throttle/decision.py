@@ -40,10 +40,16 @@ class Acquisition:
     """
 
     id: str
-    cost: float
+    costs: tuple[float, ...]
+    """The cost taken from each target, in order."""
     targets: tuple[tuple[Limit, str | None], ...]
     keys: tuple[str, ...]
     """The state keys of the targets, in order, then the lease record key."""
+
+    @property
+    def cost(self) -> float:
+        """The largest cost taken from one target (the cost, when all are the same)."""
+        return max(self.costs)
 
 
 class Decision(NamedTuple):
@@ -69,6 +75,8 @@ class Decision(NamedTuple):
     held: bool = False
     """True when the acquisition id already held a live lease (a redelivered task): allowed,
     nothing was taken again, ``wait_s`` is the time left until its slot."""
+    late_s: float = 0.0
+    """When ``held``: how long ago the reserved slot passed (0 if it has not yet)."""
 
     def __bool__(self) -> bool:
         return self.allowed
@@ -92,19 +100,25 @@ class Decision(NamedTuple):
 class Settlement:
     """The outcome of :meth:`Limiter.settle`.
 
-    ``delta`` is actual minus reserved cost: > 0 was charged, < 0 refunded. Any status
-    other than ``"settled"`` means nothing changed.
+    ``deltas`` are actual minus reserved cost, one per limit of the acquisition: > 0 was
+    charged, < 0 refunded. Any status other than ``"settled"`` means nothing changed (and
+    ``deltas`` is empty).
     """
 
     status: SettleStatus
-    delta: float = 0.0
+    deltas: tuple[float, ...] = ()
+
+    @property
+    def delta(self) -> float:
+        """The change of the first limit (of the only one, usually); 0 when nothing changed."""
+        return self.deltas[0] if self.deltas else 0.0
 
     @property
     def refunded(self) -> float:
-        """Tokens given back to every limit (0 when charged or nothing changed)."""
+        """Tokens given back to the first limit (0 when charged or nothing changed)."""
         return max(-self.delta, 0.0)
 
     @property
     def charged(self) -> float:
-        """Extra tokens taken from every limit (0 when refunded or nothing changed)."""
+        """Extra tokens taken from the first limit (0 when refunded or nothing changed)."""
         return max(self.delta, 0.0)

@@ -9,10 +9,13 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
      │    └── CostExceedsCapacity        the cost can never be admitted by a limit
      ├── BackendError                    Redis answered with an error
      │    └── BackendUnavailable         Redis could not be reached (connection, timeout)
-     └── Throttled                       a limit denied; carries ``retry_after_s``
+     ├── Throttled                       a limit denied; carries ``retry_after_s``
+     └── ThrottleTimeout                 a task's throttle deadline passed before its slot
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "BackendError",
@@ -21,6 +24,7 @@ __all__ = [
     "CostExceedsCapacity",
     "RequestError",
     "ThrottleError",
+    "ThrottleTimeout",
     "Throttled",
 ]
 
@@ -96,8 +100,29 @@ class BackendUnavailable(BackendError):
 class Throttled(ThrottleError):
     """A limit denied the acquisition; try again in ``retry_after_s`` seconds."""
 
-    def __init__(self, retry_after_s: float, denied_by: tuple[str, ...] = ()) -> None:
+    def __init__(self, retry_after_s: float, denied_by: Sequence[str] = ()) -> None:
         self.retry_after_s = retry_after_s
-        self.denied_by = denied_by
-        who = f" by {', '.join(denied_by)}" if denied_by else ""
-        super().__init__(f"throttled{who}: retry after {retry_after_s:.3f} s")
+        self.denied_by = tuple(denied_by)
+        # args are the constructor's, so that Celery's result backend can rebuild the error.
+        super().__init__(retry_after_s, list(self.denied_by))
+
+    def __str__(self) -> str:
+        who = f" by {', '.join(self.denied_by)}" if self.denied_by else ""
+        return f"throttled{who}: retry after {self.retry_after_s:.3f} s"
+
+
+class ThrottleTimeout(ThrottleError):
+    """A task could not get its slot before its throttle deadline (``max_wait`` or
+    ``expires``): it fails with this error instead of waiting forever."""
+
+    def __init__(self, limits: Sequence[str], needed_s: float, left_s: float) -> None:
+        self.limits = tuple(limits)
+        self.needed_s = needed_s
+        self.left_s = left_s
+        super().__init__(list(self.limits), needed_s, left_s)
+
+    def __str__(self) -> str:
+        return (
+            f"throttle deadline: {', '.join(self.limits) or 'the limits'} would admit the task "
+            f"in {self.needed_s:.3f} s, but its deadline is {self.left_s:.3f} s away"
+        )

@@ -92,3 +92,17 @@ class KeySpace:
     def lease_key(self, acquisition_id: str) -> str:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""
         return f"{self.base}lease:{encode(acquisition_id)}"
+
+    def rates_key(self) -> str:
+        """The HASH of rates changed at run time: limit name -> rate spec."""
+        return f"{self.base}rates"
+
+    def parking_keys(self) -> tuple[str, str, str, str]:
+        """The parking lot: parked (ZSET token -> due us), messages (HASH token -> payload),
+        claimed (ZSET token -> claim expiry us), publish ids (HASH token -> id)."""
+        base = f"{self.base}park:"
+        return (base + "due", base + "msg", base + "claimed", base + "pub")
+
+    def parked_run_key(self, token: str) -> str:
+        """Which published copy of a parked task may run (the first one to start)."""
+        return f"{self.base}park:run:{encode(token)}"

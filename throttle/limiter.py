@@ -52,7 +52,7 @@ from throttle.keys import KeySpace
 from throttle.scripts import ONE_LIMIT_OPERATION, script_source
 from throttle.spec import Limit
 
-__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter"]
+__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter", "run_script"]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
@@ -203,7 +203,7 @@ class Limiter:
             )
         _, count, period_us, burst = limit.script_args
         clock = self._clock_us
-        args = [b"" if clock is None else clock(), cost, max_wait_us, count, period_us, burst]
+        args = [b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost]
         reply = self._call(script, self.keyspace.state_keys(limit, key), args).split()
         if reply[0] != b"0":
             # The script re-checks capacity; the check above normally fires first.
@@ -218,12 +218,12 @@ class Limiter:
         wait_s = float(reply[2]) / 1e6
         return _new(
             Decision,
-            (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False),
+            (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False, 0.0),
         )
 
     def acquire_many(
         self,
-        targets: Sequence[tuple[Limit, str | None]],
+        targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]],
         *,
         cost: float = 1.0,
         max_wait_s: float = _NO_WAIT,
@@ -235,10 +235,13 @@ class Limiter:
         Parameters
         ----------
         targets:
-            Pairs of a limit and the key it applies to (``None``: one state for all).
+            Pairs of a limit and the key it applies to (``None``: one state for all), or
+            triples that add this limit's own cost (one call may cost 1 request from one
+            limit and 2000 tokens from another).
         cost:
-            Tokens to take from each limit, >= 0, fractions allowed. A cost above a
-            limit's capacity raises :class:`CostExceedsCapacity` (it could never pass).
+            Tokens to take from each limit without a cost of its own, >= 0, fractions
+            allowed. A cost above a limit's capacity raises :class:`CostExceedsCapacity`
+            (it could never pass).
         max_wait_s:
             Reserve instead of deny when token bucket and GCRA limits can admit the cost
             within this many seconds: the tokens are taken now and ``Decision.wait_s``
@@ -265,26 +268,48 @@ class Limiter:
         checked = _options(cost, max_wait_s, lease_s)
         if not targets:
             raise RequestError("acquire needs at least one limit")
-        if n == 1 and acquisition_id is None:
-            limit, key = targets[0]
-            if type(limit) is Limit and limit.code != "conc":
-                return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
         cost, max_wait_us, lease_s = checked
+        if n == 1 and acquisition_id is None:
+            # The common call: lua/acquire_one.lua, through acquire (the options are checked
+            # already, and cost is a plain float now, so acquire's checks pass at once).
+            target = targets[0]
+            limit = target[0]
+            if type(limit) is Limit and limit.code != "conc":
+                if len(target) == 3:
+                    own = _number(target[2], f"cost of limit {limit.name!r}")
+                    return self.acquire(
+                        limit, target[1], cost=own, max_wait_s=max_wait_s, lease_s=lease_s
+                    )
+                _, key = target
+                return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
+        encoded_cost = repr(cost).encode()
         keyspace = self.keyspace
         keys: list[str] = []
-        args: list[Any] = [b"", cost, max_wait_us, n]
-        for limit, key in targets:
+        args: list[Any] = [b"", max_wait_us, n]
+        pairs: list[tuple[Limit, str | None]] = []
+        costs: list[float] = []
+        for target in targets:
+            if len(target) == 3:
+                limit, key, own = target
+                limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
+                encoded = repr(limit_cost).encode()
+            else:
+                limit, key = target
+                limit_cost, encoded = cost, encoded_cost
             if not isinstance(limit, Limit):
                 raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
             if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-            if cost > limit.capacity:
-                raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+            if limit_cost > limit.capacity:
+                raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
             keys.extend(keyspace.state_keys(limit, key))
             args.extend(limit.script_args)
+            args.append(encoded)
+            pairs.append((limit, key))
+            costs.append(limit_cost)
         if n > 1 and len(set(keys)) != len(keys):
             raise RequestError("the same limit and key appear twice in one acquisition")
-        codes = targets[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in targets)
+        codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
         if acquisition_id is None and "conc" in codes:
             acquisition_id = uuid.uuid4().hex  # a concurrency holder needs a name
         if acquisition_id is not None:
@@ -300,8 +325,9 @@ class Limiter:
         status = int(reply[0])
         if status == 2:
             # The script re-checks capacity; the check above normally fires first.
-            limit = targets[int(reply[1]) - 1][0]
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+            index = int(reply[1]) - 1
+            limit = pairs[index][0]
+            raise CostExceedsCapacity(limit.name, costs[index], limit.capacity)
         if status == 3:
             raise RequestError(
                 f"acquisition {acquisition_id!r} already holds a lease on other limits or "
@@ -309,14 +335,16 @@ class Limiter:
             )
         wait_s = float(reply[2]) / 1e6
         if status == 1:
-            # Held already (a redelivery): the lease's own cost, not this call's.
-            held = Acquisition(str(acquisition_id), float(reply[4]), tuple(targets), tuple(keys))
-            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True)
+            # Held already (a redelivery): the lease's own costs, not this call's.
+            held_costs = tuple(float(c) for c in reply[4 : 4 + n])
+            held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), tuple(keys))
+            late_s = float(reply[3]) / 1e6
+            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True, late_s=late_s)
         allowed = int(reply[1]) == 1
         acquisition = None
         if allowed and acquisition_id is not None:
-            acquisition = Acquisition(acquisition_id, cost, tuple(targets), tuple(keys))
-        states = tuple([_limit_state(targets[i][0], reply, 4 * i + 4) for i in range(n)])
+            acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), tuple(keys))
+        states = tuple([_limit_state(pairs[i][0], reply, 4 * i + 4) for i in range(n)])
         if n == 1:
             remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
         else:
@@ -327,32 +355,45 @@ class Limiter:
             allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
         )
 
-    def settle(self, acquisition: Acquisition, actual_cost: float | None) -> Settlement:
+    def settle(
+        self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
+    ) -> Settlement:
         """Finish an acquisition with what it really cost, and release its concurrency units.
 
-        The difference to the reserved cost is refunded (never above capacity; for GCRA
-        never to a slot before now; for windows only to the window that paid, while it
-        counts) or charged (debt is allowed: later callers wait for it). ``None`` keeps
-        the reserved cost (a plain release). Settling twice, or an acquisition whose
-        record expired, changes nothing and says so in :attr:`Settlement.status`.
+        ``actual_cost`` is one number for every limit, one per limit (in the order of the
+        acquisition's targets; ``None`` for a limit keeps its reserved cost), or ``None``
+        to keep every reserved cost (a plain release). The difference to the reserved cost
+        is refunded (never above capacity; for GCRA never to a slot before now; for windows
+        only to the window that paid, while it counts) or charged (debt is allowed: later
+        callers wait for it). Settling twice, or an acquisition whose record expired,
+        changes nothing and says so in :attr:`Settlement.status`.
         """
         if not isinstance(acquisition, Acquisition):
             raise RequestError(
                 f"settle needs the Acquisition of an allowed, recorded decision "
                 f"(got {acquisition!r})"
             )
-        args: list[Any] = [b"", b"", acquisition.id, len(acquisition.targets)]
-        if actual_cost is not None:
-            args[1] = _number(actual_cost, "actual_cost")
-        for limit, _ in acquisition.targets:
+        n = len(acquisition.targets)
+        actuals: Sequence[float | None]
+        if actual_cost is None or not isinstance(actual_cost, Sequence):
+            actuals = (actual_cost,) * n
+        else:
+            actuals = actual_cost
+            if len(actuals) != n:
+                raise RequestError(
+                    f"settle got {len(actuals)} actual costs for {n} limits: give one number, "
+                    "or one per limit"
+                )
+        args: list[Any] = [b"", acquisition.id, n]
+        for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(limit.script_args)
+            args.append(b"" if actual is None else _number(actual, "actual_cost"))
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
-        status, delta = self._call(
-            self._scripts_for(codes)[1], list(acquisition.keys), args
-        ).split()
-        return Settlement(_SETTLE_STATUS[int(status)], float(delta))
+        reply = self._call(self._scripts_for(codes)[1], list(acquisition.keys), args).split()
+        deltas = tuple(float(delta) for delta in reply[1:])
+        return Settlement(_SETTLE_STATUS[int(reply[0])], deltas)
 
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
@@ -370,15 +411,30 @@ class Limiter:
         return scripts
 
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
-        """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
+        """One script call through :func:`run_script` (the one place bench/core.py taps)."""
+        return run_script(self.client, script, keys, args)
+
+
+def run_script(client: redis.Redis, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
+    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
+    try:
         try:
-            try:
-                return script(keys, args)
-            except NoScriptError:
-                # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
-                # (registered from a str: see _scripts_for)
-                return self.client.eval(cast(str, script.script), len(keys), *keys, *args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-        except (redis.RedisError, RedisClusterException) as exc:
-            raise BackendError(f"Redis refused a limiter call: {exc}") from exc
+            return script(keys, args)
+        except NoScriptError:
+            # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
+            # (registered from a str: see Limiter._scripts_for)
+            return client.eval(cast(str, script.script), len(keys), *keys, *args)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendError(f"Redis refused a limiter call: {exc}") from exc
+
+
+def wrap_errors(call: Callable[[], Any]) -> Any:
+    """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
+    try:
+        return call()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendError(f"Redis refused a limiter call: {exc}") from exc

@@ -11,7 +11,10 @@ The common call, one limit and no acquisition id, runs ``acquire_one.lua`` inste
 what follows it (the ``ALGO`` registry, the per-limit record, each algorithm's
 ``ALGO[code]`` entry and its ``adjust``) serves only the drivers of several limits, and a
 script pays for every table and function it creates on each call. ``acquire_one.lua``
-calls the algorithm's ``check`` and ``commit`` directly (see ``prelude.lua``).
+calls the algorithm's ``check`` and ``commit`` directly (see ``prelude.lua``). The
+operations of the parking lot (``park.lua``, ``claim_parked.lua``, ``commit_parked.lua``,
+``accept_parked.lua``: :mod:`throttle.parking`) use no algorithm: each is sent after the
+same cut prelude (:func:`operation_source`).
 
 Scripts are registered as redis-py :class:`~redis.commands.core.Script` objects, which
 call EVALSHA and reload the script on NOSCRIPT (after ``SCRIPT FLUSH`` or a restart).
@@ -27,6 +30,7 @@ __all__ = [
     "ONE_LIMIT_OPERATION",
     "SEVERAL_LIMITS_ONLY",
     "lua_dir",
+    "operation_source",
     "script_source",
 ]
 
@@ -92,3 +96,12 @@ def script_source(operation: str, codes: frozenset[str]) -> str:
         files = [ALGORITHM_FILES[code] for code in sorted(codes)]
         parts = [_read(name) for name in ["prelude.lua", *files, f"{operation}.lua"]]
     return "\n".join(parts)
+
+
+@functools.cache
+def operation_source(operation: str) -> str:
+    """The source of an operation that uses no algorithm (``"park"``, ``"claim_parked"``...):
+    the prelude up to its :data:`SEVERAL_LIMITS_ONLY` line (the clock and helpers; not the
+    registry of algorithms, which such a script would only build and drop on every call)
+    and the operation file."""
+    return "\n".join([_one_limit_part("prelude.lua"), _read(f"{operation}.lua")])

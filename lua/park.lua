@@ -1,0 +1,17 @@
+-- park.lua: park a deferred task in Redis until shortly before its slot.
+--
+-- KEYS[1]  due       ZSET token -> when to send it back to the broker (us, Redis clock)
+-- KEYS[2]  messages  HASH token -> the task's serialized message (opaque to this script)
+-- ARGV[1]  now_us    '' = read Redis TIME (always, outside tests)
+-- ARGV[2]  token     a new unique id of this parking
+-- ARGV[3]  delay_us  how long from now the task is due back at the broker
+-- ARGV[4]  payload
+--
+-- Returns the due time in us, as a string. The lot's keys have no TTL: a parked task lives
+-- until it is released (claim_parked.lua, commit_parked.lua); nothing else deletes it.
+
+local now = clock_us(ARGV[1])
+local due = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+redis.call('ZADD', KEYS[1], due, ARGV[2])
+return string.format('%d', due)

@@ -1,0 +1,838 @@
+"""Fleet-wide rate limits for Celery tasks, enforced on the worker when a task is about to run.
+
+Producer side: nothing changes (``.delay``, ``apply_async``, canvas, beat). Worker side::
+
+    from celery import Celery
+    from throttle.celery import ThrottledTask, install, report_cost, throttled
+
+    app = Celery("proj", broker="redis://localhost:6379/0", task_cls=ThrottledTask)
+    app.conf.throttle_config = "configs/limits.yaml"   # or THROTTLE_CONFIG=...
+    install(app)    # validates the file when the worker starts; runs the parked-task releaser
+
+    @app.task(bind=True)
+    @throttled("openai-requests", "openai-tokens")     # limits named in the file
+    def complete(self, tenant_id, prompt, max_tokens):
+        reply = call_the_api(prompt, max_tokens)
+        report_cost(reply.usage.total_tokens, limit="openai-tokens")  # settle the estimate
+        return reply.text
+
+    @app.task
+    @throttled("20/s burst 1", algorithm="gcra", key="{account}")   # an inline limit
+    def charge(account, amount): ...
+
+``task_cls=ThrottledTask`` makes every task of the app apply the limits the file maps to
+its name or to the queue it was consumed from (``queues:`` / ``tasks:``), so per-queue limits
+need no decorator. ``@throttled`` (under ``@app.task`` or ``@shared_task``) adds limits to
+one task; ``base=ThrottledTask`` with a ``throttle = [...]`` attribute does the same.
+
+What happens to a task (all of it inside the task's execution, so retries, chains, chords,
+groups, beat and replays pass through it):
+
+1. Its rules are resolved: key and cost from its arguments, the rate from Redis when an
+   operator changed it at run time (:class:`throttle.rates.RateBook`).
+2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
+   does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
+3. Admitted now, or within ``sleep_max`` (the pool slot sleeps until the slot): the body
+   runs, then the acquisition is settled with the actual cost (:func:`report_cost`), or
+   refunded if the body raised and the rule says ``on_error: refund``.
+4. Otherwise the same task (same id, arguments, options, headers, links, chord) is
+   re-published for the moment its reserved slot comes, without spending ``max_retries``;
+   waits longer than ``park_after`` are parked in Redis (:mod:`throttle.parking`) and sent
+   back to the broker shortly before they are due. A denial that reserved nothing
+   (windows, concurrency) retries when the limit says it could admit, plus a random jitter.
+5. Past the task's deadline (``max_wait``, or its ``expires``), the task fails with
+   :class:`ThrottleTimeout`, or is sent to a dead-letter queue (``on_timeout``).
+
+Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
+the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
+
+from celery import Celery, Task, bootsteps
+from celery._state import get_current_task
+from celery.exceptions import Ignore, Retry
+from kombu.serialization import dumps, loads
+
+from throttle.config import Rule, Settings, ThrottleConfig
+from throttle.decision import Acquisition, Decision
+from throttle.errors import (
+    BackendError,
+    ConfigError,
+    Throttled,
+    ThrottleTimeout,
+)
+from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.parking import Claimed, ParkingLot
+from throttle.rates import RateBook
+from throttle.spec import Algorithm, Limit
+
+__all__ = [
+    "ThrottledTask",
+    "Throttler",
+    "install",
+    "report_cost",
+    "slot_time",
+    "throttled",
+]
+
+logger = logging.getLogger("throttle")
+
+# Headers the throttler adds to a re-published task (kept by Celery across retries).
+H_DEADLINE = "throttle_deadline"  # epoch s: past it, on_timeout applies
+H_DEFERRALS = "throttle_deferrals"  # how many times throttling re-published the task
+H_PARKED = "throttle_parked"  # the parking token of a task released from the lot
+H_PUBLISH = "throttle_publish"  # the publish id of that release
+H_DEAD = "throttle_dead_letter"  # the dead-letter queue a timed-out task was sent to
+
+MAX_RESERVE_S = 86400.0
+"""The farthest ahead a slot is reserved, in s; a task that would wait longer is denied and
+comes back when the limit says (a rate changed at run time applies to it then)."""
+EARLY_S = 0.1
+"""A rescheduled task is published to arrive this long before its slot and sleeps the rest:
+the slot is kept to the millisecond, whatever the precision of ETA messages."""
+BACKEND_RETRY_S = 5.0
+"""How long a task deferred because Redis is unreachable waits before trying again, in s."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+_UNSET: Any = object()
+
+
+# -- the rules of a task -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What ``@throttled`` or ``ThrottledTask.throttle`` names: inline rules, and names of
+    rules in the config file (resolved when the worker starts), with overrides."""
+
+    rules: tuple[Rule, ...] = ()
+    names: tuple[str, ...] = ()
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _spec(items: Sequence[Limit | Rule | str], owner: str, options: Mapping[str, Any]) -> _Spec:
+    rules: list[Rule] = []
+    names: list[str] = []
+    rule_options = {k: v for k, v in options.items() if v is not _UNSET and k != "algorithm"}
+    algorithm = options.get("algorithm", _UNSET)
+    for i, item in enumerate(items):
+        if isinstance(item, Rule):
+            rules.append(item)
+        elif isinstance(item, Limit):
+            rules.append(Rule(item, **rule_options))
+        elif isinstance(item, str) and ("/" in item or "concurrent" in item):
+            name = owner if len(items) == 1 else f"{owner}#{i + 1}"
+            algo = None if algorithm is _UNSET else algorithm
+            limit = Limit.parse(item, name=name, algorithm=algo, source=owner)
+            rules.append(Rule(limit, **rule_options))
+        elif isinstance(item, str) and item:
+            names.append(item)
+        else:
+            raise ConfigError(
+                "a throttled limit is a rate such as '20/s', the name of a limit in the "
+                "config file, a Limit or a Rule",
+                value=item, source=owner,
+            )  # fmt: skip
+    return _Spec(tuple(rules), tuple(names), rule_options)
+
+
+# inspect.signature costs tens of us; a task's function never changes.
+_signature = functools.lru_cache(maxsize=1024)(inspect.signature)
+
+
+def _arguments(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The task's arguments by name (positional ones bound to the function's parameters)."""
+    try:
+        signature = _signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    named = dict(bound.arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in named:
+            named.update(named.pop(parameter.name))
+    return named
+
+
+def _key(
+    rule: Rule, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    key = rule.key
+    if key is None:
+        return None
+    if callable(key):
+        value = key(*args, **kwargs)
+    else:
+        missing = [name for name in rule.key_fields if name not in named]
+        if missing:
+            raise ConfigError(
+                f"the task has no argument {', '.join(map(repr, missing))} for the key template",
+                field="key", value=key, limit=rule.name,
+            )  # fmt: skip
+        value = key.format_map(named)
+    if value is None or value == "":
+        raise ConfigError(
+            "the key is empty for this task's arguments", field="key", value=key, limit=rule.name
+        )
+    return str(value)
+
+
+def _cost(
+    rule: Rule, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> float:
+    cost = rule.cost
+    if isinstance(cost, float):
+        return cost
+    if isinstance(cost, str):
+        if cost not in named:
+            raise ConfigError(
+                "the task has no argument of this name", field="cost", value=cost,
+                limit=rule.name,
+            )  # fmt: skip
+        value = named[cost]
+    else:
+        value = cost(*args, **kwargs)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(
+            "the cost of this task is not a finite number >= 0", field="cost", value=value,
+            limit=rule.name,
+        )  # fmt: skip
+    return float(value)
+
+
+# -- the per-process runtime -------------------------------------------------------------
+
+
+class Throttler:
+    """The throttler of one Celery app in one process: config, limiter, rates, parking.
+
+    Built lazily on first use in each process (no connection at import, none shared
+    across a fork), by :meth:`of`.
+    """
+
+    def __init__(self, app: Celery, config: ThrottleConfig, limiter: Limiter) -> None:
+        self.app = app
+        self.config = config
+        self.settings: Settings = config.settings
+        self.limiter = limiter
+        keyspace = limiter.keyspace
+        self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        self.parking = ParkingLot(limiter.client, keyspace)
+        self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
+        self._outage = False
+        # Parked tasks need releasers: install() adds one to every worker of the app. Without
+        # it a long wait stays an ETA message (with the risks parking avoids) rather than be
+        # parked for ever.
+        self.releasing = ThrottleStep in app.steps["worker"]
+        if not self.releasing:
+            logger.warning(
+                "throttle: install(app) was not called: long waits stay ETA messages in "
+                "workers instead of being parked in Redis"
+            )
+
+    _instances: ClassVar[dict[tuple[int, int], Throttler]] = {}
+
+    @classmethod
+    def of(cls, app: Celery) -> Throttler:
+        """The throttler of ``app`` in this process (created on first call).
+
+        Keyed by pid, so that a forked pool child builds its own connections. No lock: a
+        lock held by the releaser thread at the moment the pool forks would stay locked
+        forever in the child; two threads racing here build one spare throttler at worst.
+        """
+        ident = (id(app), os.getpid())
+        throttler = cls._instances.get(ident)
+        if throttler is None:
+            throttler = cls._instances.setdefault(ident, cls.from_app(app))
+        return throttler
+
+    @classmethod
+    def from_app(cls, app: Celery) -> Throttler:
+        """Build from ``app.conf.throttle_config`` (a path or mapping; else the file named by
+        ``THROTTLE_CONFIG``) and ``app.conf.throttle_redis_url`` (else the file's
+        ``settings.redis_url``, ``THROTTLE_REDIS_URL``, or the broker when it is Redis)."""
+        config = ThrottleConfig.from_source(app.conf.get("throttle_config"))
+        url = (
+            app.conf.get("throttle_redis_url")
+            or config.settings.redis_url
+            or os.environ.get("THROTTLE_REDIS_URL")
+        )
+        if not url:
+            broker = str(app.conf.broker_url or "")
+            if broker.startswith(("redis://", "rediss://", "unix://")):
+                url = broker
+        if not url:
+            raise ConfigError(
+                "no Redis for the limiter: set app.conf.throttle_redis_url, settings.redis_url "
+                "in the limits file or THROTTLE_REDIS_URL",
+                field="redis_url", source=config.source,
+            )  # fmt: skip
+        limiter = Limiter.from_url(
+            url, prefix=config.settings.prefix, namespace=config.settings.namespace
+        )
+        return cls(app, config, limiter)
+
+    def rules(self, task: Task, spec: _Spec | None, queue: str | None) -> tuple[Rule, ...]:
+        """The task's rules: its own (inline, then named), then the file's for its name and
+        queue, each limit once."""
+        cache_key = (task.name, queue, id(spec))
+        rules = self._resolved.get(cache_key)
+        if rules is None:
+            found: dict[str, Rule] = {}
+            if spec is not None:
+                for rule in spec.rules:
+                    found.setdefault(rule.name, rule)
+                for name in spec.names:
+                    rule = self.config.rule(name)
+                    if spec.overrides:
+                        rule = Rule(**{**_rule_fields(rule), **_override_fields(spec.overrides)})
+                    found.setdefault(name, rule)
+            # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by
+            # the file: a limit on the default queue must not stall a chord's bookkeeping.
+            if not task.name.startswith("celery."):
+                for rule in self.config.rules_for(task.name, queue):
+                    found.setdefault(rule.name, rule)
+            rules = self._resolved[cache_key] = tuple(found.values())
+        return rules
+
+    def outage(self, exc: BaseException | None) -> None:
+        """Log one warning when Redis becomes unreachable and one when it is back."""
+        if exc is not None and not self._outage:
+            self._outage = True
+            logger.warning("throttle: Redis is unreachable (%s); applying on_redis_down", exc)
+        elif exc is None and self._outage:
+            self._outage = False
+            logger.warning("throttle: Redis is reachable again")
+
+    def validate(self) -> None:
+        """Resolve every named limit of the app's tasks now (at worker start), so that a
+        name missing from the file stops the worker instead of failing tasks."""
+        for task in list(self.app.tasks.values()):
+            spec = _task_spec(task)
+            if spec is not None:
+                for name in spec.names:
+                    self.config.rule(name)
+
+
+def _rule_fields(rule: Rule) -> dict[str, Any]:
+    return {
+        "limit": rule.limit, "key": rule.key, "cost": rule.cost, "max_wait_s": rule.max_wait_s,
+        "on_timeout": rule.on_timeout, "on_error": rule.on_error,
+        "on_redis_down": rule.on_redis_down,
+    }  # fmt: skip
+
+
+def _override_fields(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    return {("max_wait_s" if k == "max_wait" else k): v for k, v in overrides.items()}
+
+
+def _task_spec(task: Task) -> _Spec | None:
+    spec = getattr(task.run, "__throttle__", None)
+    if spec is None and isinstance(task, ThrottledTask):
+        spec = type(task)._class_spec()
+    return spec
+
+
+# -- one execution -----------------------------------------------------------------------
+
+
+@dataclass
+class _Ticket:
+    """What one execution holds: the acquisition to settle, the costs the body reported."""
+
+    acquisition: Acquisition | None
+    rules: tuple[Rule, ...]
+    slot_at: float
+    """When the slot came, in epoch s of this worker's clock."""
+    reported: dict[str | None, float] = field(default_factory=dict)
+
+
+_ticket: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar(
+    "throttle_ticket", default=None
+)
+
+
+def report_cost(actual: float, limit: str | None = None) -> None:
+    """Report what the running task's call really cost, to settle its reserved estimate.
+
+    ``limit`` names one limit; ``None`` applies to every limit whose cost is an estimate
+    (an argument or a callable; fixed costs, such as 1 request, stay). The difference is
+    refunded or charged when the task returns. Outside a throttled task this does nothing.
+    """
+    if (
+        isinstance(actual, bool)
+        or not isinstance(actual, int | float)
+        or not 0 <= actual < math.inf
+    ):
+        raise ValueError(f"report_cost needs a finite number >= 0 (got {actual!r})")
+    ticket = _ticket.get()
+    if ticket is not None:
+        ticket.reported[limit] = float(actual)
+
+
+def slot_time() -> float | None:
+    """When the running task's slot came (epoch s, this worker's clock), or None outside a
+    throttled task: ``time.time() - slot_time()`` is how late the call is behind its slot."""
+    ticket = _ticket.get()
+    return None if ticket is None else ticket.slot_at
+
+
+def _queue_of(request: Any) -> str | None:
+    info = request.delivery_info or {}
+    return info.get("routing_key") or info.get("queue") or None
+
+
+def _float_header(headers: Mapping[str, Any], name: str) -> float | None:
+    value = headers.get(name)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+class _Gate:
+    """Decides for one execution of one task: run now (maybe after a short sleep), or
+    re-publish for later, or time out. Raises celery's Retry/Ignore to defer."""
+
+    def __init__(
+        self,
+        task: Task,
+        spec: _Spec | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.task = task
+        self.request = task.request
+        self.throttler = Throttler.of(task.app)
+        self.settings = self.throttler.settings
+        self.headers: dict[str, Any] = dict(self.request.headers or {})
+        self.rules = self.throttler.rules(task, spec, _queue_of(self.request))
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def enter(self) -> _Ticket | None:
+        rules = self.rules
+        if not rules:
+            return None
+        queue = _queue_of(self.request)
+        if queue is not None and self.headers.get(H_DEAD) == queue:
+            return None  # consumed from the dead-letter queue it was sent to: not again
+        token, publish = self.headers.get(H_PARKED), self.headers.get(H_PUBLISH)
+        if isinstance(token, str) and isinstance(publish, str):
+            try:
+                if not self.throttler.parking.accept(token, publish):
+                    logger.info(
+                        "throttle: dropping a second copy of parked task %s", self.request.id
+                    )
+                    raise Ignore()
+            except BackendError as exc:
+                return self._backend_down(exc)
+        named = _arguments(self.fn, self.args, self.kwargs)
+        targets = []
+        rates = self.throttler.rates
+        try:
+            for rule in rules:
+                limit = rates.current(rule.limit)
+                targets.append(
+                    (
+                        limit,
+                        _key(rule, named, self.args, self.kwargs),
+                        _cost(rule, named, self.args, self.kwargs),
+                    )
+                )
+        except BackendError as exc:
+            return self._backend_down(exc)
+        self.targets = targets
+        now = time.time()
+        self.deadline = self._deadline(now)
+        eager = bool(self.request.is_eager or self.request.called_directly)
+        try:
+            if eager:
+                return self._block()
+            return self._decide(now)
+        except BackendError as exc:
+            return self._backend_down(exc)
+
+    # -- deadlines and horizons
+
+    def _deadline(self, now: float) -> float | None:
+        deadline = _float_header(self.headers, H_DEADLINE)
+        if deadline is None:
+            waits = [rule.max_wait_s for rule in self.rules if rule.max_wait_s is not None]
+            deadline = now + min(waits) if waits else None
+        expires = self.request.expires
+        if expires:
+            try:
+                stamp = (
+                    datetime.fromisoformat(expires).timestamp()
+                    if isinstance(expires, str)
+                    else float(expires.timestamp())
+                )
+            except (TypeError, ValueError, AttributeError):
+                stamp = None
+            if stamp is not None:
+                deadline = stamp if deadline is None else min(deadline, stamp)
+        return deadline
+
+    def _horizon(self, now: float) -> float:
+        """How far ahead a slot may be reserved: a concurrency unit must not be held while
+        the task waits, so with one the wait is at most a sleep."""
+        if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in self.targets):
+            horizon = self.settings.sleep_max_s
+        else:
+            horizon = MAX_RESERVE_S
+        if self.deadline is not None:
+            horizon = min(horizon, max(self.deadline - now, 0.0))
+        return horizon
+
+    def _lease_s(self, wait_s: float) -> float:
+        limit = self.request.timelimit or (None, None)
+        hard = limit[0] or self.task.time_limit or self.task.app.conf.task_time_limit
+        return max(float(hard or DEFAULT_LEASE_S), 1.0) + max(wait_s, 0.0) + 60.0
+
+    def _acquire(self, max_wait_s: float) -> Decision:
+        return self.throttler.limiter.acquire_many(
+            self.targets,
+            max_wait_s=max_wait_s,
+            acquisition_id=self.request.id,
+            lease_s=self._lease_s(max_wait_s),
+        )
+
+    # -- the worker path
+
+    def _decide(self, now: float) -> _Ticket | None:
+        decision = self._acquire(self._horizon(now))
+        if decision.allowed and decision.held and decision.late_s > self.settings.late_tolerance_s:
+            # The task reached its reserved slot late (busy workers): calling now could land
+            # on the next task's slot. Give the slot up and take a new one. Not a refund: the
+            # passed slot is lost capacity (a burst-1 API cannot bank it), and handing it
+            # back would book the same future slot twice.
+            assert decision.acquisition is not None
+            self.throttler.limiter.settle(decision.acquisition, None)
+            decision = self._acquire(self._horizon(now))
+        self.throttler.outage(None)
+        if decision.allowed:
+            wait = decision.wait_s
+            if wait <= self.settings.sleep_max_s:
+                if wait > 0 and self._sleep_until_slot(wait) and decision.acquisition:
+                    # Woke too late (a busy machine): the slot passed, take a new one (the
+                    # passed slot is given up, not refunded: see above).
+                    self.throttler.limiter.settle(decision.acquisition, None)
+                    return self._decide(time.time())
+                return _Ticket(decision.acquisition, self.rules, now + wait)
+            # A slot is reserved, further ahead: come back just before it.
+            self._defer(wait - EARLY_S, wait, decision)
+        retry = decision.retry_after_s
+        if self.deadline is not None and now + retry > self.deadline:
+            self._timeout(now, retry, decision)
+        jitter = random.uniform(0.0, min(self.settings.jitter_s, max(retry, 0.05)))
+        self._defer(retry + jitter, retry, decision)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _sleep_until_slot(self, wait_s: float) -> bool:
+        """Sleep until the reserved slot; True when the wake-up came later than the
+        tolerance (calling then could land on the next holder's slot)."""
+        start = time.monotonic()
+        time.sleep(wait_s)
+        return time.monotonic() - start - wait_s > self.settings.late_tolerance_s
+
+    def _defer(self, countdown: float, wait_s: float, decision: Decision) -> None:
+        request, task = self.request, self.task
+        countdown = max(countdown, 0.0)
+        headers = {k: v for k, v in self.headers.items() if k not in (H_PARKED, H_PUBLISH)}
+        if self.deadline is not None:
+            headers[H_DEADLINE] = self.deadline
+        deferrals = headers.get(H_DEFERRALS)
+        headers[H_DEFERRALS] = (deferrals if isinstance(deferrals, int) else 0) + 1
+        limits = decision.denied_by or tuple(rule.name for rule in self.rules)
+        reason = Throttled(wait_s, limits)
+        if countdown > self.settings.park_after_s and self.throttler.releasing:
+            sig = task.signature_from_request(request, headers=headers)
+            content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+                dict(sig), serializer=task.serializer
+            )
+            payload = f"{content_type}\n{encoding}\n".encode() + (
+                body if isinstance(body, bytes) else body.encode()
+            )
+            self.throttler.parking.park(payload, countdown - self.settings.park_lead_s)
+        else:
+            sig = task.signature_from_request(request, countdown=countdown, headers=headers)
+            sig.apply_async()
+        raise Retry(exc=reason, when=countdown, sig=sig)
+
+    def _timeout(self, now: float, needed_s: float, decision: Decision) -> None:
+        left = max((self.deadline or now) - now, 0.0)
+        rules = [rule for rule in self.rules if rule.name in decision.denied_by] or list(self.rules)
+        queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
+        if queue is None:
+            raise ThrottleTimeout(decision.denied_by, needed_s, left)
+        headers = {
+            k: v for k, v in self.headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)
+        }
+        headers[H_DEAD] = queue
+        sig = self.task.signature_from_request(self.request, queue=queue, headers=headers)
+        sig.apply_async(queue=queue)
+        logger.warning(
+            "throttle: task %s timed out; sent to dead-letter queue %s", self.request.id, queue
+        )
+        raise Ignore()
+
+    # -- eager mode and direct calls
+
+    def _block(self) -> _Ticket:
+        while True:
+            now = time.time()
+            decision = self._acquire(self._horizon(now))
+            if decision.allowed:
+                if decision.wait_s > 0:
+                    time.sleep(decision.wait_s)
+                return _Ticket(decision.acquisition, self.rules, now + decision.wait_s)
+            retry = decision.retry_after_s
+            if self.deadline is not None and now + retry > self.deadline:
+                raise ThrottleTimeout(decision.denied_by, retry, max(self.deadline - now, 0.0))
+            time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
+
+    # -- Redis down
+
+    def _backend_down(self, exc: BackendError) -> _Ticket | None:
+        self.throttler.outage(exc)
+        if all(rule.on_redis_down == "allow" for rule in self.rules):
+            return None  # fail open: run without a ticket
+        if self.request.is_eager or self.request.called_directly:
+            raise exc
+        # Jittered, so that the tasks deferred during an outage do not all come back at once.
+        countdown = BACKEND_RETRY_S + random.uniform(0.0, self.settings.jitter_s)
+        sig = self.task.signature_from_request(
+            self.request, countdown=countdown, headers=dict(self.headers)
+        )
+        sig.apply_async()
+        raise Retry(exc=exc, when=countdown, sig=sig)
+
+
+def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
+    acquisition = ticket.acquisition
+    if acquisition is None:
+        return
+    by_name = {rule.name: rule for rule in ticket.rules}
+    actuals: list[float | None] = []
+    for limit, _ in acquisition.targets:
+        rule = by_name.get(limit.name)
+        actual = ticket.reported.get(limit.name)
+        if actual is None and rule is not None and rule.estimated:
+            actual = ticket.reported.get(None)
+        if actual is None and failed and rule is not None and rule.on_error == "refund":
+            actual = 0.0
+        actuals.append(actual)
+    try:
+        throttler.limiter.settle(acquisition, actuals)
+    except BackendError as exc:
+        # The lease expires by itself: concurrency units come back then, a refund is lost.
+        throttler.outage(exc)
+
+
+def _run(
+    task: Task,
+    spec: _Spec | None,
+    fn: Callable[..., Any],
+    call: Callable[[], Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    gate = _Gate(task, spec, fn, args, kwargs)
+    ticket = gate.enter()
+    if ticket is None:
+        return call()
+    token = _ticket.set(ticket)
+    failed = True
+    try:
+        result = call()
+        failed = False
+        return result
+    finally:
+        _ticket.reset(token)
+        _settle(gate.throttler, ticket, failed)
+
+
+# -- the public faces: decorator, base class, install -------------------------------------
+
+
+def throttled(
+    *limits: Limit | Rule | str,
+    key: Any = _UNSET,
+    cost: Any = _UNSET,
+    max_wait: Any = _UNSET,
+    on_timeout: Any = _UNSET,
+    on_error: Any = _UNSET,
+    on_redis_down: Any = _UNSET,
+    algorithm: Algorithm | str | Any = _UNSET,
+) -> Callable[[F], F]:
+    """Throttle a task: put it under ``@app.task`` or ``@shared_task``.
+
+    Parameters
+    ----------
+    *limits:
+        Names of limits in the config file (``"github"``), inline rates (``"20/s burst 1"``,
+        ``"8 concurrent"``), :class:`Limit` or :class:`Rule` objects. All apply at once.
+    key, cost, max_wait, on_timeout, on_error, on_redis_down:
+        As the fields of :class:`throttle.config.Rule` (``max_wait`` in seconds or a
+        duration string); for inline limits, and overriding a named limit's own.
+    algorithm:
+        The algorithm of inline rates (default token bucket).
+    """
+    options = {
+        "key": key, "cost": cost, "max_wait_s": max_wait, "on_timeout": on_timeout,
+        "on_error": on_error, "on_redis_down": on_redis_down, "algorithm": algorithm,
+    }  # fmt: skip
+
+    def decorate(fn: F) -> F:
+        owner = f"{fn.__module__}.{fn.__qualname__}"
+        spec = _spec(limits, owner, options)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            task = get_current_task()
+            if task is None:
+                return fn(*args, **kwargs)  # called outside Celery: a plain function
+            return _run(task, spec, fn, lambda: fn(*args, **kwargs), args, kwargs)
+
+        wrapper.__throttle__ = spec  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class ThrottledTask(Task):  # type: ignore[misc]
+    """A Task base applying the config file's limits for the task's name and queue, plus
+    those of its ``throttle`` attribute (as the arguments of :func:`throttled`).
+
+    Use ``Celery(..., task_cls=ThrottledTask)`` for every task of an app (per-queue limits
+    without decorating each task), or ``@app.task(base=ThrottledTask)`` for one.
+    """
+
+    throttle: ClassVar[Sequence[Limit | Rule | str]] = ()
+    _throttle_spec: ClassVar[_Spec | None] = None
+
+    @classmethod
+    def _class_spec(cls) -> _Spec:
+        if cls.__dict__.get("_throttle_spec") is None:
+            cls._throttle_spec = _spec(tuple(cls.throttle), cls.__qualname__, {})
+        assert cls._throttle_spec is not None
+        return cls._throttle_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run: Callable[..., Any] = self.run
+        if getattr(run, "__throttle__", None) is not None:
+            return super().__call__(*args, **kwargs)  # @throttled gates inside run
+        fn: Callable[..., Any] = getattr(run, "__func__", run)
+        call_args = (self, *args) if fn is not run else args
+        return _run(
+            self,
+            type(self)._class_spec(),
+            fn,
+            lambda: super(ThrottledTask, self).__call__(*args, **kwargs),
+            call_args,
+            kwargs,
+        )
+
+
+class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: validates the limits file when the worker starts (a bad file stops
+    it), and runs the releaser of parked tasks."""
+
+    label = "throttle"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.app = worker.app
+        throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
+        throttler.validate()
+        self.releaser: Releaser | None = None
+
+    def start(self, worker: Any) -> None:
+        self.releaser = Releaser(self.app)
+        self.releaser.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.releaser is not None:
+            self.releaser.stop()
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+class Releaser(threading.Thread):
+    """Sends parked tasks back to the broker shortly before their slot (one per worker)."""
+
+    def __init__(self, app: Celery, *, poll_s: float = 0.25, batch: int = 200) -> None:
+        super().__init__(name="throttle-releaser", daemon=True)
+        self.app = app
+        self.poll_s = poll_s
+        self.batch = batch
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                released = self.release_once()
+            except BackendError as exc:
+                Throttler.of(self.app).outage(exc)
+                released = 0
+            except Exception:  # the releaser must outlive a bad payload or a broker blip
+                logger.exception("throttle: the releaser failed; retrying")
+                released = 0
+            if released < self.batch:
+                self._stop_event.wait(self.poll_s)
+
+    def release_once(self) -> int:
+        """Claim, publish and commit one batch; returns how many were released."""
+        throttler = Throttler.of(self.app)
+        claimed = throttler.parking.claim(lead_s=self.poll_s * 2, batch=self.batch)
+        if claimed:
+            self.publish(claimed)
+            throttler.parking.commit(claimed)
+        return len(claimed)
+
+    def publish(self, claimed: Sequence[Claimed]) -> None:
+        """Send claimed tasks to the broker, each with its parking token and publish id, to
+        arrive ``park_lead`` before its slot."""
+        lead_s = Throttler.of(self.app).settings.park_lead_s
+        for item in claimed:
+            content_type, encoding, body = item.payload.split(b"\n", 2)
+            options = loads(  # type: ignore[no-untyped-call]
+                body, content_type.decode(), encoding.decode()
+            )
+            sig = self.app.signature(options)
+            headers = dict(sig.options.get("headers") or {})
+            headers[H_PARKED] = item.token
+            headers[H_PUBLISH] = item.publish_id
+            sig.apply_async(countdown=max(item.due_in_s, 0.0) + lead_s, headers=headers)
+
+
+def install(app: Celery, *, config: Any = None) -> Celery:
+    """Wire the throttler into ``app``'s workers: the limits file (``config``: a path or a
+    mapping; default ``app.conf.throttle_config`` or ``THROTTLE_CONFIG``) is validated when a
+    worker starts, and every worker runs a releaser of parked tasks. Returns ``app``."""
+    if config is not None:
+        app.conf.throttle_config = config
+    if ThrottleStep not in app.steps["worker"]:
+        app.steps["worker"].add(ThrottleStep)
+    return app

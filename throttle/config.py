@@ -1,0 +1,472 @@
+"""Limits files: named limits with their key, cost and deadline, mapped to queues and tasks.
+
+A limits file (YAML) is read only here, validated as a whole, and turned into immutable
+objects; every error names the file, the limit and the field::
+
+    settings:                  # all optional
+      redis_url: redis://localhost:6379/0   # default: THROTTLE_REDIS_URL, then the broker
+      namespace: default
+    limits:
+      openai-tokens:
+        rate: 90000/m          # required (see throttle.spec)
+        algorithm: token_bucket
+        key: "{tenant_id}"     # a template over the task's arguments; none = one global state
+        cost: tokens           # a number (default 1) or the name of an argument
+        max_wait: 10m          # throttle deadline: past it, on_timeout applies
+        on_timeout: fail       # fail (ThrottleTimeout) | dead_letter:QUEUE
+        on_error: keep         # the body raised: keep the reserved cost | refund it
+        on_redis_down: defer   # defer the task | allow it (fail open)
+    queues:
+      llm: [openai-tokens]     # every task consumed from queue "llm"
+    tasks:
+      proj.tasks.send_mail: [mail-daily]
+
+See ``configs/limits.yaml`` for an annotated example. Rules given inline to the
+``@throttled`` decorator use the same fields (:class:`Rule`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from throttle.errors import ConfigError
+from throttle.spec import Limit
+
+__all__ = [
+    "CONFIG_ENV",
+    "ConfigSource",
+    "Rule",
+    "Settings",
+    "ThrottleConfig",
+    "parse_duration",
+]
+
+CONFIG_ENV = "THROTTLE_CONFIG"
+"""The environment variable naming the limits file when ``app.conf.throttle_config`` is unset."""
+
+OnTimeout = str  # "fail" or "dead_letter:QUEUE"
+OnError = Literal["keep", "refund"]
+OnRedisDown = Literal["defer", "allow"]
+KeySource = str | Callable[..., object] | None
+CostSource = float | str | Callable[..., float]
+ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
+
+_LIMIT_FIELDS = ("rate", "algorithm", "burst")
+_RULE_FIELDS = ("key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down")
+_SETTINGS_FIELDS = {
+    "redis_url": "str",
+    "prefix": "str",
+    "namespace": "str",
+    "refresh": "duration",
+    "sleep_max": "duration",
+    "park_after": "duration",
+    "park_lead": "duration",
+    "late_tolerance": "duration",
+    "jitter": "duration",
+}
+_TOP_FIELDS = ("settings", "limits", "queues", "tasks")
+_DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(
+    value: object, *, field: str, limit: str | None = None, source: str | None = None
+) -> float:
+    """Seconds from a number (seconds) or a string such as ``"250ms"``, ``"30s"``, ``"10m"``,
+    ``"2h"``, ``"1d"``; finite and >= 0."""
+    seconds: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _DURATION_RE.fullmatch(value.strip())
+        if match:
+            seconds = float(match["n"]) * _DURATION_UNITS[match["unit"].lower()]
+    if seconds is None or not (0 <= seconds < math.inf):
+        raise ConfigError(
+            "must be a duration >= 0: seconds, or a string such as '250ms', '30s', '10m', "
+            "'2h', '1d'",
+            field=field, value=value, limit=limit, source=source,
+        )  # fmt: skip
+    return seconds
+
+
+def _template_fields(template: str, limit: str, source: str | None) -> tuple[str, ...]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(
+            f"malformed key template ({exc})", field="key", value=template, limit=limit,
+            source=source,
+        ) from None  # fmt: skip
+    names = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        # "{tenant.id}" or "{ids[0]}" reach into an argument; the argument is the first part.
+        head = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not head or head.isdigit():
+            raise ConfigError(
+                "key template fields must name arguments, as in '{tenant_id}'",
+                field="key", value=template, limit=limit, source=source,
+            )  # fmt: skip
+        names.append(head)
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A limit as a task meets it: where its key and cost come from, how long a task may wait.
+
+    Parameters
+    ----------
+    limit:
+        The :class:`Limit` (its name is the rule's name).
+    key:
+        ``None`` (one state for every task), a template over the task's arguments such as
+        ``"{tenant_id}"`` or ``"{user.org}:{region}"``, or a callable of the task's
+        arguments returning the key.
+    cost:
+        A number (default 1), the name of an argument holding the cost (an estimate that the
+        task may correct with :func:`throttle.celery.report_cost`), or a callable of the
+        task's arguments.
+    max_wait_s:
+        The throttle deadline in seconds, counted from the first denial (``None``: no
+        deadline but the task's ``expires``). Past it, ``on_timeout`` applies.
+    on_timeout:
+        ``"fail"``: the task fails with ``ThrottleTimeout``; ``"dead_letter:QUEUE"``: the
+        task is sent, unchanged and at once, to QUEUE.
+    on_error:
+        When the body raises and reported no actual cost: ``"keep"`` the reserved cost
+        (safe: the call may have been made) or ``"refund"`` it in full.
+    on_redis_down:
+        When Redis cannot be reached: ``"defer"`` the task (fail closed, the default) or
+        ``"allow"`` it (fail open).
+    """
+
+    limit: Limit
+    key: KeySource = None
+    cost: CostSource = 1.0
+    max_wait_s: float | None = None
+    on_timeout: OnTimeout = "fail"
+    on_error: OnError = "keep"
+    on_redis_down: OnRedisDown = "defer"
+    key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The argument names a key template reads (empty for a callable or no key)."""
+
+    def __post_init__(self) -> None:
+        name = self.limit.name if isinstance(self.limit, Limit) else None
+        if not isinstance(self.limit, Limit):
+            raise ConfigError("a rule needs a Limit", field="limit", value=self.limit)
+        fields: tuple[str, ...] = ()
+        if isinstance(self.key, str):
+            fields = _template_fields(self.key, self.limit.name, None)
+            if not self.key:
+                raise ConfigError("an empty key template", field="key", value="", limit=name)
+        elif self.key is not None and not callable(self.key):
+            raise ConfigError(
+                "must be a template string such as '{tenant_id}' or a callable",
+                field="key", value=self.key, limit=name,
+            )  # fmt: skip
+        object.__setattr__(self, "key_fields", fields)
+        cost = self.cost
+        if isinstance(cost, bool) or not (isinstance(cost, int | float | str) or callable(cost)):
+            raise ConfigError(
+                "must be a number, an argument name or a callable",
+                field="cost", value=cost, limit=name,
+            )  # fmt: skip
+        if isinstance(cost, int | float):
+            if not (0 <= cost <= self.limit.capacity):
+                raise ConfigError(
+                    f"must be a number from 0 to the limit's capacity {self.limit.capacity:g}",
+                    field="cost", value=cost, limit=name,
+                )  # fmt: skip
+            object.__setattr__(self, "cost", float(cost))
+        elif isinstance(cost, str) and not cost.isidentifier():
+            raise ConfigError(
+                "must be a number or the name of an argument", field="cost", value=cost,
+                limit=name,
+            )  # fmt: skip
+        if self.max_wait_s is not None:
+            object.__setattr__(
+                self, "max_wait_s", parse_duration(self.max_wait_s, field="max_wait", limit=name)
+            )
+        timeout = self.on_timeout
+        if not isinstance(timeout, str) or not (
+            timeout == "fail" or (timeout.startswith("dead_letter:") and len(timeout) > 12)
+        ):
+            raise ConfigError(
+                "must be 'fail' or 'dead_letter:QUEUE'", field="on_timeout", value=timeout,
+                limit=name,
+            )  # fmt: skip
+        if self.on_error not in ("keep", "refund"):
+            raise ConfigError(
+                "must be 'keep' or 'refund'", field="on_error", value=self.on_error, limit=name
+            )
+        if self.on_redis_down not in ("defer", "allow"):
+            raise ConfigError(
+                "must be 'defer' (fail closed) or 'allow' (fail open)",
+                field="on_redis_down", value=self.on_redis_down, limit=name,
+            )  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return self.limit.name
+
+    @property
+    def dead_letter_queue(self) -> str | None:
+        """The queue of ``on_timeout: dead_letter:QUEUE``, else None."""
+        if self.on_timeout.startswith("dead_letter:"):
+            return self.on_timeout.partition(":")[2]
+        return None
+
+    @property
+    def estimated(self) -> bool:
+        """True when the cost comes from the task (an argument or a callable): an estimate
+        that a reported actual cost replaces."""
+        return not isinstance(self.cost, float)
+
+    def with_limit(self, limit: Limit) -> Rule:
+        """The same rule over another limit (a rate changed at run time)."""
+        return Rule(
+            limit, self.key, self.cost, self.max_wait_s, self.on_timeout, self.on_error,
+            self.on_redis_down,
+        )  # fmt: skip
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any], *, name: str, source: str | None) -> Rule:
+        """One entry of a limits file's ``limits:`` (the limit's and the rule's fields)."""
+        if not isinstance(config, Mapping):
+            raise ConfigError(
+                "a limit must be a mapping of fields", value=config, limit=name, source=source
+            )
+        known = (*_LIMIT_FIELDS, *_RULE_FIELDS)
+        for key in config:
+            if key not in known:
+                raise ConfigError(
+                    f"unknown field; expected one of {', '.join(known)}",
+                    field=str(key), value=config[key], limit=name, source=source,
+                )  # fmt: skip
+        limit = Limit.from_mapping(
+            {k: v for k, v in config.items() if k in _LIMIT_FIELDS}, name=name, source=source
+        )
+        options: dict[str, Any] = {}
+        for key in ("key", "cost", "on_timeout", "on_error", "on_redis_down"):
+            if key in config:
+                options[key] = config[key]
+        if "key" in options and not isinstance(options["key"], str):
+            raise ConfigError(
+                "must be a template string such as '{tenant_id}'",
+                field="key", value=options["key"], limit=name, source=source,
+            )  # fmt: skip
+        if "max_wait" in config and config["max_wait"] is not None:
+            options["max_wait_s"] = parse_duration(
+                config["max_wait"], field="max_wait", limit=name, source=source
+            )
+        try:
+            return cls(limit, **options)
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.problem, field=exc.field, value=exc.value, limit=name, source=source
+            ) from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the throttler runs (durations in seconds); the ``settings:`` of a limits file.
+
+    Parameters
+    ----------
+    redis_url:
+        The limiter's Redis. ``None``: ``THROTTLE_REDIS_URL``, else the broker's URL when
+        the broker is Redis.
+    prefix, namespace:
+        Where the keys live (:class:`throttle.keys.KeySpace`).
+    refresh_s:
+        How often a process re-reads rates changed at run time: the fleet follows a
+        change within this time.
+    sleep_max_s:
+        A slot at most this far ahead is waited for in the worker (the pool slot sleeps);
+        beyond, the task is rescheduled. Short: a sleeping pool slot runs nothing else.
+    park_after_s:
+        A wait longer than this is parked in Redis rather than held as an ETA message by a
+        worker (kept far below the broker's visibility timeout).
+    park_lead_s:
+        A parked task is sent back to the broker this long before its slot.
+    late_tolerance_s:
+        A task that reaches its reserved slot later than this gives the slot up and takes
+        a new one: a late batch must not call the API at once.
+    jitter_s:
+        The most random delay added to a retry after a denial that reserved nothing
+        (windows, concurrency), so that denied tasks do not return together.
+    """
+
+    redis_url: str | None = None
+    prefix: str = "throttle"
+    namespace: str = "default"
+    refresh_s: float = 2.0
+    sleep_max_s: float = 1.0
+    park_after_s: float = 10.0
+    park_lead_s: float = 2.0
+    late_tolerance_s: float = 0.02
+    jitter_s: float = 1.0
+
+    @classmethod
+    def from_mapping(cls, config: object, *, source: str | None) -> Settings:
+        if config is None:
+            return cls()
+        if not isinstance(config, Mapping):
+            raise ConfigError("must be a mapping", field="settings", value=config, source=source)
+        values: dict[str, Any] = {}
+        for key, value in config.items():
+            kind = _SETTINGS_FIELDS.get(key)
+            if kind is None:
+                raise ConfigError(
+                    f"unknown setting; expected one of {', '.join(_SETTINGS_FIELDS)}",
+                    field=f"settings.{key}", value=value, source=source,
+                )  # fmt: skip
+            if kind == "duration":
+                values[f"{key}_s"] = parse_duration(value, field=f"settings.{key}", source=source)
+            elif not isinstance(value, str) or not value:
+                raise ConfigError(
+                    "must be a non-empty string", field=f"settings.{key}", value=value,
+                    source=source,
+                )  # fmt: skip
+            else:
+                values[key] = value
+        settings = cls(**values)
+        if settings.park_lead_s >= settings.park_after_s:
+            raise ConfigError(
+                f"park_lead ({settings.park_lead_s:g} s) must be shorter than park_after "
+                f"({settings.park_after_s:g} s)",
+                field="settings.park_lead" if "park_lead" in config else "settings.park_after",
+                value=config.get("park_lead", config.get("park_after")), source=source,
+            )  # fmt: skip
+        return settings
+
+
+def _names(
+    value: object, *, field: str, rules: Mapping[str, Rule], source: str | None
+) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError("must be a list of limit names", field=field, value=value, source=source)
+    names = []
+    for item in value:
+        if item not in rules:
+            raise ConfigError(
+                f"unknown limit; the file defines {', '.join(sorted(rules)) or 'none'}",
+                field=field, value=item, source=source,
+            )  # fmt: skip
+        if item in names:
+            raise ConfigError("a limit listed twice", field=field, value=item, source=source)
+        names.append(item)
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class ThrottleConfig:
+    """A validated limits file: named rules, and which queues and tasks they apply to."""
+
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+    queues: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    tasks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    settings: Settings = field(default_factory=Settings)
+    source: str | None = None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ThrottleConfig:
+        """Read and validate a YAML limits file; a :class:`ConfigError` names the place."""
+        import yaml  # noqa: PLC0415  (only the loader reads files; yaml loads lazily)
+
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read the limits file: {exc.strerror}", source=source
+            ) from None
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
+        return cls.from_mapping(document if document is not None else {}, source=source)
+
+    @classmethod
+    def from_mapping(cls, document: object, *, source: str | None = None) -> ThrottleConfig:
+        """Validate a parsed limits document (the YAML's top-level mapping)."""
+        if not isinstance(document, Mapping):
+            raise ConfigError(
+                "a limits file must be a mapping with limits:, queues:, tasks:, settings:",
+                value=document, source=source,
+            )  # fmt: skip
+        for key in document:
+            if key not in _TOP_FIELDS:
+                raise ConfigError(
+                    f"unknown section; expected one of {', '.join(_TOP_FIELDS)}",
+                    field=str(key), value=document[key], source=source,
+                )  # fmt: skip
+        settings = Settings.from_mapping(document.get("settings"), source=source)
+        entries = document.get("limits") or {}
+        if not isinstance(entries, Mapping):
+            raise ConfigError("must be a mapping of named limits", field="limits", source=source)
+        rules = {}
+        for name, entry in entries.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError("a limit needs a non-empty name", value=name, source=source)
+            rules[name] = Rule.from_mapping(entry, name=name, source=source)
+        maps: dict[str, dict[str, tuple[str, ...]]] = {}
+        for section in ("queues", "tasks"):
+            mapping = document.get(section) or {}
+            if not isinstance(mapping, Mapping):
+                raise ConfigError(
+                    "must map names to lists of limits", field=section, value=mapping,
+                    source=source,
+                )  # fmt: skip
+            maps[section] = {
+                str(name): _names(value, field=f"{section}.{name}", rules=rules, source=source)
+                for name, value in mapping.items()
+            }
+        return cls(rules, maps["queues"], maps["tasks"], settings, source)
+
+    @classmethod
+    def from_source(cls, source: ConfigSource | None) -> ThrottleConfig:
+        """A config from a path, a mapping, or (``None``) the file named by
+        :data:`CONFIG_ENV`; no file at all is an empty config (inline rules only)."""
+        if source is None:
+            source = os.environ.get(CONFIG_ENV) or None
+        if source is None:
+            return cls()
+        if isinstance(source, Mapping):
+            return cls.from_mapping(source, source="<mapping>")
+        return cls.load(source)
+
+    def rules_for(self, task_name: str, queue: str | None) -> tuple[Rule, ...]:
+        """The configured rules of a task consumed from ``queue``: the task's, then the
+        queue's (each limit once)."""
+        names = list(self.tasks.get(task_name, ()))
+        if queue is not None:
+            names += [name for name in self.queues.get(queue, ()) if name not in names]
+        return tuple(self.rules[name] for name in names)
+
+    def rule(self, name: str) -> Rule:
+        """The rule named ``name``; a ConfigError lists the names this file defines."""
+        try:
+            return self.rules[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown limit; {self.source or 'the limits config'} defines "
+                f"{', '.join(sorted(self.rules)) or 'none'}",
+                value=name,
+                source=self.source,
+            ) from None

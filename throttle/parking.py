@@ -1,0 +1,129 @@
+"""The parking lot: deferred tasks wait in Redis, not as broker messages held by workers.
+
+A task whose slot is far ahead must not sit as an ETA message in a worker's memory (a
+backlog of 100,000 of them is 100,000 messages held unacked) nor wait longer than the
+broker's visibility timeout (kombu#337: the message is delivered again, the task runs
+twice). So a long wait is parked here: the task's message goes into a Redis hash and its
+token into a sorted set scored by when it is due back, on the Redis clock. Releasers (one
+thread per worker) claim what is due shortly, publish it to the broker with the remaining
+countdown, then commit. The move is safe under failure:
+
+* a releaser that dies after claiming and before publishing: its claim expires and another
+  releaser takes the task again (nothing lost);
+* a releaser that dies after publishing and before committing: the task is published again
+  under a new publish id, and the worker that starts a copy first records its id
+  (:meth:`ParkingLot.accept`); the other copy is dropped (nothing runs twice). A broker
+  redelivery of the same copy keeps its publish id and is accepted.
+
+This module knows nothing of Celery: payloads are opaque bytes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from throttle.keys import KeySpace
+from throttle.limiter import run_script
+from throttle.scripts import operation_source
+
+__all__ = ["Claimed", "ParkingLot"]
+
+DEFAULT_CLAIM_S = 30.0
+"""How long a claim protects a task from other releasers, in s (publishing takes ms)."""
+DEFAULT_RUN_TTL_S = 7 * 86400.0
+"""How long the publish id of a started parked task is remembered, in s."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A parked task claimed for release."""
+
+    token: str
+    due_in_s: float
+    """Seconds from the claim until it is due (< 0: overdue), on the Redis clock."""
+    publish_id: str
+    payload: bytes
+
+
+class ParkingLot:
+    """Parks payloads in Redis until they are due, and hands them out once each.
+
+    Parameters
+    ----------
+    client:
+        A redis-py client (bytes replies: ``decode_responses`` off).
+    keyspace:
+        Where the lot's keys live (one hash tag: one Redis Cluster slot).
+    clock_us:
+        Tests only: "now" in us sent to the scripts instead of Redis ``TIME``.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keyspace: KeySpace,
+        *,
+        clock_us: Callable[[], int] | None = None,
+    ) -> None:
+        self.client = client
+        self.keyspace = keyspace
+        self._keys = list(keyspace.parking_keys())
+        self._clock_us = clock_us
+        register = client.register_script
+        self._park = register(operation_source("park"))
+        self._claim = register(operation_source("claim_parked"))
+        self._commit = register(operation_source("commit_parked"))
+        self._accept = register(operation_source("accept_parked"))
+
+    def _now(self) -> Any:
+        return b"" if self._clock_us is None else self._clock_us()
+
+    def park(self, payload: bytes, delay_s: float) -> str:
+        """Park ``payload`` until ``delay_s`` from now (Redis clock); returns its token."""
+        token = uuid.uuid4().hex
+        delay_us = max(round(delay_s * 1e6), 0)
+        run_script(self.client, self._park, self._keys[:2], [self._now(), token, delay_us, payload])
+        return token
+
+    def claim(
+        self, *, lead_s: float, batch: int = 100, claim_s: float = DEFAULT_CLAIM_S
+    ) -> list[Claimed]:
+        """Claim up to ``batch`` tasks due within ``lead_s`` (and any whose claim expired)."""
+        args = [self._now(), round(lead_s * 1e6), batch, round(claim_s * 1e6), uuid.uuid4().hex]
+        reply = run_script(self.client, self._claim, self._keys, args)
+        now = int(reply[0])
+        return [
+            Claimed(
+                reply[i].decode(),
+                (int(reply[i + 1]) - now) / 1e6,
+                reply[i + 2].decode(),
+                bytes(reply[i + 3]),
+            )
+            for i in range(1, len(reply), 4)
+        ]
+
+    def commit(self, claimed: list[Claimed]) -> int:
+        """Forget tasks whose messages reached the broker; returns how many."""
+        if not claimed:
+            return 0
+        args = [part for c in claimed for part in (c.token, c.publish_id)]
+        return int(run_script(self.client, self._commit, self._keys, args))
+
+    def accept(self, token: str, publish_id: str, *, ttl_s: float = DEFAULT_RUN_TTL_S) -> bool:
+        """True when this published copy of a parked task may run (see the module doc)."""
+        key = self.keyspace.parked_run_key(token)
+        return bool(run_script(self.client, self._accept, [key], [publish_id, round(ttl_s * 1000)]))
+
+    def counts(self) -> tuple[int, int]:
+        """(parked, claimed but not yet committed)."""
+        due, _, claimed, _ = self._keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zcard(due)
+            pipe.zcard(claimed)
+            parked, in_flight = pipe.execute()
+        return int(parked), int(in_flight)

@@ -1,0 +1,88 @@
+"""Rates changed at run time, stored in Redis, followed by the whole fleet.
+
+An operator lowers a limit during an incident (``RateBook.set("github", "1000/h")``); every
+process re-reads the book at most every ``refresh_s`` seconds and uses the new rate from
+then on, without a restart. The book is one Redis hash per namespace: limit name -> rate
+spec. It holds operator decisions, so it has no TTL; :meth:`RateBook.clear` goes back to
+the configured rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis
+
+from throttle.keys import KeySpace
+from throttle.limiter import wrap_errors
+from throttle.spec import Limit
+
+__all__ = ["RateBook"]
+
+
+class RateBook:
+    """Run-time rates of the limits of one namespace, cached for ``refresh_s`` seconds."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keyspace: KeySpace,
+        *,
+        refresh_s: float = 2.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.key = keyspace.rates_key()
+        self.refresh_s = refresh_s
+        self._monotonic = monotonic
+        self._cached: dict[str, str] = {}
+        self._read_at = -float("inf")
+        # Limits built from the book, by (configured limit, spec): built once per change.
+        self._built: dict[tuple[Limit, str], Limit] = {}
+
+    def set(self, limit: Limit, rate: str) -> Limit:
+        """Store a new rate for ``limit`` (``"10/s"``, ``"1000/h burst 5"``); returns the limit
+        the fleet will use. Validated first: a bad rate raises ConfigError, nothing stored."""
+        changed = Limit.parse(rate, name=limit.name, algorithm=limit.algorithm, source="rate")
+        wrap_errors(lambda: self.client.hset(self.key, limit.name, rate))
+        self._read_at = -float("inf")
+        return changed
+
+    def clear(self, name: str) -> None:
+        """Go back to the configured rate of limit ``name``."""
+        wrap_errors(lambda: self.client.hdel(self.key, name))
+        self._read_at = -float("inf")
+
+    def overrides(self) -> dict[str, str]:
+        """The stored rates (limit name -> spec), read afresh."""
+        raw = wrap_errors(lambda: self.client.hgetall(self.key))
+        book = {}
+        for name, spec in raw.items():
+            try:
+                book[name.decode()] = spec.decode()
+            except UnicodeDecodeError:
+                continue  # written by hand, not by set(): ignored like any bad rate
+        return book
+
+    def current(self, limit: Limit) -> Limit:
+        """``limit`` with its run-time rate, if one is stored (re-read every refresh_s).
+
+        A stored rate that does not parse (written by hand) is ignored: the configured
+        limit stays in force rather than failing every task.
+        """
+        now = self._monotonic()
+        if now - self._read_at >= self.refresh_s:
+            self._cached = self.overrides()
+            self._read_at = now
+        spec = self._cached.get(limit.name)
+        if spec is None:
+            return limit
+        built = self._built.get((limit, spec))
+        if built is None:
+            try:
+                built = Limit.parse(spec, name=limit.name, algorithm=limit.algorithm)
+            except ValueError:  # ConfigError: a bad rate written by hand
+                return limit
+            self._built[(limit, spec)] = built
+        return built
