@@ -64,26 +64,6 @@ if acq then
   end
 end
 
--- The common case, one limit and no lease record: the same steps as below without the
--- bookkeeping of several limits (this path runs on every plain acquire).
-if n == 1 and not acq then
-  local l = limit_record(1, 1)
-  local algo = l.algo
-  local cost = l.cost
-  if cost > l.burst then
-    return '2 1'
-  end
-  algo.check(l, now, cost, max_wait)
-  local retry = 0
-  if l.allowed == 1 then
-    algo.commit(l, now, cost, acq, nil)
-  else
-    retry = l.retry
-  end
-  return '0 ' .. l.allowed .. ' ' .. l.wait .. ' ' .. retry .. ' ' .. l.allowed .. ' '
-         .. fmt(l.remaining) .. ' ' .. l.retry .. ' ' .. l.reset
-end
-
 local limits = {}
 local allowed, wait, retry = 1, 0, 0
 local k = 1
@@ -93,7 +73,8 @@ for i = 1, n do
   if l.cost > l.burst then
     return '2 ' .. i
   end
-  algo.check(l, now, l.cost, max_wait)
+  l.allowed, l.wait, l.retry, l.remaining, l.reset, l.s1, l.s2, l.s3 =
+    algo.check(k, l.count, l.period_us, l.burst, now, l.cost, max_wait)
   limits[i] = l
   k = k + algo.nkeys
   if l.allowed == 0 then
@@ -114,7 +95,11 @@ if allowed == 1 then
   end
   for i = 1, n do
     local l = limits[i]
-    local mark = l.algo.commit(l, now, l.cost, acq, expiry)
+    local mark, reset = l.algo.commit(l.k, l.count, l.period_us, l.burst, now, l.cost, acq,
+                                      expiry, l.s1, l.s2, l.s3)
+    if reset then
+      l.reset = reset
+    end
     if acq then
       record[#record + 1] = 'k' .. i
       record[#record + 1] = KEYS[l.k]

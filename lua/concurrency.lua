@@ -8,14 +8,14 @@
 -- check first sweeps the expired leases. Reservation is not supported (max_wait ignored);
 -- on denial `retry` is the time until the earliest lease expires: a holder usually releases
 -- sooner, and with weighted costs that one lease may not free enough units.
--- Private field of l: total (units held, read by check).
+-- check hands commit s1 = total (the units held); commit also returns the new reset.
 
 -- Leases swept per batch: unpack() has a limit (about 8000 values), and a crowd of dead
 -- holders must not make every later acquire fail.
 local SWEEP_BATCH = 1000
 
-local function conc_sweep(l, now)
-  local z, h = KEYS[l.k], KEYS[l.k + 1]
+local function conc_sweep(k, now)
+  local z, h = KEYS[k], KEYS[k + 1]
   local total = tonumber(redis.call('HGET', h, 't')) or 0
   local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
   if #gone == 0 then
@@ -46,8 +46,8 @@ end
 
 -- Expire both keys with the last lease (or delete them when nobody holds anything);
 -- returns the time in us until the last lease ends.
-local function conc_expire(l, now)
-  local z, h = KEYS[l.k], KEYS[l.k + 1]
+local function conc_expire(k, now)
+  local z, h = KEYS[k], KEYS[k + 1]
   local last = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
   if last[2] == nil then
     redis.call('DEL', z, h)
@@ -59,35 +59,38 @@ local function conc_expire(l, now)
   return idle
 end
 
+local function check(k, count, period_us, burst, now, cost, max_wait)
+  local total = conc_sweep(k, now)
+  local allowed, retry, after = 0, 0, total
+  if total + cost <= count then
+    allowed, after = 1, total + cost
+  else
+    local first = redis.call('ZRANGE', KEYS[k], 0, 0, 'WITHSCORES')
+    retry = ceil_us(tonumber(first[2]) - now)
+  end
+  return allowed, 0, retry, math.max(count - after, 0), 0, total
+end
+
+-- A holder of 0 units is not recorded: it holds nothing, and must not crowd the set.
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, total)
+  if cost > 0 then
+    redis.call('ZADD', KEYS[k], expiry, holder)
+    redis.call('HSET', KEYS[k + 1], 'h:' .. holder, cost, 't', total + cost)
+  end
+  return '', ceil_us(conc_expire(k, now))
+end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+
 ALGO.conc = {
   nkeys = 2,
-  check = function(l, now, cost, max_wait)
-    local total = conc_sweep(l, now)
-    l.total = total
-    local after = total
-    if total + cost <= l.count then
-      l.allowed = 1
-      after = total + cost
-    else
-      local first = redis.call('ZRANGE', KEYS[l.k], 0, 0, 'WITHSCORES')
-      l.retry = ceil_us(tonumber(first[2]) - now)
-    end
-    l.remaining = math.max(l.count - after, 0)
-  end,
-  -- A holder of 0 units is not recorded: it holds nothing, and must not crowd the set.
-  commit = function(l, now, cost, holder, expiry)
-    if cost > 0 then
-      redis.call('ZADD', KEYS[l.k], expiry, holder)
-      redis.call('HSET', KEYS[l.k + 1], 'h:' .. holder, cost, 't', l.total + cost)
-    end
-    l.reset = ceil_us(conc_expire(l, now))
-    return ''
-  end,
+  check = check,
+  commit = commit,
   -- Settling a concurrency limit releases the holder's units; the cost change is irrelevant.
-  adjust = function(l, now, delta, mark, holder)
-    local z, h = KEYS[l.k], KEYS[l.k + 1]
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local z, h = KEYS[k], KEYS[k + 1]
     -- Sweep first: a lease that expired has already given its units back.
-    local total = conc_sweep(l, now)
+    local total = conc_sweep(k, now)
     local held = tonumber(redis.call('HGET', h, 'h:' .. holder))
     if held == nil then
       return
@@ -99,6 +102,6 @@ ALGO.conc = {
       total = 0
     end
     redis.call('HSET', h, 't', total)
-    conc_expire(l, now)
+    conc_expire(k, now)
   end,
 }

@@ -3,57 +3,54 @@
 -- window edge up to 2 x count can pass within a short time, so use GCRA or a token bucket
 -- to shape short-term traffic and this for the quota on top.
 --
--- State: one HASH per (limit, key): w = window index floor(now / period_us), n = the cost
--- counted in it. The key expires when its window ends. Reservation is not
--- supported (max_wait is ignored). mark (kept in the lease record) = the window index the
--- cost was counted in, so that a refund only returns cost to the window that paid.
+-- State: one STRING per (limit, key): w = window index floor(now / period_us) and n = the
+-- cost counted in it, packed as two doubles (struct '<dd'; one SET ... PX writes state and
+-- TTL). The key expires when its window ends. Reservation is not supported (max_wait is
+-- ignored). mark (kept in the lease record) = the window index the cost was counted in, so
+-- that a refund only returns cost to the window that paid.
 -- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
 -- window: a step back must not reopen a window that is full.
--- Private fields of l: w, n (the window and its count read by check).
+-- check hands commit the window and its count: s1 = w, s2 = n.
 
--- The window now counts in and its count: floor(now / period_us), or the stored window
--- when it is later (the clock stepped back).
-local function fw_read(l, now)
-  local w = math.floor(now / l.period_us)
-  local s = redis.call('HMGET', KEYS[l.k], 'w', 'n')
-  local stored = tonumber(s[1])
-  if stored == nil or stored < w then
-    return w, 0
+local function check(k, count, period_us, burst, now, cost, max_wait)
+  -- The window now counts in: floor(now / period_us), or the stored window when it is
+  -- later (the clock stepped back).
+  local w, n = math.floor(now / period_us), 0
+  local s = redis.call('GET', KEYS[k])
+  if s then
+    local stored, stored_n = struct.unpack('<dd', s)
+    if stored >= w then
+      w, n = stored, stored_n
+    end
   end
-  return stored, tonumber(s[2])
+  local window_end = ceil_us((w + 1) * period_us - now)
+  local allowed, retry, after = 0, 0, n
+  if n + cost <= count then
+    allowed, after = 1, n + cost
+  else
+    retry = window_end
+  end
+  return allowed, 0, retry, math.max(count - after, 0), window_end, w, n
 end
 
-local function fw_store(l, now, w, n)
-  redis.call('HSET', KEYS[l.k], 'w', w, 'n', n)
-  redis.call('PEXPIRE', KEYS[l.k], ttl_ms((w + 1) * l.period_us - now))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, n)
+  redis.call('SET', KEYS[k], struct.pack('<dd', w, n + cost),
+             'PX', ttl_ms((w + 1) * period_us - now))
+  return w
 end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
 ALGO.fw = {
   nkeys = 1,
-  check = function(l, now, cost, max_wait)
-    local w, n = fw_read(l, now)
-    local window_end = (w + 1) * l.period_us - now
-    l.w, l.n = w, n
-    l.reset = ceil_us(window_end)
-    local after = n
-    if n + cost <= l.count then
-      l.allowed = 1
-      after = n + cost
-    else
-      l.retry = ceil_us(window_end)
-    end
-    l.remaining = math.max(l.count - after, 0)
-  end,
-  commit = function(l, now, cost, holder, expiry)
-    fw_store(l, now, l.w, l.n + cost)
-    return l.w
-  end,
+  check = check,
+  commit = commit,
   -- A charge lands in the current window; a refund only in the window that paid, if current.
-  adjust = function(l, now, delta, mark, holder)
-    local w, n = fw_read(l, now)
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, w, n = check(k, count, period_us, burst, now, 0, 0)
     if delta < 0 and tonumber(mark) ~= w then
       return
     end
-    fw_store(l, now, w, math.max(n + delta, 0))
+    commit(k, count, period_us, burst, now, 0, holder, nil, w, math.max(n + delta, 0))
   end,
 }

@@ -1,6 +1,7 @@
 -- gcra.lua: Generic Cell Rate Algorithm, the leaky bucket kept as one timestamp.
 --
--- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us.
+-- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us, packed as
+-- one double (struct '<d': exact, and cheaper than formatting and parsing text).
 -- Emission interval T = period_us / count (us per token); tolerance = burst * T.
 -- A request of `cost` tokens conforms at time t when  max(TAT, t) + cost*T - t <= burst*T.
 -- With burst = 1 and cost = 1 that is strict spacing: one call every T.
@@ -8,52 +9,52 @@
 -- max_wait_us > 0 a request that conforms within max_wait_us takes the next free slot now;
 -- `wait` is how long until that slot.
 -- A missing key reads as TAT = now (a full bucket); the key expires when TAT has passed.
--- Private field of l: new_tat (the TAT if admitted).
+-- check hands commit s1 = the TAT to store if admitted (with cost 0: the TAT it read).
 
-local function gcra_tat(l, now)
-  local tat = tonumber(redis.call('GET', KEYS[l.k]))
-  if tat == nil or tat < now then
-    return now
+local function check(k, count, period_us, burst, now, cost, max_wait)
+  local interval = period_us / count
+  local tat = now
+  local s = redis.call('GET', KEYS[k])
+  if s then
+    -- 8 bytes: a packed double; anything else is the text TAT of an earlier build.
+    if #s == 8 then
+      tat = math.max(struct.unpack('<d', s), now)
+    else
+      tat = math.max(tonumber(s), now)
+    end
   end
-  return tat
+  local new_tat = tat + cost * interval
+  local conform_at = new_tat - burst * interval
+  local allowed, wait, retry, after = 0, 0, 0, tat
+  if conform_at <= now then
+    allowed, after = 1, new_tat
+  else
+    local need = ceil_us(conform_at - now)
+    if need <= max_wait then
+      allowed, wait, after = 1, need, new_tat
+    else
+      retry = need
+    end
+  end
+  return allowed, wait, retry, math.max(burst - (after - now) / interval, 0),
+         ceil_us(after - now), new_tat
 end
 
-local function gcra_store(l, now, tat)
-  redis.call('SET', KEYS[l.k], tat, 'PX', ttl_ms(tat - now))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, tat)
+  redis.call('SET', KEYS[k], struct.pack('<d', tat), 'PX', ttl_ms(tat - now))
+  return ''
 end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
 ALGO.gcra = {
   nkeys = 1,
-  check = function(l, now, cost, max_wait)
-    local interval = l.period_us / l.count
-    local tat = gcra_tat(l, now)
-    local new_tat = tat + cost * interval
-    local conform_at = new_tat - l.burst * interval
-    l.new_tat = new_tat
-    local after = tat
-    if conform_at <= now then
-      l.allowed = 1
-      after = new_tat
-    else
-      local need = ceil_us(conform_at - now)
-      if need <= max_wait then
-        l.allowed = 1
-        l.wait = need
-        after = new_tat
-      else
-        l.retry = need
-      end
-    end
-    l.remaining = math.max(l.burst - (after - now) / interval, 0)
-    l.reset = ceil_us(after - now)
-  end,
-  commit = function(l, now, cost, holder, expiry)
-    gcra_store(l, now, l.new_tat)
-    return ''
-  end,
+  check = check,
+  commit = commit,
   -- delta > 0 pushes TAT later; delta < 0 pulls it back, never earlier than now.
-  adjust = function(l, now, delta, mark, holder)
-    local tat = gcra_tat(l, now)
-    gcra_store(l, now, math.max(now, tat + delta * l.period_us / l.count))
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, tat = check(k, count, period_us, burst, now, 0, 0)
+    commit(k, count, period_us, burst, now, 0, holder, nil,
+           math.max(now, tat + delta * period_us / count))
   end,
 }

@@ -7,23 +7,32 @@
 -- script. Nothing here touches a key.
 --
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
--- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written by
--- passing Lua numbers to redis.call, which Redis formats as '%.17g' (exact round trip) in C,
--- faster than string.format in Lua; replies are text (EVAL would truncate a bare float reply
--- and turn false into nil).
+-- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written
+-- exactly and in C, never formatted in Lua: several numbers packed as doubles (struct), or
+-- one number passed to redis.call, which Redis formats as '%.17g'; replies are text (EVAL
+-- would truncate a bare float reply and turn false into nil).
 --
--- An algorithm is a table ALGO[code] = {nkeys, check, commit, adjust}. Its functions get
--- `l`, the record of one limit, built once per limit and call by the operation script:
---   l.k (index in KEYS of the limit's first key), l.count, l.period_us, l.burst
---   and the outcome that check() fills in: l.allowed (1/0), l.wait (us until a reserved
---   slot), l.retry (us until it could admit), l.remaining (tokens), l.reset (us until full).
--- An algorithm may add a few private fields to l (what check read, for commit); the record
--- is created with room for them, so that no table grows on this hot path.
---   check(l, now, cost, max_wait)
---   commit(l, now, cost, holder, expiry) -> mark (text kept in the lease record)
---   adjust(l, now, delta, mark, holder)   charge (delta > 0) or refund (delta < 0)
-
-local ALGO = {}
+-- Each algorithm file defines local functions check and commit that take plain values (no
+-- per-call table: this runs on every acquire), then, after the line
+--   -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+-- registers them with its adjust in ALGO[code] = {nkeys, check, commit, adjust} for the
+-- drivers of several limits (acquire.lua, settle.lua). In a script of several algorithms
+-- each file's check and commit shadow the previous file's, after that file registered its
+-- own. The one-limit script (acquire_one.lua) is this file and one algorithm's, each up to
+-- that line, and calls check and commit directly: every table and function a script
+-- creates costs server time on each call. The parking lot's operations (park.lua,
+-- claim_parked.lua, commit_parked.lua, accept_parked.lua) use no algorithm: they are this
+-- file up to that line + the operation file. Each function gets k, the index in KEYS of the
+-- limit's first key, and the limit's count, period_us and burst:
+--   check(k, count, period_us, burst, now, cost, max_wait)
+--     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
+--        remaining (tokens), reset (us until full), then up to three values of the state it
+--        read (s1, s2, s3), handed to commit; reads only
+--   commit(k, count, period_us, burst, now, cost, holder, expiry, s1, s2, s3)
+--     writes the state check read with cost taken; -> mark (text kept in the lease record)
+--     [, reset: when committing changes it]
+--   adjust(k, count, period_us, burst, now, delta, mark, holder)
+--     charge (delta > 0) or refund (delta < 0)
 
 -- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
 local function clock_us(explicit)
@@ -46,22 +55,28 @@ local function ceil_us(x)
   return math.ceil(x)
 end
 
--- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
--- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
--- key is KEYS[k]. Created with every field (and room for an algorithm's private ones), so
--- that no table is resized on the hot path. cost is nil when its ARGV is ''.
-local function limit_record(i, k)
-  local a = 5 * i - 2
-  return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
-          period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
-          cost = tonumber(ARGV[a + 5]),
-          allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0}
-end
-
 -- Key lifetime: until the state would read the same as a missing key (idle_us from now),
 -- plus one second so a key never vanishes a moment before it is no longer needed. Capped
 -- (about 300 years) so that PEXPIRE always accepts it, however absurd a debt or lease: a
 -- script that failed half-way would leave its first writes done.
 local function ttl_ms(idle_us)
   return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
+end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+
+local ALGO = {}
+
+-- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
+-- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
+-- key is KEYS[k], for the drivers of several limits. Created with every field (check's
+-- outcome and the state it read), so that no table is resized on that path. cost is nil
+-- when its ARGV is '' (settle.lua: as reserved).
+local function limit_record(i, k)
+  local a = 5 * i - 2
+  return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
+          period_us = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]),
+          cost = tonumber(ARGV[a + 5]),
+          allowed = 0, wait = 0, retry = 0, remaining = 0, reset = 0,
+          s1 = false, s2 = false, s3 = false}
 end

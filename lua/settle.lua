@@ -58,7 +58,7 @@ local reply = '0'
 for i = 1, n do
   local l = limits[i]
   if l.delta ~= 0 or l.code == 'conc' then
-    l.algo.adjust(l, now, l.delta, l.mark, ARGV[2])
+    l.algo.adjust(l.k, l.count, l.period_us, l.burst, now, l.delta, l.mark, ARGV[2])
   end
   reply = reply .. ' ' .. fmt(l.delta)
 end

@@ -4,70 +4,69 @@
 --   previous_window_count * (1 - fraction_of_current_window_elapsed) + current_window_count
 -- (Cloudflare's approximation). It removes the 2 x burst of a fixed window at its edge.
 --
--- State: one HASH per (limit, key): w = the current window index, c = its count, p = the
--- count of window w - 1. The key expires when its count no longer weighs on the
--- estimate, at the end of window w + 1. Reservation is not supported (max_wait ignored).
+-- State: one STRING per (limit, key): w = the current window index, c = its count, p = the
+-- count of window w - 1, packed as three doubles (struct '<ddd'; one SET ... PX writes
+-- state and TTL). The key expires when its count no longer weighs on the estimate, at the
+-- end of window w + 1. Reservation is not supported (max_wait ignored).
 -- mark = the window index the cost was counted in.
 -- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
 -- window, with no credit for the time elapsed in it.
--- Private fields of l: w, cur, prev (the window and the counts read by check).
+-- check hands commit the window and its counts: s1 = w, s2 = cur, s3 = prev.
 
--- The current window and its two counts: floor(now / period_us), or the stored window
--- when it is later (the clock stepped back).
-local function sw_read(l, now)
-  local w = math.floor(now / l.period_us)
-  local s = redis.call('HMGET', KEYS[l.k], 'w', 'c', 'p')
-  local stored = tonumber(s[1])
-  if stored == nil or stored < w - 1 then
-    return w, 0, 0
-  elseif stored == w - 1 then
-    return w, 0, tonumber(s[2])
+local function check(k, count, period_us, burst, now, cost, max_wait)
+  -- The current window and its two counts: floor(now / period_us), or the stored window
+  -- when it is later (the clock stepped back).
+  local w, cur, prev = math.floor(now / period_us), 0, 0
+  local s = redis.call('GET', KEYS[k])
+  if s then
+    local stored, c, p = struct.unpack('<ddd', s)
+    if stored == w - 1 then
+      prev = c
+    elseif stored >= w then
+      w, cur, prev = stored, c, p
+    end
   end
-  return stored, tonumber(s[2]), tonumber(s[3])
+  local start = w * period_us
+  local est = prev * (1 - math.max(now - start, 0) / period_us) + cur
+  local allowed, retry, after_cur = 0, 0, cur
+  if est + cost <= count then
+    allowed = 1
+    est = est + cost
+    after_cur = cur + cost
+  elseif cur + cost <= count then
+    -- Enough room once the previous window has decayed a little more, in this window.
+    local f = 1 - (count - cur - cost) / prev
+    retry = ceil_us(start + f * period_us - now)
+  else
+    -- Only in the next window, once this window's count has decayed enough.
+    local f = math.max(1 - (count - cost) / cur, 0)
+    retry = ceil_us(start + (1 + f) * period_us - now)
+  end
+  local reset
+  if after_cur > 0 then
+    reset = ceil_us(start + 2 * period_us - now)
+  else
+    reset = ceil_us(start + period_us - now)
+  end
+  return allowed, 0, retry, math.max(count - est, 0), reset, w, cur, prev
 end
 
-local function sw_store(l, now, w, cur, prev)
-  redis.call('HSET', KEYS[l.k], 'w', w, 'c', cur, 'p', prev)
-  redis.call('PEXPIRE', KEYS[l.k], ttl_ms((w + 2) * l.period_us - now))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, cur, prev)
+  redis.call('SET', KEYS[k], struct.pack('<ddd', w, cur + cost, prev),
+             'PX', ttl_ms((w + 2) * period_us - now))
+  return w
 end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
 ALGO.sw = {
   nkeys = 1,
-  check = function(l, now, cost, max_wait)
-    local period = l.period_us
-    local w, cur, prev = sw_read(l, now)
-    local start = w * period
-    local est = prev * (1 - math.max(now - start, 0) / period) + cur
-    l.w, l.cur, l.prev = w, cur, prev
-    local after_cur = cur
-    if est + cost <= l.count then
-      l.allowed = 1
-      est = est + cost
-      after_cur = cur + cost
-    elseif cur + cost <= l.count then
-      -- Enough room once the previous window has decayed a little more, in this window.
-      local f = 1 - (l.count - cur - cost) / prev
-      l.retry = ceil_us(start + f * period - now)
-    else
-      -- Only in the next window, once this window's count has decayed enough.
-      local f = math.max(1 - (l.count - cost) / cur, 0)
-      l.retry = ceil_us(start + (1 + f) * period - now)
-    end
-    l.remaining = math.max(l.count - est, 0)
-    if after_cur > 0 then
-      l.reset = ceil_us(start + 2 * period - now)
-    else
-      l.reset = ceil_us(start + period - now)
-    end
-  end,
-  commit = function(l, now, cost, holder, expiry)
-    sw_store(l, now, l.w, l.cur + cost, l.prev)
-    return l.w
-  end,
+  check = check,
+  commit = commit,
   -- A charge lands in the current window; a refund goes back to the window that paid while
   -- that window still weighs on the estimate (the current or the previous one).
-  adjust = function(l, now, delta, mark, holder)
-    local w, cur, prev = sw_read(l, now)
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, w, cur, prev = check(k, count, period_us, burst, now, 0, 0)
     local paid = tonumber(mark)
     if delta > 0 or paid == w then
       cur = math.max(cur + delta, 0)
@@ -76,6 +75,6 @@ ALGO.sw = {
     else
       return
     end
-    sw_store(l, now, w, cur, prev)
+    commit(k, count, period_us, burst, now, 0, holder, nil, w, cur, prev)
   end,
 }

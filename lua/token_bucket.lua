@@ -1,62 +1,57 @@
 -- token_bucket.lua: a bucket of `burst` tokens refilled continuously at count/period.
 --
--- State: one HASH per (limit, key): t = tokens at time ts (us). Tokens may be negative: a debt left by a reservation or a charge. A missing key reads as a full
+-- State: one STRING per (limit, key): tokens at time ts (us), packed as two doubles
+-- (struct '<dd': exact, and one SET ... PX writes the state and its TTL together). Tokens
+-- may be negative: a debt left by a reservation or a charge. A missing key reads as a full
 -- bucket; the key expires once the bucket would be full again.
 -- Rate = count / period_us tokens per us; capacity = burst.
 -- Reservation: with max_wait_us > 0 a request that must wait at most max_wait_us is admitted,
 -- the bucket goes into debt and `wait` says how long until the tokens really exist.
--- Private fields of l: tokens, ts (the level read by check).
+-- check hands commit the level it read: s1 = tokens, s2 = ts.
 
-local function tb_level(l, now)
-  local s = redis.call('HMGET', KEYS[l.k], 't', 'ts')
-  local tokens = tonumber(s[1])
-  if tokens == nil then
-    return l.burst, now
+local function check(k, count, period_us, burst, now, cost, max_wait)
+  local tokens, ts = burst, now
+  local s = redis.call('GET', KEYS[k])
+  if s then
+    tokens, ts = struct.unpack('<dd', s)
+    -- ts is never moved backwards: a clock step back must not refill the same time twice.
+    if now > ts then
+      tokens = math.min(burst, tokens + (now - ts) * count / period_us)
+      ts = now
+    end
   end
-  local ts = tonumber(s[2])
-  if now > ts then
-    tokens = math.min(l.burst, tokens + (now - ts) * l.count / l.period_us)
-    ts = now
+  local allowed, wait, retry, after = 0, 0, 0, tokens
+  if tokens >= cost then
+    allowed, after = 1, tokens - cost
+  else
+    local need = ceil_us((cost - tokens) * period_us / count)
+    if need <= max_wait then
+      allowed, wait, after = 1, need, tokens - cost
+    else
+      retry = need
+    end
   end
-  -- ts is never moved backwards: a clock step back must not refill the same time twice.
-  return tokens, ts
+  return allowed, wait, retry, math.max(after, 0),
+         ceil_us((burst - after) * period_us / count), tokens, ts
 end
 
-local function tb_store(l, now, tokens, ts)
-  local to_full = (l.burst - tokens) * l.period_us / l.count
-  redis.call('HSET', KEYS[l.k], 't', tokens, 'ts', ts)
-  redis.call('PEXPIRE', KEYS[l.k], ttl_ms(math.max(to_full, 0) + (ts - now)))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, tokens, ts)
+  tokens = tokens - cost
+  local to_full = (burst - tokens) * period_us / count
+  redis.call('SET', KEYS[k], struct.pack('<dd', tokens, ts),
+             'PX', ttl_ms(math.max(to_full, 0) + (ts - now)))
+  return ''
 end
+
+-- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
 ALGO.tb = {
   nkeys = 1,
-  check = function(l, now, cost, max_wait)
-    local tokens, ts = tb_level(l, now)
-    l.tokens, l.ts = tokens, ts
-    local after = tokens
-    if tokens >= cost then
-      l.allowed = 1
-      after = tokens - cost
-    else
-      local need = ceil_us((cost - tokens) * l.period_us / l.count)
-      if need <= max_wait then
-        l.allowed = 1
-        l.wait = need
-        after = tokens - cost
-      else
-        l.retry = need
-      end
-    end
-    l.remaining = math.max(after, 0)
-    l.reset = ceil_us((l.burst - after) * l.period_us / l.count)
-  end,
-  commit = function(l, now, cost, holder, expiry)
-    tb_store(l, now, l.tokens - cost, l.ts)
-    return ''
-  end,
+  check = check,
+  commit = commit,
   -- delta > 0 charges extra tokens (may leave a debt), delta < 0 refunds (never above burst).
-  adjust = function(l, now, delta, mark, holder)
-    local tokens, ts = tb_level(l, now)
-    tb_store(l, now, math.min(l.burst, tokens - delta), ts)
+  adjust = function(k, count, period_us, burst, now, delta, mark, holder)
+    local _, _, _, _, _, tokens, ts = check(k, count, period_us, burst, now, 0, 0)
+    commit(k, count, period_us, burst, now, 0, holder, nil, math.min(burst, tokens - delta), ts)
   end,
 }

@@ -8,7 +8,15 @@ import pytest
 import redis
 
 from tests.conftest import FakeClock
-from throttle import Acquisition, CostExceedsCapacity, Limit, Limiter, RequestError, Throttled
+from throttle import (
+    Acquisition,
+    CostExceedsCapacity,
+    Decision,
+    Limit,
+    Limiter,
+    RequestError,
+    Throttled,
+)
 
 HOUR = 3600.0
 
@@ -473,3 +481,35 @@ def test_back_to_back_calls_get_the_burst_and_no_more(
     limit = Limit.parse("10/s burst 4", name="api", algorithm=algorithm)
     assert sum(clocked.acquire(limit).allowed for _ in range(100)) == 4
     assert client.pttl(state_key(clocked, limit)) > 1000
+
+
+def test_gcra_reads_the_text_tat_of_an_earlier_build(
+    clocked: Limiter, clock: FakeClock, client: redis.Redis
+) -> None:
+    limit = Limit.parse("10/s burst 2", name="api", algorithm="gcra")
+    # The TAT written as '%.17g' text, 1.5 intervals ahead; now it is packed as a double.
+    client.set(state_key(clocked, limit), repr(float(clock.now_us + 150_000)))
+    denied = clocked.acquire(limit)
+    assert not denied.allowed
+    assert denied.remaining == pytest.approx(0.5)
+    clock.advance(0.05)
+    assert clocked.acquire(limit).allowed
+    assert len(client.get(state_key(clocked, limit)) or b"") == 8
+
+
+def test_one_limit_with_its_own_cost_runs_the_one_limit_script(clocked: Limiter) -> None:
+    limit = Limit.parse("10/s", name="api")
+    # A (limit, key, cost) triple alone, without an id: the cost is the limit's, not `cost`.
+    decision = clocked.acquire_many([(limit, "k", 3)], cost=5)
+    assert decision.allowed and decision.remaining == 7
+    assert decision.late_s == 0.0 and decision.acquisition is None
+    assert len(decision) == len(Decision._fields)  # every field, late_s included
+    assert clocked.acquire(limit, "k").remaining == 6
+    assert limit.code in clocked._one  # lua/acquire_one.lua ran, not acquire.lua
+    with pytest.raises(RequestError, match="cost of limit 'api'"):
+        clocked.acquire_many([(limit, "k", -1)])
+    with pytest.raises(CostExceedsCapacity):
+        clocked.acquire_many([(limit, "k", 11)])
+    # The global cost is still checked, as acquire_many always did.
+    with pytest.raises(RequestError, match="cost must be"):
+        clocked.acquire_many([(limit, "k", 1)], cost=-1)

@@ -129,6 +129,14 @@ def test_each_script_matches_its_model(
 ) -> None:
     limit = data.draw(limits(algorithm))
     sequence = data.draw(steps(limit.capacity, limit.period_s * 1e6))
+    if data.draw(st.booleans()):
+        # The cost as the limit's own ((limit, key, cost): the one-limit script takes it too),
+        # and the actual cost of a settle as a sequence of one.
+        for i, step in enumerate(sequence):
+            if step[0] == "acquire":
+                sequence[i] = (step[0], step[1], [step[2]], *step[3:])
+            elif step[3] is not None:
+                sequence[i] = (*step[:3], [step[3]], *step[4:])
     run_against_model(client, [(limit, "k")], sequence)
 
 

@@ -12,10 +12,18 @@ import redis
 
 from tests.conftest import FakeClock
 from throttle import Limit, Limiter
-from throttle.scripts import ALGORITHM_FILES, lua_dir
+from throttle.scripts import (
+    ALGORITHM_FILES,
+    ONE_LIMIT_OPERATION,
+    SEVERAL_LIMITS_ONLY,
+    lua_dir,
+    operation_source,
+    script_source,
+)
 from throttle.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+PARKING_OPERATIONS = ["park.lua", "claim_parked.lua", "commit_parked.lua", "accept_parked.lua"]
 
 
 def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> None:
@@ -55,14 +63,22 @@ def test_a_flushed_script_is_reloaded_and_state_kept(private_redis: RedisServer)
     assert limiter.acquire(limit).remaining == 9
     client.script_flush()  # what a Redis restart or failover does to the script cache
     assert limiter.acquire(limit).remaining == 8
-    assert client.script_exists(limiter._scripts_for(limit.codes)[0].sha) == [True]
+    # The script of a plain one-limit acquire (lua/acquire_one.lua) is back in Redis.
+    assert client.script_exists(limiter._one[limit.code].sha) == [True]
     client.close()
 
 
 def test_lua_dir_is_the_repository_copy() -> None:
     assert lua_dir() == ROOT / "lua"
     assert sorted(p.name for p in lua_dir().glob("*.lua")) == sorted(
-        [*ALGORITHM_FILES.values(), "prelude.lua", "acquire.lua", "settle.lua"]
+        [
+            *ALGORITHM_FILES.values(),
+            "prelude.lua",
+            "acquire.lua",
+            "acquire_one.lua",
+            "settle.lua",
+            *PARKING_OPERATIONS,
+        ]
     )
 
 
@@ -93,3 +109,31 @@ def test_no_connection_is_opened_before_the_first_call() -> None:
     limiter = Limiter(client)
     limiter._scripts_for(frozenset({"tb", "gcra"}))  # registering computes SHAs locally
     assert len(limiter._scripts) == 1
+
+
+def test_one_limit_scripts_stop_each_file_at_the_marker() -> None:
+    prelude = (lua_dir() / "prelude.lua").read_text()
+    for code, name in ALGORITHM_FILES.items():
+        text = (lua_dir() / name).read_text()
+        assert text.count(SEVERAL_LIMITS_ONLY) == 1, name
+        full = script_source("acquire", frozenset({code}))
+        assert f"\nALGO.{code} = {{" in full, name
+        if code == "conc":
+            continue  # concurrency always records a holder: acquire.lua
+        one = script_source(ONE_LIMIT_OPERATION, frozenset({code}))
+        assert "ALGO" not in one.split("-- KEYS[1]")[1], name  # only acquire_one's comments
+        assert "local function limit_record" not in one
+        # Everything before the marker, of the prelude and of the algorithm, is there once.
+        for source in (prelude, text):
+            head = source.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
+            assert one.count(head) == 1, name
+
+
+def test_parking_operations_carry_the_prelude_up_to_the_marker() -> None:
+    prelude = (lua_dir() / "prelude.lua").read_text()
+    head = prelude.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
+    for name in PARKING_OPERATIONS:
+        source = operation_source(name.removesuffix(".lua"))
+        assert source.count(head) == 1, name
+        assert "local ALGO" not in source and "limit_record" not in source, name
+        assert source.endswith((lua_dir() / name).read_text()), name

@@ -1,0 +1,32 @@
+-- acquire_one.lua: the common call, one limit and no acquisition id: acquire.lua's
+-- decision for n = 1, without the bookkeeping of several limits and of lease records.
+--
+-- Sent as prelude.lua and the limit's algorithm file, each up to its "several limits only"
+-- line, + this file (throttle/scripts.py): it calls that algorithm's check and commit
+-- directly and builds no table, because this runs on every plain acquire and every table
+-- and function a script creates costs server time on each call.
+--
+-- KEYS[1]      the limit's state key
+-- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
+-- ARGV[2]      max_wait_us   as acquire.lua
+-- ARGV[3..6]   count, period_us, burst, cost of the limit: acquire.lua's 5 values of one
+--              limit without the code (cost = tokens taken from this limit, >= 0)
+-- Not for concurrency limits: a holder always has an acquisition id (acquire.lua).
+--
+-- Returns 'status allowed wait_us retry_after_us remaining reset_us' (formats as acquire.lua)
+--   status 0 = decided; 2 = cost exceeds the capacity (then only '2 1').
+--   A denial writes nothing.
+
+local now = clock_us(ARGV[1])
+local cost = tonumber(ARGV[6])
+local burst = tonumber(ARGV[5])
+if cost > burst then
+  return '2 1'
+end
+local count, period_us = tonumber(ARGV[3]), tonumber(ARGV[4])
+local allowed, wait, retry, remaining, reset, s1, s2, s3 =
+  check(1, count, period_us, burst, now, cost, tonumber(ARGV[2]))
+if allowed == 1 then
+  commit(1, count, period_us, burst, now, cost, nil, nil, s1, s2, s3)
+end
+return '0 ' .. allowed .. ' ' .. wait .. ' ' .. retry .. ' ' .. fmt(remaining) .. ' ' .. reset
