@@ -49,5 +49,9 @@ demo-core: setup
 bench: setup
 	$(PY) -m bench.core
 
+# A Celery fleet against a 20/s burst-1 API: ours vs Celery's rate_limit vs a naive retry.
+bench-celery: setup
+	$(PY) -m bench.celery_fleet
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
