@@ -47,7 +47,7 @@ def count_acquires(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_eager_tasks_wait_for_their_slot_without_spinning(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    @app.task
+    @app.task(shared=False)
     @throttled("five")
     def ping(x: int) -> int:
         return x
@@ -63,7 +63,7 @@ def test_eager_tasks_wait_for_their_slot_without_spinning(
 
 
 def test_a_deadline_in_eager_mode_raises_throttle_timeout(app: Celery) -> None:
-    @app.task
+    @app.task(shared=False)
     @throttled("hourly")
     def once(x: int) -> int:
         return x
@@ -79,7 +79,7 @@ def test_direct_calls_and_task_names_mapped_in_the_file(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Not decorated: the file's `tasks:` maps this task's name to limit "five".
-    @app.task(name="eager.mapped")
+    @app.task(name="eager.mapped", shared=False)
     def mapped(x: int) -> int:
         return x
 
@@ -90,7 +90,7 @@ def test_direct_calls_and_task_names_mapped_in_the_file(
 
 
 def test_report_cost_settles_the_estimate(app: Celery, redis_url: str, prefix: str) -> None:
-    @app.task
+    @app.task(shared=False)
     @throttled("budget")
     def call(tenant: str, estimate: int, used: int) -> float | None:
         report_cost(used)
@@ -106,7 +106,7 @@ def test_base_class_with_its_own_limits(app: Celery) -> None:
     class Shaped(ThrottledTask):  # type: ignore[misc]
         throttle = ("2/s burst 1",)
 
-    @app.task(base=Shaped)
+    @app.task(base=Shaped, shared=False)
     def shaped(x: int) -> int:
         return x
 
@@ -134,7 +134,7 @@ def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
         seen.append(order["tenant"])
         return order["tenant"]
 
-    @app.task
+    @app.task(shared=False)
     @throttled("3/h burst 3", key=tenant_of, cost=lambda order, **_: len(order["items"]))
     def place(order: dict[str, Any]) -> int:
         return len(order["items"])
@@ -147,7 +147,7 @@ def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
     assert limiter.acquire(rule, "acme", cost=0).remaining == pytest.approx(1, abs=0.01)
     assert limiter.acquire(rule, "globex", cost=0).remaining == pytest.approx(0, abs=0.01)
 
-    @app.task
+    @app.task(shared=False)
     @throttled("budget")  # key "{tenant}": this task has no such argument
     def keyless(x: int) -> int:
         return x
@@ -178,12 +178,12 @@ def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
         },
     )
 
-    @app.task
+    @app.task(shared=False)
     @throttled("open")
     def fail_open(x: int) -> int:
         return x
 
-    @app.task
+    @app.task(shared=False)
     @throttled("closed")
     def fail_closed(x: int) -> int:
         return x
@@ -191,3 +191,11 @@ def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
     assert fail_open.delay(7).get() == 7
     with pytest.raises(BackendUnavailable, match="Redis is unreachable"):
         fail_closed.delay(7).get()
+
+
+def test_waits_held_by_workers_must_stay_under_the_visibility_timeout(app: Celery) -> None:
+    app.conf.broker_transport_options = {"visibility_timeout": 20}
+    with pytest.raises(ConfigError, match=r"held 13 s in a worker .* visibility_timeout \(20 s\)"):
+        Throttler.from_app(app).validate()
+    app.conf.broker_transport_options = {"visibility_timeout": 3600}
+    Throttler.from_app(app).validate()

@@ -322,8 +322,22 @@ class Throttler:
             logger.warning("throttle: Redis is reachable again")
 
     def validate(self) -> None:
-        """Resolve every named limit of the app's tasks now (at worker start), so that a
-        name missing from the file stops the worker instead of failing tasks."""
+        """Check at worker start what can only be checked against the app: every named
+        limit of its tasks exists in the file, and no wait the throttler keeps in a worker
+        (a sleep, an ETA message) can outlive the broker's visibility timeout (kombu#337:
+        the message would be delivered again, the task run twice)."""
+        settings = self.settings
+        options = self.app.conf.broker_transport_options or {}
+        visibility = options.get("visibility_timeout")
+        held = settings.park_after_s + settings.park_lead_s + settings.sleep_max_s
+        if isinstance(visibility, int | float) and held > visibility / 2:
+            raise ConfigError(
+                f"a task may be held {held:g} s in a worker (park_after + park_lead + "
+                f"sleep_max), more than half the broker's visibility_timeout "
+                f"({visibility:g} s): lower park_after",
+                field="settings.park_after", value=settings.park_after_s,
+                source=self.config.source,
+            )  # fmt: skip
         for task in list(self.app.tasks.values()):
             spec = _task_spec(task)
             if spec is not None:
