@@ -45,6 +45,7 @@ def _record(task: Any, name: str) -> dict[str, Any]:
         "deferrals": headers.get("throttle_deferrals", 0),
         "runs": runs,
         "at": at,
+        "queue": (task.request.delivery_info or {}).get("routing_key"),
     }
 
 

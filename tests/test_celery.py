@@ -291,6 +291,25 @@ def test_a_late_batch_does_not_burst_when_the_workers_were_saturated(fleet: Flee
     assert sum(r["deferrals"] for r in done) >= 10  # they were rescheduled, some twice
 
 
+def test_deferred_tasks_come_back_through_the_lane_not_behind_the_backlog(fleet: Fleet) -> None:
+    # Given throttled tasks deferred for their slots (2/s), then a flood of 2,000 short
+    # tasks on the same queue: about 5 s of work for the 8 children
+    from tests.celery_app import block, far  # noqa: PLC0415
+
+    handles = [far.delay(x) for x in range(6)]
+    time.sleep(0.2)
+    flood = [block.delay(0.02) for _ in range(2000)]
+    done = results(handles)
+    flood_done = sum(h.ready() for h in flood)
+    results(flood, timeout=120)
+    # Then the deferred tasks came back through queue "celery.throttled", which the workers
+    # serve in turn with "celery", and ran at their slots while the flood was still queued
+    assert {r["queue"] for r in done if r["deferrals"]} == {"celery.throttled"}
+    starts = sorted(r["at"] for r in done)
+    assert starts[-1] - starts[0] < 4.0, starts
+    assert flood_done < 1500, flood_done
+
+
 def test_a_rate_changed_at_run_time_is_followed_by_the_fleet(fleet: Fleet) -> None:
     from tests.celery_app import live  # noqa: PLC0415
 

@@ -196,6 +196,6 @@ def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
 def test_waits_held_by_workers_must_stay_under_the_visibility_timeout(app: Celery) -> None:
     app.conf.broker_transport_options = {"visibility_timeout": 20}
     with pytest.raises(ConfigError, match=r"held 13 s in a worker .* visibility_timeout \(20 s\)"):
-        Throttler.from_app(app).validate()
+        Throttler.from_app(app).check_visibility()
     app.conf.broker_transport_options = {"visibility_timeout": 3600}
-    Throttler.from_app(app).validate()
+    Throttler.from_app(app).check_visibility()

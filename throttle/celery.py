@@ -105,6 +105,8 @@ comes back when the limit says (a rate changed at run time applies to it then)."
 EARLY_S = 0.1
 """A rescheduled task is published to arrive this long before its slot and sleeps the rest:
 the slot is kept to the millisecond, whatever the precision of ETA messages."""
+LANE_SUFFIX = ".throttled"
+"""A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
 BACKEND_RETRY_S = 5.0
 """How long a task deferred because Redis is unreachable waits before trying again, in s."""
 
@@ -326,6 +328,16 @@ class Throttler:
         limit of its tasks exists in the file, and no wait the throttler keeps in a worker
         (a sleep, an ETA message) can outlive the broker's visibility timeout (kombu#337:
         the message would be delivered again, the task run twice)."""
+        self.check_visibility()
+        for task in list(self.app.tasks.values()):
+            spec = _task_spec(task)
+            if spec is not None:
+                for name in spec.names:
+                    self.config.rule(name)
+
+    def check_visibility(self) -> None:
+        """Refuse settings that hold a task in a worker for more than half the broker's
+        visibility timeout (when the transport has one: Redis, SQS)."""
         settings = self.settings
         options = self.app.conf.broker_transport_options or {}
         visibility = options.get("visibility_timeout")
@@ -338,11 +350,6 @@ class Throttler:
                 field="settings.park_after", value=settings.park_after_s,
                 source=self.config.source,
             )  # fmt: skip
-        for task in list(self.app.tasks.values()):
-            spec = _task_spec(task)
-            if spec is not None:
-                for name in spec.names:
-                    self.config.rule(name)
 
 
 def _rule_fields(rule: Rule) -> dict[str, Any]:
@@ -409,8 +416,12 @@ def slot_time() -> float | None:
 
 
 def _queue_of(request: Any) -> str | None:
+    """The queue a task was consumed from (its lane counts as the queue itself)."""
     info = request.delivery_info or {}
-    return info.get("routing_key") or info.get("queue") or None
+    queue = info.get("routing_key") or info.get("queue") or None
+    if queue and queue.endswith(LANE_SUFFIX):
+        queue = queue[: -len(LANE_SUFFIX)]
+    return queue
 
 
 def _float_header(headers: Mapping[str, Any], name: str) -> float | None:
@@ -576,8 +587,10 @@ class _Gate:
         headers[H_DEFERRALS] = (deferrals if isinstance(deferrals, int) else 0) + 1
         limits = decision.denied_by or tuple(rule.name for rule in self.rules)
         reason = Throttled(wait_s, limits)
+        # Back through the queue's lane, not behind the queue's backlog (Settings.lanes).
+        lane = self._lane()
         if countdown > self.settings.park_after_s and self.throttler.releasing:
-            sig = task.signature_from_request(request, headers=headers)
+            sig = task.signature_from_request(request, headers=headers, queue=lane)
             content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
                 dict(sig), serializer=task.serializer
             )
@@ -586,9 +599,18 @@ class _Gate:
             )
             self.throttler.parking.park(payload, countdown - self.settings.park_lead_s)
         else:
-            sig = task.signature_from_request(request, countdown=countdown, headers=headers)
+            sig = task.signature_from_request(
+                request, countdown=countdown, headers=headers, queue=lane
+            )
             sig.apply_async()
         raise Retry(exc=reason, when=countdown, sig=sig)
+
+    def _lane(self) -> str | None:
+        """The lane of the task's queue, when lanes are on and consumed (install())."""
+        queue = _queue_of(self.request)
+        if queue is None or not self.settings.lanes or not self.throttler.releasing:
+            return None
+        return queue + LANE_SUFFIX
 
     def _timeout(self, now: float, needed_s: float, decision: Decision) -> None:
         left = max((self.deadline or now) - now, 0.0)
@@ -793,6 +815,23 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.stop(worker)
 
 
+class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: every queue the worker consumes, it also consumes its lane
+    (``QUEUE.throttled``), where deferred tasks come back when their slot is due. Kombu
+    serves a worker's queues in turn, so a task due now waits for at most a message or so
+    of the backlog, not for all of it."""
+
+    label = "throttle-lanes"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, consumer: Any) -> None:
+        if not Throttler.of(consumer.app).settings.lanes:
+            return
+        for queue in list(consumer.task_consumer.queues):
+            if not queue.name.endswith(LANE_SUFFIX):
+                consumer.add_task_queue(queue.name + LANE_SUFFIX)
+
+
 class Releaser(threading.Thread):
     """Sends parked tasks back to the broker shortly before their slot (one per worker)."""
 
@@ -852,4 +891,6 @@ def install(app: Celery, *, config: Any = None) -> Celery:
         app.conf.throttle_config = config
     if ThrottleStep not in app.steps["worker"]:
         app.steps["worker"].add(ThrottleStep)
+    if LaneStep not in app.steps["consumer"]:
+        app.steps["consumer"].add(LaneStep)
     return app

@@ -70,6 +70,7 @@ _SETTINGS_FIELDS = {
     "park_lead": "duration",
     "late_tolerance": "duration",
     "jitter": "duration",
+    "lanes": "bool",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 _DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
@@ -305,6 +306,11 @@ class Settings:
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.
+    lanes:
+        Re-publish deferred tasks to the queue's lane, ``QUEUE.throttled``, which every
+        worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
+        where a task due now would wait behind the whole backlog. Assumes that a queue's
+        routing key is its name (Celery's default); turn off otherwise.
     """
 
     redis_url: str | None = None
@@ -316,6 +322,7 @@ class Settings:
     park_lead_s: float = 2.0
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0
+    lanes: bool = True
 
     @classmethod
     def from_mapping(cls, config: object, *, source: str | None) -> Settings:
@@ -333,6 +340,13 @@ class Settings:
                 )  # fmt: skip
             if kind == "duration":
                 values[f"{key}_s"] = parse_duration(value, field=f"settings.{key}", source=source)
+            elif kind == "bool":
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        "must be true or false", field=f"settings.{key}", value=value,
+                        source=source,
+                    )  # fmt: skip
+                values[key] = value
             elif not isinstance(value, str) or not value:
                 raise ConfigError(
                     "must be a non-empty string", field=f"settings.{key}", value=value,
