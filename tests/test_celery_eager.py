@@ -201,18 +201,24 @@ def test_waits_held_by_workers_must_stay_under_the_visibility_timeout(app: Celer
     Throttler.from_app(app).check_visibility()
 
 
-def test_shared_tasks_are_throttled_too(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shared_tasks_are_throttled_too(redis_url: str, prefix: str) -> None:
     from celery import shared_task  # noqa: PLC0415
+    from celery._state import get_current_app  # noqa: PLC0415
 
-    # A shared task runs on whatever app is current; its limiter comes from the environment.
-    monkeypatch.setenv("THROTTLE_REDIS_URL", redis_url)
-    monkeypatch.delenv("THROTTLE_CONFIG", raising=False)
+    # A shared task runs on whichever app is current: make a fresh one current.
+    previous = get_current_app()
+    app = Celery("shared", task_cls=ThrottledTask)
+    app.conf.update(throttle_redis_url=redis_url, throttle_config={"settings": {"prefix": prefix}})
+    app.set_current()
+    try:
 
-    @shared_task(name="eager.shared")
-    @throttled("5/s burst 1", algorithm="gcra")
-    def shared(x: int) -> int:
-        return x
+        @shared_task(name="eager.shared")
+        @throttled("5/s burst 1", algorithm="gcra")
+        def shared(x: int) -> int:
+            return x
 
-    started = time.monotonic()
-    assert [shared.apply((i,)).get() for i in range(3)] == [0, 1, 2]
-    assert time.monotonic() - started >= 0.35  # 5/s burst 1: the third at +0.4 s
+        started = time.monotonic()
+        assert [shared.apply((i,)).get() for i in range(3)] == [0, 1, 2]
+        assert time.monotonic() - started >= 0.35  # 5/s burst 1: the third at +0.4 s
+    finally:
+        previous.set_current()
