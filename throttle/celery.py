@@ -249,20 +249,21 @@ class Throttler:
                 "workers instead of being parked in Redis"
             )
 
-    _instances: ClassVar[dict[tuple[int, int], Throttler]] = {}
-
     @classmethod
     def of(cls, app: Celery) -> Throttler:
         """The throttler of ``app`` in this process (created on first call).
 
-        Keyed by pid, so that a forked pool child builds its own connections. No lock: a
-        lock held by the releaser thread at the moment the pool forks would stay locked
-        forever in the child; two threads racing here build one spare throttler at worst.
+        Kept on the app with the pid that built it, so that a forked pool child builds
+        its own connections. No lock: a lock held by the releaser thread at the moment
+        the pool forks would stay locked forever in the child; two threads racing here
+        build one spare throttler at worst.
         """
-        ident = (id(app), os.getpid())
-        throttler = cls._instances.get(ident)
-        if throttler is None:
-            throttler = cls._instances.setdefault(ident, cls.from_app(app))
+        cached = getattr(app, "_throttler", None)
+        pid = os.getpid()
+        if cached is None or cached[0] != pid:
+            cached = (pid, cls.from_app(app))
+            app._throttler = cached
+        throttler: Throttler = cached[1]
         return throttler
 
     @classmethod
