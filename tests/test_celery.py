@@ -93,6 +93,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             for worker in fleet.workers:
                 worker.stop()
             api.stop()
+            fleet.client.close()
+            cached = getattr(app, "_throttler", None)
+            if cached is not None:  # the producer side built one (Releaser.publish)
+                cached[1].limiter.client.close()
             for name in ("DEMO_BROKER_URL", "MOCK_API_URL", "THROTTLE_CONFIG"):
                 os.environ.pop(name, None)
 

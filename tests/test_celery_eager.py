@@ -30,6 +30,15 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
         },
     )
     yield app
+    close_throttler(app)
+
+
+def close_throttler(app: Celery) -> None:
+    """Close the connections of the app's throttler, if one was built (the app is dropped
+    after the test, and an unclosed socket would warn whenever it is collected)."""
+    cached = getattr(app, "_throttler", None)
+    if cached is not None:
+        cached[1].limiter.client.close()
 
 
 def count_acquires(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -191,6 +200,7 @@ def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
     assert fail_open.delay(7).get() == 7
     with pytest.raises(BackendUnavailable, match="Redis is unreachable"):
         fail_closed.delay(7).get()
+    close_throttler(app)
 
 
 def test_waits_held_by_workers_must_stay_under_the_visibility_timeout(app: Celery) -> None:
@@ -222,3 +232,4 @@ def test_shared_tasks_are_throttled_too(redis_url: str, prefix: str) -> None:
         assert time.monotonic() - started >= 0.35  # 5/s burst 1: the third at +0.4 s
     finally:
         previous.set_current()
+        close_throttler(app)
