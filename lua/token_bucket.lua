@@ -16,9 +16,11 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
     tokens, ts = struct.unpack('<dd', s)
     -- ts is never moved backwards: a clock step back must not refill the same time twice.
     if now > ts then
-      tokens = math.min(burst, tokens + (now - ts) * count / period_us)
+      tokens = tokens + (now - ts) * count / period_us
       ts = now
     end
+    -- Capped even when no time passed: a burst lowered at run time applies at once.
+    tokens = math.min(burst, tokens)
   end
   local allowed, wait, retry, after = 0, 0, 0, tokens
   if tokens >= cost then

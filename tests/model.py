@@ -44,9 +44,9 @@ class TokenBucket:
             return p.burst, now
         tokens, ts = self.state[key]
         if now > ts:
-            tokens = min(p.burst, tokens + (now - ts) * p.count / p.period_us)
+            tokens = tokens + (now - ts) * p.count / p.period_us
             ts = now
-        return tokens, ts
+        return min(p.burst, tokens), ts
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
         tokens, ts = self.level(key, p, now)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import redis
 
@@ -195,3 +197,15 @@ def test_lowered_rate_caps_a_bucket_filled_under_the_old_rate(
     restored = book.current(api)
     assert restored is api
     assert sum(limiter.acquire(restored).allowed for _ in range(25)) == 20
+
+
+def test_a_lowered_burst_caps_the_bucket_in_the_same_microsecond(client: redis.Redis) -> None:
+    # The rate lowered between two acquires at the same Redis microsecond (or after a clock
+    # step back): the stored level must not exceed the new capacity.
+    prefix = f"cap-{uuid.uuid4().hex[:8]}"
+    limiter = Limiter(client, prefix=prefix, clock_us=lambda: 1_000_000_000_000)
+    wide = Limit.parse("20/s", name="api")
+    assert limiter.acquire(wide).remaining == 19
+    narrow = Limit.parse("5/s", name="api")
+    admitted = sum(limiter.acquire(narrow).allowed for _ in range(10))
+    assert admitted == 5
