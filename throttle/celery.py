@@ -7,7 +7,7 @@ Producer side: nothing changes (``.delay``, ``apply_async``, canvas, beat). Work
 
     app = Celery("proj", broker="redis://localhost:6379/0", task_cls=ThrottledTask)
     app.conf.throttle_config = "configs/limits.yaml"   # or THROTTLE_CONFIG=...
-    install(app)    # validates the file when the worker starts; runs the parked-task releaser
+    install(app)    # worker start: validates the file, consumes the lanes, runs the releaser
 
     @app.task(bind=True)
     @throttled("openai-requests", "openai-tokens")     # limits named in the file
@@ -36,10 +36,13 @@ groups, beat and replays pass through it):
    runs, then the acquisition is settled with the actual cost (:func:`report_cost`), or
    refunded if the body raised and the rule says ``on_error: refund``.
 4. Otherwise the same task (same id, arguments, options, headers, links, chord) is
-   re-published for the moment its reserved slot comes, without spending ``max_retries``;
-   waits longer than ``park_after`` are parked in Redis (:mod:`throttle.parking`) and sent
-   back to the broker shortly before they are due. A denial that reserved nothing
-   (windows, concurrency) retries when the limit says it could admit, plus a random jitter.
+   re-published for the moment its reserved slot comes, without spending ``max_retries``,
+   through its queue's lane ``QUEUE.throttled`` (served in turn with QUEUE, so that it does
+   not wait behind QUEUE's backlog); waits longer than ``park_after`` are parked in Redis
+   (:mod:`throttle.parking`) and sent back to the broker shortly before they are due. A
+   task late for its slot (busy workers) gives it up and takes a new one. A denial that
+   reserved nothing (windows, concurrency) retries when the limit says it could admit, plus
+   a random jitter.
 5. Past the task's deadline (``max_wait``, or its ``expires``), the task fails with
    :class:`ThrottleTimeout`, or is sent to a dead-letter queue (``on_timeout``).
 
