@@ -26,19 +26,13 @@ import redis
 from celery import Celery
 
 from workers.demo_app import _post
+from workers.harness import WORKER_SETTINGS
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/0")
 LIMIT_PER_S = 20
 
 app = Celery("bench", broker=BROKER, backend=BROKER)
-app.conf.update(
-    task_default_queue="upstream",
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=3600,
-)
+app.conf.update(WORKER_SETTINGS)
 
 _clients: dict[int, redis.Redis] = {}
 

@@ -53,6 +53,7 @@ the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeo
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -308,7 +309,7 @@ class Throttler:
                 for name in spec.names:
                     rule = self.config.rule(name)
                     if spec.overrides:
-                        rule = Rule(**{**_rule_fields(rule), **_override_fields(spec.overrides)})
+                        rule = dataclasses.replace(rule, **spec.overrides)
                     found.setdefault(name, rule)
             # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by
             # the file: a limit on the default queue must not stall a chord's bookkeeping.
@@ -354,18 +355,6 @@ class Throttler:
                 field="settings.park_after", value=settings.park_after_s,
                 source=self.config.source,
             )  # fmt: skip
-
-
-def _rule_fields(rule: Rule) -> dict[str, Any]:
-    return {
-        "limit": rule.limit, "key": rule.key, "cost": rule.cost, "max_wait_s": rule.max_wait_s,
-        "on_timeout": rule.on_timeout, "on_error": rule.on_error,
-        "on_redis_down": rule.on_redis_down,
-    }  # fmt: skip
-
-
-def _override_fields(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    return {("max_wait_s" if k == "max_wait" else k): v for k, v in overrides.items()}
 
 
 def _task_spec(task: Task) -> _Spec | None:
@@ -472,7 +461,9 @@ class _Gate:
                     raise Ignore()
             except BackendError as exc:
                 return self._backend_down(exc)
-        named = _arguments(self.fn, self.args, self.kwargs)
+        # Binding the arguments to names is only needed by templates and argument costs.
+        by_name = any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules)
+        named = _arguments(self.fn, self.args, self.kwargs) if by_name else {}
         targets = []
         rates = self.throttler.rates
         try:

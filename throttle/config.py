@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
-from throttle.spec import Limit
+from throttle.spec import Limit, check_fields
 
 __all__ = [
     "CONFIG_ENV",
@@ -233,27 +233,10 @@ class Rule:
         that a reported actual cost replaces."""
         return not isinstance(self.cost, float)
 
-    def with_limit(self, limit: Limit) -> Rule:
-        """The same rule over another limit (a rate changed at run time)."""
-        return Rule(
-            limit, self.key, self.cost, self.max_wait_s, self.on_timeout, self.on_error,
-            self.on_redis_down,
-        )  # fmt: skip
-
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any], *, name: str, source: str | None) -> Rule:
         """One entry of a limits file's ``limits:`` (the limit's and the rule's fields)."""
-        if not isinstance(config, Mapping):
-            raise ConfigError(
-                "a limit must be a mapping of fields", value=config, limit=name, source=source
-            )
-        known = (*_LIMIT_FIELDS, *_RULE_FIELDS)
-        for key in config:
-            if key not in known:
-                raise ConfigError(
-                    f"unknown field; expected one of {', '.join(known)}",
-                    field=str(key), value=config[key], limit=name, source=source,
-                )  # fmt: skip
+        check_fields(config, (*_LIMIT_FIELDS, *_RULE_FIELDS), limit=name, source=source)
         limit = Limit.from_mapping(
             {k: v for k, v in config.items() if k in _LIMIT_FIELDS}, name=name, source=source
         )

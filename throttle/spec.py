@@ -25,7 +25,7 @@ from typing import Any
 
 from throttle.errors import ConfigError
 
-__all__ = ["Algorithm", "Limit"]
+__all__ = ["Algorithm", "Limit", "check_fields"]
 
 
 class Algorithm(str, Enum):
@@ -68,6 +68,21 @@ _RATE_RE = re.compile(
 )
 _CONCURRENT_RE = re.compile(rf"(?P<count>{_NUMBER})\s+concurrent", re.IGNORECASE)
 _MAPPING_FIELDS = ("algorithm", "rate", "burst")
+
+
+def check_fields(config: object, known: tuple[str, ...], *, limit: str, source: str | None) -> None:
+    """A limit's config entry must be a mapping of known fields: an unknown one is an error
+    (a typo must never silently change a limit), named with its place."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            "a limit must be a mapping of fields", value=config, limit=limit, source=source
+        )
+    for key in config:
+        if key not in known:
+            raise ConfigError(
+                f"unknown field; expected one of {', '.join(known)}",
+                field=str(key), value=config[key], limit=limit, source=source,
+            )  # fmt: skip
 
 
 def _algorithm(value: object, limit: str | None, source: str | None) -> Algorithm:
@@ -250,16 +265,7 @@ class Limit:
         ``burst`` (a number, overrides the one in ``rate``). Unknown fields are errors, so
         that a typo never goes unnoticed.
         """
-        if not isinstance(config, Mapping):
-            raise ConfigError(
-                "a limit must be a mapping of fields", value=config, limit=name, source=source
-            )
-        for key in config:
-            if key not in _MAPPING_FIELDS:
-                raise ConfigError(
-                    f"unknown field; expected one of {', '.join(_MAPPING_FIELDS)}",
-                    field=str(key), value=config[key], limit=name, source=source,
-                )  # fmt: skip
+        check_fields(config, _MAPPING_FIELDS, limit=name, source=source)
         if "rate" not in config:
             raise ConfigError("missing field", field="rate", limit=name, source=source)
         algorithm = config.get("algorithm")

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from celery import Celery
 
 from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
+from workers.harness import WORKER_SETTINGS
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/0")
 CONFIG = os.environ.get(
@@ -33,15 +34,7 @@ CONFIG = os.environ.get(
 )
 
 app = Celery("demo", broker=BROKER, backend=BROKER, task_cls=ThrottledTask)
-app.conf.update(
-    throttle_config=CONFIG,
-    task_default_queue="upstream",
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=3600,
-)
+app.conf.update(WORKER_SETTINGS, throttle_config=CONFIG)
 install(app)
 
 _local = threading.local()

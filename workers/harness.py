@@ -26,6 +26,17 @@ from workers.mock_api import MockApi, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
+WORKER_SETTINGS = {
+    "task_default_queue": "upstream",
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "broker_connection_retry_on_startup": True,
+    "result_expires": 3600,
+}
+"""The Celery settings shared by the demo app and the benchmark's baseline apps, so that
+every variant runs under the same conditions: late acks, one prefetched task per child."""
+
 
 @dataclass
 class Api:
