@@ -71,7 +71,7 @@ def test_buckets_live_in_the_namespace_hash_tag_and_expire(
 
 
 def test_a_park_counts_as_denied_and_parked(book: StatsBook, clock: Clock) -> None:
-    book._record(["x", "y"], ("denied", "parked"), 1)
+    book.record_events(["x", "y"], ("denied", "parked"))
     clock.now += 60
     assert book.per_minute() == {
         "x": {"denied": 1.0, "parked": 1.0, "timeout": 0.0},

@@ -72,6 +72,7 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Retry
 from kombu.serialization import dumps, loads
 
+from throttle import metrics
 from throttle.config import Rule, Settings, ThrottleConfig
 from throttle.decision import Acquisition, Decision
 from throttle.errors import (
@@ -84,6 +85,7 @@ from throttle.limiter import DEFAULT_LEASE_S, Limiter
 from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
 from throttle.spec import Algorithm, Limit
+from throttle.stats import StatsBook
 
 __all__ = [
     "ThrottledTask",
@@ -241,6 +243,7 @@ class Throttler:
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
+        self.stats = StatsBook(limiter.client, keyspace)
         self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
         self._outage = False
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
@@ -485,7 +488,9 @@ class _Gate:
         try:
             if eager:
                 return self._block()
-            return self._decide(now)
+            ticket = self._decide(now)
+            _report_allowed(self, now, ticket)
+            return ticket
         except BackendError as exc:
             return self._backend_down(exc)
 
@@ -593,11 +598,13 @@ class _Gate:
                 body if isinstance(body, bytes) else body.encode()
             )
             self.throttler.parking.park(payload, countdown - self.settings.park_lead_s)
+            _report_deferral(self, limits, "park", wait_s, headers[H_DEFERRALS])
         else:
             sig = task.signature_from_request(
                 request, countdown=countdown, headers=headers, queue=lane
             )
             sig.apply_async()
+            _report_deferral(self, limits, "republish", wait_s, headers[H_DEFERRALS])
         raise Retry(exc=reason, when=countdown, sig=sig)
 
     def _lane(self) -> str | None:
@@ -612,6 +619,7 @@ class _Gate:
         rules = [rule for rule in self.rules if rule.name in decision.denied_by] or list(self.rules)
         queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
         if queue is None:
+            _report_timeout(self, decision, "fail")
             raise ThrottleTimeout(decision.denied_by, needed_s, left)
         headers = {
             k: v for k, v in self.headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)
@@ -619,6 +627,7 @@ class _Gate:
         headers[H_DEAD] = queue
         sig = self.task.signature_from_request(self.request, queue=queue, headers=headers)
         sig.apply_async(queue=queue)
+        _report_timeout(self, decision, "dead_letter")
         logger.warning(
             "throttle: task %s timed out; sent to dead-letter queue %s", self.request.id, queue
         )
@@ -643,6 +652,7 @@ class _Gate:
 
     def _backend_down(self, exc: BackendError) -> _Ticket | None:
         self.throttler.outage(exc)
+        metrics.redis_error(rule.name for rule in self.rules)
         if all(rule.on_redis_down == "allow" for rule in self.rules):
             return None  # fail open: run without a ticket
         if self.request.is_eager or self.request.called_directly:
@@ -654,6 +664,54 @@ class _Gate:
         )
         sig.apply_async()
         raise Retry(exc=exc, when=countdown, sig=sig)
+
+
+# -- what the gate reports: Prometheus counters, Flower events, fleet-wide stats ----------
+# None of it may fail or lose a task: each part swallows (and logs) its own errors.
+
+
+def _report_allowed(gate: _Gate, now: float, ticket: _Ticket | None) -> None:
+    if ticket is not None:
+        metrics.allowed([rule.name for rule in gate.rules], ticket.slot_at - now)
+
+
+def _report_deferral(
+    gate: _Gate, limits: Sequence[str], how: str, wait_s: float, deferrals: int
+) -> None:
+    """A deferral (``how``: republish or park): counters, a ``task-throttled`` event for
+    Flower, and the fleet-wide counts of :class:`StatsBook`."""
+    metrics.deferred(limits, how, wait_s)
+    targets = {limit.name: (key, cost) for limit, key, cost in gate.targets}
+    try:
+        gate.task.send_event(
+            "task-throttled",
+            retry=False,  # an event is not worth blocking a pool slot on a broker outage
+            limits=list(limits),
+            keys=[targets.get(name, (None, 0.0))[0] for name in limits],
+            costs=[targets.get(name, (None, 0.0))[1] for name in limits],
+            wait=round(wait_s, 3),
+            slot=round(time.time() + wait_s, 3),
+            how=how,
+            deferrals=deferrals,
+        )
+    except Exception as exc:
+        logger.debug("throttle: cannot send the task-throttled event: %s", exc)
+    events = ("denied", "parked") if how == "park" else ("denied",)
+    _count(gate, limits, events)
+
+
+def _report_timeout(gate: _Gate, decision: Decision, action: str) -> None:
+    limits = decision.denied_by or tuple(rule.name for rule in gate.rules)
+    metrics.timed_out(limits, action)
+    _count(gate, limits, ("timeout",))
+
+
+def _count(gate: _Gate, limits: Sequence[str], events: Sequence[str]) -> None:
+    try:
+        gate.throttler.stats.record_events(limits, events)
+    except Exception as exc:  # BackendError, or anything else: a count is not worth a task
+        metrics.redis_error(limits)
+        logger.debug("throttle: cannot record %s in the fleet stats: %s", events, exc)
 
 
 def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
@@ -671,10 +729,13 @@ def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
             actual = 0.0
         actuals.append(actual)
     try:
-        throttler.limiter.settle(acquisition, actuals)
+        settlement = throttler.limiter.settle(acquisition, actuals)
     except BackendError as exc:
         # The lease expires by itself: concurrency units come back then, a refund is lost.
         throttler.outage(exc)
+        metrics.redis_error(limit.name for limit, _ in acquisition.targets)
+        return
+    metrics.settled([limit.name for limit, _ in acquisition.targets], settlement.deltas)
 
 
 def _run(

@@ -75,10 +75,11 @@ class StatsBook:
         :class:`BackendError` when Redis fails (callers on a task's path catch it: a count
         is never worth a task).
         """
-        self._record(limits, (event,), n)
+        self.record_events(limits, (event,), n)
 
-    def _record(self, limits: Iterable[str], events: Iterable[str], n: int) -> None:
-        """:meth:`record` of several events at once (a park is ``denied`` and ``parked``)."""
+    def record_events(self, limits: Iterable[str], events: Iterable[str], n: int = 1) -> None:
+        """:meth:`record` of several events in the same round trip (a park is ``denied`` and
+        ``parked``)."""
         events = tuple(events)
         for event in events:
             if event not in EVENTS:
