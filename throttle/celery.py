@@ -60,14 +60,16 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from celery import Celery, Task, bootsteps
+from celery import Celery, Task, bootsteps, signals
 from celery._state import get_current_task
 from celery.exceptions import Ignore, Retry
 from kombu.serialization import dumps, loads
@@ -81,7 +83,7 @@ from throttle.errors import (
     Throttled,
     ThrottleTimeout,
 )
-from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.limiter import DEFAULT_LEASE_S, Limiter, wrap_errors
 from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
 from throttle.spec import Algorithm, Limit
@@ -91,6 +93,7 @@ __all__ = [
     "ThrottledTask",
     "Throttler",
     "install",
+    "register_metrics",
     "report_cost",
     "slot_time",
     "throttled",
@@ -961,11 +964,152 @@ class Releaser(threading.Thread):
 def install(app: Celery, *, config: Any = None) -> Celery:
     """Wire the throttler into ``app``'s workers: the limits file (``config``: a path or a
     mapping; default ``app.conf.throttle_config`` or ``THROTTLE_CONFIG``) is validated when a
-    worker starts, and every worker runs a releaser of parked tasks. Returns ``app``."""
+    worker starts, and every worker runs a releaser of parked tasks; with ``settings.metrics``
+    every worker counts into its metrics directory (and serves ``settings.metrics_port``),
+    and a process that has prometheus_client loaded (Flower) shows the fleet's metrics on
+    its default registry (:func:`register_metrics`). Returns ``app``."""
     if config is not None:
         app.conf.throttle_config = config
     if ThrottleStep not in app.steps["worker"]:
         app.steps["worker"].add(ThrottleStep)
     if LaneStep not in app.steps["consumer"]:
         app.steps["consumer"].add(LaneStep)
+    _install_metrics(app)
     return app
+
+
+# -- metrics: set up in the worker, served by it and by Flower -----------------------------
+
+METRICS_PORT_ENV = "THROTTLE_METRICS_PORT"
+"""Overrides ``settings.metrics_port`` for one worker (several workers on one host)."""
+
+
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep of the metrics (``settings.metrics`` / ``metrics_port``).
+
+    Created in the worker's main process before the pool forks (every step is created
+    before any starts): that is when this worker's metrics directory is wiped and
+    prometheus_client put in multiprocess mode (:func:`throttle.metrics.setup_worker`), so
+    that every pool child counts into a file of its own there. Started after the pool, it
+    serves the sum of those files and the Redis-read gauges on the metrics port.
+    """
+
+    label = "throttle-metrics"
+    # A thread started before the fork could hold a lock the children inherit locked.
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.app = worker.app
+        self.server: Any = None
+        self.port: int | None = None
+        self.directory: Path | None = None
+        throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
+        if not throttler.settings.metrics:
+            return
+        source = throttler.config.source
+        self.directory = metrics.setup_worker(
+            _metrics_base(throttler.settings), worker.hostname, source=source
+        )
+        self.port = _metrics_port(throttler.settings)
+
+    def start(self, worker: Any) -> None:
+        if self.directory is None or self.port is None:
+            return
+        directory, app = self.directory, self.app
+        collector = metrics.ThrottleCollector(lambda: [(None, directory)], lambda: _fleet(app))
+        self.server = metrics.serve(self.port, collector, source=Throttler.of(app).config.source)
+        logger.info("throttle: metrics of %s on port %d", worker.hostname, self.port)
+
+    def stop(self, worker: Any) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+def register_metrics(app: Celery, registry: Any = None) -> metrics.ThrottleCollector:
+    """Expose ``app``'s throttle metrics on a prometheus_client registry (default: the
+    process's ``REGISTRY``, what Flower's ``/metrics`` serves): the counters of every
+    worker under ``settings.metrics_dir`` on this host (label ``worker``) and the
+    fleet-wide gauges read from Redis at each scrape. Nothing while metrics are off.
+
+    :func:`install` calls it when prometheus_client is already loaded (as in Flower, or
+    an exporter of your own that imported it first); call it yourself otherwise."""
+    metrics.require()
+    if registry is None:
+        from prometheus_client import REGISTRY  # noqa: PLC0415
+
+        registry = REGISTRY
+    collector = metrics.ThrottleCollector(lambda: _worker_dirs(app), lambda: _fleet(app))
+    registry.register(collector)
+    return collector
+
+
+def _install_metrics(app: Celery) -> None:
+    # Pool children: drop an exited child's live files (none today; counters stay).
+    signals.worker_process_shutdown.connect(
+        _child_exited, weak=False, dispatch_uid="throttle-metrics-child-exit"
+    )
+    if MetricsStep not in app.steps["worker"]:
+        app.steps["worker"].add(MetricsStep)
+    # Flower (`celery -A proj flower` imports the app, Flower has loaded prometheus_client
+    # by then) serves REGISTRY on /metrics: add the fleet's view there, once per app.
+    loaded = sys.modules.get("prometheus_client") is not None
+    if loaded and getattr(app, "_throttle_collector", None) is None:
+        app._throttle_collector = register_metrics(app)
+
+
+def _child_exited(pid: int | None = None, **kwargs: Any) -> None:
+    metrics.process_exited(pid if pid is not None else os.getpid())
+
+
+def _metrics_base(settings: Settings) -> Path:
+    if settings.metrics_dir:
+        return Path(settings.metrics_dir)
+    return metrics.default_base_dir(settings.prefix, settings.namespace)
+
+
+def _metrics_port(settings: Settings) -> int | None:
+    value = os.environ.get(METRICS_PORT_ENV)
+    if not value:
+        return settings.metrics_port
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ConfigError(
+            "must be a port number from 1 to 65535", field=METRICS_PORT_ENV, value=value
+        )
+    return int(value)
+
+
+def _worker_dirs(app: Celery) -> list[tuple[str | None, Path]]:
+    settings = Throttler.of(app).settings
+    if not settings.metrics:
+        return []
+    return list(metrics.worker_dirs(_metrics_base(settings)))
+
+
+def _fleet(app: Celery) -> metrics.FleetState | None:
+    """The Redis-read state behind the fleet-wide gauges (None while metrics are off)."""
+    throttler = Throttler.of(app)
+    if not throttler.settings.metrics:
+        return None
+    parked, releasing = wrap_errors(throttler.parking.counts)
+    limits: dict[str, Limit] = {}
+    for rule in _unkeyed_rules(throttler):
+        limits.setdefault(rule.name, rule.limit)
+    states = [throttler.limiter.peek(throttler.rates.current(limit)) for limit in limits.values()]
+    return metrics.FleetState(parked, releasing, states)
+
+
+def _unkeyed_rules(throttler: Throttler) -> list[Rule]:
+    """The rules with one state for all tasks (no key): the file's, then inline ones.
+    Keyed limits have a state per key value: not a gauge (labels stay bounded)."""
+    rules = [rule for rule in throttler.config.rules.values() if rule.key is None]
+    for task in list(throttler.app.tasks.values()):
+        spec = _task_spec(task)
+        if spec is not None:
+            rules.extend(rule for rule in spec.rules if rule.key is None)
+    return rules
