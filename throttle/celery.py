@@ -48,6 +48,13 @@ groups, beat and replays pass through it):
 
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
+
+Monitoring: each deferral sends a ``task-throttled`` event and raises Celery's ``Retry``
+carrying :class:`Throttled`, so Flower lists the waiting task as RETRY with
+``Throttled(limit='upstream', wait=3.2s)``; it adds to the fleet-wide counts of
+:class:`throttle.stats.StatsBook`, and with ``settings.metrics`` to the worker's Prometheus
+counters (:mod:`throttle.metrics`), served on ``settings.metrics_port`` and on Flower's
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -1107,9 +1114,17 @@ def _fleet(app: Celery) -> metrics.FleetState | None:
 def _unkeyed_rules(throttler: Throttler) -> list[Rule]:
     """The rules with one state for all tasks (no key): the file's, then inline ones.
     Keyed limits have a state per key value: not a gauge (labels stay bounded)."""
-    rules = [rule for rule in throttler.config.rules.values() if rule.key is None]
+    inline: list[Rule] = []
+    keyed: set[str] = set()  # named limits that a decorator gives a key
     for task in list(throttler.app.tasks.values()):
         spec = _task_spec(task)
         if spec is not None:
-            rules.extend(rule for rule in spec.rules if rule.key is None)
-    return rules
+            inline.extend(rule for rule in spec.rules if rule.key is None)
+            if spec.overrides.get("key") is not None:
+                keyed.update(spec.names)
+    named = [
+        rule
+        for rule in throttler.config.rules.values()
+        if rule.key is None and rule.name not in keyed
+    ]
+    return named + inline
