@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 import redis
+from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -98,6 +99,15 @@ class Monitored:
         self.flower_log = tmp / "flower.log"
         self.flower: subprocess.Popen[bytes] | None = None
         self.client = redis.Redis.from_url(server.url)
+        # The producer: an app of its own on this test's Redis (tests.celery_app is shared
+        # with other modules, and caches its connections), sending the worker's tasks by name.
+        self.producer = Celery(
+            "monitoring", broker=server.url, backend=server.url, set_as_current=False
+        )
+        self.producer.conf.task_default_queue = "celery"
+
+    def send(self, task: str, *args: Any) -> Any:
+        return self.producer.send_task(f"tests.celery_app.{task}", args)
 
     @property
     def worker_url(self) -> str:
@@ -140,6 +150,7 @@ class Monitored:
                 self.flower.kill()
         self.worker.stop()
         self.client.close()
+        self.producer.close()
 
 
 @pytest.fixture(scope="module")
@@ -147,21 +158,12 @@ def mon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     tmp = tmp_path_factory.mktemp("monitoring")
     with RedisServer() as server:
         mon = Monitored(tmp, server)
-        saved = {name: os.environ.get(name) for name in mon.env}
-        os.environ.update(mon.env)
-        from tests.celery_app import app, plain  # noqa: PLC0415
-
-        # The test process is the producer of the same app, on this test's Redis and file.
-        saved_conf = (app.conf.broker_url, app.conf.result_backend, app.conf.throttle_config)
-        app.conf.broker_url = app.conf.result_backend = server.url
-        app.conf.throttle_config = str(mon.config)
-        app._throttler = None
         try:
             mon.worker.start()
             mon.start_flower()
-            wait_ready(app, [mon.worker])
+            wait_ready(mon.producer, [mon.worker])
             # Flower receives events once its receiver is connected: wait until it saw one.
-            warm = plain.delay(0)
+            warm = mon.send("plain", 0)
             warm.get(timeout=30)
             deadline = time.monotonic() + 20
             while warm.id not in mon.flower_tasks() and time.monotonic() < deadline:
@@ -170,26 +172,14 @@ def mon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
             yield mon
         finally:
             mon.stop()
-            cached = getattr(app, "_throttler", None)
-            if cached is not None:
-                cached[1].limiter.client.close()
-            app._throttler = None
-            app.conf.broker_url, app.conf.result_backend, app.conf.throttle_config = saved_conf
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     # Given 12 tasks under a limit of 3/s burst 1, 2 pool children: the first runs, the
     # next sleeps to its slot, the later ones are deferred (re-published, or parked when
     # the wait is beyond 1.5 s)
-    from tests.celery_app import app, far  # noqa: PLC0415
-
-    events = EventLog(app)
-    handles = [far.delay(x) for x in range(12)]
+    events = EventLog(mon.producer)
+    handles = [mon.send("far", x) for x in range(12)]
     ids = {h.id for h in handles}
     # While they wait, Flower shows them as RETRY with the limit and the wait
     waiting: dict[str, str] = {}
@@ -337,15 +327,13 @@ def poll_flower(mon: Monitored, name: str, want: float, **labels: str) -> Sample
 
 
 def test_timeouts_refunds_and_charges_are_counted(mon: Monitored) -> None:
-    from tests.celery_app import hurry, spend  # noqa: PLC0415
-
-    assert hurry.delay(1).get(timeout=30) == 1  # the one slot of the hour
+    assert mon.send("hurry", 1).get(timeout=30) == 1  # the one slot of the hour
     with pytest.raises(Exception, match="throttle deadline"):
-        hurry.delay(2).get(timeout=30)
-    spend.delay("refund", 1000, 200).get(timeout=30)  # 800 back
-    spend.delay("charge", 1000, 1500).get(timeout=30)  # 500 more
+        mon.send("hurry", 2).get(timeout=30)
+    mon.send("spend", "refund", 1000, 200).get(timeout=30)  # 800 back
+    mon.send("spend", "charge", 1000, 1500).get(timeout=30)  # 500 more
     with pytest.raises(ValueError):
-        spend.delay("failed", 300, None, True).get(timeout=30)  # on_error: refund, 300 back
+        mon.send("spend", "failed", 300, None, True).get(timeout=30)  # on_error: refund, 300 back
     worker = scrape(mon.worker_url)
     assert total(worker, "throttle_timeouts_total", limit="deadline", action="fail") == 1
     assert total(worker, "throttle_decisions_total", limit="deadline", decision="denied") == 1
