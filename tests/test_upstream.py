@@ -474,6 +474,7 @@ settings:
 limits:
   api: {algorithm: gcra, rate: 19.6/s, burst: 1}
   solo: {algorithm: gcra, rate: 19.6/s, burst: 1}
+  hurry: {algorithm: gcra, rate: 19.6/s, burst: 1, key: "{account}", max_wait: 0.5s}
 """
 
 
@@ -555,6 +556,8 @@ def test_a_refused_task_runs_again_after_the_hold_with_its_id_and_retry_budget(
     assert sum(refused.values()) >= 1, arrivals
     assert all(r["runs"] == 1 + refused[r["id"]] for r in done)
     assert all(r["deferrals"] >= 1 for r in done if refused[r["id"]])
+    # through the queue's lane, as the throttler's own deferrals
+    assert {r["queue"] for r in done if refused[r["id"]]} == {"upstream.throttled"}
     # and after the first refusal the fleet waited for the API instead of hammering it
     assert sum(refused.values()) <= 3, arrivals
 
@@ -601,3 +604,32 @@ def test_the_fleet_follows_an_api_that_lowers_its_limit_mid_run(fleet: Fleet) ->
         f"({refused_before} refused), {len(refused_after)} refused after it at "
         f"{[round(t, 3) for t in refused_after]} s, then {rate_after:.2f}/s"
     )
+
+
+def test_a_hold_beyond_the_tasks_max_wait_ends_it_with_throttle_timeout(fleet: Fleet) -> None:
+    # Given an API that allows one call a second, and two tasks of one account whose limit
+    # lets them wait at most 0.5 s
+    from tests.upstream_app import fetch_keyed  # noqa: PLC0415
+
+    fleet.api.api.set_limit(1.0, 1.0)
+    fleet.api.api.reset()
+    handles = [fetch_keyed.delay("acct", n) for n in range(2)]
+    outcomes: dict[str, Any] = {}
+    for handle in handles:
+        try:
+            outcomes[handle.id] = handle.get(timeout=30)["status"]
+        except Exception as exc:
+            outcomes[handle.id] = exc
+    # Then the one that came second to the API is not re-run after the hold (1 s): it fails,
+    # as with the throttler's own deadline
+    refused = fleet.refused_by_id()
+    assert sorted(refused.values()) == [1], fleet.api.api.arrivals_json()
+    ((late, _),) = refused.items()
+    error = outcomes.pop(late)
+    assert type(error).__name__ == "ThrottleTimeout"
+    assert "throttle deadline: hurry would admit the task in 1.000 s" in str(error)
+    assert list(outcomes.values()) == [200]
+    # and the hold was the account's only: the limit's rate and other accounts untouched
+    assert set(fleet.limiter.holds()) == {("hurry", "acct")}
+    assert fleet.rates.overrides() == {}
+    fleet.limiter.unhold("hurry", "acct")

@@ -65,6 +65,7 @@ def _result(task: Any, n: int, status: int) -> dict[str, Any]:
     return {
         "n": n, "id": task.request.id, "status": status, "retries": task.request.retries,
         "deferrals": headers.get("throttle_deferrals", 0),
+        "queue": (task.request.delivery_info or {}).get("routing_key"),
         "runs": int(_clients["redis"].get(f"test:runs:{task.request.id}") or 0),
     }  # fmt: skip
 
@@ -86,4 +87,16 @@ def fetch_httpx(self: Any, n: int) -> dict[str, Any]:
     """The same through httpx."""
     _run(self)
     response = _httpx().post(f"{API_URL}/call", headers={"X-Task-Id": self.request.id})
+    return _result(self, n, response.status_code)
+
+
+@app.task(bind=True, max_retries=0)
+@throttled("hurry")
+def fetch_keyed(self: Any, account: str, n: int) -> dict[str, Any]:
+    """A keyed limit with a max_wait: a refusal holds this account only, and a hold longer
+    than the task may still wait ends it with ThrottleTimeout."""
+    _run(self)
+    response = _session().post(
+        f"{API_URL}/call", headers={"X-Task-Id": self.request.id}, timeout=10
+    )
     return _result(self, n, response.status_code)

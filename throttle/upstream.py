@@ -33,7 +33,6 @@ Without Celery, :func:`apply_upstream` does the same for a :class:`Limiter` and 
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
 import logging
 import math
@@ -469,14 +468,21 @@ def apply_upstream(
     return signal
 
 
-def _close(response: Any) -> None:
-    """Release a refused response's connection before leaving the body unread (requests
-    keeps it checked out of the pool until then; httpx closes it itself)."""
-    close = getattr(response, "close", None)
-    if callable(close):
-        # Best effort: an httpx response of an AsyncClient refuses a sync close.
-        with contextlib.suppress(RuntimeError, OSError):
+def _release(response: Any) -> None:
+    """Give a refused response's connection back before the task leaves it. Hooks run
+    before the body is read, and a socket closed with its body unread is reset (the upstream
+    sees a broken connection, the client's pool loses it): read the (short) 429 body, then
+    close."""
+    try:
+        if hasattr(response, "iter_content"):  # requests
+            _ = response.content
+        elif getattr(response, "is_stream_consumed", True) is False:  # httpx
+            response.read()
+        close = getattr(response, "close", None)
+        if callable(close):
             close()
+    except Exception as exc:  # best effort (an AsyncClient's response refuses a sync read)
+        logger.debug("throttle: could not release an upstream response: %s", exc)
 
 
 def report_upstream(
@@ -520,7 +526,7 @@ def report_upstream(
     ticket = _ticket.get()
     if ticket is None or ticket.acquisition is None:
         if retry and signal.refused:
-            _close(response)
+            _release(response)
             raise Throttled(signal.hold_s)
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
@@ -543,8 +549,8 @@ def report_upstream(
     except BackendError as exc:
         throttler.outage(exc)
     if retry and signal.refused:
-        _close(response)
-        defer_task(signal.hold_s)
+        _release(response)
+        defer_task(signal.hold_s, [target.current.name for target in targets])
     return signal
 
 
