@@ -518,14 +518,12 @@ def report_upstream(
     nothing to act on).
     """
     signal = read_response(response)
-    if signal is None:
-        return None
     # Imported here: the parser and the plain form need no Celery.
     from throttle.celery import Throttler, _ticket, defer_task  # noqa: PLC0415
 
     ticket = _ticket.get()
     if ticket is None or ticket.acquisition is None:
-        if retry and signal.refused:
+        if signal is not None and retry and signal.refused:
             _release(response)
             raise Throttled(signal.hold_s)
         return signal
@@ -537,9 +535,11 @@ def report_upstream(
         for (current, key), cost in zip(acquisition.targets, acquisition.costs, strict=True)
         if name is None or current.name == name
     ]
-    if not targets:
+    if not targets:  # checked on every response: a misspelt name fails on the first call
         held = ", ".join(repr(current.name) for current, _ in acquisition.targets)
         raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {held})")
+    if signal is None:
+        return None
     from celery._state import get_current_task  # noqa: PLC0415
 
     task = get_current_task()
