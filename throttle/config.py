@@ -74,6 +74,9 @@ _SETTINGS_FIELDS = {
     "jitter": "duration",
     "pause_recheck": "duration",
     "lanes": "bool",
+    "metrics": "bool",
+    "metrics_port": "port",
+    "metrics_dir": "str",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 _DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
@@ -367,6 +370,17 @@ class Settings:
         worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
         where a task due now would wait behind the whole backlog. Assumes that a queue's
         routing key is its name (Celery's default); turn off otherwise.
+    metrics:
+        Count decisions, waits, reschedules, timeouts, refunds and Redis errors in every
+        worker (Prometheus, :mod:`throttle.metrics`; needs ``celery-throttled[metrics]``).
+        Implied by ``metrics_port``.
+    metrics_port:
+        Serve the worker's metrics on this port from its main process (``None``: not
+        served by the worker; Flower's ``/metrics`` still shows them on the same host).
+        ``THROTTLE_METRICS_PORT`` overrides it per worker, for several workers per host.
+    metrics_dir:
+        Where workers keep their metric files (one directory per worker below it; Flower
+        reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
     """
 
     redis_url: str | None = None
@@ -380,6 +394,13 @@ class Settings:
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
     lanes: bool = True
+    metrics: bool = False
+    metrics_port: int | None = None
+    metrics_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            object.__setattr__(self, "metrics", True)  # a port serves metrics: count them
 
     @classmethod
     def from_mapping(cls, config: object, *, source: str | None, errors: Errors = None) -> Settings:
@@ -398,6 +419,15 @@ class Settings:
         for key, value in config.items():
             with _noted(errors):
                 values.update(_setting(key, value, source))
+        if "metrics_port" in values and values.get("metrics") is False:
+            _report(
+                errors,
+                ConfigError(
+                    "metrics: false contradicts metrics_port (a port serves metrics)",
+                    field="settings.metrics_port", value=values["metrics_port"], source=source,
+                ),
+            )  # fmt: skip
+            values.pop("metrics_port")
         settings = cls(**values)
         if errors is not None and len(errors) > found:
             return settings  # park_lead against park_after only when both are valid
@@ -429,6 +459,13 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
             raise ConfigError(
                 "must be true or false", field=f"settings.{key}", value=value, source=source
             )
+        return {key: value}
+    if kind == "port":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+            raise ConfigError(
+                "must be a port number from 1 to 65535", field=f"settings.{key}", value=value,
+                source=source,
+            )  # fmt: skip
         return {key: value}
     if not isinstance(value, str) or not value:
         raise ConfigError(
