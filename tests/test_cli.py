@@ -27,9 +27,11 @@ from click.testing import CliRunner, Result
 from tests.cli_app import app as cli_app
 from throttle import Limit, Limiter
 from throttle.cli import rate_spec, throttle
+from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.stats import StatsBook
 from throttle.testing import RedisServer
 from workers.harness import ROOT, Worker, wait_ready
 
@@ -124,8 +126,8 @@ def cli(tmp_path: Path, redis_url: str, client: redis.Redis, prefix: str) -> Ite
         cli_app.conf.throttle_config = cli_app.conf.throttle_redis_url = None
 
 
-def _status(cli: Cli) -> dict[str, Any]:
-    result = cli("status", "--json", "--timeout", "0")
+def _status(cli: Cli, *args: str) -> dict[str, Any]:
+    result = cli("status", "--json", "--timeout", "0", *args)
     assert result.exit_code == 0, result.output
     data: dict[str, Any] = json.loads(result.output)
     return data
@@ -149,8 +151,11 @@ def test_status_json_reports_what_the_limiter_holds(cli: Cli) -> None:
     cli.limiter.hold("gate", None, None)
     cli.limiter.hold("tenant", "acme", 30.0)
     ParkingLot(cli.limiter.client, cli.limiter.keyspace).park(b"a task", 60.0)
+    # and the fleet's counts of the last minute (the current one is not over: not counted)
+    _last_minute(cli).record_events(["api"], ["denied", "parked"], 10)
+    _last_minute(cli).record(["api"], "timeout", 4)
 
-    data = _status(cli)
+    data = _status(cli, "--minutes", "2")
     rows = _rows(data)
 
     assert list(rows) == KNOWN
@@ -186,9 +191,18 @@ def test_status_json_reports_what_the_limiter_holds(cli: Cli) -> None:
     assert data["parked"] == 1 and data["releasing"] == 0
     assert data["workers"] is None and api["in_flight"] is None  # --timeout 0
     assert data["prefix"] == cli.limiter.keyspace.prefix
+    assert api["per_minute"] == {"denied": 5.0, "parked": 5.0, "timeout": 2.0}
+    assert rows["shaper"]["per_minute"] == {"denied": 0.0, "parked": 0.0, "timeout": 0.0}
 
 
-def test_status_table_shows_holds_overrides_and_keys(cli: Cli) -> None:
+def _last_minute(cli: Cli) -> StatsBook:
+    """The fleet's stats, recorded as if one minute ago."""
+    return StatsBook(cli.limiter.client, cli.limiter.keyspace, clock=lambda: time.time() - 60)
+
+
+def test_status_table_shows_holds_overrides_keys_and_denials(cli: Cli) -> None:
+    _last_minute(cli).record(["api"], "denied", 6)
+    _last_minute(cli).record(["api"], "timeout", 2)
     cli.limiter.hold("gate", None, None)
     cli.limiter.hold("tenant", "acme", 30.0)
     RateBook(cli.limiter.client, cli.limiter.keyspace).set(cli.limit("shaper"), "1/s burst 1")
@@ -196,7 +210,8 @@ def test_status_table_shows_holds_overrides_and_keys(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
     assert lines["LIMIT"].split()[:3] == ["LIMIT", "ALGORITHM", "RATE"]
-    assert lines["gate"].split()[-2:] == ["paused", "?"]
+    assert lines["gate"].split()[-3:] == ["paused", "?", "0"]
+    assert lines["api"].endswith("1.2 (0.4 timed out)")  # over 5 minutes by default
     assert "per key" in lines["tenant"] and "acme: held" in lines["tenant"]
     assert "1/s (set; file 2/s)" in lines["shaper"]
     assert "workers  not asked" in result.output
@@ -379,13 +394,12 @@ def test_check_prints_every_error_with_its_place(tmp_path: Path) -> None:
     duration = "must be a duration >= 0: seconds, or a string such as '250ms', '30s', '10m', "
     duration += "'2h', '1d'"
     fields = "rate, algorithm, burst, key, cost, max_wait, on_timeout, on_error, on_redis_down"
+    settings = ", ".join(SETTINGS_FIELDS)  # other settings come and go: not this test's point
     assert result.stdout.splitlines() == [
         f"{f}: field 'extra': unknown section; expected one of settings, limits, queues, "
         "tasks (got 1)",
         f"{f}: field 'settings.refresh': {duration} (got 'soon')",
-        f"{f}: field 'settings.colour': unknown setting; expected one of redis_url, prefix, "
-        "namespace, refresh, sleep_max, park_after, park_lead, late_tolerance, jitter, "
-        "pause_recheck, lanes (got 'blue')",
+        f"{f}: field 'settings.colour': unknown setting; expected one of {settings} (got 'blue')",
         f"{f}: limit 'api': field 'rate': unknown time unit 'fortnight'; use ms, s, m, h or d "
         "(got '10/fortnight')",
         f"{f}: limit 'api': field 'on_error': must be 'keep' or 'refund' (got 'maybe')",

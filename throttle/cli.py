@@ -41,6 +41,7 @@ from throttle.config import Rule, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
 from throttle.limiter import wrap_errors
 from throttle.spec import Algorithm, Limit
+from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
 
 __all__ = ["throttle"]
 
@@ -49,6 +50,8 @@ EXIT_ERRORS = 1
 EXIT_USAGE = 2
 """Usage: an unknown limit, a bad rate, a missing argument (click's own code for these)."""
 
+DEFAULT_MINUTES = 5
+"""``status`` averages the denials over this many whole minutes unless told otherwise."""
 _UNITS = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001))
 
 
@@ -199,12 +202,15 @@ def in_flight(app: Any, throttler: Throttler, timeout_s: float) -> tuple[Counter
     return counts, len(replies)
 
 
-def collect_status(app: Any, throttler: Throttler, timeout_s: float) -> dict[str, Any]:
+def collect_status(
+    app: Any, throttler: Throttler, timeout_s: float, minutes: int = DEFAULT_MINUTES
+) -> dict[str, Any]:
     """What ``status`` shows, as the JSON of ``status --json``; see the command's help."""
     limiter = throttler.limiter
     known = _known(app, throttler)
     overrides = throttler.rates.overrides()
     holds = limiter.holds()
+    counts = StatsBook(limiter.client, limiter.keyspace).per_minute(minutes)
     parked, releasing = _parked(throttler)
     workers: int | None = None
     flights: Counter[str] | None = None
@@ -246,6 +252,7 @@ def collect_status(app: Any, throttler: Throttler, timeout_s: float) -> dict[str
                     if limit == name and key is not None
                 },
                 "in_flight": None if flights is None else flights.get(name, 0),
+                "per_minute": counts.get(name, dict.fromkeys(EVENTS, 0.0)),
             }
         )
     return {
@@ -256,6 +263,7 @@ def collect_status(app: Any, throttler: Throttler, timeout_s: float) -> dict[str
         "workers": workers,
         "parked": parked,
         "releasing": releasing,
+        "minutes": minutes,
         "limits": rows,
     }
 
@@ -304,20 +312,25 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
     if len(key_holds) > 2:
         state.append(f"+{len(key_holds) - 2} keys")
     flight = "?" if row["in_flight"] is None else str(row["in_flight"])
+    per_minute = row["per_minute"]
+    denied = _rate_of(per_minute["denied"])
+    if per_minute["timeout"]:
+        denied += f" ({_rate_of(per_minute['timeout'])} timed out)"
     return [
-        row["name"],
-        row["algorithm"],
-        rate,
-        burst,
-        tokens,
-        slot,
-        ", ".join(state) or "-",
-        flight,
-    ]
+        row["name"], row["algorithm"], rate, burst, tokens, slot, ", ".join(state) or "-",
+        flight, denied,
+    ]  # fmt: skip
 
 
-_HEADERS = ["LIMIT", "ALGORITHM", "RATE", "BURST", "TOKENS", "NEXT SLOT", "HOLD", "IN FLIGHT"]
-_RIGHT = {"BURST", "TOKENS", "IN FLIGHT"}
+def _rate_of(per_minute: float) -> str:
+    return "0" if per_minute == 0 else f"{per_minute:.3g}"
+
+
+_HEADERS = [
+    "LIMIT", "ALGORITHM", "RATE", "BURST", "TOKENS", "NEXT SLOT", "HOLD", "IN FLIGHT",
+    "DENIED/MIN",
+]  # fmt: skip
+_RIGHT = {"BURST", "TOKENS", "IN FLIGHT", "DENIED/MIN"}
 
 
 def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
@@ -336,6 +349,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
         out.append("(no limits: no limits file, and no task has inline limits)")
     out.append("")
     out.append(f"parked   {data['parked']} tasks in Redis, {data['releasing']} being released")
+    span = _count(data["minutes"], "whole minute")
+    out.append(f"denied   tasks deferred per minute over the last {span}, fleet-wide")
     workers = data["workers"]
     if workers is None:
         out.append("workers  not asked (--timeout 0): IN FLIGHT unknown")
@@ -372,21 +387,33 @@ def throttle() -> None:
     metavar="S",
     help="Seconds to wait for the workers' replies on their running tasks; 0: do not ask.",
 )
+@click.option(
+    "--minutes",
+    type=click.IntRange(1, MAX_MINUTES),
+    default=DEFAULT_MINUTES,
+    show_default=True,
+    metavar="M",
+    help="DENIED/MIN is averaged over the last M whole minutes.",
+)
 @click.pass_context
-def status(ctx: click.Context, as_json: bool, watch: float | None, timeout: float) -> None:
-    """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight.
+def status(
+    ctx: click.Context, as_json: bool, watch: float | None, timeout: float, minutes: int
+) -> None:
+    """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight, denials.
 
     The limits are the limits file's and the tasks' inline ones. RATE is the one in force:
     a rate set at run time (`set`) shows with the file's. TOKENS and NEXT SLOT are read
     from Redis without taking anything; a limit with a key template has a state per key
     ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
-    the limit. In JSON, a hold is {"paused": true} until resumed, or {"held_s": seconds
-    left}; next_slot_s is null while paused; in_flight is null with --timeout 0.
+    the limit. DENIED/MIN is how many of its tasks the fleet deferred per minute (and timed
+    out, when any did). In JSON, a hold is {"paused": true} until resumed, or {"held_s":
+    seconds left}; next_slot_s is null while paused; in_flight is null with --timeout 0;
+    per_minute has the counts of "denied", "parked" (of the denied) and "timeout".
     """
     app, throttler = _throttler(ctx)
 
     def show() -> None:
-        data = collect_status(app, throttler, timeout)
+        data = collect_status(app, throttler, timeout, minutes)
         if as_json:
             click.echo(json.dumps(data, allow_nan=False, indent=None if watch else 2))
         else:
