@@ -5,12 +5,14 @@ subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 import redis
+from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -96,6 +99,15 @@ class Monitored:
         self.flower_log = tmp / "flower.log"
         self.flower: subprocess.Popen[bytes] | None = None
         self.client = redis.Redis.from_url(server.url)
+        # The producer: an app of its own on this test's Redis (tests.celery_app is shared
+        # with other modules, and caches its connections), sending the worker's tasks by name.
+        self.producer = Celery(
+            "monitoring", broker=server.url, backend=server.url, set_as_current=False
+        )
+        self.producer.conf.task_default_queue = "celery"
+
+    def send(self, task: str, *args: Any) -> Any:
+        return self.producer.send_task(f"tests.celery_app.{task}", args)
 
     @property
     def worker_url(self) -> str:
@@ -138,6 +150,7 @@ class Monitored:
                 self.flower.kill()
         self.worker.stop()
         self.client.close()
+        self.producer.close()
 
 
 @pytest.fixture(scope="module")
@@ -145,21 +158,12 @@ def mon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     tmp = tmp_path_factory.mktemp("monitoring")
     with RedisServer() as server:
         mon = Monitored(tmp, server)
-        saved = {name: os.environ.get(name) for name in mon.env}
-        os.environ.update(mon.env)
-        from tests.celery_app import app, plain  # noqa: PLC0415
-
-        # The test process is the producer of the same app, on this test's Redis and file.
-        saved_conf = (app.conf.broker_url, app.conf.result_backend, app.conf.throttle_config)
-        app.conf.broker_url = app.conf.result_backend = server.url
-        app.conf.throttle_config = str(mon.config)
-        app._throttler = None
         try:
             mon.worker.start()
             mon.start_flower()
-            wait_ready(app, [mon.worker])
+            wait_ready(mon.producer, [mon.worker])
             # Flower receives events once its receiver is connected: wait until it saw one.
-            warm = plain.delay(0)
+            warm = mon.send("plain", 0)
             warm.get(timeout=30)
             deadline = time.monotonic() + 20
             while warm.id not in mon.flower_tasks() and time.monotonic() < deadline:
@@ -168,25 +172,14 @@ def mon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
             yield mon
         finally:
             mon.stop()
-            cached = getattr(app, "_throttler", None)
-            if cached is not None:
-                cached[1].limiter.client.close()
-            app._throttler = None
-            app.conf.broker_url, app.conf.result_backend, app.conf.throttle_config = saved_conf
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     # Given 12 tasks under a limit of 3/s burst 1, 2 pool children: the first runs, the
     # next sleeps to its slot, the later ones are deferred (re-published, or parked when
     # the wait is beyond 1.5 s)
-    from tests.celery_app import far  # noqa: PLC0415
-
-    handles = [far.delay(x) for x in range(12)]
+    events = EventLog(mon.producer)
+    handles = [mon.send("far", x) for x in range(12)]
     ids = {h.id for h in handles}
     # While they wait, Flower shows them as RETRY with the limit and the wait
     waiting: dict[str, str] = {}
@@ -204,11 +197,23 @@ def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     deferrals = sum(r["deferrals"] for r in done)
     assert deferrals >= 6, deferrals
 
+    # Each deferral sent one task-throttled event with its fields
+    throttled = events.wait_for(deferrals)
+    assert len(throttled) == deferrals
+    for event in throttled:
+        assert event["uuid"] in ids
+        assert (event["limits"], event["keys"], event["costs"]) == (["parked"], [None], [1.0])
+        assert event["how"] in ("republish", "park")
+        assert 0 < event["wait"] < 5
+        assert event["slot"] == pytest.approx(event["timestamp"] + event["wait"], abs=0.1)
+        assert event["deferrals"] >= 1
+
     # The worker's own port: the counters summed over its pool children
     worker = scrape(mon.worker_url)
     assert total(worker, "throttle_reschedules_total", limit="parked") == deferrals
     parks = total(worker, "throttle_reschedules_total", limit="parked", how="park")
     assert 1 <= parks < deferrals  # both ways were taken
+    assert parks == sum(event["how"] == "park" for event in throttled)
     assert total(worker, "throttle_decisions_total", limit="parked", decision="denied") == (
         deferrals
     )
@@ -221,13 +226,14 @@ def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     assert ("throttle_next_slot_seconds", (("limit", "parked"),)) in worker
     assert ("throttle_tokens_remaining", (("limit", "tokens"),)) not in worker  # keyed
 
-    # Multiprocess: each of the two pool children counted into a file of its own, and the
-    # port serves their sum
+    # Multiprocess: each of the two pool children counted its decisions into a file of its
+    # own (the first two tasks reach the two idle children at once), and the port serves
+    # their sum
     children = {p.pid for p in psutil.Process(mon.worker.proc.pid).children()}  # type: ignore[union-attr]
-    per_pid = counts_per_file(next(mon.metrics_dir.iterdir()))
+    per_pid = counts_per_file(next(mon.metrics_dir.iterdir()), "throttle_decisions_total")
     counted = {pid for pid, n in per_pid.items() if n > 0}
     assert len(counted) == 2 and counted <= children, (per_pid, children)
-    assert sum(per_pid.values()) == deferrals
+    assert sum(per_pid.values()) == total(worker, "throttle_decisions_total") == 12 + deferrals
 
     # Flower: its own event counter, the workers' counters (label worker), the gauges
     flower = poll_flower(mon, "flower_events_total", deferrals, type="task-throttled")
@@ -252,8 +258,50 @@ def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     assert stats["parked"]["parked"] * 2 == parks
 
 
-def counts_per_file(directory: Path) -> dict[int, float]:
-    """throttle_reschedules_total of each pid's counter file (read as the collector does)."""
+class EventLog:
+    """The task-throttled events of the fleet, captured by a real event receiver."""
+
+    def __init__(self, app: Any) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.connection = app.connection_for_read()
+        self.receiver = app.events.Receiver(
+            self.connection, handlers={"task-throttled": self.events.append}
+        )
+        ready = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(ready,), daemon=True, name="event-log"
+        )
+        self.thread.start()
+        ready.wait(5)
+        # Events sent before the receiver subscribed are lost: probe until one arrives.
+        with app.events.default_dispatcher() as dispatcher:
+            deadline = time.monotonic() + 10
+            while not self.events and time.monotonic() < deadline:
+                dispatcher.send("task-throttled", uuid="probe")
+                time.sleep(0.1)
+        assert self.events, "the event receiver did not start"
+        time.sleep(0.2)
+        self.events.clear()
+
+    def _run(self, ready: threading.Event) -> None:
+        ready.set()
+        with contextlib.suppress(Exception):
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def wait_for(self, n: int, timeout_s: float = 10) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.events) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # and no more than n
+        self.receiver.should_stop = True
+        self.thread.join(5)
+        self.connection.release()
+        return list(self.events)
+
+
+def counts_per_file(directory: Path, name: str) -> dict[int, float]:
+    """The sum of the samples ``name`` in each pid's counter file (read as the collector
+    reads them)."""
     from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
 
     found = {}
@@ -262,7 +310,7 @@ def counts_per_file(directory: Path) -> dict[int, float]:
         n = 0.0
         for metric in MultiProcessCollector.merge([str(path)]):
             for sample in metric.samples:
-                if sample.name == "throttle_reschedules_total":
+                if sample.name == name:
                     n += sample.value
         found[pid] = n
     return found
@@ -279,15 +327,13 @@ def poll_flower(mon: Monitored, name: str, want: float, **labels: str) -> Sample
 
 
 def test_timeouts_refunds_and_charges_are_counted(mon: Monitored) -> None:
-    from tests.celery_app import hurry, spend  # noqa: PLC0415
-
-    assert hurry.delay(1).get(timeout=30) == 1  # the one slot of the hour
+    assert mon.send("hurry", 1).get(timeout=30) == 1  # the one slot of the hour
     with pytest.raises(Exception, match="throttle deadline"):
-        hurry.delay(2).get(timeout=30)
-    spend.delay("refund", 1000, 200).get(timeout=30)  # 800 back
-    spend.delay("charge", 1000, 1500).get(timeout=30)  # 500 more
+        mon.send("hurry", 2).get(timeout=30)
+    mon.send("spend", "refund", 1000, 200).get(timeout=30)  # 800 back
+    mon.send("spend", "charge", 1000, 1500).get(timeout=30)  # 500 more
     with pytest.raises(ValueError):
-        spend.delay("failed", 300, None, True).get(timeout=30)  # on_error: refund, 300 back
+        mon.send("spend", "failed", 300, None, True).get(timeout=30)  # on_error: refund, 300 back
     worker = scrape(mon.worker_url)
     assert total(worker, "throttle_timeouts_total", limit="deadline", action="fail") == 1
     assert total(worker, "throttle_decisions_total", limit="deadline", decision="denied") == 1
