@@ -254,17 +254,23 @@ def test_rates_are_shown_in_the_grammar_they_are_written_in(limit: str, expected
 
 def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     book = RateBook(cli.limiter.client, cli.limiter.keyspace)
-    result = cli("set", "shaper", "1/s")
+    result = cli("set", "shaper", "4/s")
     assert result.exit_code == 0, result.output
-    # the file's burst 1 is kept: a strict shaper stays strict
-    assert book.overrides() == {"shaper": "1/s burst 1"}
+    # the file's burst 1 is kept: a strict shaper stays strict at a higher rate
+    assert book.overrides() == {"shaper": "4/s burst 1"}
     current = book.current(cli.limit("shaper"))
-    assert (current.rate_per_s, current.burst) == (1.0, 1.0)
+    assert (current.rate_per_s, current.burst) == (4.0, 1.0)
+    assert "4/s burst 1 for the whole fleet (configured 2/s burst 1)" in result.output
     assert "within 500ms (settings.refresh)" in result.output
+    # api is "1/h burst 5": raised, its burst stays 5; lowered below it, the count caps it
+    for rate, stored, burst in [("10/h", "10/h burst 5", 5), ("2/d", "2/d", 2)]:
+        assert cli("set", "api", rate).exit_code == 0
+        assert book.overrides()["api"] == stored
+        assert _rows(_status(cli))["api"]["effective_burst"] == burst
     # an explicit burst is the operator's
-    assert cli("set", "api", "3/h burst 2").exit_code == 0
-    assert book.overrides()["api"] == "3/h burst 2"
-    assert _rows(_status(cli))["api"]["effective_burst"] == 2
+    assert cli("set", "api", "3/h burst 20").exit_code == 0
+    assert book.overrides()["api"] == "3/h burst 20"
+    assert _rows(_status(cli))["api"]["effective_burst"] == 20
 
     result = cli("set", "shaper", "--default")
     assert result.exit_code == 0, result.output
@@ -461,7 +467,7 @@ def test_the_celery_program_runs_set_reset_and_check(cli: Cli, tmp_path: Path) -
     assert cli.limiter.acquire(cli.limit("api"), cost=5).allowed
     # Independent commands run side by side: each starts a Python with celery (~1 s).
     runs = {
-        "set": cli.run("set", "shaper", "1/s"),
+        "set": cli.run("set", "shaper", "4/s"),
         "reset": cli.run("reset", "api", "--yes"),
         "check": cli.run("check", str(bad)),
     }
@@ -469,7 +475,7 @@ def test_the_celery_program_runs_set_reset_and_check(cli: Cli, tmp_path: Path) -
     for name, expected in [("set", 0), ("reset", 0), ("check", 1)]:
         assert done[name][2] == expected, (name, done[name])
     assert RateBook(cli.limiter.client, cli.limiter.keyspace).overrides() == {
-        "shaper": "1/s burst 1"
+        "shaper": "4/s burst 1"
     }
     assert "reset limit 'api' (every key): 1 Redis key deleted" in done["reset"][0]
     assert cli.limiter.peek(cli.limit("api")).remaining == pytest.approx(5, abs=0.01)

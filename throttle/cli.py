@@ -448,9 +448,9 @@ def status(
 def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) -> None:
     """Change LIMIT's RATE for the whole fleet, at run time ("1000/h", "10/s burst 1").
 
-    Workers follow within settings.refresh; nothing restarts. A RATE without "burst" keeps
-    the burst the file sets apart from the count (a burst-1 shaper stays burst 1). The
-    change lasts until `set LIMIT --default`.
+    Workers follow within settings.refresh; nothing restarts. A RATE without "burst" gets
+    the smaller of the file's burst and its own count: a burst-1 shaper stays burst 1, a
+    lowered "3500/m" gets burst 100 at "100/m". The change lasts until `set LIMIT --default`.
     """
     if (rate is None) == (not default):
         raise click.UsageError("give a RATE, or --default to go back to the file's rate")
@@ -471,12 +471,14 @@ def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) ->
         changed = Limit.parse(rate, name=limit, algorithm=configured.algorithm)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="RATE") from None
-    keeps_burst = (
+    # Without "burst", Limit.parse would make the burst the new count: "set github 2/s" on a
+    # "1/s burst 1" shaper would let 2 calls through at once. A change of rate never makes
+    # a limit burstier than its file unless RATE says so.
+    if (
         "burst" not in rate.lower()
         and configured.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
-        and configured.capacity != configured.count
-    )
-    if keeps_burst:
+        and configured.capacity < changed.count
+    ):
         rate = f"{rate.strip()} burst {_plain(configured.capacity)}"
         changed = Limit.parse(rate, name=limit, algorithm=configured.algorithm)
     cost = entry.rule.cost
