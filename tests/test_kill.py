@@ -28,7 +28,7 @@ from throttle.keys import KeySpace
 from throttle.testing import RedisServer
 from workers.harness import Worker, wait_ready
 
-VISIBILITY_S = 6.0
+VISIBILITY_S = 10.0
 # Held in a worker at most park_after + park_lead + sleep_max = 2.5 s: within half the
 # visibility timeout, as the worker requires.
 CONFIG = """

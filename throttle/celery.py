@@ -553,11 +553,20 @@ class _Gate:
 
     def _decide(self, now: float) -> _Ticket | None:
         decision = self._give_up_voided(self._acquire(self._horizon(now)))
-        if decision.allowed and decision.held and decision.late_s > self.settings.late_tolerance_s:
+        if (
+            decision.allowed
+            and decision.held
+            and decision.late_s > self.settings.late_tolerance_s
+            and not (self.request.delivery_info or {}).get("redelivered")
+        ):
             # The task reached its reserved slot late (busy workers): calling now could land
             # on the next task's slot. Give the slot up and take a new one. Not a refund: the
             # passed slot is lost capacity (a burst-1 API cannot bank it), and handing it
             # back would book the same future slot twice.
+            # Not for a redelivered message (its worker or pool child died, most likely in
+            # the body, after the slot): it is the same execution again, and keeps the slot
+            # it paid for; a new one would charge the task twice. The trade-off: a copy that
+            # died before its slot (prefetched) may now call up to its lateness off-slot.
             assert decision.acquisition is not None
             self.throttler.limiter.settle(decision.acquisition, None)
             decision = self._give_up_voided(self._acquire(self._horizon(now)))
