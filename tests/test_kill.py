@@ -163,6 +163,17 @@ def test_a_killed_pool_child_runs_again_once_and_pays_once(fleet: Fleet) -> None
     )
 
 
+def test_a_rate_limited_task_s_lease_ends_with_its_time_limit(fleet: Fleet) -> None:
+    # Given a task throttled only by a rate (GCRA), which may reserve a slot up to a day ahead
+    from tests.kill_app import tick  # noqa: PLC0415
+
+    handle = tick.delay(0)
+    wait_for(lambda: fleet.client.hget("soak:done", handle.id), 20)
+    # Then its lease record lives for its time limit + 60 s after its slot, not a day: a
+    # record per task for a day would hold millions of keys at a few hundred tasks a second
+    assert 0 < fleet.lease_ttl_s(handle.id) <= LEASE_S
+
+
 def test_a_killed_worker_s_tasks_return_after_the_visibility_timeout(fleet: Fleet) -> None:
     from tests.kill_app import work  # noqa: PLC0415
 
