@@ -44,8 +44,9 @@ limits:
 """
 SLOTS = Limit.parse("4 concurrent", name="slots")
 TOKENS = Limit.parse("1000/d", name="tokens")
-# The lease of an acquisition: task_time_limit (20 s) + the longest wait (sleep_max) + 60 s.
-LEASE_S = 20 + 0.5 + 60
+# The lease of an acquisition after its slot: task_time_limit (20 s) + 60 s; the slot is at
+# most sleep_max (0.5 s) ahead for these tasks.
+LEASE_S = 20 + 60 + 0.5
 
 
 class Fleet:

@@ -536,17 +536,21 @@ class _Gate:
             horizon = min(horizon, max(self.deadline - now, 0.0))
         return horizon
 
-    def _lease_s(self, wait_s: float) -> float:
+    def _lease_s(self) -> float:
+        """How long the acquisition's record and concurrency units live after its slot, in
+        s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from
+        the slot, so a wait before the slot is in it already; adding the reservation horizon
+        (a day for a rate limit) kept a record of every task for a day."""
         limit = self.request.timelimit or (None, None)
         hard = limit[0] or self.task.time_limit or self.task.app.conf.task_time_limit
-        return max(float(hard or DEFAULT_LEASE_S), 1.0) + max(wait_s, 0.0) + 60.0
+        return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
 
     def _acquire(self, max_wait_s: float) -> Decision:
         return self.throttler.limiter.acquire_many(
             self.targets,
             max_wait_s=max_wait_s,
             acquisition_id=self.request.id,
-            lease_s=self._lease_s(max_wait_s),
+            lease_s=self._lease_s(),
         )
 
     # -- the worker path
