@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint typecheck pytest demo demo-core bench bench-celery clean
+.PHONY: setup system-deps test lint typecheck pytest demo demo-core bench bench-celery soak clean
 
 setup: system-deps $(STAMP)
 
@@ -52,6 +52,11 @@ bench: setup
 # A Celery fleet against a 20/s burst-1 API: ours vs Celery's rate_limit vs a naive retry.
 bench-celery: setup
 	$(PY) -m bench.celery_fleet
+
+# 100,000 tasks through two workers at the limit's rate: lost, twice, Redis keys and memory
+# back to baseline, worker memory flat. Several minutes: not part of `make test`.
+soak: setup
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -71,9 +71,7 @@ def _redis(url: str = BROKER) -> redis.Redis:
 # shared=False: these tasks must not join the other test apps of the same pytest process.
 @app.task(bind=True, shared=False)
 @throttled("slots", "tokens")
-def work(
-    self: Any, run: str, n: int, estimate: int, actual: int, seconds: float
-) -> dict[str, Any]:
+def work(self: Any, run: str, n: int, estimate: int, actual: int, seconds: float) -> dict[str, Any]:
     """Holds a concurrency unit of ``slots`` and ``estimate`` tokens of ``tokens`` (key
     ``run``) while it sleeps ``seconds``, then reports ``actual`` tokens (the rest is
     refunded)."""

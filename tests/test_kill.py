@@ -180,9 +180,7 @@ def test_a_killed_worker_s_tasks_return_after_the_visibility_timeout(fleet: Flee
 
     victim, survivor = fleet.workers
     # Given six tasks on two workers of two children each, two of them running on the victim
-    handles = [
-        work.delay("worker", n, estimate=100, actual=40, seconds=2.5) for n in range(6)
-    ]
+    handles = [work.delay("worker", n, estimate=100, actual=40, seconds=2.5) for n in range(6)]
 
     def on_victim() -> list[str]:
         found = [h.id for h in handles if (fleet.where(h.id) or (0, ""))[1] == victim.hostname]
