@@ -199,8 +199,8 @@ def test_a_killed_worker_s_tasks_return_after_the_visibility_timeout(fleet: Flee
     for task_id in killed:
         first, second = fleet.starts_at(task_id)
         assert second - first >= VISIBILITY_S - 0.5, (first, second)
-        assert fleet.where(task_id) is not None
-        assert fleet.where(task_id)[1] == survivor.hostname  # type: ignore[index]
+        where = fleet.where(task_id)
+        assert where is not None and where[1] == survivor.hostname, where
     assert sum(len(fleet.starts_at(h.id)) for h in handles) == 6 + 2
     # each paid once (6 x 40 of 1000), and the units are all back
     assert fleet.tokens_left("worker") == pytest.approx(1000 - 6 * 40, abs=1)
