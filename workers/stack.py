@@ -100,11 +100,17 @@ COMPOSE = Addresses(
 """The addresses inside the compose network (service names as host names)."""
 
 
+TASKS_COLUMNS = "name,uuid,state,exception,received,worker"
+"""Flower's tasks page columns: its defaults with ``exception`` (for a RETRY, why the task
+waits: the limit and the wait) in place of ``runtime``, to fit a 1400-pixel window."""
+
+
 def environment(addresses: Addresses) -> dict[str, str]:
     """The environment of every Python service: addresses, and Flower's API left open.
 
     ``DEMO_BROKER_URL`` and ``MOCK_API_URL`` are read by ``workers/demo_app.py``;
     ``FLOWER_PORT`` and ``FLOWER_ADDRESS`` by Flower itself (any ``FLOWER_<option>``);
+    ``FLOWER_TASKS_COLUMNS`` adds the column that shows throttling;
     ``FLOWER_UNAUTHENTICATED_API`` lets the demo and the screenshot read Flower's
     ``/api/tasks`` without configuring auth: fine on loopback and inside compose, where
     the port is published on 127.0.0.1 only.
@@ -116,6 +122,7 @@ def environment(addresses: Addresses) -> dict[str, str]:
         "FLOWER_ADDRESS": addresses.flower_address,
         "FLOWER_PORT": str(addresses.flower_port),
         "FLOWER_UNAUTHENTICATED_API": "true",
+        "FLOWER_TASKS_COLUMNS": TASKS_COLUMNS,
     }
 
 
