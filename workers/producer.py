@@ -163,7 +163,8 @@ class Progress:
             return  # one missed frame; the next one will tell
         now, calls = time.monotonic(), int(stats["calls"])
         self.history.append((now, calls))
-        then, before = self.history[0]
+        # calls per second over the last 3 s (since the start, at first)
+        then, before = self.history[0] if len(self.history) > 1 else (self.started, 0)
         rate = (calls - before) / (now - then) if now > then else 0.0
         filled = min(self.width, self.width * calls // max(self.total, 1))
         line = (
