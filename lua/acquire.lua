@@ -1,6 +1,7 @@
 -- acquire.lua: take `cost` from one or more limits, all or nothing.
 --
--- KEYS         the state keys of each limit in order (ALGO[code].nkeys each), then, when
+-- KEYS[1]      the namespace's holds (HASH, see hold.lua)
+-- KEYS[2..]    the state keys of each limit in order (ALGO[code].nkeys each), then, when
 --              an acquisition id is given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
@@ -9,9 +10,9 @@
 --              cost (burst = the capacity: bucket size, or count for windows and
 --              concurrency; cost = tokens taken from this limit, >= 0, fractions allowed:
 --              one call may cost 1 request and 2000 tokens)
--- then, optionally:
--- ARGV[4+5n]   acquisition   id of the lease record; also the concurrency holder
+-- ARGV[4+5n]   acquisition   id of the lease record, also the concurrency holder; '' = none
 -- ARGV[5+5n]   lease_us      how long the record and concurrency units live after the slot
+-- ARGV[6+5n..] 2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
 --
 -- Returns one string of space-separated numbers (one bulk reply is cheaper to parse than
 -- many): remaining as '%.17g'; durations are whole us, written exactly below 1e14 us
@@ -24,15 +25,33 @@
 --              slot, retry_after_us = how long ago the slot passed (0 if it has not), then
 --              the cost it reserved from each limit instead of per-limit fields;
 --          2 = cost exceeds the capacity of limit number `allowed` (never satisfiable);
---          3 = the acquisition id holds a live lease on other limits or keys: nothing done.
+--          3 = the acquisition id holds a live lease on other limits or keys: nothing done;
+--          4 = as 1, but a hold placed after the reservation covers its slot: '4 i retry'
+--              with i the first held limit and retry the us until the hold ends; the lease
+--              is left for the caller to settle (give up).
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
 --   sweep of expired leases), and retry_after_us is the largest wait among the limits that
---   could not admit the cost now.
+--   could not admit the cost now. A held limit (hold.lua) denies with allowed 0,
+--   remaining 0, retry_after_us = the time until its hold ends, reset 0, without reading
+--   its state.
 
 local now = clock_us(ARGV[1])
 local max_wait = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local acq = ARGV[4 + 5 * n]
+if acq == '' then
+  acq = nil
+end
+
+-- The holds of every limit, in one call: until (us) of the limit's and of its key's.
+local hold_fields = {}
+for i = 1, 2 * n do
+  hold_fields[i] = ARGV[5 + 5 * n + i]
+end
+local held_until = redis.call('HMGET', KEYS[1], unpack(hold_fields))
+local function hold_of(i)
+  return math.max(tonumber(held_until[2 * i - 1]) or 0, tonumber(held_until[2 * i]) or 0)
+end
 
 if acq then
   local lease = KEYS[#KEYS]
@@ -50,7 +69,7 @@ if acq then
       fields[n + i] = 'c' .. i
     end
     local recorded = redis.call('HMGET', lease, unpack(fields))
-    local k = 1
+    local k = 2
     local at = tonumber(held[2])
     local reply = '1 1 ' .. ceil_us(at - now) .. ' ' .. ceil_us(now - at)
     for i = 1, n do
@@ -60,21 +79,33 @@ if acq then
       k = k + ALGO[ARGV[5 * i - 1]].nkeys
       reply = reply .. ' ' .. recorded[n + i]
     end
+    -- A hold that began after the reservation and lasts past its slot voids the slot.
+    for i = 1, n do
+      local hold = hold_of(i)
+      if hold > at and hold > now then
+        return '4 ' .. i .. ' ' .. ceil_us(hold - now)
+      end
+    end
     return reply
   end
 end
 
 local limits = {}
 local allowed, wait, retry = 1, 0, 0
-local k = 1
+local k = 2
 for i = 1, n do
   local l = limit_record(i, k)
   local algo = l.algo
   if l.cost > l.burst then
     return '2 ' .. i
   end
-  l.allowed, l.wait, l.retry, l.remaining, l.reset, l.s1, l.s2, l.s3 =
-    algo.check(k, l.count, l.period_us, l.burst, now, l.cost, max_wait)
+  local hold = hold_of(i)
+  if hold > now then
+    l.retry = ceil_us(hold - now)
+  else
+    l.allowed, l.wait, l.retry, l.remaining, l.reset, l.s1, l.s2, l.s3 =
+      algo.check(k, l.count, l.period_us, l.burst, now, l.cost, max_wait)
+  end
   limits[i] = l
   k = k + algo.nkeys
   if l.allowed == 0 then

@@ -6,16 +6,19 @@
 -- directly and builds no table, because this runs on every plain acquire and every table
 -- and function a script creates costs server time on each call.
 --
--- KEYS[1]      the limit's state key
+-- KEYS[1]      the namespace's holds (HASH, see hold.lua)
+-- KEYS[2]      the limit's state key
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   as acquire.lua
 -- ARGV[3..6]   count, period_us, burst, cost of the limit: acquire.lua's 5 values of one
 --              limit without the code (cost = tokens taken from this limit, >= 0)
+-- ARGV[7..8]   the two hold fields of the limit: the whole limit's, this key's ('' if none)
 -- Not for concurrency limits: a holder always has an acquisition id (acquire.lua).
 --
 -- Returns 'status allowed wait_us retry_after_us remaining reset_us' (formats as acquire.lua)
 --   status 0 = decided; 2 = cost exceeds the capacity (then only '2 1').
---   A denial writes nothing.
+--   A denial writes nothing. While the limit or key is held (hold.lua) the call is denied
+--   with retry_after_us = the time until the hold ends, remaining 0, reset 0.
 
 local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[6])
@@ -23,10 +26,15 @@ local burst = tonumber(ARGV[5])
 if cost > burst then
   return '2 1'
 end
+local held = redis.call('HMGET', KEYS[1], ARGV[7], ARGV[8])
+local hold = math.max(tonumber(held[1]) or 0, tonumber(held[2]) or 0)
+if hold > now then
+  return '0 0 0 ' .. ceil_us(hold - now) .. ' 0 0'
+end
 local count, period_us = tonumber(ARGV[3]), tonumber(ARGV[4])
 local allowed, wait, retry, remaining, reset, s1, s2, s3 =
-  check(1, count, period_us, burst, now, cost, tonumber(ARGV[2]))
+  check(2, count, period_us, burst, now, cost, tonumber(ARGV[2]))
 if allowed == 1 then
-  commit(1, count, period_us, burst, now, cost, nil, nil, s1, s2, s3)
+  commit(2, count, period_us, burst, now, cost, nil, nil, s1, s2, s3)
 end
 return '0 ' .. allowed .. ' ' .. wait .. ' ' .. retry .. ' ' .. fmt(remaining) .. ' ' .. reset

@@ -77,6 +77,8 @@ def test_lua_dir_is_the_repository_copy() -> None:
             "acquire.lua",
             "acquire_one.lua",
             "settle.lua",
+            "peek.lua",
+            "hold.lua",
             *PARKING_OPERATIONS,
         ]
     )

@@ -537,7 +537,7 @@ class _Gate:
     # -- the worker path
 
     def _decide(self, now: float) -> _Ticket | None:
-        decision = self._acquire(self._horizon(now))
+        decision = self._give_up_voided(self._acquire(self._horizon(now)))
         if decision.allowed and decision.held and decision.late_s > self.settings.late_tolerance_s:
             # The task reached its reserved slot late (busy workers): calling now could land
             # on the next task's slot. Give the slot up and take a new one. Not a refund: the
@@ -545,25 +545,43 @@ class _Gate:
             # back would book the same future slot twice.
             assert decision.acquisition is not None
             self.throttler.limiter.settle(decision.acquisition, None)
-            decision = self._acquire(self._horizon(now))
+            decision = self._give_up_voided(self._acquire(self._horizon(now)))
         self.throttler.outage(None)
         if decision.allowed:
             wait = decision.wait_s
             if wait <= self.settings.sleep_max_s:
-                if wait > 0 and self._sleep_until_slot(wait) and decision.acquisition:
-                    # Woke too late (a busy machine): the slot passed, take a new one (the
-                    # passed slot is given up, not refunded: see above).
-                    self.throttler.limiter.settle(decision.acquisition, None)
-                    return self._decide(time.time())
-                return _Ticket(decision.acquisition, self.rules, now + wait)
-            # A slot is reserved, further ahead: come back just before it.
-            self._defer(wait - EARLY_S, wait, decision)
+                if wait > 0 and decision.acquisition:
+                    if self._sleep_until_slot(wait):
+                        # Woke too late (a busy machine): the slot passed, take a new one
+                        # (the passed slot is given up, not refunded: see above).
+                        self.throttler.limiter.settle(decision.acquisition, None)
+                        return self._decide(time.time())
+                    # A hold may have begun while this task slept (the upstream answered
+                    # another task 429): ask once more, with the id, before calling.
+                    decision = self._give_up_voided(self._acquire(0.0))
+                if decision.allowed:
+                    return _Ticket(decision.acquisition, self.rules, now + wait)
+            else:
+                # A slot is reserved, further ahead: come back just before it.
+                self._defer(wait - EARLY_S, wait, decision)
         retry = decision.retry_after_s
+        if math.isinf(retry):
+            # Paused (celery throttle pause): look again now and then; nothing is lost.
+            recheck = self.settings.pause_recheck_s
+            retry = recheck + random.uniform(0.0, recheck / 2)
+            self._defer(retry, retry, decision)
         if self.deadline is not None and now + retry > self.deadline:
             self._timeout(now, retry, decision)
         jitter = random.uniform(0.0, min(self.settings.jitter_s, max(retry, 0.05)))
         self._defer(retry + jitter, retry, decision)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _give_up_voided(self, decision: Decision) -> Decision:
+        """Settle (give up) a reserved slot that a hold placed since has voided (an upstream
+        429 or a pause covers it): the decision then reads as a denial until the hold ends."""
+        if decision.held and not decision.allowed and decision.acquisition is not None:
+            self.throttler.limiter.settle(decision.acquisition, None)
+        return decision
 
     def _sleep_until_slot(self, wait_s: float) -> bool:
         """Sleep until the reserved slot; True when the wake-up came later than the
@@ -634,7 +652,8 @@ class _Gate:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
                 return _Ticket(decision.acquisition, self.rules, now + decision.wait_s)
-            retry = decision.retry_after_s
+            self._give_up_voided(decision)
+            retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
             if self.deadline is not None and now + retry > self.deadline:
                 raise ThrottleTimeout(decision.denied_by, retry, max(self.deadline - now, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))

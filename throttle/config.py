@@ -70,6 +70,7 @@ _SETTINGS_FIELDS = {
     "park_lead": "duration",
     "late_tolerance": "duration",
     "jitter": "duration",
+    "pause_recheck": "duration",
     "lanes": "bool",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
@@ -289,6 +290,11 @@ class Settings:
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.
+    pause_recheck_s:
+        How often a task of a paused limit (``celery throttle pause``) comes back to look
+        (plus up to half as much again of jitter): after ``resume``, paused tasks return
+        within this time. Shorter means a quicker resume, and more re-publishing of a
+        paused backlog.
     lanes:
         Re-publish deferred tasks to the queue's lane, ``QUEUE.throttled``, which every
         worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
@@ -305,6 +311,7 @@ class Settings:
     park_lead_s: float = 2.0
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0
+    pause_recheck_s: float = 30.0
     lanes: bool = True
 
     @classmethod

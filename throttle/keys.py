@@ -19,7 +19,7 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from throttle.errors import ConfigError
 from throttle.spec import Limit
@@ -50,6 +50,28 @@ def _state_keys(base: str, code: str, limit: str, key: str | None) -> tuple[str,
     if code == "conc":
         return (name, name + ":h")
     return (name,)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hold_fields(limit: str, key: str | None) -> tuple[str, str]:
+    name = encode(limit)
+    # encode() never yields ':', so "limit:key" cannot be read as another limit's field.
+    return (name, "" if key is None else f"{name}:{encode(key)}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_limit(
+    base: str, code: str, limit: str, key: str | None
+) -> tuple[tuple[str, str], str, str]:
+    (state,) = _state_keys(base, code, limit, key)
+    return (f"{base}holds", state), *_hold_fields(limit, key)
+
+
+def decode_hold_field(field: str) -> tuple[str, str | None]:
+    """The (limit, key) of a field of the holds hash, as far as it can be decoded: a value
+    that was hashed (``#`` + SHA-256) stays hashed."""
+    limit, _, key = field.partition(":")
+    return unquote(limit), (unquote(key) if key else None)
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,19 @@ class KeySpace:
         Concurrency limits use two keys (holders and their units); others one.
         """
         return _state_keys(self.base, limit.code, limit.name, key)
+
+    def holds_key(self) -> str:
+        """The HASH of holds (lua/hold.lua): field -> until, in us of the Redis clock."""
+        return f"{self.base}holds"
+
+    def one_limit(self, limit: Limit, key: str | None) -> tuple[tuple[str, str], str, str]:
+        """The KEYS and hold fields of lua/acquire_one.lua: ((holds, state), whole, own)."""
+        return _one_limit(self.base, limit.code, limit.name, key)
+
+    def hold_fields(self, limit_name: str, key: str | None) -> tuple[str, str]:
+        """The two fields of the holds hash that hold ``(limit, key)``: the whole limit's and
+        this key's (``""`` when ``key`` is None)."""
+        return _hold_fields(limit_name, key)
 
     def lease_key(self, acquisition_id: str) -> str:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""

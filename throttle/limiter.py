@@ -48,16 +48,28 @@ from throttle.errors import (
     CostExceedsCapacity,
     RequestError,
 )
-from throttle.keys import KeySpace
-from throttle.scripts import ONE_LIMIT_OPERATION, script_source
+from throttle.keys import KeySpace, decode_hold_field
+from throttle.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
 from throttle.spec import Limit
 
-__all__ = ["DEFAULT_LEASE_S", "DEFAULT_TIMEOUT_S", "MAX_DURATION_S", "Limiter", "run_script"]
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "DEFAULT_TIMEOUT_S",
+    "HELD_FOREVER_S",
+    "HOLD_FOREVER_US",
+    "MAX_DURATION_S",
+    "Limiter",
+    "run_script",
+]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
 MAX_DURATION_S = 10 * 365 * 86400.0
 """The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
+HOLD_FOREVER_US = 10**18
+"""A hold until lifted (a pause) is a hold of this many us (about 31,700 years)."""
+HELD_FOREVER_S = 1e11
+"""A wait this long (about 3,000 years) can only be a hold until lifted: read as ``inf``."""
 DEFAULT_TIMEOUT_S = 5.0
 """Socket timeouts of :meth:`Limiter.from_url`: a hung Redis must not block a worker."""
 
@@ -101,13 +113,18 @@ def _options(cost: object, max_wait_s: object, lease_s: object) -> tuple[float, 
     return checked_cost, max_wait_us, lease
 
 
+def _held_s(seconds: float) -> float:
+    """A wait in seconds, ``inf`` for a hold until lifted (a pause)."""
+    return _INF if seconds >= HELD_FOREVER_S else seconds
+
+
 def _limit_state(limit: Limit, reply: list[Any], i: int) -> LimitState:
     """One limit's four fields of an acquire.lua reply, from index ``i``."""
     return LimitState(
         limit.name,
         int(reply[i]) == 1,
         float(reply[i + 1]),
-        float(reply[i + 2]) / 1e6,
+        _held_s(float(reply[i + 2]) / 1e6),
         float(reply[i + 3]) / 1e6,
     )
 
@@ -143,6 +160,8 @@ class Limiter:
         self._scripts: dict[frozenset[str], tuple[Script, Script]] = {}
         # The one-limit acquire script (lua/acquire_one.lua) of each algorithm code.
         self._one: dict[str, Script] = {}
+        self._peek: dict[str, Script] = {}
+        self._hold_script: Script | None = None
 
     @classmethod
     def from_url(
@@ -203,14 +222,20 @@ class Limiter:
             )
         _, count, period_us, burst = limit.script_args
         clock = self._clock_us
-        args = [b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost]
-        reply = self._call(script, self.keyspace.state_keys(limit, key), args).split()
+        keys, whole, own = self.keyspace.one_limit(limit, key)
+        args = [
+            b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
+            whole, own,
+        ]  # fmt: skip
+        reply = self._call(script, keys, args).split()
         if reply[0] != b"0":
             # The script re-checks capacity; the check above normally fires first.
             raise CostExceedsCapacity(limit.name, cost, limit.capacity)
         allowed = reply[1] == b"1"
         remaining = float(reply[4])
         retry_after_s = float(reply[3]) / 1e6
+        if retry_after_s >= HELD_FOREVER_S:
+            retry_after_s = _INF
         reset_after_s = float(reply[5]) / 1e6
         # tuple.__new__ straight away: the same NamedTuples in half the time of their
         # generated __new__.
@@ -284,10 +309,11 @@ class Limiter:
                 return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
         encoded_cost = repr(cost).encode()
         keyspace = self.keyspace
-        keys: list[str] = []
+        keys: list[str] = [keyspace.holds_key()]
         args: list[Any] = [b"", max_wait_us, n]
         pairs: list[tuple[Limit, str | None]] = []
         costs: list[float] = []
+        fields: list[str] = []
         for target in targets:
             if len(target) == 3:
                 limit, key, own = target
@@ -307,6 +333,7 @@ class Limiter:
             args.append(encoded)
             pairs.append((limit, key))
             costs.append(limit_cost)
+            fields.extend(keyspace.hold_fields(limit.name, key))
         if n > 1 and len(set(keys)) != len(keys):
             raise RequestError("the same limit and key appear twice in one acquisition")
         codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
@@ -318,11 +345,13 @@ class Limiter:
                     f"acquisition_id must be a non-empty string (got {acquisition_id!r})"
                 )
             keys.append(keyspace.lease_key(acquisition_id))
-            args.extend((acquisition_id, max(round(lease_s * 1e6), 1)))
+        args.extend((acquisition_id or b"", max(round(lease_s * 1e6), 1), *fields))
         if self._clock_us is not None:
             args[0] = self._clock_us()
         reply = self._call(self._scripts_for(codes)[0], keys, args).split()
         status = int(reply[0])
+        # What settle needs: the state keys and the lease record, without the holds.
+        own_keys = tuple(keys[1:])
         if status == 2:
             # The script re-checks capacity; the check above normally fires first.
             index = int(reply[1]) - 1
@@ -333,24 +362,32 @@ class Limiter:
                 f"acquisition {acquisition_id!r} already holds a lease on other limits or "
                 "keys: an id names one acquisition"
             )
+        if status == 4:
+            # Held already, but a hold placed since covers the reserved slot: the caller
+            # gives the lease up (settles it) and comes back when the hold ends.
+            index = int(reply[1]) - 1
+            retry_after_s = _held_s(float(reply[2]) / 1e6)
+            voided = Acquisition(str(acquisition_id), tuple(costs), tuple(pairs), own_keys)
+            state = LimitState(pairs[index][0].name, False, 0.0, retry_after_s, 0.0)
+            return Decision(False, 0.0, retry_after_s, 0.0, 0.0, (state,), voided, held=True)
         wait_s = float(reply[2]) / 1e6
         if status == 1:
             # Held already (a redelivery): the lease's own costs, not this call's.
             held_costs = tuple(float(c) for c in reply[4 : 4 + n])
-            held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), tuple(keys))
+            held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), own_keys)
             late_s = float(reply[3]) / 1e6
             return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True, late_s=late_s)
         allowed = int(reply[1]) == 1
         acquisition = None
         if allowed and acquisition_id is not None:
-            acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), tuple(keys))
+            acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), own_keys)
         states = tuple([_limit_state(pairs[i][0], reply, 4 * i + 4) for i in range(n)])
         if n == 1:
             remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
         else:
             remaining = min(state.remaining for state in states)
             reset_after_s = max(state.reset_after_s for state in states)
-        retry_after_s = float(reply[3]) / 1e6
+        retry_after_s = _held_s(float(reply[3]) / 1e6)
         return Decision(
             allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
         )
@@ -398,6 +435,89 @@ class Limiter:
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
         return self.settle(acquisition, None)
+
+    def peek(self, limit: Limit, key: str | None = None, *, cost: float = 1.0) -> LimitState:
+        """What an acquire of ``cost`` would be told now, taking nothing: the ``remaining``
+        tokens now (units, for concurrency), ``retry_after_s`` until such a call could pass
+        (the next free slot; ``inf`` while the limit is paused), ``reset_after_s`` until
+        full. For status displays and gauges: one round trip, like an acquire."""
+        if not isinstance(limit, Limit):
+            raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        asked = min(_number(cost, "cost"), limit.capacity)
+        keyspace = self.keyspace
+        keys = [keyspace.holds_key(), *keyspace.state_keys(limit, key)]
+        args: list[Any] = [b"", 0, 1, *limit.script_args, repr(asked), b"", 1]
+        args.extend(keyspace.hold_fields(limit.name, key))
+        if self._clock_us is not None:
+            args[0] = self._clock_us()
+        script = self._peek.get(limit.code)
+        if script is None:
+            script = self._peek[limit.code] = self.client.register_script(
+                script_source("peek", limit.codes)
+            )
+        return _limit_state(limit, self._call(script, keys, args).split(), 1)
+
+    def hold(
+        self, limit: Limit | str, key: str | None = None, seconds: float | None = None
+    ) -> float:
+        """Admit nothing of ``limit`` (of its ``key`` only, when given; of every key when
+        None) for ``seconds`` (None: until :meth:`unhold`, a pause), from the Redis clock.
+
+        The upstream's word (a 429 with Retry-After) and the operator's brake. A hold only
+        lengthens: a shorter one leaves a longer one (or a pause) in place. Acquisitions are
+        denied with ``retry_after_s`` = the time left (``inf`` for a pause); a recorded
+        acquisition whose reserved slot falls inside a hold placed after it is voided when
+        acquired again with its id (what a throttled task does at its slot). Returns the
+        seconds the hold now lasts (``inf`` for a pause).
+        """
+        if seconds is None:
+            for_us = HOLD_FOREVER_US
+        else:
+            for_us = max(round(_number(seconds, "seconds", most=MAX_DURATION_S) * 1e6), 1)
+        return _held_s(float(self._hold(limit, key, for_us)) / 1e6)
+
+    def unhold(self, limit: Limit | str, key: str | None = None) -> None:
+        """Lift the hold (or pause) of ``limit`` (of its ``key``, when given)."""
+        self._hold(limit, key, b"")
+
+    def holds(self) -> dict[tuple[str, str | None], float]:
+        """The live holds of the namespace: (limit, key or None) -> seconds left (``inf``:
+        a pause). Keys longer than 100 characters show as their hash (``#...``)."""
+        keyspace = self.keyspace
+
+        def read() -> tuple[Any, Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.time()
+            pipe.hgetall(keyspace.holds_key())
+            seconds, stored = pipe.execute()
+            return seconds, stored
+
+        (sec, usec), stored = wrap_errors(read)
+        now_us = int(sec) * 1_000_000 + int(usec)
+        if self._clock_us is not None:
+            now_us = self._clock_us()
+        live = {}
+        for field, until in stored.items():
+            left_us = float(until) - now_us
+            if left_us > 0:
+                live[decode_hold_field(field.decode())] = _held_s(left_us / 1e6)
+        return live
+
+    def _hold(self, limit: Limit | str, key: str | None, for_us: int | bytes) -> Any:
+        name = limit.name if isinstance(limit, Limit) else limit
+        if type(name) is not str or not name:
+            raise RequestError(f"hold needs a limit or a limit's name (got {limit!r})")
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        whole, own = self.keyspace.hold_fields(name, key)
+        if self._hold_script is None:
+            self._hold_script = self.client.register_script(operation_source("hold"))
+        now = b"" if self._clock_us is None else self._clock_us()
+        return self._call(
+            self._hold_script, [self.keyspace.holds_key()], [now, own or whole, for_us]
+        )
 
     def _scripts_for(self, codes: frozenset[str]) -> tuple[Script, Script]:
         scripts = self._scripts.get(codes)
