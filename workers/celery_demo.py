@@ -29,6 +29,7 @@ import collections
 import json
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -57,19 +58,26 @@ def main(argv: list[str] | None = None) -> int:
         producer = local.start("producer", foreground=True)
         assert producer.proc is not None
         code = producer.proc.wait()
-        print(f"  Flower saw {_flower_states(local.flower_url)}")
+        print(f"  Flower saw {_flower_states(local.flower_url, args.tasks)}")
     return code
 
 
-def _flower_states(url: str) -> str:
-    """How many tasks Flower knows of, by state (through its API)."""
-    try:
-        with urllib.request.urlopen(f"{url}/api/tasks", timeout=30) as response:
-            tasks = json.load(response)
-    except OSError as exc:
-        return f"nothing: {exc}"
-    states = collections.Counter(task.get("state") for task in tasks.values())
-    return f"{len(tasks)} tasks: " + ", ".join(f"{n} {s}" for s, n in states.most_common())
+def _flower_states(url: str, tasks: int, timeout_s: float = 10.0) -> str:
+    """How many tasks Flower knows of, by state (through its API). Events trail results by
+    a moment, so wait up to ``timeout_s`` for all ``tasks`` to show as finished."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/api/tasks", timeout=30) as response:
+                found = json.load(response)
+        except OSError as exc:
+            return f"nothing: {exc}"
+        states = collections.Counter(task.get("state") for task in found.values())
+        if states["SUCCESS"] + states["FAILURE"] >= tasks or time.monotonic() > deadline:
+            return f"{len(found)} tasks: " + ", ".join(
+                f"{n} {state}" for state, n in states.most_common()
+            )
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":
