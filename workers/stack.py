@@ -100,9 +100,9 @@ COMPOSE = Addresses(
 """The addresses inside the compose network (service names as host names)."""
 
 
-TASKS_COLUMNS = "name,uuid,state,exception,received,worker"
+TASKS_COLUMNS = "name,state,exception,received,worker"
 """Flower's tasks page columns: its defaults with ``exception`` (for a RETRY, why the task
-waits: the limit and the wait) in place of ``runtime``, to fit a 1400-pixel window."""
+waits: the limit and the wait) in place of ``uuid`` and ``runtime``, to fit 1400 pixels."""
 
 
 def environment(addresses: Addresses) -> dict[str, str]:
