@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from workers.mock_api import MockApi, UpstreamLimit, serve
+from workers.harness import ROOT
+from workers.mock_api import MockApi, UpstreamLimit, policy_of, serve
 
 
 @pytest.fixture
@@ -83,3 +86,60 @@ def test_upstream_limit_arithmetic() -> None:
     assert limit.take(now + 0.25)[0]
     with pytest.raises(ValueError, match="rate must be > 0"):
         UpstreamLimit(rate=0)
+
+
+def test_429s_carry_retry_after_and_the_rate_limit_headers_of_every_dialect(
+    api: tuple[MockApi, int],
+) -> None:
+    _, port = api
+    for _ in range(2):
+        request(port, "GET", "/call")
+    before = time.time()
+    status, headers, _ = request(port, "GET", "/call")
+    assert status == 429
+    assert headers["Retry-After"] == "1"
+    assert headers["RateLimit-Policy"] == '"default";q=10;w=1'
+    assert headers["X-RateLimit-Limit"] == "10"
+    assert headers["X-RateLimit-Remaining"] == "0"
+    # GitHub's form: epoch seconds when the bucket is full again (2 tokens at 10/s: < 0.2 s)
+    assert before <= int(headers["X-RateLimit-Reset"]) <= before + 1.2
+    assert "Date" in headers  # epochs can be read against the upstream's own clock
+
+
+def test_the_stated_policy_follows_a_lowered_limit(api: tuple[MockApi, int]) -> None:
+    state, port = api
+    state.set_limit(0.5, 1)
+    headers = request(port, "GET", "/call")[1]
+    assert headers["RateLimit-Policy"] == '"default";q=1;w=2'
+    assert state.stats()["changes"][-1][1:] == [0.5, 1.0]
+
+
+def test_policy_of_states_a_rate_in_whole_numbers() -> None:
+    assert policy_of(20.0) == (20, 1)
+    assert policy_of(19.6) == (98, 5)
+    assert policy_of(0.25) == (1, 4)
+    assert policy_of(1 / 7200) == (1, 7200)
+    assert policy_of(1 / 7000.5) == (1, 7001)  # no exact window: rounded to fewer calls
+    assert policy_of(0.123456789) == (7, 60)  # no exact window: rounded down, never more
+
+
+def test_the_limit_can_be_lowered_later_from_the_command_line() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.mock_api", "--port", "0", "--rate", "20",
+         "--lower-to", "5", "--lower-after", "0.5"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline().split("http://127.0.0.1:")[1].split()[0])
+        assert "becomes 5/s after 0.5 s" in proc.stdout.readline()
+        assert request(port, "GET", "/call")[1]["RateLimit-Policy"] == '"default";q=20;w=1'
+        time.sleep(0.7)
+        status, headers, _ = request(port, "GET", "/call")
+        assert (status, headers["RateLimit-Policy"]) == (200, '"default";q=5;w=1')
+        assert request(port, "GET", "/stats")[2]["rate"] == 5.0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()

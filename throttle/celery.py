@@ -908,3 +908,33 @@ def install(app: Celery, *, config: Any = None) -> Celery:
     if LaneStep not in app.steps["consumer"]:
         app.steps["consumer"].add(LaneStep)
     return app
+
+
+def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
+    """Run the running throttled task again in ``countdown_s`` seconds, as the throttler
+    re-runs a denied task: the same id, arguments, options, headers, links and chord, through
+    its queue's lane (parked in Redis beyond ``park_after``), without spending
+    ``max_retries``; past its deadline (``max_wait``, ``expires``), ``on_timeout`` applies.
+    Raises celery's ``Retry``: let it propagate. For a task that its upstream told to come
+    back later (:func:`throttle.upstream.report_upstream`); ``limits`` names the limits that
+    wait (default: all the task's), as the reason shown. In eager mode and direct calls,
+    where there is no queue, raises :class:`Throttled` instead."""
+    from throttle.decision import LimitState  # noqa: PLC0415
+
+    task, ticket = get_current_task(), _ticket.get()
+    if task is None or ticket is None:
+        raise RuntimeError("defer_task() is for the body of a running throttled task")
+    countdown_s = max(float(countdown_s), 0.0)
+    names = tuple(limits) or tuple(rule.name for rule in ticket.rules)
+    if task.request.is_eager or task.request.called_directly:
+        raise Throttled(countdown_s, names)
+    # The gate's own path (lanes, parking, deadline headers), with the rules of the ticket.
+    gate = _Gate(task, None, task.run, (), {})
+    gate.rules = ticket.rules
+    now = time.time()
+    gate.deadline = gate._deadline(now)
+    states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
+    denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
+    if gate.deadline is not None and now + countdown_s > gate.deadline:
+        gate._timeout(now, countdown_s, denied)
+    gate._defer(countdown_s, countdown_s, denied)

@@ -6,13 +6,20 @@ package: it judges each request by the moment it really arrives (its own monoton
 with its own limiter, as the real API would, so it can tell whether the fleet's shaping
 worked.
 
-* ``GET|POST /call``: one call. 200 with a JSON body when the limit allows it; 429 with
-  ``Retry-After`` (whole seconds, rounded up) and ``RateLimit-*`` headers when it breaks the
-  limit. A ``X-Task-Id`` header, if sent, is recorded with the arrival.
-* ``GET /stats``: calls, violations (429s), the limit, and the first and last arrival.
+* ``GET|POST /call``: one call. 200 with a JSON body when the limit allows it; 429 when it
+  breaks the limit, with ``Retry-After`` (whole seconds until the next call is allowed,
+  rounded up). Both carry the rate-limit headers real APIs send, in their common dialects:
+  ``RateLimit-Limit`` (the burst), ``RateLimit-Remaining``, ``RateLimit-Reset`` (delta s
+  until full), ``X-RateLimit-Limit`` (the quota of the policy), ``X-RateLimit-Remaining``,
+  ``X-RateLimit-Reset`` (epoch s when full, as GitHub sends) and
+  ``RateLimit-Policy: "default";q=20;w=1`` (IETF draft). A ``X-Task-Id`` header, if sent,
+  is recorded with the arrival.
+* ``GET /stats``: calls, violations (429s), the limit, the first and last arrival, and
+  the changes of the limit (s since the start, rate, burst).
 * ``GET /arrivals``: every arrival: time (s since the server started), allowed, task id.
 * ``POST /limit`` with ``{"rate": 10, "burst": 1}``: change the limit mid-run (the upstream
-  lowering its limit); ``POST /reset``: forget the arrivals and refill the bucket.
+  lowering its limit); ``POST /reset``: forget the arrivals and refill the bucket. From the
+  command line, ``--lower-to 10 --lower-after 30`` does the same 30 s after the start.
 
 The limit is a token bucket of ``burst`` tokens refilled at ``rate`` per second; with
 ``burst`` 1 that is strict spacing (one call every 1/rate s), the strictest upstream.
@@ -21,6 +28,7 @@ The limit is a token bucket of ``burst`` tokens refilled at ``rate`` per second;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import threading
@@ -29,7 +37,22 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["MockApi", "UpstreamLimit", "serve"]
+__all__ = ["MockApi", "UpstreamLimit", "policy_of", "serve"]
+
+
+@functools.lru_cache(maxsize=64)  # asked on every call, with one or two rates per run
+def policy_of(rate: float) -> tuple[int, int]:
+    """The policy a rate is stated as: (quota, window in whole s), integers as the IETF draft
+    wants, with the shortest window that states the rate exactly (20/s: 20 per 1 s; 0.5/s:
+    1 per 2 s). When no window up to an hour does: a minute's worth rounded down, or 1 per
+    the interval rounded up (never more than the rate)."""
+    for window in range(1, 3601):
+        quota = rate * window
+        if quota >= 1 and abs(quota - round(quota)) < 1e-9:
+            return round(quota), window
+    if rate * 60 >= 1:
+        return math.floor(rate * 60), 60
+    return 1, math.ceil(1 / rate - 1e-9)
 
 
 @dataclass
@@ -75,6 +98,8 @@ class MockApi:
         self.limit = UpstreamLimit(rate, burst)
         self.started = time.monotonic()
         self.arrivals: list[Arrival] = []
+        self.changes: list[tuple[float, float, float]] = []
+        """Each change of the limit: (s since the start, rate, burst)."""
 
     def call(self, task_id: str | None) -> tuple[bool, float, float, UpstreamLimit]:
         """Judge one call at its arrival: (allowed, retry after s, tokens left, the limit)."""
@@ -87,16 +112,28 @@ class MockApi:
     def set_limit(self, rate: float, burst: float) -> None:
         with self.lock:
             self.limit = UpstreamLimit(rate, burst)
+            self.changes.append((time.monotonic() - self.started, rate, burst))
+
+    def set_limit_later(self, after_s: float, rate: float, burst: float) -> threading.Timer:
+        """Change the limit ``after_s`` seconds from now (the upstream lowering its limit
+        mid-run); the limit is checked now, so that a bad one fails at once."""
+        UpstreamLimit(rate, burst)
+        timer = threading.Timer(after_s, self.set_limit, (rate, burst))
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def reset(self) -> None:
         with self.lock:
             self.limit = UpstreamLimit(self.limit.rate, self.limit.burst)
             self.arrivals.clear()
+            self.changes.clear()
             self.started = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
             arrivals = list(self.arrivals)
+            changes = list(self.changes)
             rate, burst = self.limit.rate, self.limit.burst
         return {
             "calls": len(arrivals),
@@ -106,6 +143,7 @@ class MockApi:
             "burst": burst,
             "first_s": arrivals[0].at_s if arrivals else None,
             "last_s": arrivals[-1].at_s if arrivals else None,
+            "changes": [list(change) for change in changes],
         }
 
     def arrivals_json(self) -> list[dict[str, Any]]:
@@ -131,10 +169,17 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
 
         def _call(self) -> None:
             allowed, retry_after_s, tokens, limit = api.call(self.headers.get("X-Task-Id"))
+            full_in_s = (limit.burst - tokens) / limit.rate
+            remaining = str(max(math.floor(tokens), 0))
+            quota, window = policy_of(limit.rate)
             headers = {
                 "RateLimit-Limit": f"{limit.burst:g}",
-                "RateLimit-Remaining": str(max(math.floor(tokens), 0)),
-                "RateLimit-Reset": str(math.ceil((limit.burst - tokens) / limit.rate)),
+                "RateLimit-Remaining": remaining,
+                "RateLimit-Reset": str(math.ceil(full_in_s)),
+                "RateLimit-Policy": f'"default";q={quota};w={window}',
+                "X-RateLimit-Limit": str(quota),
+                "X-RateLimit-Remaining": remaining,
+                "X-RateLimit-Reset": str(math.ceil(time.time() + full_in_s)),
             }
             if allowed:
                 self._reply(200, {"ok": True}, headers)
@@ -195,10 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument("--rate", type=float, default=20.0, help="calls per second")
     parser.add_argument("--burst", type=float, default=1.0, help="1 = strict spacing")
+    parser.add_argument(
+        "--lower-to", type=float, metavar="RATE", help="change the rate to RATE mid-run"
+    )
+    parser.add_argument(
+        "--lower-after", type=float, default=30.0, metavar="S",
+        help="... this many seconds after the start (default 30)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    server = serve(MockApi(args.rate, args.burst), args.host, args.port)
+    api = MockApi(args.rate, args.burst)
+    server = serve(api, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"mock API on http://{host!s}:{port} ({args.rate:g}/s burst {args.burst:g})", flush=True)
+    if args.lower_to is not None:
+        api.set_limit_later(args.lower_after, args.lower_to, args.burst)
+        print(f"the rate becomes {args.lower_to:g}/s after {args.lower_after:g} s", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
