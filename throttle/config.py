@@ -72,6 +72,9 @@ _SETTINGS_FIELDS = {
     "jitter": "duration",
     "pause_recheck": "duration",
     "lanes": "bool",
+    "metrics": "bool",
+    "metrics_port": "port",
+    "metrics_dir": "str",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 _DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
@@ -300,6 +303,17 @@ class Settings:
         worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
         where a task due now would wait behind the whole backlog. Assumes that a queue's
         routing key is its name (Celery's default); turn off otherwise.
+    metrics:
+        Count decisions, waits, reschedules, timeouts, refunds and Redis errors in every
+        worker (Prometheus, :mod:`throttle.metrics`; needs ``celery-throttled[metrics]``).
+        Implied by ``metrics_port``.
+    metrics_port:
+        Serve the worker's metrics on this port from its main process (``None``: not
+        served by the worker; Flower's ``/metrics`` still shows them on the same host).
+        ``THROTTLE_METRICS_PORT`` overrides it per worker, for several workers per host.
+    metrics_dir:
+        Where workers keep their metric files (one directory per worker below it; Flower
+        reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
     """
 
     redis_url: str | None = None
@@ -313,6 +327,13 @@ class Settings:
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
     lanes: bool = True
+    metrics: bool = False
+    metrics_port: int | None = None
+    metrics_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            object.__setattr__(self, "metrics", True)  # a port serves metrics: count them
 
     @classmethod
     def from_mapping(cls, config: object, *, source: str | None) -> Settings:
@@ -337,6 +358,13 @@ class Settings:
                         source=source,
                     )  # fmt: skip
                 values[key] = value
+            elif kind == "port":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+                    raise ConfigError(
+                        "must be a port number from 1 to 65535", field=f"settings.{key}",
+                        value=value, source=source,
+                    )  # fmt: skip
+                values[key] = value
             elif not isinstance(value, str) or not value:
                 raise ConfigError(
                     "must be a non-empty string", field=f"settings.{key}", value=value,
@@ -344,6 +372,11 @@ class Settings:
                 )  # fmt: skip
             else:
                 values[key] = value
+        if "metrics_port" in values and values.get("metrics") is False:
+            raise ConfigError(
+                "metrics: false contradicts metrics_port (a port serves metrics)",
+                field="settings.metrics_port", value=values["metrics_port"], source=source,
+            )  # fmt: skip
         settings = cls(**values)
         if settings.park_lead_s >= settings.park_after_s:
             raise ConfigError(
