@@ -4,9 +4,10 @@ It runs the stack of ``make demo`` (``workers/stack.py``: redis, mock API, two w
 task events, Flower, the producer) with one change: the demo's ``upstream`` limit lowered
 from 19.6/s to 4/s (``--rate``), so that eight pool children cannot all sleep to their slots
 (``sleep_max``, 1 s) and most tasks are deferred: re-published for their slot, or parked in
-Redis for the longer waits, each a RETRY in Flower. Once Flower has seen tasks both
-throttled and finished, headless Chromium loads ``/tasks`` and saves the PNG; then the
-stack is stopped, backlog and all.
+Redis for the longer waits: a RETRY in Flower (the exception names the limit and the wait),
+THROTTLED while it waits (the gate's ``task-throttled`` event). Once Flower has seen tasks
+both throttled and finished, headless Chromium loads ``/tasks`` and saves the PNG; then
+the stack is stopped, backlog and all.
 
 Chromium runs with a fresh profile, no network beyond the page (no updates, sync or
 QUIC), and a virtual-time budget so that the page's table, filled by JavaScript after
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "flower.png")
     parser.add_argument("--rate", default="4/s", help="the upstream limit while shooting")
     parser.add_argument("--tasks", type=int, default=400)
-    parser.add_argument("--min-retry", type=int, default=20, help="RETRY tasks to wait for")
+    parser.add_argument("--min-throttled", type=int, default=20, help="throttled tasks to wait for")
     args = parser.parse_args(argv)
 
     logs = Path(tempfile.mkdtemp(prefix="throttle-screenshot-"))
@@ -86,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         states: collections.Counter[str] = collections.Counter()
         while time.monotonic() < deadline:
             states = flower_states(local.flower_url)
-            if states["RETRY"] >= args.min_retry and states["SUCCESS"] >= 5:
+            # THROTTLED: the task-throttled event's custom state (it sticks until the
+            # task ends); RETRY: the Retry that re-published it.
+            throttled = states["RETRY"] + states["THROTTLED"]
+            if throttled >= args.min_throttled and states["SUCCESS"] >= 5:
                 break
             time.sleep(1)
         else:
