@@ -134,10 +134,12 @@ class Progress:
     (docker-compose logs, a test) it prints a plain line every 10 s instead.
     """
 
-    def __init__(self, total: int, out: TextIO = sys.stdout, width: int = 30) -> None:
-        self.total, self.out, self.width = total, out, width
+    def __init__(
+        self, total: int, started: float, out: TextIO = sys.stdout, width: int = 30
+    ) -> None:
+        """``started``: ``time.monotonic()`` when the first task was enqueued."""
+        self.total, self.started, self.out, self.width = total, started, out, width
         self.tty = out.isatty()
-        self.started = time.monotonic()
         self.history: collections.deque[tuple[float, int]] = collections.deque(maxlen=7)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="progress", daemon=True)
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     # Generous: the backlog at the API's rate, twice over, plus start-up.
     deadline = started + args.tasks / rate * 2 + 60
     results: list[dict[str, Any] | None] = []
-    with Progress(args.tasks):
+    with Progress(args.tasks, started):
         for handle in handles:
             try:
                 value = handle.get(timeout=max(deadline - time.monotonic(), 0.1), propagate=False)
