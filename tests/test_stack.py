@@ -146,5 +146,7 @@ def test_make_demo_runs_the_stack_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == (0 if violations == 0 else 1), out + result.stderr
     assert re.search(r"Flower http://127\.0\.0\.1:\d+", out), out
     assert "Flower saw 40 tasks: 40 SUCCESS" in out, out
+    # and Flower's /metrics carries the workers' counters: each task was allowed once
+    assert "Flower's /metrics: throttle_decisions_total 40 allowed" in out, out
     # and the plot is a PNG
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

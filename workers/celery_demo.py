@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 import tempfile
 import time
@@ -54,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     with LocalStack(stack, logs) as local:
         assert local.redis is not None
         print(f"redis {local.redis.url} | mock API {local.api_url} (20/s burst 2)")
-        print(f"Flower {local.flower_url} (open /tasks while it runs)", flush=True)
+        print(f"Flower {local.flower_url} (open /tasks while it runs; Prometheus metrics "
+              f"on {local.flower_url}/metrics)", flush=True)  # fmt: skip
         producer = local.start("producer", foreground=True)
         assert producer.proc is not None
         code = producer.proc.wait()
         print(f"  Flower saw {_flower_states(local.flower_url, args.tasks)}")
+        print(f"  Flower's /metrics: {_flower_decisions(local.flower_url)}")
     return code
 
 
@@ -78,6 +81,23 @@ def _flower_states(url: str, tasks: int, timeout_s: float = 10.0) -> str:
                 f"{n} {state}" for state, n in states.most_common()
             )
         time.sleep(0.5)
+
+
+def _flower_decisions(url: str) -> str:
+    """The fleet's throttle_decisions_total as Flower serves it (summed over its workers and
+    limits), by decision: the workers' Prometheus counters, read from their files."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    totals: collections.Counter[str] = collections.Counter()
+    for line in text.splitlines():
+        found = re.match(r'throttle_decisions_total\{.*decision="(\w+)".*\} (\S+)$', line)
+        if found:
+            totals[found.group(1)] += int(float(found.group(2)))
+    decisions = ", ".join(f"{n} {decision}" for decision, n in sorted(totals.items()))
+    return f"throttle_decisions_total {decisions or 'absent'}"
 
 
 if __name__ == "__main__":
