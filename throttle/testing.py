@@ -205,6 +205,7 @@ class RedisServer:
                 return self
             self._kill()
         detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        self.stop()
         raise RuntimeError(f"redis-server did not start: {detail}")
 
     def _wait_ready(self) -> bool:
@@ -352,7 +353,10 @@ class RedisSentinel:
         """The master's address as this sentinel knows it now."""
         with self.client(socket_timeout=2.0) as client:
             address = client.sentinel_get_master_addr_by_name(self.service)
-        return None if address is None else (str(address[0]), int(address[1]))
+        if address is None:
+            return None
+        host = address[0].decode() if isinstance(address[0], bytes) else str(address[0])
+        return host, int(address[1])
 
     def start(self) -> RedisSentinel:
         """Start the sentinel; ready once it answers and names the master."""

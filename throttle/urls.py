@@ -39,8 +39,10 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from throttle.errors import ConfigError
 
 __all__ = [
+    "ACL_COMMANDS",
     "SENTINEL_SCHEMES",
     "SentinelURL",
+    "acl_rules",
     "describe",
     "is_sentinel_url",
     "parse_sentinel_url",
@@ -55,6 +57,36 @@ MASK = "***"
 _SECRET_QUERY = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
 # Options that reach the sentinels as well as the master (the rest is the master's only).
 _SHARED = re.compile(r"^(socket_.*|ssl_.*|retry_on_timeout|health_check_interval|protocol)$")
+
+
+# Every command the limiter sends, with the commands its Lua scripts call (Redis checks
+# those against the caller's ACL too). No SELECT: give a database other than 0 with +select.
+ACL_COMMANDS = (
+    # scripts: redis-py's Script calls EVALSHA, loads on NOSCRIPT; run_script falls back
+    # to EVAL when flushed again in between
+    "evalsha", "eval", "script|load",
+    # called inside the scripts (lua/*.lua)
+    "time", "get", "set", "del", "pexpire", "hget", "hmget", "hset", "hdel", "hgetall",
+    "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
+    # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
+    # hgetall), parking counts (zcard), holds (time, hgetall), reset (scan, del)
+    "hincrby", "expire", "scan",
+    # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
+    # a refusal: add +client|setinfo there to keep it out of the ACL log)
+    "ping",
+)  # fmt: skip
+
+
+def acl_rules(prefix: str = "throttle") -> str:
+    """The least-privilege ACL rules of a limiter's Redis user, for keys under ``prefix``::
+
+        ACL SETUSER limiter on >PASSWORD <acl_rules()>
+
+    Its keys only (``~PREFIX:*``), no channels, and only the commands the limiter sends
+    (:data:`ACL_COMMANDS`). A shared broker and limiter Redis needs a user with the
+    broker's rights as well (Celery's transport uses many more commands and keys)."""
+    commands = " ".join(f"+{command}" for command in ACL_COMMANDS)
+    return f"resetkeys ~{prefix}:* resetchannels -@all {commands}"
 
 
 def redact(url: str) -> str:
