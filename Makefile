@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Each sets itself up,
 # idempotently, on a fresh machine: a virtualenv with pinned dependencies, and redis-server
-# (plus faketime, for the clock-skew test, and python3-venv) from apt-get when missing.
+# (plus faketime, for the clock-skew test, openssl, for the TLS test's certificates, and
+# python3-venv) from apt-get when missing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -21,6 +22,7 @@ system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \

@@ -357,6 +357,15 @@ def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
             status = throttle_cli(env, "status", "--json", "--timeout", "0")
             assert status.returncode == 0, status.stderr
             assert json.loads(status.stdout)["redis"] == f"rediss://127.0.0.1:{limits.port}/0"
+            # (a wrong user: a clear error)
+            wrong = throttle_cli(
+                {**env, "THROTTLE_REDIS_URL": url.replace("limiter:", "nobody:")},
+                "status",
+                "--timeout",
+                "0",
+            )
+            assert wrong.returncode == 1
+            assert "invalid username-password pair" in wrong.stdout + wrong.stderr
             worker_metrics = get(f"http://127.0.0.1:{metrics_port}/metrics")
             assert 'throttle_decisions_total{decision="denied",limit="slow"}' in worker_metrics
             wait_for(lambda: "task-throttled" in _flower_metrics(flower_port), 20)
@@ -371,13 +380,6 @@ def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
             wait_for(lambda: "Redis is unreachable" in log.read_text(errors="replace"), 20)
             down = throttle_cli(env, "status", "--timeout", "0")
             assert down.returncode == 1 and "Redis is unreachable" in down.stdout + down.stderr
-            wrong = throttle_cli(
-                {**env, "THROTTLE_REDIS_URL": url.replace("limiter:", "nobody:")},
-                "status",
-                "--timeout",
-                "0",
-            )
-            assert wrong.returncode == 1
         finally:
             seen = events.stop()
             worker.stop()
