@@ -199,7 +199,8 @@ def test_a_wrong_password_is_a_clear_error_without_the_password(tls_server: Redi
 def test_sentinel_finds_the_master_and_follows_a_failover() -> None:
     acl = [limiter_user()]
     with (
-        RedisServer(acl=acl) as master,
+        # (no 5 s wait for more replicas before the first full sync)
+        RedisServer(("--repl-diskless-sync-delay", "0"), acl=acl) as master,
         RedisServer(acl=acl) as replica,
         contextlib.closing(master.client()) as on_master,
         contextlib.closing(replica.client()) as on_replica,
