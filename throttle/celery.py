@@ -126,6 +126,9 @@ LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
 BACKEND_RETRY_S = 5.0
 """How long a task deferred because Redis is unreachable waits before trying again, in s."""
+RECHECK_LEAD_S = 0.01
+"""A task sleeping to its slot looks at Redis again this long before it (for holds placed
+meanwhile), then sleeps the rest: the round trip must not make the call late."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
@@ -584,14 +587,22 @@ class _Gate:
             wait = decision.wait_s
             if wait <= self.settings.sleep_max_s:
                 if wait > 0 and decision.acquisition:
-                    if self._sleep_until_slot(wait):
+                    left = wait
+                    if wait > RECHECK_LEAD_S:
+                        # A hold may begin while this task sleeps (the upstream answered
+                        # another task 429): look once more, with the id, shortly before
+                        # the slot, so that the call itself still lands on the slot.
+                        time.sleep(wait - RECHECK_LEAD_S)
+                        decision = self._give_up_voided(self._acquire(0.0))
+                        left = decision.wait_s
+                        if decision.allowed and decision.late_s > self.settings.late_tolerance_s:
+                            left = math.inf  # woke too late: handled below
+                    if decision.allowed and left > 0 and self._sleep_until_slot(left):
                         # Woke too late (a busy machine): the slot passed, take a new one
                         # (the passed slot is given up, not refunded: see above).
+                        assert decision.acquisition is not None
                         self.throttler.limiter.settle(decision.acquisition, None)
                         return self._decide(time.time())
-                    # A hold may have begun while this task slept (the upstream answered
-                    # another task 429): ask once more, with the id, before calling.
-                    decision = self._give_up_voided(self._acquire(0.0))
                 if decision.allowed:
                     return _Ticket(decision.acquisition, self.rules, now + wait)
             else:
@@ -618,7 +629,10 @@ class _Gate:
 
     def _sleep_until_slot(self, wait_s: float) -> bool:
         """Sleep until the reserved slot; True when the wake-up came later than the
-        tolerance (calling then could land on the next holder's slot)."""
+        tolerance (calling then could land on the next holder's slot), or the slot had
+        passed already (``wait_s`` is ``inf``)."""
+        if math.isinf(wait_s):
+            return True
         start = time.monotonic()
         time.sleep(wait_s)
         return time.monotonic() - start - wait_s > self.settings.late_tolerance_s
