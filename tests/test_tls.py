@@ -262,12 +262,6 @@ settings:
   metrics_dir: {metrics_dir}
 limits:
   slow: {{algorithm: gcra, rate: 4/s, burst: 1}}
-  tokens: {{rate: 10000/d, key: "{{tenant}}", cost: estimate}}
-  deadline: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 2s}}
-  dlq: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 1s, on_timeout: "dead_letter:dead"}}
-  parked: {{algorithm: gcra, rate: 3/s, burst: 1}}
-  live: {{algorithm: gcra, rate: 10/s, burst: 1}}
-  strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
 """
 
 
@@ -306,7 +300,7 @@ class AllEvents:
 
 def throttle_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle", *args],
+        [sys.executable, "-m", "celery", "-A", "tests.tls_app", "throttle", *args],
         cwd=ROOT, env={**os.environ, **env}, text=True, capture_output=True, timeout=60,
         check=False,
     )  # fmt: skip
@@ -315,7 +309,7 @@ def throttle_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess
 def start_flower(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         flower = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
+            [sys.executable, "-m", "celery", "-A", "tests.tls_app", "flower",
              f"--port={port}", "--address=127.0.0.1"],
             cwd=ROOT, env={**os.environ, **env, "FLOWER_UNAUTHENTICATED_API": "true"},
             stdout=out, stderr=subprocess.STDOUT,
@@ -334,17 +328,17 @@ def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
         url = limits.url_for("limiter", SECRET)
         assert CORE in url
         env = {
-            "DEMO_BROKER_URL": broker.url,
+            "TLS_BROKER_URL": broker.url,
             "THROTTLE_CONFIG": str(config),
             "THROTTLE_REDIS_URL": url,
         }
         worker = Worker(
             "tls", {**env, "THROTTLE_METRICS_PORT": str(metrics_port)}, concurrency=2,
-            queues="celery", app="tests.celery_app", log=tmp_path / "worker.log",
+            queues="tls", app="tests.tls_app", log=tmp_path / "worker.log",
             extra=["-E", "-l", "DEBUG"],
         )  # fmt: skip
         producer = Celery("tls", broker=broker.url, backend=broker.url, set_as_current=False)
-        producer.conf.task_default_queue = "celery"
+        producer.conf.task_default_queue = "tls"
         flower = None
         events = AllEvents(producer)
         try:
@@ -352,7 +346,7 @@ def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
             flower = start_flower(env, flower_port, tmp_path / "flower.log")
             wait_ready(producer, [worker])
             # When tasks are throttled (slept for, deferred, parked)
-            handles = [producer.send_task("tests.celery_app.slow", (x,)) for x in range(8)]
+            handles = [producer.send_task("tests.tls_app.slow", (x,)) for x in range(8)]
             results = [handle.get(timeout=30) for handle in handles]
             assert sum(r["deferrals"] for r in results) >= 3
             status = throttle_cli(env, "status", "--json", "--timeout", "0")
@@ -376,7 +370,7 @@ def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
 
             # And when the limiter's Redis goes away, so that the worker warns
             limits.stop()
-            producer.send_task("tests.celery_app.slow", (99,))
+            producer.send_task("tests.tls_app.slow", (99,))
             log = tmp_path / "worker.log"
             wait_for(lambda: "Redis is unreachable" in log.read_text(errors="replace"), 20)
             down = throttle_cli(env, "status", "--timeout", "0")

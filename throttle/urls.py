@@ -137,9 +137,10 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     scheme = scheme.lower()
     if scheme not in SENTINEL_SCHEMES:
         raise bad(f"not a Sentinel URL: the scheme must be {' or '.join(SENTINEL_SCHEMES)}")
+    # The query first: an '@' in an option's value (a file path) is not the credentials'.
+    rest, question, query = rest.partition("?")
     userinfo, at, rest = rest.rpartition("@")
-    hosts, slash, tail = rest.partition("/")
-    path, question, query = tail.partition("?")
+    hosts, slash, path = rest.partition("/")
     if not slash or not path.strip("/"):
         raise bad("name the master's service: redis+sentinel://HOST:PORT/SERVICE[/DB]")
     service, _, db_text = path.strip("/").partition("/")
