@@ -17,7 +17,7 @@ import redis
 from hypothesis import settings
 
 from throttle import Limiter
-from throttle.testing import RedisServer
+from throttle.testing import RedisServer, TlsFiles
 
 # Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True, max_examples=200)
@@ -87,3 +87,9 @@ def clock() -> FakeClock:
 def clocked(client: redis.Redis, prefix: str, clock: FakeClock) -> Limiter:
     """A limiter on the test clock: the scripts use ``clock`` instead of Redis TIME."""
     return Limiter(client, prefix=prefix, clock_us=clock)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A test CA with a server certificate for 127.0.0.1 and a client certificate."""
+    return TlsFiles.generate(tmp_path_factory.mktemp("tls"))

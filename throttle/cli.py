@@ -42,6 +42,7 @@ from throttle.errors import BackendError, ConfigError, ThrottleError
 from throttle.limiter import wrap_errors
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
+from throttle.urls import describe
 
 __all__ = ["throttle"]
 
@@ -151,14 +152,9 @@ def _amount(value: float) -> str:
 
 
 def _where(client: redis.Redis) -> str:
-    """Where the limiter's Redis is, built from the connection's host, port and database:
-    never with its password."""
-    pool = client.connection_pool
-    options = pool.connection_kwargs
-    if "path" in options:
-        return f"unix://{options['path']}?db={options.get('db', 0)}"
-    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
-    return f"{scheme}://{options.get('host')}:{options.get('port')}/{options.get('db', 0)}"
+    """Where the limiter's Redis is, built from the connection's host, port and database
+    (the sentinels and service for Sentinel): never with its password."""
+    return describe(client)
 
 
 # -- status ---------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from throttle.errors import (
 from throttle.keys import KeySpace, decode_hold_field
 from throttle.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
 from throttle.spec import Limit
+from throttle.urls import is_sentinel_url, sentinel_client
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -173,11 +174,15 @@ class Limiter:
         **client_options: Any,
     ) -> Limiter:
         """A limiter on ``redis.Redis.from_url(url, **client_options)`` (``redis://``,
-        ``rediss://``, ``unix://``), with socket timeouts of :data:`DEFAULT_TIMEOUT_S`
+        ``rediss://``, ``unix://``; ``redis+sentinel://`` for a master behind Sentinel,
+        see :mod:`throttle.urls`), with socket timeouts of :data:`DEFAULT_TIMEOUT_S`
         unless given, so that a hung Redis raises :class:`BackendUnavailable`."""
         client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
         client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
-        client = redis.Redis.from_url(url, **client_options)
+        if is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
+            client = sentinel_client(url, **client_options)
+        else:
+            client = redis.Redis.from_url(url, **client_options)
         return cls(client, prefix=prefix, namespace=namespace)
 
     def acquire(
