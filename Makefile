@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Each sets itself up,
 # idempotently, on a fresh machine: a virtualenv with pinned dependencies, and redis-server
-# (plus faketime, for the clock-skew test, and python3-venv) from apt-get when missing.
+# (plus faketime, for the clock-skew test, python3-venv, and docker-compose, whose `config`
+# checks docker-compose.yml without a Docker engine) from apt-get when missing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint typecheck pytest demo demo-core bench bench-celery bench-cluster clean
+.PHONY: setup system-deps test lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster clean
 
 setup: system-deps $(STAMP)
 
@@ -21,6 +22,7 @@ system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
@@ -41,6 +43,13 @@ test: lint typecheck pytest
 
 demo: setup
 	$(PY) -m workers.celery_demo
+
+# docs/flower.png: Flower's tasks page while the demo stack throttles, in headless Chromium
+# (installed from apt-get when missing; only this target needs it).
+screenshot: setup
+	@command -v chromium >/dev/null || { echo "installing: chromium"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+	$(PY) -m workers.screenshot
 
 # The limiter alone, without Celery: processes sharing one limit in Redis.
 demo-core: setup

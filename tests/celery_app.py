@@ -129,6 +129,12 @@ def strict(self: Any, x: int) -> dict[str, Any]:
     return {**_record(self, "strict"), "x": x}
 
 
+@app.task(bind=True)
+@throttled("held")
+def held_call(self: Any, x: int) -> dict[str, Any]:
+    return {**_record(self, "held"), "x": x}
+
+
 @app.task
 def block(seconds: float) -> float:
     """Occupies a pool child (not throttled): saturates the workers."""

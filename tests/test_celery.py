@@ -40,6 +40,7 @@ limits:
   parked: {algorithm: gcra, rate: 2/s, burst: 1}
   live: {algorithm: gcra, rate: 10/s, burst: 1}
   strict: {algorithm: gcra, rate: 10/s, burst: 1}
+  held: {algorithm: gcra, rate: 4/s, burst: 1}
 queues:
   upstream: [upstream]
   shaped: [shaped]
@@ -332,6 +333,30 @@ def test_a_rate_changed_at_run_time_is_followed_by_the_fleet(fleet: Fleet) -> No
 
     assert span(first) < 1.5  # 10 at 10/s
     assert span(second) > 2.3  # 6 at 2/s: at least 2.5 s less jitter
+
+
+def test_a_hold_stops_tasks_already_sleeping_to_their_slots(fleet: Fleet) -> None:
+    # Given three tasks at 4/s burst 1: the first runs at once, the others reserve the next
+    # slots (0.25 s and 0.5 s later, within sleep_max) and sleep in their pool children
+    from tests.celery_app import held_call  # noqa: PLC0415
+
+    handles = [held_call.delay(x) for x in range(3)]
+    deadline = time.monotonic() + 20
+    leases = [fleet.keyspace.lease_key(h.id) for h in handles]
+    while fleet.client.exists(*leases) < 3:
+        assert time.monotonic() < deadline, "the tasks never acquired"
+        time.sleep(0.005)
+    # When the upstream's word holds the limit for 1.5 s while they sleep
+    held_at = time.time()
+    fleet.limiter.hold("held", None, 1.5)
+    done = results(handles)
+    # Then no call lands inside the hold: the sleepers looked again before their slots,
+    # gave them up and came back after it, once each, under their own ids
+    late = sorted(r["at"] for r in done)[1:]
+    assert all(at >= held_at + 1.4 for at in late), (held_at, [r["at"] for r in done])
+    assert [r["runs"] for r in done] == [1, 1, 1]
+    assert [r["id"] for r in done] == [h.id for h in handles]
+    assert sum(r["deferrals"] for r in done) >= 2
 
 
 def test_a_bad_limits_file_stops_the_worker_with_its_place(tmp_path: Path) -> None:

@@ -48,6 +48,13 @@ groups, beat and replays pass through it):
 
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
+
+Monitoring: each deferral sends a ``task-throttled`` event and raises Celery's ``Retry``
+carrying :class:`Throttled`, so Flower lists the waiting task as RETRY with
+``Throttled(limit='upstream', wait=3.2s)``; it adds to the fleet-wide counts of
+:class:`throttle.stats.StatsBook`, and with ``settings.metrics`` to the worker's Prometheus
+counters (:mod:`throttle.metrics`), served on ``settings.metrics_port`` and on Flower's
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -60,18 +67,21 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from celery import Celery, Task, bootsteps
+from celery import Celery, Task, bootsteps, signals
 from celery._state import get_current_task
 from celery.exceptions import Ignore, Retry
 from kombu.serialization import dumps, loads
 
+from throttle import metrics
 from throttle.config import Rule, Settings, ThrottleConfig
 from throttle.decision import Acquisition, Decision
 from throttle.errors import (
@@ -80,15 +90,17 @@ from throttle.errors import (
     Throttled,
     ThrottleTimeout,
 )
-from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.limiter import DEFAULT_LEASE_S, Limiter, wrap_errors
 from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
 from throttle.spec import Algorithm, Limit
+from throttle.stats import StatsBook
 
 __all__ = [
     "ThrottledTask",
     "Throttler",
     "install",
+    "register_metrics",
     "report_cost",
     "slot_time",
     "throttled",
@@ -113,6 +125,9 @@ LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
 BACKEND_RETRY_S = 5.0
 """How long a task deferred because Redis is unreachable waits before trying again, in s."""
+RECHECK_LEAD_S = 0.01
+"""A task sleeping to its slot looks at Redis again this long before it (for holds placed
+meanwhile), then sleeps the rest: the round trip must not make the call late."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
@@ -241,6 +256,7 @@ class Throttler:
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
+        self.stats = StatsBook(limiter.client, keyspace)
         self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
         self._outage = False
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
@@ -485,7 +501,9 @@ class _Gate:
         try:
             if eager:
                 return self._block()
-            return self._decide(now)
+            ticket = self._decide(now)
+            _report_allowed(self, now, ticket)
+            return ticket
         except BackendError as exc:
             return self._backend_down(exc)
 
@@ -551,14 +569,22 @@ class _Gate:
             wait = decision.wait_s
             if wait <= self.settings.sleep_max_s:
                 if wait > 0 and decision.acquisition:
-                    if self._sleep_until_slot(wait):
+                    left = wait
+                    if wait > RECHECK_LEAD_S:
+                        # A hold may begin while this task sleeps (the upstream answered
+                        # another task 429): look once more, with the id, shortly before
+                        # the slot, so that the call itself still lands on the slot.
+                        time.sleep(wait - RECHECK_LEAD_S)
+                        decision = self._give_up_voided(self._acquire(0.0))
+                        left = decision.wait_s
+                        if decision.allowed and decision.late_s > self.settings.late_tolerance_s:
+                            left = math.inf  # woke too late: handled below
+                    if decision.allowed and left > 0 and self._sleep_until_slot(left):
                         # Woke too late (a busy machine): the slot passed, take a new one
                         # (the passed slot is given up, not refunded: see above).
+                        assert decision.acquisition is not None
                         self.throttler.limiter.settle(decision.acquisition, None)
                         return self._decide(time.time())
-                    # A hold may have begun while this task slept (the upstream answered
-                    # another task 429): ask once more, with the id, before calling.
-                    decision = self._give_up_voided(self._acquire(0.0))
                 if decision.allowed:
                     return _Ticket(decision.acquisition, self.rules, now + wait)
             else:
@@ -585,7 +611,10 @@ class _Gate:
 
     def _sleep_until_slot(self, wait_s: float) -> bool:
         """Sleep until the reserved slot; True when the wake-up came later than the
-        tolerance (calling then could land on the next holder's slot)."""
+        tolerance (calling then could land on the next holder's slot), or the slot had
+        passed already (``wait_s`` is ``inf``)."""
+        if math.isinf(wait_s):
+            return True
         start = time.monotonic()
         time.sleep(wait_s)
         return time.monotonic() - start - wait_s > self.settings.late_tolerance_s
@@ -611,11 +640,13 @@ class _Gate:
                 body if isinstance(body, bytes) else body.encode()
             )
             self.throttler.parking.park(payload, countdown - self.settings.park_lead_s)
+            _report_deferral(self, limits, "park", wait_s, headers[H_DEFERRALS])
         else:
             sig = task.signature_from_request(
                 request, countdown=countdown, headers=headers, queue=lane
             )
             sig.apply_async()
+            _report_deferral(self, limits, "republish", wait_s, headers[H_DEFERRALS])
         raise Retry(exc=reason, when=countdown, sig=sig)
 
     def _lane(self) -> str | None:
@@ -630,6 +661,7 @@ class _Gate:
         rules = [rule for rule in self.rules if rule.name in decision.denied_by] or list(self.rules)
         queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
         if queue is None:
+            _report_timeout(self, decision, "fail")
             raise ThrottleTimeout(decision.denied_by, needed_s, left)
         headers = {
             k: v for k, v in self.headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)
@@ -637,6 +669,7 @@ class _Gate:
         headers[H_DEAD] = queue
         sig = self.task.signature_from_request(self.request, queue=queue, headers=headers)
         sig.apply_async(queue=queue)
+        _report_timeout(self, decision, "dead_letter")
         logger.warning(
             "throttle: task %s timed out; sent to dead-letter queue %s", self.request.id, queue
         )
@@ -662,6 +695,7 @@ class _Gate:
 
     def _backend_down(self, exc: BackendError) -> _Ticket | None:
         self.throttler.outage(exc)
+        metrics.redis_error(rule.name for rule in self.rules)
         if all(rule.on_redis_down == "allow" for rule in self.rules):
             return None  # fail open: run without a ticket
         if self.request.is_eager or self.request.called_directly:
@@ -673,6 +707,55 @@ class _Gate:
         )
         sig.apply_async()
         raise Retry(exc=exc, when=countdown, sig=sig)
+
+
+# -- what the gate reports: Prometheus counters, Flower events, fleet-wide stats ----------
+# None of it may fail or lose a task: each part swallows (and logs) its own errors.
+
+
+def _report_allowed(gate: _Gate, now: float, ticket: _Ticket | None) -> None:
+    if ticket is not None:
+        metrics.allowed([rule.name for rule in gate.rules], ticket.slot_at - now)
+
+
+def _report_deferral(
+    gate: _Gate, limits: Sequence[str], how: str, wait_s: float, deferrals: int
+) -> None:
+    """A deferral (``how``: republish or park): counters, a ``task-throttled`` event for
+    Flower, and the fleet-wide counts of :class:`StatsBook`."""
+    metrics.deferred(limits, how, wait_s)
+    # defer_task() (an upstream's word, after the body ran) builds a gate without targets.
+    targets = {limit.name: (key, cost) for limit, key, cost in getattr(gate, "targets", ())}
+    try:
+        gate.task.send_event(
+            "task-throttled",
+            retry=False,  # an event is not worth blocking a pool slot on a broker outage
+            limits=list(limits),
+            keys=[targets.get(name, (None, None))[0] for name in limits],
+            costs=[targets.get(name, (None, None))[1] for name in limits],
+            wait=round(wait_s, 3),
+            slot=round(time.time() + wait_s, 3),
+            how=how,
+            deferrals=deferrals,
+        )
+    except Exception as exc:
+        logger.debug("throttle: cannot send the task-throttled event: %s", exc)
+    events = ("denied", "parked") if how == "park" else ("denied",)
+    _count(gate, limits, events)
+
+
+def _report_timeout(gate: _Gate, decision: Decision, action: str) -> None:
+    limits = decision.denied_by or tuple(rule.name for rule in gate.rules)
+    metrics.timed_out(limits, action)
+    _count(gate, limits, ("timeout",))
+
+
+def _count(gate: _Gate, limits: Sequence[str], events: Sequence[str]) -> None:
+    try:
+        gate.throttler.stats.record_events(limits, events)
+    except Exception as exc:  # BackendError, or anything else: a count is not worth a task
+        metrics.redis_error(limits)
+        logger.debug("throttle: cannot record %s in the fleet stats: %s", events, exc)
 
 
 def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
@@ -690,10 +773,13 @@ def _settle(throttler: Throttler, ticket: _Ticket, failed: bool) -> None:
             actual = 0.0
         actuals.append(actual)
     try:
-        throttler.limiter.settle(acquisition, actuals)
+        settlement = throttler.limiter.settle(acquisition, actuals)
     except BackendError as exc:
         # The lease expires by itself: concurrency units come back then, a refund is lost.
         throttler.outage(exc)
+        metrics.redis_error(limit.name for limit, _ in acquisition.targets)
+        return
+    metrics.settled([limit.name for limit, _ in acquisition.targets], settlement.deltas)
 
 
 def _run(
@@ -900,14 +986,163 @@ class Releaser(threading.Thread):
 def install(app: Celery, *, config: Any = None) -> Celery:
     """Wire the throttler into ``app``'s workers: the limits file (``config``: a path or a
     mapping; default ``app.conf.throttle_config`` or ``THROTTLE_CONFIG``) is validated when a
-    worker starts, and every worker runs a releaser of parked tasks. Returns ``app``."""
+    worker starts, and every worker runs a releaser of parked tasks; with ``settings.metrics``
+    every worker counts into its metrics directory (and serves ``settings.metrics_port``),
+    and a process that has prometheus_client loaded (Flower) shows the fleet's metrics on
+    its default registry (:func:`register_metrics`). Returns ``app``."""
     if config is not None:
         app.conf.throttle_config = config
     if ThrottleStep not in app.steps["worker"]:
         app.steps["worker"].add(ThrottleStep)
     if LaneStep not in app.steps["consumer"]:
         app.steps["consumer"].add(LaneStep)
+    _install_metrics(app)
     return app
+
+
+# -- metrics: set up in the worker, served by it and by Flower -----------------------------
+
+METRICS_PORT_ENV = "THROTTLE_METRICS_PORT"
+"""Overrides ``settings.metrics_port`` for one worker (several workers on one host)."""
+
+
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep of the metrics (``settings.metrics`` / ``metrics_port``).
+
+    Created in the worker's main process before the pool forks (every step is created
+    before any starts): that is when this worker's metrics directory is wiped and
+    prometheus_client put in multiprocess mode (:func:`throttle.metrics.setup_worker`), so
+    that every pool child counts into a file of its own there. Started after the pool, it
+    serves the sum of those files and the Redis-read gauges on the metrics port.
+    """
+
+    label = "throttle-metrics"
+    # A thread started before the fork could hold a lock the children inherit locked.
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.app = worker.app
+        self.server: Any = None
+        self.port: int | None = None
+        self.directory: Path | None = None
+        throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
+        if not throttler.settings.metrics:
+            return
+        source = throttler.config.source
+        self.directory = metrics.setup_worker(
+            _metrics_base(throttler.settings), worker.hostname, source=source
+        )
+        self.port = _metrics_port(throttler.settings)
+
+    def start(self, worker: Any) -> None:
+        if self.directory is None or self.port is None:
+            return
+        directory, app = self.directory, self.app
+        collector = metrics.ThrottleCollector(lambda: [(None, directory)], lambda: _fleet(app))
+        self.server = metrics.serve(self.port, collector, source=Throttler.of(app).config.source)
+        logger.info("throttle: metrics of %s on port %d", worker.hostname, self.port)
+
+    def stop(self, worker: Any) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+def register_metrics(app: Celery, registry: Any = None) -> metrics.ThrottleCollector:
+    """Expose ``app``'s throttle metrics on a prometheus_client registry (default: the
+    process's ``REGISTRY``, what Flower's ``/metrics`` serves): the counters of every
+    worker under ``settings.metrics_dir`` on this host (label ``worker``) and the
+    fleet-wide gauges read from Redis at each scrape. Nothing while metrics are off.
+
+    :func:`install` calls it when prometheus_client is already loaded (as in Flower, or
+    an exporter of your own that imported it first); call it yourself otherwise."""
+    metrics.require()
+    if registry is None:
+        from prometheus_client import REGISTRY  # noqa: PLC0415
+
+        registry = REGISTRY
+    collector = metrics.ThrottleCollector(lambda: _worker_dirs(app), lambda: _fleet(app))
+    registry.register(collector)
+    return collector
+
+
+def _install_metrics(app: Celery) -> None:
+    # Pool children: drop an exited child's live files (none today; counters stay).
+    signals.worker_process_shutdown.connect(
+        _child_exited, weak=False, dispatch_uid="throttle-metrics-child-exit"
+    )
+    if MetricsStep not in app.steps["worker"]:
+        app.steps["worker"].add(MetricsStep)
+    # Flower (`celery -A proj flower` imports the app, Flower has loaded prometheus_client
+    # by then) serves REGISTRY on /metrics: add the fleet's view there, once per app.
+    loaded = sys.modules.get("prometheus_client") is not None
+    if loaded and getattr(app, "_throttle_collector", None) is None:
+        app._throttle_collector = register_metrics(app)
+
+
+def _child_exited(pid: int | None = None, **kwargs: Any) -> None:
+    metrics.process_exited(pid if pid is not None else os.getpid())
+
+
+def _metrics_base(settings: Settings) -> Path:
+    if settings.metrics_dir:
+        return Path(settings.metrics_dir)
+    return metrics.default_base_dir(settings.prefix, settings.namespace)
+
+
+def _metrics_port(settings: Settings) -> int | None:
+    value = os.environ.get(METRICS_PORT_ENV)
+    if not value:
+        return settings.metrics_port
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ConfigError(
+            "must be a port number from 1 to 65535", field=METRICS_PORT_ENV, value=value
+        )
+    return int(value)
+
+
+def _worker_dirs(app: Celery) -> list[tuple[str | None, Path]]:
+    settings = Throttler.of(app).settings
+    if not settings.metrics:
+        return []
+    return list(metrics.worker_dirs(_metrics_base(settings)))
+
+
+def _fleet(app: Celery) -> metrics.FleetState | None:
+    """The Redis-read state behind the fleet-wide gauges (None while metrics are off)."""
+    throttler = Throttler.of(app)
+    if not throttler.settings.metrics:
+        return None
+    parked, releasing = wrap_errors(throttler.parking.counts)
+    limits: dict[str, Limit] = {}
+    for rule in _unkeyed_rules(throttler):
+        limits.setdefault(rule.name, rule.limit)
+    states = [throttler.limiter.peek(throttler.rates.current(limit)) for limit in limits.values()]
+    return metrics.FleetState(parked, releasing, states)
+
+
+def _unkeyed_rules(throttler: Throttler) -> list[Rule]:
+    """The rules with one state for all tasks (no key): the file's, then inline ones.
+    Keyed limits have a state per key value: not a gauge (labels stay bounded)."""
+    inline: list[Rule] = []
+    keyed: set[str] = set()  # named limits that a decorator gives a key
+    for task in list(throttler.app.tasks.values()):
+        spec = _task_spec(task)
+        if spec is not None:
+            inline.extend(rule for rule in spec.rules if rule.key is None)
+            if spec.overrides.get("key") is not None:
+                keyed.update(spec.names)
+    named = [
+        rule
+        for rule in throttler.config.rules.values()
+        if rule.key is None and rule.name not in keyed
+    ]
+    return named + inline
 
 
 def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:

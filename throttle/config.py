@@ -27,17 +27,19 @@ See ``configs/limits.yaml`` for an annotated example. Rules given inline to the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import string
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
-from throttle.spec import Limit, check_fields
+from throttle.spec import Algorithm, Limit, check_fields
 
 __all__ = [
     "CONFIG_ENV",
@@ -72,10 +74,35 @@ _SETTINGS_FIELDS = {
     "jitter": "duration",
     "pause_recheck": "duration",
     "lanes": "bool",
+    "metrics": "bool",
+    "metrics_port": "port",
+    "metrics_dir": "str",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 _DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+# The loader raises the first error it meets; ThrottleConfig.check passes a list instead, and
+# the loader notes each error there and goes on with the next field, limit or section, so
+# that one run reports every error of a file.
+Errors = list[ConfigError] | None
+
+
+def _report(errors: Errors, error: ConfigError) -> None:
+    """Raise ``error``, or note it when every error is wanted (``errors`` is a list)."""
+    if errors is None:
+        raise error
+    errors.append(error)
+
+
+@contextlib.contextmanager
+def _noted(errors: Errors) -> Iterator[None]:
+    """A ConfigError raised inside goes to :func:`_report`: raised, or noted and skipped."""
+    try:
+        yield
+    except ConfigError as exc:
+        _report(errors, exc)
 
 
 def parse_duration(
@@ -237,29 +264,72 @@ class Rule:
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any], *, name: str, source: str | None) -> Rule:
         """One entry of a limits file's ``limits:`` (the limit's and the rule's fields)."""
-        check_fields(config, (*_LIMIT_FIELDS, *_RULE_FIELDS), limit=name, source=source)
-        limit = Limit.from_mapping(
-            {k: v for k, v in config.items() if k in _LIMIT_FIELDS}, name=name, source=source
-        )
-        options: dict[str, Any] = {}
-        for key in ("key", "cost", "on_timeout", "on_error", "on_redis_down"):
-            if key in config:
-                options[key] = config[key]
-        if "key" in options and not isinstance(options["key"], str):
-            raise ConfigError(
-                "must be a template string such as '{tenant_id}'",
-                field="key", value=options["key"], limit=name, source=source,
-            )  # fmt: skip
-        if "max_wait" in config and config["max_wait"] is not None:
-            options["max_wait_s"] = parse_duration(
-                config["max_wait"], field="max_wait", limit=name, source=source
-            )
+        rule = _rule(config, name, source, None)
+        assert rule is not None  # without an error list, the first error was raised
+        return rule
+
+
+def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule | None:
+    """One entry of ``limits:`` as a Rule. With ``errors``, every error of the entry is noted
+    (each field is checked on its own) and None returned if there was any."""
+    known = (*_LIMIT_FIELDS, *_RULE_FIELDS)
+    if not isinstance(config, Mapping):
+        with _noted(errors):
+            check_fields(config, known, limit=name, source=source)  # raises: not a mapping
+        return None
+    found = len(errors) if errors is not None else 0
+    for key in config:  # each unknown field is an error of its own
+        with _noted(errors):
+            check_fields({key: config[key]}, known, limit=name, source=source)
+    limit = _limit({k: v for k, v in config.items() if k in _LIMIT_FIELDS}, name, source, errors)
+    # The rule's fields are checked each against the limit; against a stand-in of unbounded
+    # capacity when the limit itself is bad (a cost then cannot exceed it).
+    probe = limit or Limit(name, Algorithm.TOKEN_BUCKET, sys.float_info.max)
+    options: dict[str, Any] = {}
+    for key in _RULE_FIELDS:
+        if key in config:
+            with _noted(errors):
+                options.update(_rule_option(probe, key, config[key], source))
+    if limit is None or (errors is not None and len(errors) > found):
+        return None
+    with _noted(errors):
+        return Rule(limit, **options)
+    return None
+
+
+def _limit(fields: dict[str, Any], name: str, source: str | None, errors: Errors) -> Limit | None:
+    """The limit of an entry (rate, algorithm, burst); with ``errors``, after an error the
+    bad field is left out and the rest checked again (a burst cannot be judged without a
+    valid rate)."""
+    while True:
         try:
-            return cls(limit, **options)
+            return Limit.from_mapping(fields, name=name, source=source)
         except ConfigError as exc:
-            raise ConfigError(
-                exc.problem, field=exc.field, value=exc.value, limit=name, source=source
-            ) from None
+            _report(errors, exc)
+            if exc.field == "rate" or exc.field not in fields:
+                return None
+            del fields[exc.field]
+
+
+def _rule_option(limit: Limit, key: str, value: Any, source: str | None) -> dict[str, Any]:
+    """One rule field of a limits file's entry, validated: ``{Rule argument: value}``."""
+    name = limit.name
+    if key == "max_wait":
+        if value is None:
+            return {}
+        return {"max_wait_s": parse_duration(value, field=key, limit=name, source=source)}
+    if key == "key" and not isinstance(value, str):
+        raise ConfigError(
+            "must be a template string such as '{tenant_id}'",
+            field="key", value=value, limit=name, source=source,
+        )  # fmt: skip
+    try:
+        Rule(limit, **{key: value})
+    except ConfigError as exc:
+        raise ConfigError(
+            exc.problem, field=exc.field, value=exc.value, limit=name, source=source
+        ) from None
+    return {key: value}
 
 
 @dataclass(frozen=True)
@@ -300,6 +370,17 @@ class Settings:
         worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
         where a task due now would wait behind the whole backlog. Assumes that a queue's
         routing key is its name (Celery's default); turn off otherwise.
+    metrics:
+        Count decisions, waits, reschedules, timeouts, refunds and Redis errors in every
+        worker (Prometheus, :mod:`throttle.metrics`; needs ``celery-throttled[metrics]``).
+        Implied by ``metrics_port``.
+    metrics_port:
+        Serve the worker's metrics on this port from its main process (``None``: not
+        served by the worker; Flower's ``/metrics`` still shows them on the same host).
+        ``THROTTLE_METRICS_PORT`` overrides it per worker, for several workers per host.
+    metrics_dir:
+        Where workers keep their metric files (one directory per worker below it; Flower
+        reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
     """
 
     redis_url: str | None = None
@@ -313,65 +394,116 @@ class Settings:
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
     lanes: bool = True
+    metrics: bool = False
+    metrics_port: int | None = None
+    metrics_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            object.__setattr__(self, "metrics", True)  # a port serves metrics: count them
 
     @classmethod
-    def from_mapping(cls, config: object, *, source: str | None) -> Settings:
+    def from_mapping(cls, config: object, *, source: str | None, errors: Errors = None) -> Settings:
+        """The ``settings:`` of a limits file. With ``errors``, every bad setting is noted
+        there and left at its default."""
         if config is None:
             return cls()
         if not isinstance(config, Mapping):
-            raise ConfigError("must be a mapping", field="settings", value=config, source=source)
+            _report(
+                errors,
+                ConfigError("must be a mapping", field="settings", value=config, source=source),
+            )
+            return cls()
+        found = len(errors) if errors is not None else 0
         values: dict[str, Any] = {}
         for key, value in config.items():
-            kind = _SETTINGS_FIELDS.get(key)
-            if kind is None:
-                raise ConfigError(
-                    f"unknown setting; expected one of {', '.join(_SETTINGS_FIELDS)}",
-                    field=f"settings.{key}", value=value, source=source,
-                )  # fmt: skip
-            if kind == "duration":
-                values[f"{key}_s"] = parse_duration(value, field=f"settings.{key}", source=source)
-            elif kind == "bool":
-                if not isinstance(value, bool):
-                    raise ConfigError(
-                        "must be true or false", field=f"settings.{key}", value=value,
-                        source=source,
-                    )  # fmt: skip
-                values[key] = value
-            elif not isinstance(value, str) or not value:
-                raise ConfigError(
-                    "must be a non-empty string", field=f"settings.{key}", value=value,
-                    source=source,
-                )  # fmt: skip
-            else:
-                values[key] = value
+            with _noted(errors):
+                values.update(_setting(key, value, source))
+        if "metrics_port" in values and values.get("metrics") is False:
+            _report(
+                errors,
+                ConfigError(
+                    "metrics: false contradicts metrics_port (a port serves metrics)",
+                    field="settings.metrics_port", value=values["metrics_port"], source=source,
+                ),
+            )  # fmt: skip
+            values.pop("metrics_port")
         settings = cls(**values)
+        if errors is not None and len(errors) > found:
+            return settings  # park_lead against park_after only when both are valid
         if settings.park_lead_s >= settings.park_after_s:
-            raise ConfigError(
-                f"park_lead ({settings.park_lead_s:g} s) must be shorter than park_after "
-                f"({settings.park_after_s:g} s)",
-                field="settings.park_lead" if "park_lead" in config else "settings.park_after",
-                value=config.get("park_lead", config.get("park_after")), source=source,
+            _report(
+                errors,
+                ConfigError(
+                    f"park_lead ({settings.park_lead_s:g} s) must be shorter than park_after "
+                    f"({settings.park_after_s:g} s)",
+                    field="settings.park_lead" if "park_lead" in config else "settings.park_after",
+                    value=config.get("park_lead", config.get("park_after")), source=source,
+                ),
             )  # fmt: skip
         return settings
 
 
+def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
+    """One entry of ``settings:``, validated: ``{Settings argument: value}``."""
+    if not isinstance(key, str) or key not in _SETTINGS_FIELDS:
+        raise ConfigError(
+            f"unknown setting; expected one of {', '.join(_SETTINGS_FIELDS)}",
+            field=f"settings.{key}", value=value, source=source,
+        )  # fmt: skip
+    kind = _SETTINGS_FIELDS[key]
+    if kind == "duration":
+        return {f"{key}_s": parse_duration(value, field=f"settings.{key}", source=source)}
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(
+                "must be true or false", field=f"settings.{key}", value=value, source=source
+            )
+        return {key: value}
+    if kind == "port":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+            raise ConfigError(
+                "must be a port number from 1 to 65535", field=f"settings.{key}", value=value,
+                source=source,
+            )  # fmt: skip
+        return {key: value}
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            "must be a non-empty string", field=f"settings.{key}", value=value, source=source
+        )
+    return {key: value}
+
+
 def _names(
-    value: object, *, field: str, rules: Mapping[str, Rule], source: str | None
+    value: object, *, field: str, defined: Collection[str], source: str | None, errors: Errors
 ) -> tuple[str, ...]:
+    """A ``queues:`` or ``tasks:`` entry: names of limits the file defines (``defined``:
+    every name of ``limits:``, valid or not, so that a bad limit is reported once)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ConfigError("must be a list of limit names", field=field, value=value, source=source)
-    names = []
+        _report(
+            errors,
+            ConfigError("must be a list of limit names", field=field, value=value, source=source),
+        )
+        return ()
+    names: list[str] = []
     for item in value:
-        if item not in rules:
-            raise ConfigError(
-                f"unknown limit; the file defines {', '.join(sorted(rules)) or 'none'}",
-                field=field, value=item, source=source,
+        if item not in defined:
+            _report(
+                errors,
+                ConfigError(
+                    f"unknown limit; the file defines {', '.join(sorted(defined)) or 'none'}",
+                    field=field, value=item, source=source,
+                ),
             )  # fmt: skip
-        if item in names:
-            raise ConfigError("a limit listed twice", field=field, value=item, source=source)
-        names.append(item)
+        elif item in names:
+            _report(
+                errors,
+                ConfigError("a limit listed twice", field=field, value=item, source=source),
+            )
+        else:
+            names.append(item)
     return tuple(names)
 
 
@@ -387,61 +519,30 @@ class ThrottleConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ThrottleConfig:
-        """Read and validate a YAML limits file; a :class:`ConfigError` names the place."""
-        import yaml  # noqa: PLC0415  (only the loader reads files; yaml loads lazily)
+        """Read and validate a YAML limits file; a :class:`ConfigError` names the place of
+        the first error (:meth:`check` finds them all)."""
+        return cls.from_mapping(_read(path), source=str(path))
 
-        source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read the limits file: {exc.strerror}", source=source
-            ) from None
-        try:
-            document = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
-        return cls.from_mapping(document if document is not None else {}, source=source)
+    @classmethod
+    def check(cls, path: str | os.PathLike[str]) -> list[ConfigError]:
+        """Every error of a limits file, in the file's order, each naming its place as
+        :meth:`load` would (empty: the file is valid). What ``celery throttle check`` prints.
+
+        A file that cannot be read or parsed is one error; otherwise each section, limit,
+        field and list item is checked on its own (a limit's ``burst`` only once its
+        ``rate`` is valid; ``park_lead`` against ``park_after`` once both are).
+        """
+        errors: list[ConfigError] = []
+        with _noted(errors):
+            _build(_read(path), str(path), errors)
+        return errors
 
     @classmethod
     def from_mapping(cls, document: object, *, source: str | None = None) -> ThrottleConfig:
         """Validate a parsed limits document (the YAML's top-level mapping)."""
-        if not isinstance(document, Mapping):
-            raise ConfigError(
-                "a limits file must be a mapping with limits:, queues:, tasks:, settings:",
-                value=document, source=source,
-            )  # fmt: skip
-        for key in document:
-            if key not in _TOP_FIELDS:
-                raise ConfigError(
-                    f"unknown section; expected one of {', '.join(_TOP_FIELDS)}",
-                    field=str(key), value=document[key], source=source,
-                )  # fmt: skip
-        settings = Settings.from_mapping(document.get("settings"), source=source)
-        entries = document.get("limits") or {}
-        if not isinstance(entries, Mapping):
-            raise ConfigError("must be a mapping of named limits", field="limits", source=source)
-        rules = {}
-        for name, entry in entries.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigError("a limit needs a non-empty name", value=name, source=source)
-            rules[name] = Rule.from_mapping(entry, name=name, source=source)
-        maps: dict[str, dict[str, tuple[str, ...]]] = {}
-        for section in ("queues", "tasks"):
-            mapping = document.get(section) or {}
-            if not isinstance(mapping, Mapping):
-                raise ConfigError(
-                    "must map names to lists of limits", field=section, value=mapping,
-                    source=source,
-                )  # fmt: skip
-            maps[section] = {
-                str(name): _names(value, field=f"{section}.{name}", rules=rules, source=source)
-                for name, value in mapping.items()
-            }
-        return cls(rules, maps["queues"], maps["tasks"], settings, source)
+        config = _build(document, source, None)
+        assert config is not None  # without an error list, the first error was raised
+        return config
 
     @classmethod
     def from_source(cls, source: ConfigSource | None) -> ThrottleConfig:
@@ -474,3 +575,86 @@ class ThrottleConfig:
                 value=name,
                 source=self.source,
             ) from None
+
+
+def _read(path: str | os.PathLike[str]) -> object:
+    """The parsed YAML document of a limits file (an empty file is an empty mapping)."""
+    import yaml  # noqa: PLC0415  (only the loader reads files; yaml loads lazily)
+
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the limits file: {exc.strerror}", source=source) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
+    return document if document is not None else {}
+
+
+def _build(document: object, source: str | None, errors: Errors) -> ThrottleConfig | None:
+    """A limits document as a ThrottleConfig. With ``errors``, every error is noted there
+    (sections, limits and their fields each checked on their own) and None returned if
+    there was any; without, the first error is raised."""
+    if not isinstance(document, Mapping):
+        _report(
+            errors,
+            ConfigError(
+                "a limits file must be a mapping with limits:, queues:, tasks:, settings:",
+                value=document, source=source,
+            ),
+        )  # fmt: skip
+        return None
+    for key in document:
+        if key not in _TOP_FIELDS:
+            _report(
+                errors,
+                ConfigError(
+                    f"unknown section; expected one of {', '.join(_TOP_FIELDS)}",
+                    field=str(key), value=document[key], source=source,
+                ),
+            )  # fmt: skip
+    settings = Settings.from_mapping(document.get("settings"), source=source, errors=errors)
+    entries = document.get("limits") or {}
+    if not isinstance(entries, Mapping):
+        _report(
+            errors,
+            ConfigError("must be a mapping of named limits", field="limits", source=source),
+        )
+        entries = {}
+    rules: dict[str, Rule] = {}
+    for name, entry in entries.items():
+        if not isinstance(name, str) or not name:
+            _report(
+                errors, ConfigError("a limit needs a non-empty name", value=name, source=source)
+            )
+            continue
+        rule = _rule(entry, name, source, errors)
+        if rule is not None:
+            rules[name] = rule
+    defined = [name for name in entries if isinstance(name, str) and name]
+    maps: dict[str, dict[str, tuple[str, ...]]] = {}
+    for section in ("queues", "tasks"):
+        mapping = document.get(section) or {}
+        if not isinstance(mapping, Mapping):
+            _report(
+                errors,
+                ConfigError(
+                    "must map names to lists of limits", field=section, value=mapping,
+                    source=source,
+                ),
+            )  # fmt: skip
+            mapping = {}
+        maps[section] = {
+            str(name): _names(
+                value, field=f"{section}.{name}", defined=defined, source=source, errors=errors
+            )
+            for name, value in mapping.items()
+        }
+    if errors:
+        return None
+    return ThrottleConfig(rules, maps["queues"], maps["tasks"], settings, source)

@@ -15,6 +15,7 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 __all__ = [
@@ -109,6 +110,22 @@ class Throttled(ThrottleError):
     def __str__(self) -> str:
         who = f" by {', '.join(self.denied_by)}" if self.denied_by else ""
         return f"throttled{who}: retry after {self.retry_after_s:.3f} s"
+
+    def __repr__(self) -> str:
+        # Flower's task list shows repr() of a Retry's exception: name the limits and the
+        # wait, e.g. Throttled(limit='upstream', wait=3.2s), not the raw constructor args.
+        wait = self.retry_after_s
+        if wait == math.inf:
+            shown = "inf"  # a paused limit
+        else:
+            shown = f"{wait:.1f}s" if wait >= 0.1 or wait == 0 else f"{wait:.3f}s"
+        if len(self.denied_by) == 1:
+            who = f"limit={self.denied_by[0]!r}, "
+        elif self.denied_by:
+            who = f"limits={list(self.denied_by)!r}, "
+        else:
+            who = ""
+        return f"Throttled({who}wait={shown})"
 
 
 class ThrottleTimeout(ThrottleError):

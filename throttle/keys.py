@@ -143,3 +143,8 @@ class KeySpace:
     def parked_run_key(self, token: str) -> str:
         """Which published copy of a parked task may run (the first one to start)."""
         return f"{self.base}park:run:{encode(token)}"
+
+    def stats_key(self, minute: int) -> str:
+        """The HASH of fleet-wide counts of one minute (``minute`` = epoch s // 60):
+        field ``EVENT:LIMIT`` -> count (see :mod:`throttle.stats`)."""
+        return f"{self.base}stats:{minute}"

@@ -3,7 +3,9 @@ benchmark and the tests, so that all three run the same thing.
 
 * :func:`start_api`: the mock rate-capped API (``workers/mock_api.py``) in a thread;
 * :class:`Worker`: one real ``celery worker`` subprocess of ``workers.demo_app`` (prefork);
-* :func:`wait_ready`: until every worker answers ``app.control.ping``.
+* :func:`wait_ready`: until every worker answers ``app.control.ping``;
+* :class:`LocalStack`: the services of ``workers/stack.py`` (the compose stack) as processes
+  here, started from the very commands docker-compose.yml runs.
 
 Workers get their settings from the environment (see ``workers/demo_app.py``); nothing here
 touches a Redis it did not start, the callers pass the URL of a private one.
@@ -13,16 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from throttle.testing import RedisServer, free_port
 from workers.mock_api import MockApi, serve
+from workers.stack import Addresses, Service, environment, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,46 +67,37 @@ def start_api(rate: float, burst: float = 1.0) -> Api:
     return Api(api, f"http://{host}:{port}", server)
 
 
-@dataclass
-class Worker:
-    """One ``celery worker`` subprocess (``-P prefork``) consuming ``queues``."""
+def local_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """A stack command as run on this machine: ``python`` is this interpreter (the venv's)."""
+    return [sys.executable, *argv[1:]] if argv and argv[0] == "python" else list(argv)
+
+
+class _Child:
+    """A subprocess started from a stack command, its output in ``log`` (or discarded, or
+    on our own stdout for a foreground process)."""
 
     name: str
     env: dict[str, str]
-    concurrency: int = 4
-    queues: str = "upstream"
-    app: str = "workers.demo_app"
-    log: Path | None = None
-    extra: list[str] = field(default_factory=list)
-    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None
+    proc: subprocess.Popen[bytes] | None
 
-    def start(self) -> Worker:
-        command = [
-            sys.executable, "-m", "celery", "-A", self.app, "worker", "-P", "prefork",
-            "-c", str(self.concurrency), "-Q", self.queues, "-n", f"{self.name}@%h",
-            "--without-mingle", "--without-gossip", "-l", "INFO", *self.extra,
-        ]  # fmt: skip
-        if self.log is None:
+    def _spawn(self, argv: list[str] | tuple[str, ...], foreground: bool = False) -> None:
+        env = {**os.environ, **self.env}
+        if foreground:  # our own stdout: a progress bar sees the terminal
+            self.proc = subprocess.Popen(local_argv(argv), cwd=ROOT, env=env)
+        elif self.log is None:
             self.proc = subprocess.Popen(
-                command, cwd=ROOT, env={**os.environ, **self.env},
+                local_argv(argv), cwd=ROOT, env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             )  # fmt: skip
         else:
             with open(self.log, "wb") as out:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(
-                    command, cwd=ROOT, env={**os.environ, **self.env},
-                    stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-        return self
-
-    @property
-    def hostname(self) -> str:
-        import socket  # noqa: PLC0415
-
-        return f"{self.name}@{socket.gethostname()}"
+                    local_argv(argv), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                )
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """Warm shutdown (SIGTERM: finish running tasks), then SIGKILL if it hangs."""
+        """Warm shutdown (SIGTERM: a worker finishes its running tasks), then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
@@ -109,7 +108,7 @@ class Worker:
             return self.proc.wait(10)
 
     def kill(self) -> None:
-        """SIGKILL the worker and its pool children (a crash, not a shutdown)."""
+        """SIGKILL the process and its children (a crash, not a shutdown)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -125,7 +124,62 @@ class Worker:
         self.proc.wait(10)
 
 
-def wait_ready(app: Any, workers: list[Worker], timeout_s: float = 60.0) -> None:
+@dataclass
+class Process(_Child):
+    """One service of ``workers/stack.py`` run as a subprocess: ``argv`` as in compose."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    log: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    foreground: bool = False
+
+    def start(self) -> Process:
+        self._spawn(self.argv, self.foreground)
+        return self
+
+    @property
+    def hostname(self) -> str:
+        """A worker's Celery node name: its ``-n`` with ``%h`` filled in."""
+        name = self.argv[self.argv.index("-n") + 1]
+        return name.replace("%h", socket.gethostname())
+
+
+@dataclass
+class Worker(_Child):
+    """One ``celery worker`` subprocess (``-P prefork``) consuming ``queues``.
+
+    Its command is :func:`workers.stack.worker_argv`, the one the compose workers run.
+    """
+
+    name: str
+    env: dict[str, str]
+    concurrency: int = 4
+    queues: str = "upstream"
+    app: str = "workers.demo_app"
+    log: Path | None = None
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    events: bool = False
+
+    @property
+    def argv(self) -> list[str]:
+        return worker_argv(
+            self.name, app=self.app, concurrency=self.concurrency, queues=self.queues,
+            events=self.events, extra=tuple(self.extra),
+        )  # fmt: skip
+
+    def start(self) -> Worker:
+        self._spawn(self.argv)
+        return self
+
+    @property
+    def hostname(self) -> str:
+        return f"{self.name}@{socket.gethostname()}"
+
+
+def wait_ready(app: Any, workers: Sequence[Worker | Process], timeout_s: float = 60.0) -> None:
     """Block until every worker answers a ping (or raise, with the worker's exit code)."""
     wanted = {w.hostname for w in workers}
     deadline = time.monotonic() + timeout_s
@@ -144,3 +198,108 @@ def wait_ready(app: Any, workers: list[Worker], timeout_s: float = 60.0) -> None
 def demo_env(redis_url: str, api_url: str, **extra: str) -> dict[str, str]:
     """The environment of ``workers.demo_app`` for a private Redis and mock API."""
     return {"DEMO_BROKER_URL": redis_url, "MOCK_API_URL": api_url, **extra}
+
+
+class LocalStack:
+    """The services of ``workers/stack.py`` as processes on this machine, on loopback ports.
+
+    Entering starts everything but the producer: a private ``redis-server``, the mock API,
+    the workers (until each answers a ping) and Flower (until ``/healthcheck`` answers);
+    :meth:`start` then runs any service by name, e.g. ``"producer"``, with the same
+    environment. Each process logs to ``logs/<service>.log``. Leaving stops them all,
+    workers with a warm shutdown. ``env`` is added to every Python service's environment
+    (e.g. another ``THROTTLE_CONFIG``).
+    """
+
+    def __init__(
+        self, services: dict[str, Service], logs: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.services, self.logs, self.extra_env = services, logs, env or {}
+        self.redis: RedisServer | None = None
+        self.processes: list[Process] = []
+        self.env: dict[str, str] = {}
+        self.api_url = self.flower_url = ""
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        redis_argv = self.services["redis"].argv
+        self.redis = RedisServer(redis_argv[1:], executable=redis_argv[0]).start()
+        api = self._run("mock-api", {})
+        self.api_url = _await_line(api, re.compile(r"mock API on (http://\S+)")).group(1)
+        port = free_port()
+        self.flower_url = f"http://127.0.0.1:{port}"
+        addresses = Addresses(self.redis.url, self.api_url, "127.0.0.1", port, self.flower_url)
+        self.env = {**environment(addresses), **self.extra_env}
+        workers = [self.start(name) for name in self.services if name.startswith("worker")]
+        flower = self.start("flower")
+        from celery import Celery  # noqa: PLC0415 (the harness's other users need no Celery)
+
+        pinger = Celery("stack-ping", broker=self.redis.url)
+        try:
+            wait_ready(pinger, workers)
+        finally:
+            pinger.close()
+        _await_http(flower, f"{self.flower_url}/healthcheck")
+
+    def start(self, name: str, *, foreground: bool = False) -> Process:
+        """Start service ``name`` with the stack's environment (its command as in compose);
+        a ``foreground`` one writes to our stdout instead of its log."""
+        service = self.services[name]
+        return self._run(name, self.env if service.python_env else {}, foreground)
+
+    def _run(self, name: str, env: dict[str, str], foreground: bool = False) -> Process:
+        service = self.services[name]
+        argv = (*service.argv, *service.local_args)
+        log = self.logs / f"{name}.log"
+        process = Process(name, argv, env, log=log, foreground=foreground).start()
+        self.processes.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def _await_line(
+    process: Process, pattern: re.Pattern[str], timeout_s: float = 20.0
+) -> re.Match[str]:
+    """Wait for a line matching ``pattern`` in the process's log."""
+    assert process.log is not None and process.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = pattern.search(process.log.read_text(errors="replace"))
+        if found:
+            return found
+        if process.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    tail = process.log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"{process.name} did not print {pattern.pattern!r}: {tail}")
+
+
+def _await_http(process: Process, url: str, timeout_s: float = 60.0) -> None:
+    """Wait until ``url`` answers 200 (or the process exits)."""
+    assert process.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"{process.name} exited with code {process.proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{process.name} not answering {url} after {timeout_s} s")

@@ -1,0 +1,73 @@
+"""Operator actions on a limit's state in Redis that the limiter does not offer: a reset.
+
+What ``celery throttle reset`` runs. The keys come from :class:`throttle.keys.KeySpace`
+(the one place that names them); every key of a limit is found with ``SCAN`` on its key
+pattern, never ``KEYS``, which blocks Redis for as long as it walks the whole keyspace.
+"""
+
+from __future__ import annotations
+
+import re
+
+import redis
+
+from throttle.keys import KeySpace, encode
+from throttle.limiter import wrap_errors
+from throttle.spec import Algorithm, Limit
+
+__all__ = ["reset"]
+
+_SCAN_COUNT = 1000
+"""Keys asked for per SCAN call: few round trips, each short enough not to stall Redis."""
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (``*?[]\\`` escaped)."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def _probes(name: str) -> list[Limit]:
+    """A stand-in limit of this name for every algorithm. The state of a limit lives under
+    its algorithm's code, and a limit whose algorithm was changed in the file leaves the
+    old algorithm's state behind: a reset deletes the state under every code."""
+    return [Limit(name, algorithm, 1.0) for algorithm in Algorithm]
+
+
+def reset(client: redis.Redis, keyspace: KeySpace, limit: str, key: str | None = None) -> int:
+    """Delete the state of limit ``limit`` (its tokens, timestamps, window counts and
+    concurrency holders) for ``key``, or for every key when ``key`` is None. Returns how
+    many Redis keys were deleted.
+
+    The limit starts afresh, full. Holds and pauses (``celery throttle pause``) and rates
+    set at run time are not state and stay. Acquisitions recorded before the reset keep
+    their lease records: a task that already reserved a slot still runs at it, so right
+    after a reset a limit can admit up to its burst on top of the slots reserved before.
+    """
+    if key is not None:
+        names = [name for probe in _probes(limit) for name in keyspace.state_keys(probe, key)]
+        deleted: int = wrap_errors(lambda: client.delete(*names))
+        return deleted
+    # The layout is ``base + code + ":" + encode(limit) + ":" + encode(key)`` (plus ":h" for a
+    # concurrency limit's second key). encode() never yields ":", so the trailing ":" keeps
+    # limit "api" from matching the keys of limit "api-2".
+    patterns = [
+        f"{_glob_escape(keyspace.base)}{probe.code}:{_glob_escape(encode(limit))}:*"
+        for probe in _probes(limit)
+    ]
+
+    def scan_and_delete() -> int:
+        count = 0
+        for pattern in patterns:
+            batch: list[bytes] = []
+            for name in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+                batch.append(name)
+                if len(batch) >= _SCAN_COUNT:
+                    count += int(client.delete(*batch))
+                    batch = []
+            if batch:
+                count += int(client.delete(*batch))
+        return count
+
+    total: int = wrap_errors(scan_and_delete)
+    return total

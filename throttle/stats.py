@@ -1,0 +1,146 @@
+"""Fleet-wide counts of what the throttler turned away, per limit and minute, in Redis.
+
+Every worker adds its deferrals, parks and timeouts to one HASH per minute (field
+``EVENT:LIMIT`` -> count, in the namespace's hash tag, expiring after about an hour), so
+that ``celery throttle status`` can say "limit github: 12.5 denied/min" for the whole fleet
+without scraping every worker::
+
+    book = StatsBook(client, KeySpace())
+    book.record(["github"], "denied")           # one pipelined round trip
+    book.per_minute(5)    # {"github": {"denied": 2.4, "parked": 0.0, "timeout": 0.0}}
+
+Events:
+
+* ``denied``: a task was deferred by the limit (re-published for later, or parked);
+* ``parked``: of those, the ones whose wait was parked in Redis (counted in ``denied`` too);
+* ``timeout``: a task's throttle deadline passed before its slot (failed or dead-lettered).
+
+Trade-off: the minute is taken from the recording process's clock, not from Redis ``TIME``
+(a script building its own key name would break Redis Cluster's rule that scripts declare
+their keys). These are counts for people; no limit is ever decided from them, and a worker
+whose clock is off by a minute only files its counts under the neighbouring minute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import redis
+
+from throttle.errors import RequestError
+from throttle.keys import KeySpace
+from throttle.limiter import wrap_errors
+
+__all__ = ["EVENTS", "MAX_MINUTES", "StatsBook"]
+
+EVENTS = ("denied", "parked", "timeout")
+"""The events counted, in the order :meth:`StatsBook.per_minute` lists them."""
+MAX_MINUTES = 60
+"""The most whole minutes :meth:`StatsBook.per_minute` averages over (the buckets live
+about an hour)."""
+TTL_S = (MAX_MINUTES + 2) * 60
+"""How long a minute's bucket lives after its last write, in s: long enough for the oldest
+minute of ``per_minute(MAX_MINUTES)``."""
+
+
+class StatsBook:
+    """Per-minute counts of throttle events for a whole fleet, per limit.
+
+    Parameters
+    ----------
+    client:
+        A redis-py client (the limiter's).
+    keyspace:
+        Where the buckets live (:meth:`KeySpace.stats_key`).
+    clock:
+        "Now" in epoch seconds (default :func:`time.time`); tests pass their own.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keyspace: KeySpace,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.keyspace = keyspace
+        self._clock = clock
+
+    def record(self, limits: Iterable[str], event: str, n: int = 1) -> None:
+        """Add ``n`` ``event`` s (see :data:`EVENTS`) to each of ``limits`` in this minute.
+
+        One pipelined round trip; nothing at all for no limits or ``n == 0``. Raises
+        :class:`BackendError` when Redis fails (callers on a task's path catch it: a count
+        is never worth a task).
+        """
+        self.record_events(limits, (event,), n)
+
+    def record_events(self, limits: Iterable[str], events: Iterable[str], n: int = 1) -> None:
+        """:meth:`record` of several events in the same round trip (a park is ``denied`` and
+        ``parked``)."""
+        events = tuple(events)
+        for event in events:
+            if event not in EVENTS:
+                raise RequestError(
+                    f"unknown stats event {event!r}; expected one of {', '.join(EVENTS)}"
+                )
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise RequestError(f"a stats count must be an integer >= 0 (got {n!r})")
+        names = list(dict.fromkeys(limits))  # a limit listed twice counts once
+        if not names or not events or n == 0:
+            return
+        key = self.keyspace.stats_key(int(self._clock() // 60))
+
+        def send() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    for event in events:
+                        pipe.hincrby(key, f"{event}:{name}", n)
+                pipe.expire(key, TTL_S)
+                pipe.execute()
+
+        wrap_errors(send)
+
+    def per_minute(self, minutes: int = 1) -> dict[str, dict[str, float]]:
+        """Counts per minute, averaged over the last ``minutes`` whole minutes (the current,
+        unfinished minute is left out): limit -> event -> count per minute.
+
+        Every limit with any count in that span is listed with all of :data:`EVENTS`
+        (0.0 where none); limits with none are absent. One pipelined round trip.
+        """
+        if (
+            isinstance(minutes, bool)
+            or not isinstance(minutes, int)
+            or not 1 <= minutes <= MAX_MINUTES
+        ):
+            raise RequestError(
+                f"minutes must be an integer from 1 to {MAX_MINUTES} (got {minutes!r})"
+            )
+        now = int(self._clock() // 60)
+        keys = [self.keyspace.stats_key(minute) for minute in range(now - minutes, now)]
+
+        def read() -> list[dict[bytes, bytes]]:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(key)
+                replies: list[dict[bytes, bytes]] = pipe.execute()
+                return replies
+
+        totals: dict[str, dict[str, float]] = {}
+        for bucket in wrap_errors(read):
+            for field, value in bucket.items():
+                event, _, limit = _text(field).partition(":")
+                if event not in EVENTS:
+                    continue  # not ours (a future event type): ignore, do not fail
+                counts = totals.setdefault(limit, dict.fromkeys(EVENTS, 0.0))
+                counts[event] += float(value)
+        return {
+            limit: {event: count / minutes for event, count in counts.items()}
+            for limit, counts in totals.items()
+        }
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
