@@ -9,22 +9,30 @@ follows its slot when the slot moves to another master (MOVED).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
 from redis.cluster import RedisCluster
 
+from tests.cli_app import app as cli_app
 from tests.conftest import FakeClock
 from throttle import BackendError, BackendUnavailable, ConfigError, KeySpace, Limit, Limiter
+from throttle.admin import reset
 from throttle.celery import ThrottledTask, Throttler, report_cost, throttled
+from throttle.cli import throttle
 from throttle.limiter import run_script
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.stats import StatsBook
 from throttle.testing import RedisServer
 from throttle.testing_cluster import LocalCluster
 
@@ -368,3 +376,68 @@ def test_an_eager_celery_task_is_throttled_through_the_cluster(
         assert limiter.peek(budget, "acme").remaining == pytest.approx(997, abs=0.01)
     finally:
         limiter.client.close()
+
+
+def test_stats_and_reset_on_the_cluster(cluster_client: RedisCluster, namespace: str) -> None:
+    keyspace = KeySpace(namespace=namespace)
+    minute = 29_000_000
+    book = StatsBook(cluster_client, keyspace, clock=lambda: minute * 60.0 + 5)
+    book.record_events(["tb", "gcra"], ("denied", "parked"), 3)  # one pipeline, one slot
+    later = StatsBook(cluster_client, keyspace, clock=lambda: (minute + 1) * 60.0)
+    counts = later.per_minute(1)
+    assert counts["tb"]["denied"] == counts["gcra"]["parked"] == 3.0
+
+    limiter = Limiter(cluster_client, namespace=namespace)
+    for key in ("a", "b{c}"):
+        assert limiter.acquire(TOKEN_BUCKET, key, cost=3).allowed
+    hourly = Limit.parse("3/h", name="hourly", algorithm="gcra")
+    assert limiter.acquire(hourly, "a").allowed
+    assert reset(cluster_client, keyspace, "tb", "a") == 1
+    assert reset(cluster_client, keyspace, "tb") == 1  # SCAN on every master: "b{c}"
+    assert limiter.peek(TOKEN_BUCKET, "b{c}").remaining == about(3)
+    assert limiter.peek(hourly, "a").remaining == about(2)  # another limit: untouched
+
+
+def test_the_celery_throttle_command_on_the_cluster(
+    redis_cluster: LocalCluster, cluster_client: RedisCluster, namespace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "limits.yaml"
+    path.write_text(
+        f"settings: {{namespace: {namespace}}}\nlimits:\n  api: {{rate: 1/h burst 5}}\n"
+    )
+    saved = cli_app.conf.get("throttle_config"), cli_app.conf.get("throttle_redis_url")
+    cli_app.conf.throttle_config, cli_app.conf.throttle_redis_url = str(path), redis_cluster.url
+
+    def run(*args: str) -> Result:
+        obj = CLIContext(app=cli_app, no_color=True, workdir=None, quiet=False)
+        result = CliRunner().invoke(throttle, list(args), obj=obj)
+        assert result.exit_code == 0, result.output
+        return result
+
+    def drop_throttler() -> None:
+        cached = getattr(cli_app, "_throttler", None)
+        if cached is not None:
+            cached[1].limiter.client.close()
+            del cli_app._throttler
+
+    limiter = Limiter(cluster_client, namespace=namespace)
+    api = Limit.parse("1/h burst 5", name="api")
+    drop_throttler()
+    try:
+        assert limiter.acquire(api).allowed
+        status = json.loads(run("status", "--json", "--timeout", "0").output)
+        assert status["redis"].startswith("redis+cluster://127.0.0.1:")
+        assert status["namespace"] == namespace
+        [row] = [row for row in status["limits"] if row["name"] == "api"]
+        assert row["tokens"] == about(4)
+        run("pause", "api")
+        assert limiter.holds() == {("api", None): math.inf}
+        run("resume", "api")
+        assert limiter.holds() == {}
+        run("set", "api", "2/h")
+        assert RateBook(cluster_client, limiter.keyspace).overrides() == {"api": "2/h"}
+        run("reset", "api", "--yes")
+        assert limiter.peek(api).remaining == about(5)
+    finally:
+        drop_throttler()
+        cli_app.conf.throttle_config, cli_app.conf.throttle_redis_url = saved

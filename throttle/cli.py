@@ -34,12 +34,13 @@ from typing import Any
 
 import click
 import redis
+from redis.cluster import RedisCluster
 
 from throttle.admin import reset as reset_state
 from throttle.celery import LANE_SUFFIX, Throttler, _task_spec
 from throttle.config import Rule, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
-from throttle.limiter import wrap_errors
+from throttle.limiter import RedisClient, wrap_errors
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
 
@@ -150,9 +151,13 @@ def _amount(value: float) -> str:
     return str(round(value)) if abs(value - round(value)) < 0.005 else f"{value:.2f}"
 
 
-def _where(client: redis.Redis) -> str:
+def _where(client: RedisClient) -> str:
     """Where the limiter's Redis is, built from the connection's host, port and database:
     never with its password."""
+    if isinstance(client, RedisCluster):
+        primaries = client.get_primaries()  # type: ignore[no-untyped-call]
+        masters = ",".join(f"{node.host}:{node.port}" for node in primaries)
+        return f"redis+cluster://{masters}"
     pool = client.connection_pool
     options = pool.connection_kwargs
     if "path" in options:
