@@ -1,7 +1,8 @@
 # The two commands of the README: `make demo` and `make test`. Each sets itself up,
 # idempotently, on a fresh machine: a virtualenv with pinned dependencies, and redis-server
-# (plus faketime, for the clock-skew test, python3-venv, and docker-compose, whose `config`
-# checks docker-compose.yml without a Docker engine) from apt-get when missing.
+# (plus faketime, for the clock-skew test, openssl, for the TLS test's certificates,
+# python3-venv, and docker-compose, whose `config` checks docker-compose.yml without a
+# Docker engine) from apt-get when missing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -22,6 +23,7 @@ system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \

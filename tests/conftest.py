@@ -19,7 +19,7 @@ from hypothesis import settings
 from redis.cluster import RedisCluster
 
 from throttle import Limiter
-from throttle.testing import RedisServer
+from throttle.testing import RedisServer, TlsFiles
 from throttle.testing_cluster import LocalCluster
 
 # Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
@@ -90,6 +90,12 @@ def clock() -> FakeClock:
 def clocked(client: redis.Redis, prefix: str, clock: FakeClock) -> Limiter:
     """A limiter on the test clock: the scripts use ``clock`` instead of Redis TIME."""
     return Limiter(client, prefix=prefix, clock_us=clock)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A test CA with a server certificate for 127.0.0.1 and a client certificate."""
+    return TlsFiles.generate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")

@@ -323,9 +323,9 @@ def test_from_url_reads_a_cluster_url(redis_cluster: LocalCluster, namespace: st
     ("url", "problem"),
     [
         pytest.param("redis+cluster://u:s3cret@127.0.0.1:7000/2", "only database 0", id="db"),
-        pytest.param("redis+cluster://127.0.0.1", "'127.0.0.1' is not host:port", id="no-port"),
-        pytest.param("redis+cluster://u:s3cret@h:1,h:x", "'h:x' is not host:port", id="bad-port"),
-        pytest.param("rediss+cluster://", "'' is not host:port", id="no-node"),
+        pytest.param("redis+cluster://127.0.0.1", "'127.0.0.1' is not HOST:PORT", id="no-port"),
+        pytest.param("redis+cluster://u:s3cret@h:1,h:x", "'h:x' is not HOST:PORT", id="bad-port"),
+        pytest.param("rediss+cluster://", "'' is not HOST:PORT", id="no-node"),
     ],
 )
 def test_a_malformed_cluster_url_is_a_config_error(url: str, problem: str) -> None:

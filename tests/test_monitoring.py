@@ -51,6 +51,7 @@ limits:
   parked: {{algorithm: gcra, rate: 3/s, burst: 1}}
   live: {{algorithm: gcra, rate: 10/s, burst: 1}}
   strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
+  held: {{algorithm: gcra, rate: 4/s, burst: 1}}
 """
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -95,6 +95,7 @@ from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
 from throttle.spec import Algorithm, Limit
 from throttle.stats import StatsBook
+from throttle.urls import redact
 
 __all__ = [
     "ThrottledTask",
@@ -290,7 +291,13 @@ class Throttler:
     def from_app(cls, app: Celery) -> Throttler:
         """Build from ``app.conf.throttle_config`` (a path or mapping; else the file named by
         ``THROTTLE_CONFIG``) and ``app.conf.throttle_redis_url`` (else the file's
-        ``settings.redis_url``, ``THROTTLE_REDIS_URL``, or the broker when it is Redis)."""
+        ``settings.redis_url``, ``THROTTLE_REDIS_URL``, or the broker when it is Redis).
+
+        The URL may name a master behind Sentinel (``redis+sentinel://``, see
+        :mod:`throttle.urls`). A malformed URL raises :class:`ConfigError` showing it
+        without its password. Keep a password out of ``app.conf`` (use the environment or
+        the limits file): ``celery inspect conf`` and ``celery report`` censor only keys
+        that look secret, and ``throttle_redis_url`` does not."""
         config = ThrottleConfig.from_source(app.conf.get("throttle_config"))
         url = (
             app.conf.get("throttle_redis_url")
@@ -307,9 +314,20 @@ class Throttler:
                 "in the limits file or THROTTLE_REDIS_URL",
                 field="redis_url", source=config.source,
             )  # fmt: skip
-        limiter = Limiter.from_url(
-            url, prefix=config.settings.prefix, namespace=config.settings.namespace
-        )
+        try:
+            limiter = Limiter.from_url(
+                url, prefix=config.settings.prefix, namespace=config.settings.namespace
+            )
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):  # a malformed Sentinel or Cluster URL, redacted
+                raise
+            # redis-py's message may quote a piece of the URL, password included.
+            raise ConfigError(
+                "the limiter's Redis URL cannot be parsed: use redis://, rediss://, unix://, "
+                "redis+sentinel:// or redis+cluster://, and percent-encode '/', '@', ':', "
+                "'?' and '#' in user names and passwords",
+                field="redis_url", value=redact(url), source=config.source,
+            ) from None  # fmt: skip
         return cls(app, config, limiter)
 
     def rules(self, task: Task, spec: _Spec | None, queue: str | None) -> tuple[Rule, ...]:

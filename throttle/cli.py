@@ -33,8 +33,6 @@ from decimal import Decimal
 from typing import Any
 
 import click
-import redis
-from redis.cluster import RedisCluster
 
 from throttle.admin import reset as reset_state
 from throttle.celery import LANE_SUFFIX, Throttler, _task_spec
@@ -43,6 +41,7 @@ from throttle.errors import BackendError, ConfigError, ThrottleError
 from throttle.limiter import RedisClient, wrap_errors
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
+from throttle.urls import describe
 
 __all__ = ["throttle"]
 
@@ -152,18 +151,9 @@ def _amount(value: float) -> str:
 
 
 def _where(client: RedisClient) -> str:
-    """Where the limiter's Redis is, built from the connection's host, port and database:
-    never with its password."""
-    if isinstance(client, RedisCluster):
-        primaries = client.get_primaries()  # type: ignore[no-untyped-call]
-        masters = ",".join(f"{node.host}:{node.port}" for node in primaries)
-        return f"redis+cluster://{masters}"
-    pool = client.connection_pool
-    options = pool.connection_kwargs
-    if "path" in options:
-        return f"unix://{options['path']}?db={options.get('db', 0)}"
-    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
-    return f"{scheme}://{options.get('host')}:{options.get('port')}/{options.get('db', 0)}"
+    """Where the limiter's Redis is, built from the connection's host, port and database
+    (the sentinels and service for Sentinel): never with its password."""
+    return describe(client)
 
 
 # -- status ---------------------------------------------------------------------------------

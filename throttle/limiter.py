@@ -33,14 +33,12 @@ Example::
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import (
     ClusterDownError,
@@ -53,13 +51,13 @@ from throttle.decision import Acquisition, Decision, LimitState, Settlement, Set
 from throttle.errors import (
     BackendError,
     BackendUnavailable,
-    ConfigError,
     CostExceedsCapacity,
     RequestError,
 )
 from throttle.keys import KeySpace, decode_hold_field
 from throttle.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
 from throttle.spec import Limit
+from throttle.urls import cluster_client, is_cluster_url, is_sentinel_url, sentinel_client
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -97,10 +95,6 @@ _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 # as a server that refuses connections.
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError)
 _REFUSED = (redis.RedisError, RedisClusterException)
-
-# URL scheme of a Redis Cluster -> the scheme of its nodes.
-_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-_PASSWORD = re.compile(r"(?<=:)[^:@/]*(?=@)")
 
 
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
@@ -204,19 +198,19 @@ class Limiter:
         raises :class:`BackendUnavailable`.
 
         ``redis://``, ``rediss://`` and ``unix://`` name one server
-        (``redis.Redis.from_url``; no connection is opened before the first call).
-        ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
-        with TLS) names a Redis Cluster by one or more of its nodes: the client
-        (``redis.cluster.RedisCluster``) reads the cluster's slot map here, so an unreachable
-        cluster raises :class:`BackendUnavailable` at once, and a malformed URL
-        :class:`ConfigError`. A cluster has database 0 only.
+        (``redis.Redis.from_url``), ``redis+sentinel://`` a master behind Sentinel, and
+        ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.urls`). A single server's
+        or Sentinel's client opens no connection before the first call; a cluster's reads
+        the slot map at once, so an unreachable cluster raises :class:`BackendUnavailable`
+        here. A malformed Sentinel or cluster URL raises :class:`ConfigError`.
         """
         client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
         client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
-        scheme = url.partition("://")[0].lower()
         client: RedisClient
-        if scheme in _CLUSTER_SCHEMES:
-            client = _cluster_client(url, _CLUSTER_SCHEMES[scheme], client_options)
+        if is_cluster_url(url):  # redis+cluster://: see throttle.urls
+            client = cluster_client(url, **client_options)
+        elif is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
+            client = sentinel_client(url, **client_options)
         else:
             client = redis.Redis.from_url(url, **client_options)
         return cls(client, prefix=prefix, namespace=namespace)
@@ -596,31 +590,3 @@ def wrap_errors(call: Callable[[], Any]) -> Any:
         raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
     except _REFUSED as exc:
         raise BackendError(f"Redis refused a limiter call: {exc}") from exc
-
-
-def _cluster_client(url: str, node_scheme: str, options: dict[str, Any]) -> RedisCluster:
-    """A ``RedisCluster`` client for a ``redis+cluster://`` URL (see :meth:`Limiter.from_url`)."""
-    shown = _PASSWORD.sub("***", url)  # errors name the URL, never its password
-    parts = urlsplit(node_scheme + url[url.index("://") :])
-    credentials, at, hosts = parts.netloc.rpartition("@")
-    if parts.path not in ("", "/", "/0"):
-        raise ConfigError(
-            "a Redis Cluster has only database 0: drop the path or make it /0",
-            field="redis_url", value=shown,
-        )  # fmt: skip
-    nodes = []
-    for host in hosts.split(","):
-        name, colon, port = host.rpartition(":")
-        name = name.strip("[]")  # an IPv6 address: [::1]:7000
-        if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"cluster node {host!r} is not host:port", field="redis_url", value=shown
-            )
-        nodes.append(ClusterNode(name, int(port)))  # type: ignore[no-untyped-call]
-    # The first node through from_url (it carries the credentials and ?options), the others
-    # as further startup nodes: any one that answers gives the client the whole slot map.
-    first = urlunsplit((node_scheme, credentials + at + hosts.split(",")[0], "", parts.query, ""))
-    try:
-        return RedisCluster.from_url(first, startup_nodes=nodes[1:], **options)
-    except (redis.RedisError, RedisClusterException) as exc:
-        raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc

@@ -1,0 +1,295 @@
+"""Redis URLs: Sentinel and Cluster URLs, and redaction, so that a password never reaches a log.
+
+The limiter's Redis is named by one URL (``app.conf.throttle_redis_url``,
+``settings.redis_url``, ``THROTTLE_REDIS_URL`` or the broker's). Besides redis-py's own forms
+(``redis://``, ``rediss://`` for TLS, ``unix://``), a Redis behind Sentinel is named by::
+
+    redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB][?OPTIONS]
+    rediss+sentinel://...                  the same over TLS (to the sentinels and the master)
+
+- ``HOST:PORT``: one or more sentinels (``[::1]:26379`` for IPv6); any one that answers
+  names the master of ``SERVICE`` (the name of ``sentinel monitor SERVICE ...``).
+- ``USER:PASSWORD``: the credentials of the *master* (an ACL user, or ``:PASSWORD`` for
+  ``requirepass``), percent-encoded as in any URL (``/`` is ``%2F``, ``@`` is ``%40``).
+- ``OPTIONS``: redis-py's URL options (``socket_timeout``, ``ssl_ca_certs``,
+  ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``...), for the
+  master and the sentinels alike; ``sentinel_username`` and ``sentinel_password`` when the
+  sentinels themselves ask for credentials (they are not sent to sentinels otherwise).
+
+The client follows failovers: each new connection asks a sentinel for the master first, and
+a connection to a server that is no longer the master is dropped (redis-py's
+``SentinelConnectionPool``). Calls that were under way when the master died fail once
+(:class:`~throttle.errors.BackendUnavailable`); the next ones reach the new master.
+
+A Redis Cluster is named by one or more of its nodes::
+
+    redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/0][?OPTIONS]
+    rediss+cluster://...                   the same over TLS
+
+- ``HOST:PORT``: any node; one that answers gives the client (redis-py's ``RedisCluster``)
+  the whole slot map, the others are fallbacks for that first read. Database 0 only.
+- ``USER:PASSWORD`` and ``OPTIONS`` as for ``redis://``, for every node.
+
+The client reads the slot map when it is built (so an unreachable cluster is known at
+once), sends each call to the master of its keys' slot, and follows ``MOVED`` and ``ASK``.
+Every key of a namespace shares one hash tag (:mod:`throttle.keys`), so each script runs on
+one master.
+
+:func:`redact` hides the password of any URL (and any ``*password*`` query option) before it
+is shown, logged or put into an error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import parse_url
+from redis.exceptions import RedisClusterException
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from throttle.errors import BackendUnavailable, ConfigError
+
+__all__ = [
+    "ACL_COMMANDS",
+    "CLUSTER_SCHEMES",
+    "SENTINEL_SCHEMES",
+    "SentinelURL",
+    "acl_rules",
+    "cluster_client",
+    "describe",
+    "is_cluster_url",
+    "is_sentinel_url",
+    "parse_sentinel_url",
+    "redact",
+    "sentinel_client",
+]
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+"""URL schemes of a Redis behind Sentinel (``rediss+``: over TLS)."""
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+"""URL schemes of a Redis Cluster (``rediss+``: over TLS)."""
+
+MASK = "***"
+_SECRET_QUERY = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+# Options that reach the sentinels as well as the master (the rest is the master's only).
+_SHARED = re.compile(r"^(socket_.*|ssl_.*|retry_on_timeout|health_check_interval|protocol)$")
+
+
+# Every command the limiter sends, with the commands its Lua scripts call (Redis checks
+# those against the caller's ACL too). No SELECT: give a database other than 0 with +select.
+ACL_COMMANDS = (
+    # scripts: redis-py's Script calls EVALSHA, loads on NOSCRIPT; run_script falls back
+    # to EVAL when flushed again in between
+    "evalsha", "eval", "script|load",
+    # called inside the scripts (lua/*.lua)
+    "time", "get", "set", "del", "pexpire", "hget", "hmget", "hset", "hdel", "hgetall",
+    "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
+    # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
+    # hgetall), parking counts (zcard), reset (scan, del)
+    "hincrby", "expire", "scan",
+    # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
+    # a refusal: add +client|setinfo there to keep it out of the ACL log)
+    "ping",
+)  # fmt: skip
+
+
+def acl_rules(prefix: str = "throttle") -> str:
+    """The least-privilege ACL rules of a limiter's Redis user, for keys under ``prefix``::
+
+        ACL SETUSER limiter on >PASSWORD <acl_rules()>
+
+    Its keys only (``~PREFIX:*``), no channels, and only the commands the limiter sends
+    (:data:`ACL_COMMANDS`). A shared broker and limiter Redis needs a user with the
+    broker's rights as well (Celery's transport uses many more commands and keys)."""
+    commands = " ".join(f"+{command}" for command in ACL_COMMANDS)
+    return f"resetkeys ~{prefix}:* resetchannels -@all {commands}"
+
+
+def redact(url: str) -> str:
+    """``url`` with its password (and any ``...password...=`` query value) replaced by
+    ``***``; the user name stays, as it helps and is not a secret.
+
+    Works on malformed URLs too and rather hides too much than too little: the user
+    information is everything between ``://`` and the *last* ``@`` (a password with an
+    unencoded ``/`` or ``@`` confuses URL parsers, not this)."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        userinfo, at, hosts = rest.rpartition("@")
+        if at:
+            user, colon, _ = userinfo.partition(":")
+            rest = f"{user}{colon}{MASK if colon else ''}@{hosts}"
+        url = f"{scheme}{sep}{rest}"
+    return _SECRET_QUERY.sub(lambda m: m.group(1) + MASK, url)
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` names a Redis behind Sentinel (``redis+sentinel://``...)."""
+    return url.partition("://")[0].lower() in SENTINEL_SCHEMES
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed ``redis+sentinel://`` URL: where the sentinels are, which master, how."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    master_options: dict[str, Any] = field(default_factory=dict)
+    """Connection options of the master: credentials, TLS, timeouts (redis-py names)."""
+    sentinel_options: dict[str, Any] = field(default_factory=dict)
+    """Connection options of the sentinels: TLS and timeouts, their own credentials."""
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse a ``redis+sentinel://`` URL (see the module's docstring).
+
+    Raises :class:`~throttle.errors.ConfigError` naming the URL without its password."""
+    shown = redact(url)
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(problem, field="redis_url", value=shown)
+
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    if scheme not in SENTINEL_SCHEMES:
+        raise bad(f"not a Sentinel URL: the scheme must be {' or '.join(SENTINEL_SCHEMES)}")
+    # The query first: an '@' in an option's value (a file path) is not the credentials'.
+    rest, question, query = rest.partition("?")
+    userinfo, at, rest = rest.rpartition("@")
+    hosts, slash, path = rest.partition("/")
+    if not slash or not path.strip("/"):
+        raise bad("name the master's service: redis+sentinel://HOST:PORT/SERVICE[/DB]")
+    service, _, db_text = path.strip("/").partition("/")
+    try:
+        db = int(db_text) if db_text else 0
+    except ValueError:
+        raise bad(f"the database after the service must be a number (got {db_text!r})") from None
+    sentinels = []
+    for host in hosts.split(","):
+        name, colon, port = host.rpartition(":")
+        name = name.strip("[]")  # an IPv6 address: [::1]:26379
+        if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"sentinel {host!r} is not HOST:PORT")
+        sentinels.append((name, int(port)))
+    # redis-py parses the credentials and typed options, as for any redis:// URL.
+    node = "rediss" if scheme.startswith("rediss") else "redis"
+    try:
+        options: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call]
+            f"{node}://{userinfo}{at}{sentinels[0][0]}{question}{query}"
+        )
+    except ValueError:
+        # Its message may quote a piece of the URL, password included: not repeated here.
+        raise bad(
+            "cannot parse it: percent-encode '/', '@', ':', '?' and '#' in user names and "
+            "passwords, and check the options"
+        ) from None
+    for consumed in ("host", "port", "db", "connection_class"):
+        options.pop(consumed, None)
+    shared = {name: value for name, value in options.items() if _SHARED.match(name)}
+    if node == "rediss":
+        options["ssl"] = shared["ssl"] = True
+    sentinel_options = {**shared}
+    for name in ("username", "password"):
+        value = options.pop(f"sentinel_{name}", None)
+        if value is not None:
+            sentinel_options[name] = value  # parse_url unquoted it
+    return SentinelURL(tuple(sentinels), unquote(service), db, options, sentinel_options)
+
+
+def sentinel_client(url: str, **options: Any) -> redis.Redis:
+    """A ``redis.Redis`` on the master of a ``redis+sentinel://`` URL; ``options`` (e.g.
+    socket timeouts) go to the master and the sentinels, below the URL's own options.
+
+    Opens no connection: the master is looked up on the first command (an unreachable
+    Sentinel then raises redis-py's ``MasterNotFoundError``, a ``ConnectionError``)."""
+    parsed = parse_sentinel_url(url)
+    shared = {name: value for name, value in options.items() if _SHARED.match(name)}
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels),
+        sentinel_kwargs={**shared, **parsed.sentinel_options},
+        **{**options, **parsed.master_options},
+    )
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        parsed.service, db=parsed.db
+    )
+    return client
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://``...)."""
+    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+
+
+def cluster_client(url: str, **options: Any) -> RedisCluster:
+    """A ``redis.cluster.RedisCluster`` for a ``redis+cluster://`` URL (see the module's
+    docstring); ``options`` (e.g. socket timeouts) go to every node, below the URL's own.
+
+    Reads the slot map now: raises :class:`~throttle.errors.BackendUnavailable` when no
+    node answers or the nodes are not a cluster, :class:`~throttle.errors.ConfigError` for
+    a malformed URL; both name the URL without its password."""
+    shown = redact(url)
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(problem, field="redis_url", value=shown)
+
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in CLUSTER_SCHEMES:
+        raise bad(f"not a Cluster URL: the scheme must be {' or '.join(CLUSTER_SCHEMES)}")
+    # The query first: an '@' in an option's value (a file path) is not the credentials'.
+    rest, question, query = rest.partition("?")
+    userinfo, at, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise bad("a Redis Cluster has only database 0: drop the path or make it /0")
+    nodes = []
+    for host in hosts.split(","):
+        name, colon, port = host.rpartition(":")
+        name = name.strip("[]")  # an IPv6 address: [::1]:7000
+        if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"cluster node {host!r} is not HOST:PORT")
+        nodes.append(ClusterNode(name, int(port)))  # type: ignore[no-untyped-call]
+    # The first node through redis-py's URL parser (credentials, typed options), the others
+    # as further startup nodes.
+    node = "rediss" if scheme.lower().startswith("rediss") else "redis"
+    first = f"{node}://{userinfo}{at}{hosts.split(',')[0]}{question}{query}"
+    try:
+        return RedisCluster.from_url(first, startup_nodes=nodes[1:], **options)
+    except ValueError:
+        # Its message may quote a piece of the URL, password included: not repeated here.
+        raise bad(
+            "cannot parse it: percent-encode '/', '@', ':', '?' and '#' in user names and "
+            "passwords, and check the options"
+        ) from None
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc
+
+
+def describe(client: Any) -> str:
+    """Where a redis-py client connects, as a URL without credentials: for status output.
+
+    ``redis+sentinel://H:P,H:P/SERVICE/DB`` for a Sentinel client, ``unix://PATH?db=N``,
+    ``redis://HOST:PORT/DB`` (``rediss://`` with TLS) otherwise."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # e.g. a RedisCluster: no single pool
+        nodes: list[Any] = getattr(client, "get_nodes", list)()
+        shown = ",".join(f"{node.host}:{node.port}" for node in nodes)
+        return f"redis+cluster://{shown}"
+    options = pool.connection_kwargs
+    tls = issubclass(pool.connection_class, redis.SSLConnection) or bool(options.get("ssl"))
+    if isinstance(pool, SentinelConnectionPool):
+        sentinels = ",".join(
+            f"{s.connection_pool.connection_kwargs.get('host')}:"
+            f"{s.connection_pool.connection_kwargs.get('port')}"
+            for s in pool.sentinel_manager.sentinels
+        )
+        scheme = "rediss+sentinel" if tls else "redis+sentinel"
+        return f"{scheme}://{sentinels}/{quote(pool.service_name)}/{options.get('db', 0)}"
+    if "path" in options:
+        return f"unix://{options['path']}?db={options.get('db', 0)}"
+    scheme = "rediss" if tls else "redis"
+    return f"{scheme}://{options.get('host')}:{options.get('port')}/{options.get('db', 0)}"
