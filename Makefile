@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint typecheck pytest demo demo-core screenshot bench bench-celery soak clean
+.PHONY: setup system-deps test lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean
 
 setup: system-deps $(STAMP)
 
@@ -68,6 +68,10 @@ bench-celery: setup
 # back to baseline, worker memory flat. Several minutes: not part of `make test`.
 soak: setup
 	$(PY) -m bench.soak $(SOAK_ARGS)
+
+# Acquisitions per second on a private Redis Cluster: 1 master vs 3, from several processes.
+bench-cluster: setup
+	$(PY) -m bench.cluster
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

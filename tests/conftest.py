@@ -3,7 +3,8 @@
 Tests use the server in ``THROTTLE_REDIS_URL`` when it is set, otherwise a private
 ``redis-server``; every test works under its own key prefix and deletes only its own keys,
 so a user's Redis is never flushed. Tests that must disrupt the server (SCRIPT FLUSH) ask
-for ``private_redis`` and always get a server of their own.
+for ``private_redis`` and always get a server of their own. ``redis_cluster`` is always a
+private Redis Cluster of three masters (tests flush its scripts and move its slots).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 from hypothesis import settings
+from redis.cluster import RedisCluster
 
 from throttle import Limiter
 from throttle.testing import RedisServer, TlsFiles
+from throttle.testing_cluster import LocalCluster
 
 # Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True, max_examples=200)
@@ -93,3 +96,20 @@ def clocked(client: redis.Redis, prefix: str, clock: FakeClock) -> Limiter:
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     """A test CA with a server certificate for 127.0.0.1 and a client certificate."""
     return TlsFiles.generate(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A Redis Cluster of three masters, no replicas, on free loopback ports, created with
+    ``redis-cli --cluster create`` and ready (``cluster_state:ok`` on every node); stopped,
+    with its nodes.conf files, after the session. About 2 s to start."""
+    with LocalCluster(masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster_client(redis_cluster: LocalCluster) -> Iterator[RedisCluster]:
+    """One redis-py cluster client for the session; tests keep apart by namespace."""
+    connection = redis_cluster.client()
+    yield connection
+    connection.close()

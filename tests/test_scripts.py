@@ -79,6 +79,7 @@ def test_lua_dir_is_the_repository_copy() -> None:
             "settle.lua",
             "peek.lua",
             "hold.lua",
+            "holds.lua",
             *PARKING_OPERATIONS,
         ]
     )

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import re
 
-import redis
-
 from throttle.keys import KeySpace, encode
-from throttle.limiter import wrap_errors
+from throttle.limiter import RedisClient, wrap_errors
 from throttle.spec import Algorithm, Limit
 
 __all__ = ["reset"]
@@ -34,7 +32,7 @@ def _probes(name: str) -> list[Limit]:
     return [Limit(name, algorithm, 1.0) for algorithm in Algorithm]
 
 
-def reset(client: redis.Redis, keyspace: KeySpace, limit: str, key: str | None = None) -> int:
+def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None = None) -> int:
     """Delete the state of limit ``limit`` (its tokens, timestamps, window counts and
     concurrency holders) for ``key``, or for every key when ``key`` is None. Returns how
     many Redis keys were deleted.

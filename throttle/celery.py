@@ -319,13 +319,13 @@ class Throttler:
                 url, prefix=config.settings.prefix, namespace=config.settings.namespace
             )
         except ValueError as exc:
-            if isinstance(exc, ConfigError):  # a malformed Sentinel URL, already redacted
+            if isinstance(exc, ConfigError):  # a malformed Sentinel or Cluster URL, redacted
                 raise
             # redis-py's message may quote a piece of the URL, password included.
             raise ConfigError(
-                "the limiter's Redis URL cannot be parsed: use redis://, rediss://, unix:// "
-                "or redis+sentinel://, and percent-encode '/', '@', ':', '?' and '#' in user "
-                "names and passwords",
+                "the limiter's Redis URL cannot be parsed: use redis://, rediss://, unix://, "
+                "redis+sentinel:// or redis+cluster://, and percent-encode '/', '@', ':', "
+                "'?' and '#' in user names and passwords",
                 field="redis_url", value=redact(url), source=config.source,
             ) from None  # fmt: skip
         return cls(app, config, limiter)

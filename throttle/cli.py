@@ -33,13 +33,12 @@ from decimal import Decimal
 from typing import Any
 
 import click
-import redis
 
 from throttle.admin import reset as reset_state
 from throttle.celery import LANE_SUFFIX, Throttler, _task_spec
 from throttle.config import Rule, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
-from throttle.limiter import wrap_errors
+from throttle.limiter import RedisClient, wrap_errors
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
 from throttle.urls import describe
@@ -151,7 +150,7 @@ def _amount(value: float) -> str:
     return str(round(value)) if abs(value - round(value)) < 0.005 else f"{value:.2f}"
 
 
-def _where(client: redis.Redis) -> str:
+def _where(client: RedisClient) -> str:
     """Where the limiter's Redis is, built from the connection's host, port and database
     (the sentinels and service for Sentinel): never with its password."""
     return describe(client)

@@ -4,7 +4,9 @@ Layout: ``{prefix}:{{namespace}}:{kind}:{limit}:{key}``. The namespace sits in b
 the Redis Cluster hash tag, so every key of one namespace (state of all its limits and the
 lease records) lands in one slot and a multi-limit acquisition stays one atomic script.
 Limits that are never acquired together can live in different namespaces to spread load
-over a cluster's masters.
+over a cluster's masters. A :class:`~throttle.Limiter` has exactly one key space, and a
+``Limit`` carries no namespace, so no acquisition can name keys of two namespaces (two
+slots): limits acquired together share a namespace by construction, not by checking.
 
 Limit names and key values are encoded so that no two distinct (limit, key) pairs share a
 Redis key: values made only of ``[A-Za-z0-9_.@+=~-]`` (and at most 100 characters) are used

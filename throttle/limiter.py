@@ -35,11 +35,17 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError, RedisClusterException
+from redis.exceptions import (
+    ClusterDownError,
+    NoScriptError,
+    RedisClusterException,
+    SlotNotCoveredError,
+)
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement, SettleStatus
 from throttle.errors import (
@@ -51,7 +57,7 @@ from throttle.errors import (
 from throttle.keys import KeySpace, decode_hold_field
 from throttle.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
 from throttle.spec import Limit
-from throttle.urls import is_sentinel_url, sentinel_client
+from throttle.urls import cluster_client, is_cluster_url, is_sentinel_url, sentinel_client
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -60,8 +66,12 @@ __all__ = [
     "HOLD_FOREVER_US",
     "MAX_DURATION_S",
     "Limiter",
+    "RedisClient",
     "run_script",
 ]
+
+RedisClient: TypeAlias = redis.Redis | RedisCluster
+"""The clients a limiter works with: one Redis server, or a Redis Cluster."""
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
@@ -79,6 +89,12 @@ _SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unkno
 _INF = math.inf
 _new = tuple.__new__
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
+
+# Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
+# cluster without a master for the slot (failing over, or never covered) is as unreachable
+# as a server that refuses connections.
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError)
+_REFUSED = (redis.RedisError, RedisClusterException)
 
 
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
@@ -136,7 +152,10 @@ class Limiter:
     Parameters
     ----------
     client:
-        A redis-py client (``redis.Redis``). The limiter opens no connection itself.
+        A redis-py client: ``redis.Redis``, or ``redis.cluster.RedisCluster`` for a Redis
+        Cluster (every key of a namespace shares one hash slot, so every script of this
+        limiter runs on the one master of that slot). The limiter opens no connection
+        itself.
     prefix, namespace:
         Where the keys live (see :class:`throttle.keys.KeySpace`).
     clock_us:
@@ -147,7 +166,7 @@ class Limiter:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         prefix: str = "throttle",
         namespace: str = "default",
@@ -163,6 +182,7 @@ class Limiter:
         self._one: dict[str, Script] = {}
         self._peek: dict[str, Script] = {}
         self._hold_script: Script | None = None
+        self._holds_script: Script | None = None
 
     @classmethod
     def from_url(
@@ -173,13 +193,23 @@ class Limiter:
         namespace: str = "default",
         **client_options: Any,
     ) -> Limiter:
-        """A limiter on ``redis.Redis.from_url(url, **client_options)`` (``redis://``,
-        ``rediss://``, ``unix://``; ``redis+sentinel://`` for a master behind Sentinel,
-        see :mod:`throttle.urls`), with socket timeouts of :data:`DEFAULT_TIMEOUT_S`
-        unless given, so that a hung Redis raises :class:`BackendUnavailable`."""
+        """A limiter on the Redis at ``url``, with socket timeouts of
+        :data:`DEFAULT_TIMEOUT_S` unless given in ``client_options``, so that a hung Redis
+        raises :class:`BackendUnavailable`.
+
+        ``redis://``, ``rediss://`` and ``unix://`` name one server
+        (``redis.Redis.from_url``), ``redis+sentinel://`` a master behind Sentinel, and
+        ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.urls`). A single server's
+        or Sentinel's client opens no connection before the first call; a cluster's reads
+        the slot map at once, so an unreachable cluster raises :class:`BackendUnavailable`
+        here. A malformed Sentinel or cluster URL raises :class:`ConfigError`.
+        """
         client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
         client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
-        if is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
+        client: RedisClient
+        if is_cluster_url(url):  # redis+cluster://: see throttle.urls
+            client = cluster_client(url, **client_options)
+        elif is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
             client = sentinel_client(url, **client_options)
         else:
             client = redis.Redis.from_url(url, **client_options)
@@ -489,26 +519,19 @@ class Limiter:
 
     def holds(self) -> dict[tuple[str, str | None], float]:
         """The live holds of the namespace: (limit, key or None) -> seconds left (``inf``:
-        a pause). Keys longer than 100 characters show as their hash (``#...``)."""
-        keyspace = self.keyspace
+        a pause). Keys longer than 100 characters show as their hash (``#...``).
 
-        def read() -> tuple[Any, Any]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.time()
-            pipe.hgetall(keyspace.holds_key())
-            seconds, stored = pipe.execute()
-            return seconds, stored
-
-        (sec, usec), stored = wrap_errors(read)
-        now_us = int(sec) * 1_000_000 + int(usec)
-        if self._clock_us is not None:
-            now_us = self._clock_us()
-        live = {}
-        for field, until in stored.items():
-            left_us = float(until) - now_us
-            if left_us > 0:
-                live[decode_hold_field(field.decode())] = _held_s(left_us / 1e6)
-        return live
+        One script (lua/holds.lua), so that "now" is the clock of the Redis that keeps the
+        holds: in a Redis Cluster, the master of the namespace's slot."""
+        if self._holds_script is None:
+            self._holds_script = self.client.register_script(operation_source("holds"))
+        now = b"" if self._clock_us is None else self._clock_us()
+        reply = self._call(self._holds_script, [self.keyspace.holds_key()], [now])
+        now_us = int(reply[0])
+        return {
+            decode_hold_field(reply[i].decode()): _held_s((float(reply[i + 1]) - now_us) / 1e6)
+            for i in range(1, len(reply), 2)
+        }
 
     def _hold(self, limit: Limit | str, key: str | None, for_us: int | bytes) -> Any:
         name = limit.name if isinstance(limit, Limit) else limit
@@ -540,8 +563,12 @@ class Limiter:
         return run_script(self.client, script, keys, args)
 
 
-def run_script(client: redis.Redis, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
-    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped."""
+def run_script(client: RedisClient, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
+    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped.
+
+    On a Redis Cluster, redis-py sends it to the master of the keys' slot (all keys of a
+    call share their namespace's hash tag), follows MOVED and ASK, and on NOSCRIPT loads
+    the script on every master before it retries."""
     try:
         try:
             return script(keys, args)
@@ -549,9 +576,9 @@ def run_script(client: redis.Redis, script: Script, keys: Sequence[str], args: l
             # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
             # (registered from a str: see Limiter._scripts_for)
             return client.eval(cast(str, script.script), len(keys), *keys, *args)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except _UNAVAILABLE as exc:
         raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-    except (redis.RedisError, RedisClusterException) as exc:
+    except _REFUSED as exc:
         raise BackendError(f"Redis refused a limiter call: {exc}") from exc
 
 
@@ -559,7 +586,7 @@ def wrap_errors(call: Callable[[], Any]) -> Any:
     """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
     try:
         return call()
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except _UNAVAILABLE as exc:
         raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-    except (redis.RedisError, RedisClusterException) as exc:
+    except _REFUSED as exc:
         raise BackendError(f"Redis refused a limiter call: {exc}") from exc

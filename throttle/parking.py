@@ -25,10 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from throttle.keys import KeySpace
-from throttle.limiter import run_script
+from throttle.limiter import RedisClient, run_script
 from throttle.scripts import operation_source
 
 __all__ = ["Claimed", "ParkingLot"]
@@ -65,7 +63,7 @@ class ParkingLot:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         keyspace: KeySpace,
         *,
         clock_us: Callable[[], int] | None = None,

@@ -12,10 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import redis
-
 from throttle.keys import KeySpace
-from throttle.limiter import wrap_errors
+from throttle.limiter import RedisClient, wrap_errors
 from throttle.spec import Limit
 
 __all__ = ["RateBook"]
@@ -26,7 +24,7 @@ class RateBook:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         keyspace: KeySpace,
         *,
         refresh_s: float = 2.0,

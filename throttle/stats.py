@@ -26,11 +26,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import redis
-
 from throttle.errors import RequestError
 from throttle.keys import KeySpace
-from throttle.limiter import wrap_errors
+from throttle.limiter import RedisClient, wrap_errors
 
 __all__ = ["EVENTS", "MAX_MINUTES", "StatsBook"]
 
@@ -59,7 +57,7 @@ class StatsBook:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         keyspace: KeySpace,
         *,
         clock: Callable[[], float] = time.time,

@@ -1,4 +1,4 @@
-"""Redis URLs: Sentinel URLs, and redaction, so that a password never reaches a log.
+"""Redis URLs: Sentinel and Cluster URLs, and redaction, so that a password never reaches a log.
 
 The limiter's Redis is named by one URL (``app.conf.throttle_redis_url``,
 ``settings.redis_url``, ``THROTTLE_REDIS_URL`` or the broker's). Besides redis-py's own forms
@@ -21,6 +21,20 @@ a connection to a server that is no longer the master is dropped (redis-py's
 ``SentinelConnectionPool``). Calls that were under way when the master died fail once
 (:class:`~throttle.errors.BackendUnavailable`); the next ones reach the new master.
 
+A Redis Cluster is named by one or more of its nodes::
+
+    redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/0][?OPTIONS]
+    rediss+cluster://...                   the same over TLS
+
+- ``HOST:PORT``: any node; one that answers gives the client (redis-py's ``RedisCluster``)
+  the whole slot map, the others are fallbacks for that first read. Database 0 only.
+- ``USER:PASSWORD`` and ``OPTIONS`` as for ``redis://``, for every node.
+
+The client reads the slot map when it is built (so an unreachable cluster is known at
+once), sends each call to the master of its keys' slot, and follows ``MOVED`` and ``ASK``.
+Every key of a namespace shares one hash tag (:mod:`throttle.keys`), so each script runs on
+one master.
+
 :func:`redact` hides the password of any URL (and any ``*password*`` query option) before it
 is shown, logged or put into an error.
 """
@@ -33,17 +47,22 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from throttle.errors import ConfigError
+from throttle.errors import BackendUnavailable, ConfigError
 
 __all__ = [
     "ACL_COMMANDS",
+    "CLUSTER_SCHEMES",
     "SENTINEL_SCHEMES",
     "SentinelURL",
     "acl_rules",
+    "cluster_client",
     "describe",
+    "is_cluster_url",
     "is_sentinel_url",
     "parse_sentinel_url",
     "redact",
@@ -52,6 +71,8 @@ __all__ = [
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 """URL schemes of a Redis behind Sentinel (``rediss+``: over TLS)."""
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+"""URL schemes of a Redis Cluster (``rediss+``: over TLS)."""
 
 MASK = "***"
 _SECRET_QUERY = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
@@ -69,7 +90,7 @@ ACL_COMMANDS = (
     "time", "get", "set", "del", "pexpire", "hget", "hmget", "hset", "hdel", "hgetall",
     "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
     # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
-    # hgetall), parking counts (zcard), holds (time, hgetall), reset (scan, del)
+    # hgetall), parking counts (zcard), reset (scan, del)
     "hincrby", "expire", "scan",
     # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
     # a refusal: add +client|setinfo there to keep it out of the ACL log)
@@ -197,6 +218,55 @@ def sentinel_client(url: str, **options: Any) -> redis.Redis:
         parsed.service, db=parsed.db
     )
     return client
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://``...)."""
+    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+
+
+def cluster_client(url: str, **options: Any) -> RedisCluster:
+    """A ``redis.cluster.RedisCluster`` for a ``redis+cluster://`` URL (see the module's
+    docstring); ``options`` (e.g. socket timeouts) go to every node, below the URL's own.
+
+    Reads the slot map now: raises :class:`~throttle.errors.BackendUnavailable` when no
+    node answers or the nodes are not a cluster, :class:`~throttle.errors.ConfigError` for
+    a malformed URL; both name the URL without its password."""
+    shown = redact(url)
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(problem, field="redis_url", value=shown)
+
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in CLUSTER_SCHEMES:
+        raise bad(f"not a Cluster URL: the scheme must be {' or '.join(CLUSTER_SCHEMES)}")
+    # The query first: an '@' in an option's value (a file path) is not the credentials'.
+    rest, question, query = rest.partition("?")
+    userinfo, at, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise bad("a Redis Cluster has only database 0: drop the path or make it /0")
+    nodes = []
+    for host in hosts.split(","):
+        name, colon, port = host.rpartition(":")
+        name = name.strip("[]")  # an IPv6 address: [::1]:7000
+        if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"cluster node {host!r} is not HOST:PORT")
+        nodes.append(ClusterNode(name, int(port)))  # type: ignore[no-untyped-call]
+    # The first node through redis-py's URL parser (credentials, typed options), the others
+    # as further startup nodes.
+    node = "rediss" if scheme.lower().startswith("rediss") else "redis"
+    first = f"{node}://{userinfo}{at}{hosts.split(',')[0]}{question}{query}"
+    try:
+        return RedisCluster.from_url(first, startup_nodes=nodes[1:], **options)
+    except ValueError:
+        # Its message may quote a piece of the URL, password included: not repeated here.
+        raise bad(
+            "cannot parse it: percent-encode '/', '@', ':', '?' and '#' in user names and "
+            "passwords, and check the options"
+        ) from None
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc
 
 
 def describe(client: Any) -> str:
