@@ -348,7 +348,12 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
     if limit is None or (errors is not None and len(errors) > found):
         return None
     with _noted(errors):
-        return Rule(limit, **options)
+        try:
+            return Rule(limit, **options)
+        except ConfigError as exc:  # fields that contradict each other (key, cold_start)
+            raise ConfigError(
+                exc.problem, field=exc.field, value=exc.value, limit=name, source=source
+            ) from None
     return None
 
 
