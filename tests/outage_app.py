@@ -34,6 +34,17 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,  # a broker outage: keep trying, never give up
     result_expires=600,
+    # A task that ran while the broker was away could not be acknowledged: it is delivered
+    # again (flagged "redelivered") and skipped, as its SUCCESS is in the result backend.
+    worker_deduplicate_successful_tasks=True,
+    # Messages a worker held when the broker went away (prefetched, or deferred as ETA
+    # messages) stay in kombu's "unacked" hash: they come back after the visibility
+    # timeout, swept every second here (default: 1 h, swept every 100 s).
+    broker_transport_options={
+        "visibility_timeout": 8,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
 )
 install(app)
 
@@ -70,3 +81,9 @@ def local(self: Any, n: int) -> dict[str, Any]:
 @throttled("plain")
 def plain(self: Any, n: int) -> dict[str, Any]:
     return _record(self, "plain")
+
+
+@app.task(bind=True)
+@throttled("paced")
+def paced(self: Any, n: int) -> dict[str, Any]:
+    return _record(self, "paced")

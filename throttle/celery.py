@@ -80,6 +80,7 @@ from typing import Any, ClassVar, TypeVar
 from celery import Celery, Task, bootsteps, signals
 from celery._state import get_current_task
 from celery.exceptions import Ignore, Retry
+from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads
 
 from throttle import metrics
@@ -765,7 +766,7 @@ class _Gate:
             sig = task.signature_from_request(
                 request, countdown=countdown, headers=headers, queue=lane
             )
-            sig.apply_async()
+            self._publish(sig)
             _report_deferral(self, limits, "republish", wait_s, headers[H_DEFERRALS])
         raise Retry(exc=reason, when=countdown, sig=sig)
 
@@ -859,8 +860,27 @@ class _Gate:
         sig = self.task.signature_from_request(
             self.request, countdown=countdown, headers=dict(self.headers)
         )
-        sig.apply_async()
+        self._publish(sig)
         raise Retry(exc=exc, when=countdown, sig=sig)
+
+    def _publish(self, sig: Any) -> None:
+        """Re-publish the task; if the broker is unreachable, leave the task to the broker.
+
+        The broker going away also took the channel this worker received the task on: the
+        message cannot be acknowledged any more and stays in the broker's unacked set (Redis,
+        SQS), which hands it out again after the visibility timeout. Failing the task here
+        would record a FAILURE for a task that is not lost; re-publishing later would make a
+        second copy. So: Ignore (nothing recorded; the ack that follows fails), and the task
+        comes back within the broker's visibility timeout, re-delivered."""
+        try:
+            sig.apply_async()
+        except OperationalError as exc:
+            logger.warning(
+                "throttle: cannot re-publish task %s, the broker is unreachable (%s); it "
+                "comes back after the broker's visibility timeout",
+                self.request.id, exc,
+            )  # fmt: skip
+            raise Ignore() from exc
 
 
 # -- what the gate reports: Prometheus counters, Flower events, fleet-wide stats ----------
