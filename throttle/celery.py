@@ -391,8 +391,8 @@ class Throttler:
         if self._outage_since is None and not path.exists():
             return
         self._outage_since = None
+        since = self._read_outage_start(time.time())
         try:
-            since = self._read_outage_start(time.time())
             path.unlink()
         except FileNotFoundError:
             return  # another process of this worker said it first
@@ -406,9 +406,11 @@ class Throttler:
             logger.debug("throttle: cannot check the marker key: %s", exc3)
 
     def _read_outage_start(self, default: float) -> float:
+        """The start written in the outage file (``default`` if it is gone or unreadable:
+        another process of the worker may have just said that Redis is back)."""
         try:
             return float(self.outage_file.read_text() or default)
-        except ValueError:
+        except (OSError, ValueError):
             return default
 
     def outage_since(self) -> float:
