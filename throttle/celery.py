@@ -270,10 +270,7 @@ class Throttler:
         self.local = LocalBuckets()
         self._outage_since: float | None = None  # epoch s, as this worker saw it
         self._share: int | None = None  # processes of the fleet; 0: could not count
-        worker = os.environ.get(WORKER_ENV) or str(os.getpid())
-        self.outage_file = Path(tempfile.gettempdir()) / (
-            f"throttle-outage-{self.settings.prefix}-{self.settings.namespace}-{worker}"
-        )
+        self._outage_file: tuple[str | None, Path | None] = ("", None)
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
@@ -363,19 +360,25 @@ class Throttler:
         path = self.outage_file
         if exc is not None:
             now = time.time()
-            tmp = path.with_name(f"{path.name}.{os.getpid()}")
-            try:
-                tmp.write_text(repr(now))
-                os.link(tmp, path)  # atomic and exclusive: one process starts the outage
-                started = True
-            except FileExistsError:
-                started = False
-            except OSError as exc2:  # no temp dir to share: warn per process instead
-                logger.debug("throttle: cannot write %s: %s", path, exc2)
-                started = self._outage_since is None
-            finally:
-                tmp.unlink(missing_ok=True)
-            since = now if started else self._read_outage_start(now)
+            started = self._outage_since is None
+            if path is not None:
+                tmp = path.with_name(f"{path.name}.{os.getpid()}")
+                try:
+                    tmp.write_text(repr(now))
+                    os.link(tmp, path)  # atomic and exclusive: one process starts the outage
+                    started = True
+                except FileExistsError:
+                    started = False
+                except OSError as exc2:  # no temp dir to share: warn per process instead
+                    logger.debug("throttle: cannot write %s: %s", path, exc2)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            if started:
+                since = now
+            elif path is not None:
+                since = self._read_outage_start(now)
+            else:
+                since = self.outage_since()
             if since != self._outage_since:
                 # A new outage for this process: count the fleet again, fresh buckets.
                 self._outage_since = since
@@ -388,14 +391,15 @@ class Throttler:
                     exc,
                 )
             return
-        if self._outage_since is None and not path.exists():
+        if self._outage_since is None and (path is None or not path.exists()):
             return
+        since = self._read_outage_start(self.outage_since())
         self._outage_since = None
-        since = self._read_outage_start(time.time())
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return  # another process of this worker said it first
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return  # another process of this worker said it first
         logger.warning(
             "throttle: Redis is reachable again after %.1f s; limiting resumes",
             time.time() - since,
@@ -405,9 +409,25 @@ class Throttler:
         except BackendError as exc3:
             logger.debug("throttle: cannot check the marker key: %s", exc3)
 
+    @property
+    def outage_file(self) -> Path | None:
+        """The file the processes of this worker share about an outage; None outside a
+        worker (a producer, eager calls: each process warns for itself). Read from the
+        environment each time: a throttler may be built before ThrottleStep sets it."""
+        worker = os.environ.get(WORKER_ENV)
+        if worker != self._outage_file[0]:
+            path = None
+            if worker:
+                name = f"throttle-outage-{self.settings.prefix}-{self.settings.namespace}"
+                path = Path(tempfile.gettempdir()) / f"{name}-{worker}"
+            self._outage_file = (worker, path)
+        return self._outage_file[1]
+
     def _read_outage_start(self, default: float) -> float:
         """The start written in the outage file (``default`` if it is gone or unreadable:
         another process of the worker may have just said that Redis is back)."""
+        if self.outage_file is None:
+            return default
         try:
             return float(self.outage_file.read_text() or default)
         except (OSError, ValueError):
@@ -1081,7 +1101,8 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
         throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
         throttler.validate()
-        throttler.outage_file.unlink(missing_ok=True)  # a stale one of a reused pid
+        if throttler.outage_file is not None:
+            throttler.outage_file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
             throttler.check_cold_start()
         except BackendError as exc:  # a worker starts while Redis is down: it may
