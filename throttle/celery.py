@@ -80,7 +80,6 @@ from typing import Any, ClassVar, TypeVar
 from celery import Celery, Task, bootsteps, signals
 from celery._state import get_current_task
 from celery.exceptions import Ignore, Retry
-from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads
 
 from throttle import metrics
@@ -137,6 +136,14 @@ PING_TIMEOUT_S = 0.5
 """How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
 COLD_CHECK_S = 5.0
 """How often the releaser looks for the marker key of ``cold_start: empty``, in s."""
+PUBLISH_WAIT_S = 60.0
+"""How long a re-publish waits for a broker that went away, in s (retries 1 s apart)."""
+PUBLISH_RETRY = {
+    "max_retries": int(PUBLISH_WAIT_S),
+    "interval_start": 0.2,
+    "interval_step": 0.2,
+    "interval_max": 1.0,
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
@@ -886,23 +893,17 @@ class _Gate:
         raise Retry(exc=exc, when=countdown, sig=sig)
 
     def _publish(self, sig: Any) -> None:
-        """Re-publish the task; if the broker is unreachable, leave the task to the broker.
+        """Re-publish the task, waiting for a broker that went away (up to about
+        :data:`PUBLISH_WAIT_S`).
 
-        The broker going away also took the channel this worker received the task on: the
-        message cannot be acknowledged any more and stays in the broker's unacked set (Redis,
-        SQS), which hands it out again after the visibility timeout. Failing the task here
-        would record a FAILURE for a task that is not lost; re-publishing later would make a
-        second copy. So: Ignore (nothing recorded; the ack that follows fails), and the task
-        comes back within the broker's visibility timeout, re-delivered."""
-        try:
-            sig.apply_async()
-        except OperationalError as exc:
-            logger.warning(
-                "throttle: cannot re-publish task %s, the broker is unreachable (%s); it "
-                "comes back after the broker's visibility timeout",
-                self.request.id, exc,
-            )  # fmt: skip
-            raise Ignore() from exc
+        Until the copy is published, the message this worker holds is the task's only
+        copy, and acknowledging it would lose the task: a failed publish must not end the
+        execution normally. So the pool slot waits for the broker (it could run nothing
+        else without one), then publishes, and the original is acknowledged as usual.
+        After that wait the task fails with the broker's error (``OperationalError``), as
+        it would without the throttler; the message, unacknowledgeable while the broker is
+        away, comes back after the visibility timeout."""
+        sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
 
 
 # -- what the gate reports: Prometheus counters, Flower events, fleet-wide stats ----------
