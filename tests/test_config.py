@@ -258,7 +258,7 @@ BAD_DOCUMENTS = [
         "api",
         "on_redis_down",
         "panic",
-        "must be 'defer' (fail closed) or 'allow' (fail open)",
+        "must be 'defer' (fail closed), 'allow' (fail open for settings.fail_open_for)",
         id="on-redis-down-unknown",
     ),
     pytest.param(

@@ -68,6 +68,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -90,6 +91,7 @@ from throttle.errors import (
     Throttled,
     ThrottleTimeout,
 )
+from throttle.fallback import LocalBuckets
 from throttle.limiter import DEFAULT_LEASE_S, Limiter, wrap_errors
 from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
@@ -129,6 +131,23 @@ BACKEND_RETRY_S = 5.0
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
+WORKER_ENV = "THROTTLE_WORKER_ID"
+"""Set by a worker's main process before its pool forks: its pool children and it share
+one outage marker file, so that the worker logs one warning per outage, not one per child."""
+POOL_ENV = "THROTTLE_POOL_SIZE"
+"""The worker's pool size, for the share of ``on_redis_down: local``."""
+PING_TIMEOUT_S = 0.5
+"""How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
+COLD_CHECK_S = 5.0
+"""How often the releaser looks for the marker key of ``cold_start: empty``, in s."""
+PUBLISH_WAIT_S = 60.0
+"""How long a re-publish waits for a broker that went away, in s (retries 1 s apart)."""
+PUBLISH_RETRY = {
+    "max_retries": int(PUBLISH_WAIT_S),
+    "interval_start": 0.2,
+    "interval_step": 0.2,
+    "interval_max": 1.0,
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
@@ -259,7 +278,10 @@ class Throttler:
         self.parking = ParkingLot(limiter.client, keyspace)
         self.stats = StatsBook(limiter.client, keyspace)
         self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
-        self._outage = False
+        self.local = LocalBuckets()
+        self._outage_since: float | None = None  # epoch s, as this worker saw it
+        self._share: int | None = None  # processes of the fleet; 0: could not count
+        self._outage_file: tuple[str | None, Path | None] = ("", None)
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
@@ -354,13 +376,155 @@ class Throttler:
         return rules
 
     def outage(self, exc: BaseException | None) -> None:
-        """Log one warning when Redis becomes unreachable and one when it is back."""
-        if exc is not None and not self._outage:
-            self._outage = True
-            logger.warning("throttle: Redis is unreachable (%s); applying on_redis_down", exc)
-        elif exc is None and self._outage:
-            self._outage = False
-            logger.warning("throttle: Redis is reachable again")
+        """Note that Redis failed (``exc``) or answered (``None``).
+
+        One warning per outage per worker, not per task nor per pool child: the worker's
+        processes share a marker file (named after the worker's main process, see
+        :data:`WORKER_ENV`) holding when the outage began. The process that creates it
+        warns; the one that removes it, when Redis answers again, says so (and checks
+        whether Redis lost its data: :meth:`check_cold_start`). A successful call costs a
+        ``stat`` of that file; a failed one an attempt to create it.
+        """
+        path = self.outage_file
+        if exc is not None:
+            now = time.time()
+            started = self._outage_since is None
+            if path is not None:
+                tmp = path.with_name(f"{path.name}.{os.getpid()}")
+                try:
+                    tmp.write_text(repr(now))
+                    os.link(tmp, path)  # atomic and exclusive: one process starts the outage
+                    started = True
+                except FileExistsError:
+                    started = False
+                except OSError as exc2:  # no temp dir to share: warn per process instead
+                    logger.debug("throttle: cannot write %s: %s", path, exc2)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            if started:
+                since = now
+            elif path is not None:
+                since = self._read_outage_start(now)
+            else:
+                since = self.outage_since()
+            if since != self._outage_since:
+                # A new outage for this process: count the fleet again, fresh buckets.
+                self._outage_since = since
+                self._share = None
+                self.local.clear()
+            if started:
+                logger.warning(
+                    "throttle: Redis is unreachable (%s); applying on_redis_down until it "
+                    "answers (one warning per outage and worker)",
+                    exc,
+                )
+            return
+        if self._outage_since is None and (path is None or not path.exists()):
+            return
+        since = self._read_outage_start(self.outage_since())
+        self._outage_since = None
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return  # another process of this worker said it first
+        logger.warning(
+            "throttle: Redis is reachable again after %.1f s; limiting resumes",
+            time.time() - since,
+        )
+        try:
+            self.check_cold_start()
+        except BackendError as exc3:
+            logger.debug("throttle: cannot check the marker key: %s", exc3)
+
+    @property
+    def outage_file(self) -> Path | None:
+        """The file the processes of this worker share about an outage; None outside a
+        worker (a producer, eager calls: each process warns for itself). Read from the
+        environment each time: a throttler may be built before ThrottleStep sets it."""
+        worker = os.environ.get(WORKER_ENV)
+        if worker != self._outage_file[0]:
+            path = None
+            if worker:
+                name = f"throttle-outage-{self.settings.prefix}-{self.settings.namespace}"
+                path = Path(tempfile.gettempdir()) / f"{name}-{worker}"
+            self._outage_file = (worker, path)
+        return self._outage_file[1]
+
+    def _read_outage_start(self, default: float) -> float:
+        """The start written in the outage file (``default`` if it is gone or unreadable:
+        another process of the worker may have just said that Redis is back)."""
+        if self.outage_file is None:
+            return default
+        try:
+            return float(self.outage_file.read_text() or default)
+        except (OSError, ValueError):
+            return default
+
+    def outage_since(self) -> float:
+        """When the current outage began (epoch s), as this worker saw it."""
+        return self._outage_since if self._outage_since is not None else time.time()
+
+    def share(self) -> int | None:
+        """The processes among which ``on_redis_down: local`` splits a limit: the fleet's
+        workers (``settings.fleet_workers``, else counted once per outage by a ping through
+        the broker, which needs no Redis of the limiter) times this worker's pool size.
+        None: the fleet could not be counted (the broker is down too)."""
+        if self._share is None:
+            workers = self.settings.fleet_workers
+            if workers is None:
+                try:
+                    replies = self.app.control.ping(timeout=PING_TIMEOUT_S) or []
+                except Exception as exc:  # the broker is down too
+                    logger.warning("throttle: cannot count the fleet for 'local': %s", exc)
+                    replies = []
+                workers = len(replies)
+            pool = os.environ.get(POOL_ENV, "")
+            self._share = workers * (int(pool) if pool.isdigit() and int(pool) > 0 else 1)
+            if self._share:
+                logger.info("throttle: local fallback shared by %d processes", self._share)
+        return self._share or None
+
+    def cold_start_rules(self) -> list[Rule]:
+        """The rules with ``cold_start: empty``: the file's, then inline ones."""
+        found = {r.name: r for r in self.config.rules.values() if r.cold_start == "empty"}
+        for task in list(self.app.tasks.values()):
+            spec = _task_spec(task)
+            if spec is not None:
+                for rule in spec.rules:
+                    if rule.cold_start == "empty":
+                        found.setdefault(rule.name, rule)
+        return list(found.values())
+
+    def check_cold_start(self) -> list[str]:
+        """Drain the ``cold_start: empty`` limits if Redis has lost its data.
+
+        The throttler keeps a marker key (``PREFIX:{NAMESPACE}:alive``, no TTL) in Redis.
+        Missing, Redis is new or restarted empty: every limit's state is gone, so a bucket
+        would be full and hand a whole burst to the fleet at once. The process that writes
+        the marker again (``SET NX``: one in the fleet) takes each such limit's whole
+        capacity once, through the limit's own script: a token bucket is then empty and
+        refills at its rate, a GCRA limit's next slot is a burst away, a window counts as
+        spent until it ends (for a daily quota, the rest of the day: the safe reading of
+        "we no longer know what was spent"). Not a hold: after a hold, the missing state
+        would still be a full bucket. Returns the names of the limits drained."""
+        rules = self.cold_start_rules()
+        if not rules:
+            return []
+        client = self.limiter.client
+        marker = self.limiter.keyspace.base + "alive"
+        if not wrap_errors(lambda: client.set(marker, repr(time.time()), nx=True)):
+            return []
+        for rule in rules:
+            limit = self.rates.current(rule.limit)
+            self.limiter.acquire(limit, None, cost=limit.capacity)
+        names = [rule.name for rule in rules]
+        logger.warning(
+            "throttle: Redis has no marker key (new, or restarted without its data): "
+            "limits %s start empty (cold_start: empty)",
+            ", ".join(names),
+        )
+        return names
 
     def validate(self) -> None:
         """Check at worker start what can only be checked against the app: every named
@@ -676,7 +840,7 @@ class _Gate:
             sig = task.signature_from_request(
                 request, countdown=countdown, headers=headers, queue=lane
             )
-            sig.apply_async()
+            self._publish(sig)
             _report_deferral(self, limits, "republish", wait_s, headers[H_DEFERRALS])
         raise Retry(exc=reason, when=countdown, sig=sig)
 
@@ -725,19 +889,66 @@ class _Gate:
     # -- Redis down
 
     def _backend_down(self, exc: BackendError) -> _Ticket | None:
-        self.throttler.outage(exc)
+        """Redis failed: apply each rule's ``on_redis_down``. All must let the task run:
+        ``allow`` within its bound, ``local`` when every local bucket admits; any other
+        rule defers it (fail closed) until Redis may be back."""
+        throttler = self.throttler
+        throttler.outage(exc)
         metrics.redis_error(rule.name for rule in self.rules)
-        if all(rule.on_redis_down == "allow" for rule in self.rules):
-            return None  # fail open: run without a ticket
-        if self.request.is_eager or self.request.called_directly:
+        eager = bool(self.request.is_eager or self.request.called_directly)
+        open_for = time.time() - throttler.outage_since()
+        local: list[Rule] = []
+        for rule in self.rules:
+            if rule.on_redis_down == "local":
+                local.append(rule)
+            elif not rule.on_redis_down.startswith("allow") or open_for >= (
+                self.settings.fail_open_for_s if rule.fail_open_s is None else rule.fail_open_s
+            ):
+                self._defer_down(exc, BACKEND_RETRY_S, eager)
+        share = throttler.share() if local else 1
+        if share is None:
+            self._defer_down(exc, BACKEND_RETRY_S, eager)  # cannot count the fleet
+            return None
+        # The configured rates (a rate changed at run time lives in the Redis that is down).
+        named = _arguments(self.fn, self.args, self.kwargs)
+        targets = [
+            (rule.limit, _key(rule, named, self.args, self.kwargs),
+             _cost(rule, named, self.args, self.kwargs))
+            for rule in local
+        ]  # fmt: skip
+        while targets:
+            wait = throttler.local.take(targets, share, time.monotonic())
+            if wait == 0.0:
+                break
+            if wait > self.settings.sleep_max_s and not eager:
+                self._defer_down(exc, wait, eager)
+            time.sleep(wait)  # the child is single-threaded: the tokens are there on waking
+        return None  # run without a ticket: there is nothing in Redis to settle
+
+    def _defer_down(self, exc: BackendError, countdown: float, eager: bool) -> None:
+        """Re-publish the task during an outage (not parked: parking lives in Redis)."""
+        if eager:
             raise exc
         # Jittered, so that the tasks deferred during an outage do not all come back at once.
-        countdown = BACKEND_RETRY_S + random.uniform(0.0, self.settings.jitter_s)
+        countdown += random.uniform(0.0, min(self.settings.jitter_s, countdown))
         sig = self.task.signature_from_request(
             self.request, countdown=countdown, headers=dict(self.headers)
         )
-        sig.apply_async()
+        self._publish(sig)
         raise Retry(exc=exc, when=countdown, sig=sig)
+
+    def _publish(self, sig: Any) -> None:
+        """Re-publish the task, waiting for a broker that went away (up to about
+        :data:`PUBLISH_WAIT_S`).
+
+        Until the copy is published, the message this worker holds is the task's only
+        copy, and acknowledging it would lose the task: a failed publish must not end the
+        execution normally. So the pool slot waits for the broker (it could run nothing
+        else without one), then publishes, and the original is acknowledged as usual.
+        After that wait the task fails with the broker's error (``OperationalError``), as
+        it would without the throttler; the message, unacknowledgeable while the broker is
+        away, comes back after the visibility timeout."""
+        sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
 
 
 # -- what the gate reports: Prometheus counters, Flower events, fleet-wide stats ----------
@@ -930,8 +1141,18 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.app = worker.app
+        # Created before the pool forks: the children inherit these (see Throttler.outage
+        # and Throttler.share).
+        os.environ[WORKER_ENV] = str(os.getpid())
+        os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
         throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
         throttler.validate()
+        if throttler.outage_file is not None:
+            throttler.outage_file.unlink(missing_ok=True)  # a stale one of a reused pid
+        try:
+            throttler.check_cold_start()
+        except BackendError as exc:  # a worker starts while Redis is down: it may
+            throttler.outage(exc)
         self.releaser: Releaser | None = None
 
     def start(self, worker: Any) -> None:
@@ -977,9 +1198,16 @@ class Releaser(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        checked = time.monotonic()
         while not self._stop_event.is_set():
             try:
                 released = self.release_once()
+                throttler = Throttler.of(self.app)
+                throttler.outage(None)
+                if time.monotonic() - checked >= COLD_CHECK_S:
+                    # Redis may have restarted empty between two tasks, unseen by any gate.
+                    checked = time.monotonic()
+                    throttler.check_cold_start()
             except BackendError as exc:
                 Throttler.of(self.app).outage(exc)
                 released = 0

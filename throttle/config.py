@@ -15,7 +15,8 @@ objects; every error names the file, the limit and the field::
         max_wait: 10m          # throttle deadline: past it, on_timeout applies
         on_timeout: fail       # fail (ThrottleTimeout) | dead_letter:QUEUE
         on_error: keep         # the body raised: keep the reserved cost | refund it
-        on_redis_down: defer   # defer the task | allow it (fail open)
+        on_redis_down: defer   # defer (fail closed) | allow[:60s] (fail open, bounded) | local
+        cold_start: full       # Redis came back empty: full (a fresh burst) | empty
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -55,13 +56,16 @@ CONFIG_ENV = "THROTTLE_CONFIG"
 
 OnTimeout = str  # "fail" or "dead_letter:QUEUE"
 OnError = Literal["keep", "refund"]
-OnRedisDown = Literal["defer", "allow"]
+OnRedisDown = str  # "defer", "allow", "allow:DURATION" or "local"
+ColdStart = Literal["full", "empty"]
 KeySource = str | Callable[..., object] | None
 CostSource = float | str | Callable[..., float]
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
 _LIMIT_FIELDS = ("rate", "algorithm", "burst")
-_RULE_FIELDS = ("key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down")
+_RULE_FIELDS = (
+    "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
+)  # fmt: skip
 _SETTINGS_FIELDS = {
     "redis_url": "str",
     "prefix": "str",
@@ -73,6 +77,8 @@ _SETTINGS_FIELDS = {
     "late_tolerance": "duration",
     "jitter": "duration",
     "pause_recheck": "duration",
+    "fail_open_for": "duration",
+    "fleet_workers": "count",
     "lanes": "bool",
     "metrics": "bool",
     "metrics_port": "port",
@@ -149,6 +155,26 @@ def _template_fields(template: str, limit: str, source: str | None) -> tuple[str
     return tuple(names)
 
 
+_REDIS_DOWN_HELP = (
+    "must be 'defer' (fail closed), 'allow' (fail open for settings.fail_open_for), "
+    "'allow:DURATION' such as 'allow:30s' (fail open that long, then closed) or 'local' "
+    "(a per-process bucket at the limit's rate / the fleet's processes)"
+)
+
+
+def _fail_open(value: object, limit: str | None) -> float | None:
+    """The bound of ``allow:DURATION`` in s (None for the other policies); a ConfigError
+    names the field for anything else."""
+    if value in ("defer", "allow", "local"):
+        return None
+    if isinstance(value, str) and value.startswith("allow:"):
+        try:
+            return parse_duration(value[6:], field="on_redis_down", limit=limit)
+        except ConfigError:
+            pass
+    raise ConfigError(_REDIS_DOWN_HELP, field="on_redis_down", value=value, limit=limit)
+
+
 @dataclass(frozen=True)
 class Rule:
     """A limit as a task meets it: where its key and cost come from, how long a task may wait.
@@ -175,8 +201,19 @@ class Rule:
         When the body raises and reported no actual cost: ``"keep"`` the reserved cost
         (safe: the call may have been made) or ``"refund"`` it in full.
     on_redis_down:
-        When Redis cannot be reached: ``"defer"`` the task (fail closed, the default) or
-        ``"allow"`` it (fail open).
+        When Redis cannot be reached: ``"defer"`` the task (fail closed, the default: it
+        comes back every 5 s until Redis answers); ``"allow"`` it (fail open) for
+        ``settings.fail_open_for`` from the start of the outage, then defer; ``"allow:30s"``
+        with a bound of its own; or ``"local"``: a token bucket in each worker process at
+        the limit's rate divided by the fleet's processes (:mod:`throttle.fallback`).
+        Fail open trades the upstream's limit for availability; ``local`` keeps it roughly
+        (exactly only while the count of processes is right), not for concurrency limits.
+    cold_start:
+        What a Redis that restarted empty (its data lost) hands out: ``"full"`` (the
+        default: the state is gone, so a bucket is full again and every limit may admit a
+        whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
+        drains the limit (takes its whole capacity once), so that it starts at its rate.
+        Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
     """
 
     limit: Limit
@@ -186,8 +223,12 @@ class Rule:
     on_timeout: OnTimeout = "fail"
     on_error: OnError = "keep"
     on_redis_down: OnRedisDown = "defer"
+    cold_start: ColdStart = "full"
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
+    fail_open_s: float | None = field(init=False, repr=False, compare=False)
+    """``allow:DURATION``: how long the rule fails open, in s; ``None``: ``allow`` (the
+    setting ``fail_open_for`` applies), or not failing open (``defer``, ``local``)."""
 
     def __post_init__(self) -> None:
         name = self.limit.name if isinstance(self.limit, Limit) else None
@@ -238,10 +279,24 @@ class Rule:
             raise ConfigError(
                 "must be 'keep' or 'refund'", field="on_error", value=self.on_error, limit=name
             )
-        if self.on_redis_down not in ("defer", "allow"):
+        object.__setattr__(self, "fail_open_s", _fail_open(self.on_redis_down, name))
+        if self.on_redis_down == "local" and self.limit.algorithm is Algorithm.CONCURRENCY:
             raise ConfigError(
-                "must be 'defer' (fail closed) or 'allow' (fail open)",
+                "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
                 field="on_redis_down", value=self.on_redis_down, limit=name,
+            )  # fmt: skip
+        if self.cold_start not in ("full", "empty"):
+            raise ConfigError(
+                "must be 'full' (a fresh burst) or 'empty' (start at the rate)",
+                field="cold_start", value=self.cold_start, limit=name,
+            )  # fmt: skip
+        if self.cold_start == "empty" and (
+            self.key is not None or self.limit.algorithm is Algorithm.CONCURRENCY
+        ):
+            raise ConfigError(
+                "'empty' is for unkeyed rate limits: per-key states cannot be listed once "
+                "Redis lost them, and a concurrency limit's state is its running holders",
+                field="cold_start", value=self.cold_start, limit=name,
             )  # fmt: skip
 
     @property
@@ -293,7 +348,12 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
     if limit is None or (errors is not None and len(errors) > found):
         return None
     with _noted(errors):
-        return Rule(limit, **options)
+        try:
+            return Rule(limit, **options)
+        except ConfigError as exc:  # fields that contradict each other (key, cold_start)
+            raise ConfigError(
+                exc.problem, field=exc.field, value=exc.value, limit=name, source=source
+            ) from None
     return None
 
 
@@ -370,6 +430,16 @@ class Settings:
         worker consuming QUEUE also consumes (``install``), rather than to QUEUE itself,
         where a task due now would wait behind the whole backlog. Assumes that a queue's
         routing key is its name (Celery's default); turn off otherwise.
+    fail_open_for_s:
+        How long ``on_redis_down: allow`` lets tasks run without the limiter, counted from
+        the start of the outage as this worker saw it; then they are deferred until Redis
+        answers (``allow:DURATION`` sets a rule's own bound).
+    fleet_workers:
+        How many ``celery worker`` instances share the limits, for ``on_redis_down: local``
+        (each process gets rate / (fleet_workers x its worker's pool size)). ``None``: count
+        them with ``app.control.ping`` through the broker when an outage starts (once per
+        outage and process, 0.5 s); if the broker does not answer either, ``local`` limits
+        defer. A fixed count needs no broker, and is wrong while the fleet scales.
     metrics:
         Count decisions, waits, reschedules, timeouts, refunds and Redis errors in every
         worker (Prometheus, :mod:`throttle.metrics`; needs ``celery-throttled[metrics]``).
@@ -393,6 +463,8 @@ class Settings:
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
+    fail_open_for_s: float = 60.0
+    fleet_workers: int | None = None
     lanes: bool = True
     metrics: bool = False
     metrics_port: int | None = None
@@ -459,6 +531,13 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
             raise ConfigError(
                 "must be true or false", field=f"settings.{key}", value=value, source=source
             )
+        return {key: value}
+    if kind == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                "must be a whole number >= 1", field=f"settings.{key}", value=value,
+                source=source,
+            )  # fmt: skip
         return {key: value}
     if kind == "port":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
