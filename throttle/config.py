@@ -34,7 +34,6 @@ import re
 import string
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
@@ -646,17 +645,41 @@ class ThrottleConfig:
             ) from None
 
 
-# A limits file is a few kB; a YAML merge key (`<<: [*a, *a, *a]`) copies entries, and
-# PyYAML flattens each merge again for every alias of it: 25 lines can ask for 3**20 copies.
+# A limits file is a few kB. Bounds that no real one nears keep a hostile or mistaken file
+# (THROTTLE_CONFIG naming a log, /dev/zero, a generated bomb) from costing more than a
+# moment: PyYAML (pure Python: its C loader crashes the process on deep nesting) takes
+# seconds per 100 kB, and recurses once per level of nesting.
+_MAX_BYTES = 1 << 20
+_MAX_DEPTH = 50
+"""Nesting levels of [...] / {...}, and of indentation, in a limits file."""
 _MAX_MERGED = 100_000
+"""Entries copied by merge keys in all: `<<: [*a, *a, *a]` copies, and PyYAML flattens a
+merge again for every alias of it, so 25 lines can ask for 3**20 copies."""
 
 
 def _loader() -> type:
-    """yaml.SafeLoader, with merge keys bounded (:data:`_MAX_MERGED` entries in all)."""
+    """yaml.SafeLoader with nesting and merge keys bounded (a ScannerError or
+    ConstructorError past :data:`_MAX_DEPTH` or :data:`_MAX_MERGED`)."""
     import yaml  # noqa: PLC0415
+
+    def too_deep(loader: Any) -> Exception:
+        return yaml.scanner.ScannerError(
+            None, None, f"nested more than {_MAX_DEPTH} levels deep", loader.get_mark()
+        )
 
     class Loader(yaml.SafeLoader):
         merged = 0
+
+        def fetch_flow_collection_start(self, token_class: Any) -> None:
+            if self.flow_level >= _MAX_DEPTH:
+                raise too_deep(self)
+            super().fetch_flow_collection_start(token_class)
+
+        def add_indent(self, column: int) -> bool:
+            if len(self.indents) >= _MAX_DEPTH:
+                raise too_deep(self)
+            added: bool = super().add_indent(column)
+            return added
 
         def flatten_mapping(self, node: Any) -> None:
             super().flatten_mapping(node)
@@ -675,19 +698,25 @@ def _read(path: str | os.PathLike[str]) -> object:
     """The parsed YAML document of a limits file (an empty file is an empty mapping).
 
     Whatever the bytes, the result is a document or a :class:`ConfigError` naming the file:
-    not UTF-8, not YAML, nested too deeply, an integer of more digits than Python converts,
-    an impossible date, a merge-key bomb."""
+    over 1 MiB, not UTF-8, not YAML, nested too deeply, an integer of more digits than
+    Python converts, an impossible date, a merge-key bomb."""
     import yaml  # noqa: PLC0415  (only the loader reads files; yaml loads lazily)
 
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            data = file.read(_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read the limits file: {exc.strerror}", source=source) from None
+    if len(data) > _MAX_BYTES:
+        raise ConfigError(
+            f"larger than {_MAX_BYTES >> 20} MiB: not a limits file", source=source
+        ) from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}",
-            source=source,
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}", source=source
         ) from None
     try:
         document = yaml.load(text, Loader=_loader())

@@ -113,6 +113,9 @@ years): Redis keys are kept at most that long (the TTL cap of lua/prelude.lua), 
 period would forget its state before it ends."""
 
 
+_WHAT = {"period_s": "period in s", "count": "count", "burst": "burst"}
+
+
 def _positive(
     value: object,
     what: str,
@@ -133,8 +136,9 @@ def _positive(
         )
     if number > high:
         raise ConfigError(
-            f"must be at most {high:g}", field=what, value=value, limit=limit, source=source
-        )
+            f"the {_WHAT.get(what, what)} must be at most {high:g}",
+            field=what, value=value, limit=limit, source=source,
+        )  # fmt: skip
     return number
 
 
@@ -195,7 +199,8 @@ class Limit:
             period_s = _positive(self.period_s, "period_s", name, None, high=MAX_PERIOD_S)
             if period_s < MIN_PERIOD_S:
                 raise ConfigError(
-                    f"must be at least {MIN_PERIOD_S:g} s (the Redis clock counts microseconds)",
+                    f"the period must be at least {MIN_PERIOD_S:g} s (the Redis clock counts "
+                    "microseconds)",
                     field="period_s", value=self.period_s, limit=name,
                 )  # fmt: skip
             if period_s / count > MAX_PERIOD_S:
