@@ -119,10 +119,6 @@ _hold_fields = functools.lru_cache(maxsize=4096)(_hold_fields_of)
 _one_limit = functools.lru_cache(maxsize=4096)(_one_limit_of)
 
 
-def _short(key: str | None) -> bool:
-    return key is None or len(key) <= _MAX_ENCODED
-
-
 def decode_hold_field(field: str) -> tuple[str, str | None]:
     """The (limit, key) of a field of the holds hash, as far as it can be decoded: a value
     that was hashed (``#`` + SHA-256) stays hashed."""
@@ -170,7 +166,7 @@ class KeySpace:
 
         Concurrency limits use two keys (holders and their units); others one.
         """
-        if _short(key):
+        if key is None or len(key) <= _MAX_ENCODED:
             return _state_keys(self.base, limit.code, limit.name, key)
         return _state_keys_of(self.base, limit.code, limit.name, key)
 
@@ -180,14 +176,14 @@ class KeySpace:
 
     def one_limit(self, limit: Limit, key: str | None) -> tuple[tuple[str, str], str, str]:
         """The KEYS and hold fields of lua/acquire_one.lua: ((holds, state), whole, own)."""
-        if _short(key):
+        if key is None or len(key) <= _MAX_ENCODED:
             return _one_limit(self.base, limit.code, limit.name, key)
         return _one_limit_of(self.base, limit.code, limit.name, key)
 
     def hold_fields(self, limit_name: str, key: str | None) -> tuple[str, str]:
         """The two fields of the holds hash that hold ``(limit, key)``: the whole limit's and
         this key's (``""`` when ``key`` is None)."""
-        if _short(key):
+        if key is None or len(key) <= _MAX_ENCODED:
             return _hold_fields(limit_name, key)
         return _hold_fields_of(limit_name, key)
 
