@@ -528,7 +528,17 @@ def load_both(path: Path) -> None:
     assert not errors
 
 
+# Pieces of YAML: tags, anchors, aliases, merges, flow and block collections, odd scalars.
+yaml_tokens = st.sampled_from(
+    ["limits:", "settings:", "queues:", "tasks:", "\n", "\n  ", "\n    ", "- ", "? ", ": ",
+     "[", "]", "{", "}", ", ", "&a ", "*a", "&b ", "*b", "<<: ", "!!set ", "!!omap ",
+     "!!pairs ", "!!binary ", "!!timestamp ", "!!float ", "!!int ", "!!str ", "!!map ",
+     "!!seq ", "!!bool ", "!!null ", "!!python/tuple ", "!local ", "rate", "10/s", "api",
+     "2024-02-30", "0x1F", "0o17", "1_000", "1:30", ".nan", "-.inf", "~", "yes", "'q'",
+     '"\\ud800"', '"\\x00"', "|\n  x", ">\n  x", "%YAML 1.1\n---\n", "---\n", "..."]
+)  # fmt: skip
 yaml_text = st.one_of(
+    st.lists(yaml_tokens, max_size=30).map("".join),
     st.binary(max_size=200),
     st.text(alphabet="{}[]:,-&*!|>'\"#%@`?<\n \t\\0123456789.eE+x", max_size=80),
     documents.map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
@@ -589,6 +599,7 @@ HOSTILE_FILES = [
     pytest.param(b"limits:\n  api: {rate: 10/s, burst: -.inf}\n", "finite", id="inf-burst"),
     pytest.param(b"limits:\n  api: {rate: 10/s, max_wait: -1}\n", "duration >= 0", id="neg"),
     pytest.param(b"limits:\n  api: {rate: 2024-13-45}\n", "not a valid YAML value", id="date"),
+    pytest.param(b"limits: !!timestamp ''\n", "not a valid YAML value", id="empty-timestamp"),
     pytest.param(b"limits:\n  api: {rate: !!binary '@@'}\n", "must be a string", id="binary"),
     pytest.param(b"limits: !!python/object:os.system {}\n", "not valid YAML", id="python-tag"),
     pytest.param(b"limits:\n  ? [a, b]\n  : {rate: 1/s}\n", "not valid YAML", id="list-key"),

@@ -709,9 +709,7 @@ def _read(path: str | os.PathLike[str]) -> object:
     except OSError as exc:
         raise ConfigError(f"cannot read the limits file: {exc.strerror}", source=source) from None
     if len(data) > _MAX_BYTES:
-        raise ConfigError(
-            f"larger than {_MAX_BYTES >> 20} MiB: not a limits file", source=source
-        ) from None
+        raise ConfigError(f"larger than {_MAX_BYTES >> 20} MiB: not a limits file", source=source)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -727,10 +725,14 @@ def _read(path: str | os.PathLike[str]) -> object:
         raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
     except RecursionError:
         raise ConfigError("not a limits file: YAML nested too deeply", source=source) from None
-    except (ValueError, OverflowError) as exc:
-        # Raised by PyYAML's constructors on values it parsed but cannot build: an int of
-        # more than 4300 digits, a date such as 2024-13-45, bad base64 under !!binary.
-        raise ConfigError(f"not a valid YAML value: {str(exc)[:200]}", source=source) from None
+    except Exception as exc:
+        # PyYAML's constructors raise what they meet on values they parsed but cannot build:
+        # ValueError for an int of more than 4300 digits or a date such as 2024-13-45,
+        # AttributeError for `!!timestamp ''`, TypeError for other explicit tags on the
+        # wrong kind of node.
+        raise ConfigError(
+            f"not a valid YAML value ({type(exc).__name__}): {str(exc)[:200]}", source=source
+        ) from None
     return document if document is not None else {}
 
 
