@@ -560,7 +560,7 @@ def alias_bomb(where: str) -> str:
     for i in range(1, 9):
         refs = ", ".join([f"*a{i - 1}"] * 9)
         lines.append(f"a{i}: &a{i} [{refs}]")
-    body = "\n".join("    " + line for line in lines)
+    body = "\n".join("      " + line for line in lines)
     return f"limits:\n  api:\n    rate: 10/s\n    bomb:\n{body}\n    {where}: *a8\n"
 
 
