@@ -51,9 +51,11 @@ class _Shown(reprlib.Repr):
 
     def shown(self, value: object) -> str:
         try:
-            return self.repr(value)
+            text = self.repr(value)
         except Exception:
             return f"<{type(value).__name__}>"
+        # Each level is cut, but levels multiply: 10 x 10 x 10 items is still 5 kB.
+        return text if len(text) <= 500 else text[:497] + "..."
 
 
 _shown = _Shown()
