@@ -205,7 +205,11 @@ field_values = st.one_of(tricky_text, st.integers(), st.text(max_size=3))
 def templates(draw: st.DrawFn) -> str:
     """Key templates over arguments a, b, c with literal text full of separators."""
     fields = draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=3))
-    literals = draw(st.lists(st.text(alphabet=":-/_a%{}x #", max_size=3), min_size=4, max_size=4))
+    literal = st.one_of(
+        st.text(alphabet=":-/_a%{}x #", max_size=3),
+        st.sampled_from([":", "/", " ", "-:", ":-", "a:b", "%:#", "}{"]),
+    )
+    literals = draw(st.lists(literal, min_size=4, max_size=4))
     escaped = [text.replace("{", "{{").replace("}", "}}") for text in literals]
     parts = [escaped[0]]
     for i, name in enumerate(fields):
