@@ -67,6 +67,7 @@ import logging
 import math
 import os
 import random
+import string
 import sys
 import tempfile
 import threading
@@ -92,6 +93,7 @@ from throttle.errors import (
     ThrottleTimeout,
 )
 from throttle.fallback import LocalBuckets
+from throttle.keys import encode_part, text_error
 from throttle.limiter import DEFAULT_LEASE_S, Limiter, wrap_errors
 from throttle.parking import Claimed, ParkingLot
 from throttle.rates import RateBook
@@ -212,27 +214,81 @@ def _arguments(
     return named
 
 
+_FORMATTER = string.Formatter()
+
+
+def _key_text(rule: Rule, value: object, what: str) -> str:
+    """One value of a key as text. Only ``str`` and ``int`` qualify: an int is the same
+    key as its decimal string (``42`` and ``"42"`` are one tenant, as JSON producers may
+    send either). Anything else (None, bool, float, bytes, lists, objects) is refused
+    rather than passed through ``str()``: ``None`` would share the bucket of a tenant named
+    "None", and an object's ``__str__`` or ``__format__`` may return the same text for
+    distinct values. A ``str`` subclass is read as the plain string it holds."""
+    if isinstance(value, str):
+        text = str.__str__(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            text = int.__repr__(value)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ConfigError(
+                f"{what} is an integer too long for a key", field="key", value=value,
+                limit=rule.name,
+            ) from None  # fmt: skip
+    else:
+        raise ConfigError(
+            f"{what} is {type(value).__name__}, not text or an integer: it cannot name a "
+            "bucket",
+            field="key", value=value, limit=rule.name,
+        )  # fmt: skip
+    problem = text_error(text)
+    if problem is not None:
+        raise ConfigError(
+            f"{what} is not Unicode text (it has {problem})", field="key", value=text,
+            limit=rule.name,
+        )  # fmt: skip
+    return text
+
+
 def _key(
     rule: Rule, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> str | None:
+    """The key of ``rule`` for these arguments: distinct arguments give distinct keys, or
+    a ConfigError (see :func:`_key_text` and :func:`throttle.config.parse_key_template`)."""
     key = rule.key
     if key is None:
         return None
     if callable(key):
-        value = key(*args, **kwargs)
+        value = _key_text(rule, key(*args, **kwargs), "the key function's result")
     else:
+        template = rule.key_template
+        assert template is not None  # a str key is parsed by Rule
         missing = [name for name in rule.key_fields if name not in named]
         if missing:
             raise ConfigError(
                 f"the task has no argument {', '.join(map(repr, missing))} for the key template",
                 field="key", value=key, limit=rule.name,
             )  # fmt: skip
-        value = key.format_map(named)
-    if value is None or value == "":
+        texts = []
+        for path in template.paths:
+            try:
+                found = _FORMATTER.get_field(path, (), named)[0]
+            except Exception as exc:  # a missing attribute or index, or a hostile __getattr__
+                raise ConfigError(
+                    f"cannot read {{{path}}} of the task's arguments for the key template "
+                    f"({type(exc).__name__}: {str(exc)[:100]})",
+                    field="key", value=key, limit=rule.name,
+                ) from None  # fmt: skip
+            texts.append(_key_text(rule, found, f"{{{path}}}"))
+        if len(texts) > 1:
+            # Each value without the template's separators, so the key reads back one way.
+            texts = [encode_part(text) for text in texts]
+        literals = template.literals
+        value = literals[0] + "".join(t + lit for t, lit in zip(texts, literals[1:], strict=True))
+    if not value:
         raise ConfigError(
             "the key is empty for this task's arguments", field="key", value=key, limit=rule.name
         )
-    return str(value)
+    return value
 
 
 def _cost(
@@ -250,12 +306,18 @@ def _cost(
         value = named[cost]
     else:
         value = cost(*args, **kwargs)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            number = math.inf
+    if not 0 <= number < math.inf:
         raise ConfigError(
             "the cost of this task is not a finite number >= 0", field="cost", value=value,
             limit=rule.name,
         )  # fmt: skip
-    return float(value)
+    return number
 
 
 # -- the per-process runtime -------------------------------------------------------------
@@ -608,17 +670,50 @@ def slot_time() -> float | None:
 
 def _queue_of(request: Any) -> str | None:
     """The queue a task was consumed from (its lane counts as the queue itself)."""
-    info = request.delivery_info or {}
+    info = request.delivery_info
+    if not isinstance(info, Mapping):
+        return None
     queue = info.get("routing_key") or info.get("queue") or None
-    if queue and queue.endswith(LANE_SUFFIX):
+    if not isinstance(queue, str):
+        return None
+    if queue.endswith(LANE_SUFFIX):
         queue = queue[: -len(LANE_SUFFIX)]
     return queue
 
 
-def _float_header(headers: Mapping[str, Any], name: str) -> float | None:
-    value = headers.get(name)
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+# The throttle_* headers come with the message, and whoever can publish a task can write
+# them. Each is read defensively: a value of the wrong type or out of range is absent (never
+# an exception), and none of them can make a task skip the limiter or pay less: a deadline
+# only shortens the wait a task accepts (it times out sooner, it never runs sooner), the
+# parking ids only let a second copy of a parked task be dropped, and the dead-letter mark
+# only keeps a timed-out task from being dead-lettered again (see _Gate.enter).
+_MAX_EPOCH_S = 253402300800.0
+"""Year 10000 in epoch s: later than any real deadline (and than ``datetime`` can show)."""
+
+
+def _deadline_header(headers: Mapping[str, Any]) -> float | None:
+    """The ``throttle_deadline`` header in epoch s, or None when absent or corrupt (not a
+    number, a bool, NaN, infinite, <= 0, past year 10000, an int too large for a float)."""
+    value = headers.get(H_DEADLINE)
+    # Compared before float(): a huge int compares exactly, float() would overflow.
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < _MAX_EPOCH_S:
         return float(value)
+    return None
+
+
+def _count_header(headers: Mapping[str, Any]) -> int:
+    """The ``throttle_deferrals`` header, or 0 when absent or corrupt."""
+    value = headers.get(H_DEFERRALS)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31:
+        return value
+    return 0
+
+
+def _id_header(headers: Mapping[str, Any], name: str) -> str | None:
+    """A parking token or publish id (hex, ``:``), or None when absent or corrupt."""
+    value = headers.get(name)
+    if isinstance(value, str) and 0 < len(value) <= 100 and value.isascii() and value.isprintable():
+        return value
     return None
 
 
@@ -638,19 +733,22 @@ class _Gate:
         self.request = task.request
         self.throttler = Throttler.of(task.app)
         self.settings = self.throttler.settings
-        self.headers: dict[str, Any] = dict(self.request.headers or {})
-        self.rules = self.throttler.rules(task, spec, _queue_of(self.request))
+        headers = self.request.headers
+        self.headers: dict[str, Any] = dict(headers) if isinstance(headers, Mapping) else {}
+        queue = _queue_of(self.request)
+        self.rules = self.throttler.rules(task, spec, queue)
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        # Consumed from the dead-letter queue it was sent to: throttled as any task (it still
+        # calls the API), but never dead-lettered again (no loop). A forged mark can do no
+        # more than make a timed-out task fail instead of being dead-lettered.
+        self.dead_lettered = queue is not None and self.headers.get(H_DEAD) == queue
 
     def enter(self) -> _Ticket | None:
         rules = self.rules
         if not rules:
             return None
-        queue = _queue_of(self.request)
-        if queue is not None and self.headers.get(H_DEAD) == queue:
-            return None  # consumed from the dead-letter queue it was sent to: not again
-        token, publish = self.headers.get(H_PARKED), self.headers.get(H_PUBLISH)
-        if isinstance(token, str) and isinstance(publish, str):
+        token, publish = _id_header(self.headers, H_PARKED), _id_header(self.headers, H_PUBLISH)
+        if token is not None and publish is not None:
             try:
                 if not self.throttler.parking.accept(token, publish):
                     logger.info(
@@ -692,7 +790,7 @@ class _Gate:
     # -- deadlines and horizons
 
     def _deadline(self, now: float) -> float | None:
-        deadline = _float_header(self.headers, H_DEADLINE)
+        deadline = _deadline_header(self.headers)
         if deadline is None:
             waits = [rule.max_wait_s for rule in self.rules if rule.max_wait_s is not None]
             deadline = now + min(waits) if waits else None
@@ -704,7 +802,7 @@ class _Gate:
                     if isinstance(expires, str)
                     else float(expires.timestamp())
                 )
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError, AttributeError, OverflowError):
                 stamp = None
             if stamp is not None:
                 deadline = stamp if deadline is None else min(deadline, stamp)
@@ -820,8 +918,9 @@ class _Gate:
         headers = {k: v for k, v in self.headers.items() if k not in (H_PARKED, H_PUBLISH)}
         if self.deadline is not None:
             headers[H_DEADLINE] = self.deadline
-        deferrals = headers.get(H_DEFERRALS)
-        headers[H_DEFERRALS] = (deferrals if isinstance(deferrals, int) else 0) + 1
+        else:
+            headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
+        headers[H_DEFERRALS] = _count_header(headers) + 1
         limits = decision.denied_by or tuple(rule.name for rule in self.rules)
         reason = Throttled(wait_s, limits)
         # Back through the queue's lane, not behind the queue's backlog (Settings.lanes).
@@ -855,7 +954,7 @@ class _Gate:
         left = max((self.deadline or now) - now, 0.0)
         rules = [rule for rule in self.rules if rule.name in decision.denied_by] or list(self.rules)
         queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
-        if queue is None:
+        if queue is None or self.dead_lettered:
             _report_timeout(self, decision, "fail")
             raise ThrottleTimeout(decision.denied_by, needed_s, left)
         headers = {

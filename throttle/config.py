@@ -33,14 +33,13 @@ import math
 import os
 import re
 import string
-import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
-from throttle.spec import Algorithm, Limit, check_fields
+from throttle.keys import PART_ALPHABET, KeySpace, text_error
+from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
 
 __all__ = [
     "CONFIG_ENV",
@@ -118,7 +117,10 @@ def parse_duration(
     ``"2h"``, ``"1d"``; finite and >= 0."""
     seconds: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
     elif isinstance(value, str):
         match = _DURATION_RE.fullmatch(value.strip())
         if match:
@@ -132,27 +134,71 @@ def parse_duration(
     return seconds
 
 
-def _template_fields(template: str, limit: str, source: str | None) -> tuple[str, ...]:
+# One replacement field of a key template: an argument, then attributes and indexes into it
+# ("{tenant_id}", "{user.org}", "{ids[0]}"), and no conversion or format spec ("{x:.3}"
+# would cut distinct values to one key).
+_FIELD_RE = re.compile(r"(?P<head>[^\W\d]\w*)(?:\.[^\W\d]\w*|\[[^\[\]]+\])*")
+
+
+@dataclass(frozen=True)
+class KeyTemplate:
+    """A key template split into its literal text and its fields: ``literals[0]``, the
+    value of ``paths[0]``, ``literals[1]``, ... (``len(literals) == len(paths) + 1``)."""
+
+    literals: tuple[str, ...]
+    paths: tuple[str, ...]
+    """The fields as written, e.g. ``"user.org"`` (``string.Formatter`` paths)."""
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The arguments the fields read."""
+        return tuple(re.split(r"[.\[]", path, maxsplit=1)[0] for path in self.paths)
+
+
+def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:
+    """Split and check a key template. A template of several fields must separate each
+    pair by a character outside :data:`throttle.keys.PART_ALPHABET` (``:``, ``/``, a
+    space...): the worker encodes each value of such a template (throttle.keys.encode_part)
+    so that the separator never occurs in it, which makes the key unambiguous
+    ("{a}:{b}" with "x:y" and "z" is not "x" and "y:z")."""
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(problem, field="key", value=template, limit=limit, source=source)
+
+    problem = text_error(template)
+    if problem is not None:
+        raise bad(f"a key template must be Unicode text; it has {problem}")
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ConfigError(
-            f"malformed key template ({exc})", field="key", value=template, limit=limit,
-            source=source,
-        ) from None  # fmt: skip
-    names = []
-    for _, name, _, _ in parsed:
-        if name is None:
+        raise bad(f"malformed key template ({exc})") from None
+    literals, paths = [""], []
+    for text, path, spec, conversion in parsed:
+        literals[-1] += text
+        if path is None:
             continue
-        # "{tenant.id}" or "{ids[0]}" reach into an argument; the argument is the first part.
-        head = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if not head or head.isdigit():
-            raise ConfigError(
-                "key template fields must name arguments, as in '{tenant_id}'",
-                field="key", value=template, limit=limit, source=source,
-            )  # fmt: skip
-        names.append(head)
-    return tuple(names)
+        if not path or path.isdigit() or path[0].isdigit():
+            raise bad("key template fields must name arguments, as in '{tenant_id}'")
+        if not _FIELD_RE.fullmatch(path):
+            raise bad(
+                f"malformed key template field {{{path}}}: an argument name, then .attribute "
+                "or [index] parts"
+            )
+        if spec or conversion:
+            raise bad(
+                f"a key template field takes no conversion or format spec ({{{path}}}): a "
+                "spec such as ':.3' would give distinct values one key"
+            )
+        paths.append(path)
+        literals.append("")
+    for between in literals[1:-1]:
+        if all(char in PART_ALPHABET for char in between):
+            raise bad(
+                "fields of a key template must be separated by a character such as ':', '/' "
+                "or ' ', not only letters, digits or '_.@+=~-%#' (with '{a}-{b}', 'x-y' and "
+                "'z' would share a key with 'x' and 'y-z')"
+            )
+    return KeyTemplate(tuple(literals), tuple(paths))
 
 
 _REDIS_DOWN_HELP = (
@@ -229,22 +275,25 @@ class Rule:
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
     """``allow:DURATION``: how long the rule fails open, in s; ``None``: ``allow`` (the
     setting ``fail_open_for`` applies), or not failing open (``defer``, ``local``)."""
+    key_template: KeyTemplate | None = field(init=False, repr=False, compare=False)
+    """The parsed key template (None for a callable or no key)."""
 
     def __post_init__(self) -> None:
         name = self.limit.name if isinstance(self.limit, Limit) else None
         if not isinstance(self.limit, Limit):
             raise ConfigError("a rule needs a Limit", field="limit", value=self.limit)
-        fields: tuple[str, ...] = ()
+        template = None
         if isinstance(self.key, str):
-            fields = _template_fields(self.key, self.limit.name, None)
             if not self.key:
                 raise ConfigError("an empty key template", field="key", value="", limit=name)
+            template = parse_key_template(self.key, limit=name, source=None)
         elif self.key is not None and not callable(self.key):
             raise ConfigError(
                 "must be a template string such as '{tenant_id}' or a callable",
                 field="key", value=self.key, limit=name,
             )  # fmt: skip
-        object.__setattr__(self, "key_fields", fields)
+        object.__setattr__(self, "key_template", template)
+        object.__setattr__(self, "key_fields", () if template is None else template.heads)
         cost = self.cost
         if isinstance(cost, bool) or not (isinstance(cost, int | float | str) or callable(cost)):
             raise ConfigError(
@@ -269,7 +318,12 @@ class Rule:
             )
         timeout = self.on_timeout
         if not isinstance(timeout, str) or not (
-            timeout == "fail" or (timeout.startswith("dead_letter:") and len(timeout) > 12)
+            timeout == "fail"
+            or (
+                timeout.startswith("dead_letter:")
+                and timeout[12:].strip()
+                and text_error(timeout) is None
+            )
         ):
             raise ConfigError(
                 "must be 'fail' or 'dead_letter:QUEUE'", field="on_timeout", value=timeout,
@@ -339,7 +393,7 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
     limit = _limit({k: v for k, v in config.items() if k in _LIMIT_FIELDS}, name, source, errors)
     # The rule's fields are checked each against the limit; against a stand-in of unbounded
     # capacity when the limit itself is bad (a cost then cannot exceed it).
-    probe = limit or Limit(name, Algorithm.TOKEN_BUCKET, sys.float_info.max)
+    probe = limit or Limit(name, Algorithm.TOKEN_BUCKET, MAX_AMOUNT)
     options: dict[str, Any] = {}
     for key in _RULE_FIELDS:
         if key in config:
@@ -550,6 +604,20 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
         raise ConfigError(
             "must be a non-empty string", field=f"settings.{key}", value=value, source=source
         )
+    # A NUL cannot be in a path or URL, a lone surrogate cannot be sent to Redis.
+    problem = "a NUL character" if "\x00" in value else text_error(value)
+    if problem is not None:
+        raise ConfigError(
+            f"must be Unicode text; it has {problem}", field=f"settings.{key}", value=value,
+            source=source,
+        )  # fmt: skip
+    if key in ("prefix", "namespace"):
+        try:
+            KeySpace(**{key: value})
+        except ConfigError as exc:  # braces would move the Redis Cluster hash tag
+            raise ConfigError(
+                exc.problem, field=f"settings.{key}", value=value, source=source
+            ) from None
     return {key: value}
 
 
@@ -656,22 +724,94 @@ class ThrottleConfig:
             ) from None
 
 
+# A limits file is a few kB. Bounds that no real one nears keep a hostile or mistaken file
+# (THROTTLE_CONFIG naming a log, /dev/zero, a generated bomb) from costing more than a
+# moment: PyYAML (pure Python: its C loader crashes the process on deep nesting) takes
+# seconds per 100 kB, and recurses once per level of nesting.
+_MAX_BYTES = 1 << 20
+_MAX_DEPTH = 50
+"""Nesting levels of [...] / {...}, and of indentation, in a limits file."""
+_MAX_MERGED = 100_000
+"""Entries copied by merge keys in all: `<<: [*a, *a, *a]` copies, and PyYAML flattens a
+merge again for every alias of it, so 25 lines can ask for 3**20 copies."""
+
+
+def _loader() -> type:
+    """yaml.SafeLoader with nesting and merge keys bounded (a ScannerError or
+    ConstructorError past :data:`_MAX_DEPTH` or :data:`_MAX_MERGED`)."""
+    import yaml  # noqa: PLC0415
+
+    def too_deep(loader: Any) -> Exception:
+        return yaml.scanner.ScannerError(
+            None, None, f"nested more than {_MAX_DEPTH} levels deep", loader.get_mark()
+        )
+
+    class Loader(yaml.SafeLoader):
+        merged = 0
+
+        def fetch_flow_collection_start(self, token_class: Any) -> None:
+            if self.flow_level >= _MAX_DEPTH:
+                raise too_deep(self)
+            super().fetch_flow_collection_start(token_class)
+
+        def add_indent(self, column: int) -> bool:
+            if len(self.indents) >= _MAX_DEPTH:
+                raise too_deep(self)
+            added: bool = super().add_indent(column)
+            return added
+
+        def flatten_mapping(self, node: Any) -> None:
+            super().flatten_mapping(node)
+            self.merged += len(node.value)
+            if self.merged > _MAX_MERGED:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"merge keys ('<<') expand to more than {_MAX_MERGED} entries",
+                    node.start_mark,
+                )  # fmt: skip
+
+    return Loader
+
+
 def _read(path: str | os.PathLike[str]) -> object:
-    """The parsed YAML document of a limits file (an empty file is an empty mapping)."""
+    """The parsed YAML document of a limits file (an empty file is an empty mapping).
+
+    Whatever the bytes, the result is a document or a :class:`ConfigError` naming the file:
+    over 1 MiB, not UTF-8, not YAML, nested too deeply, an integer of more digits than
+    Python converts, an impossible date, a merge-key bomb."""
     import yaml  # noqa: PLC0415  (only the loader reads files; yaml loads lazily)
 
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            data = file.read(_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read the limits file: {exc.strerror}", source=source) from None
+    if len(data) > _MAX_BYTES:
+        raise ConfigError(f"larger than {_MAX_BYTES >> 20} MiB: not a limits file", source=source)
     try:
-        document = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}", source=source
+        ) from None
+    try:
+        document = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
+    except RecursionError:
+        raise ConfigError("not a limits file: YAML nested too deeply", source=source) from None
+    except Exception as exc:
+        # PyYAML's constructors raise what they meet on values they parsed but cannot build:
+        # ValueError for an int of more than 4300 digits or a date such as 2024-13-45,
+        # AttributeError for `!!timestamp ''`, TypeError for other explicit tags on the
+        # wrong kind of node.
+        raise ConfigError(
+            f"not a valid YAML value ({type(exc).__name__}): {str(exc)[:200]}", source=source
+        ) from None
     return document if document is not None else {}
 
 
@@ -707,15 +847,15 @@ def _build(document: object, source: str | None, errors: Errors) -> ThrottleConf
         entries = {}
     rules: dict[str, Rule] = {}
     for name, entry in entries.items():
-        if not isinstance(name, str) or not name:
-            _report(
-                errors, ConfigError("a limit needs a non-empty name", value=name, source=source)
-            )
+        try:
+            check_name(name, field="limits", source=source)
+        except ConfigError as exc:
+            _report(errors, exc)
             continue
         rule = _rule(entry, name, source, errors)
         if rule is not None:
             rules[name] = rule
-    defined = [name for name in entries if isinstance(name, str) and name]
+    defined = [name for name in entries if isinstance(name, str) and name and not text_error(name)]
     maps: dict[str, dict[str, tuple[str, ...]]] = {}
     for section in ("queues", "tasks"):
         mapping = document.get(section) or {}
@@ -728,12 +868,21 @@ def _build(document: object, source: str | None, errors: Errors) -> ThrottleConf
                 ),
             )  # fmt: skip
             mapping = {}
-        maps[section] = {
-            str(name): _names(
+        maps[section] = {}
+        for name, value in mapping.items():
+            if not isinstance(name, str) or not name:
+                what = "queue" if section == "queues" else "task"
+                _report(
+                    errors,
+                    ConfigError(
+                        f"a {what} name must be a non-empty string", field=section, value=name,
+                        source=source,
+                    ),
+                )  # fmt: skip
+                continue
+            maps[section][name] = _names(
                 value, field=f"{section}.{name}", defined=defined, source=source, errors=errors
             )
-            for name, value in mapping.items()
-        }
     if errors:
         return None
     return ThrottleConfig(rules, maps["queues"], maps["tasks"], settings, source)

@@ -16,6 +16,7 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Sequence
 
 __all__ = [
@@ -28,6 +29,36 @@ __all__ = [
     "ThrottleTimeout",
     "Throttled",
 ]
+
+
+class _Shown(reprlib.Repr):
+    """The value shown in a ConfigError: short values as repr() shows them, long or deep
+    ones cut (a YAML alias bomb expands to billions of items in a plain repr, a 10 MB key
+    to 10 MB of message); a value whose own __repr__ raises is shown by its type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = 200
+        self.maxlong = 60
+        self.maxlist = self.maxtuple = self.maxset = self.maxdict = 10
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:  # more digits than Python converts to text
+            return f"<int of {x.bit_length()} bits>"
+
+    def shown(self, value: object) -> str:
+        try:
+            text = self.repr(value)
+        except Exception:
+            return f"<{type(value).__name__}>"
+        # Each level is cut, but levels multiply: 10 x 10 x 10 items is still 5 kB.
+        return text if len(text) <= 500 else text[:497] + "..."
+
+
+_shown = _Shown()
 
 
 class ThrottleError(Exception):
@@ -66,7 +97,7 @@ class ConfigError(ThrottleError, ValueError):
         ]
         message = f"{': '.join(place)}: {problem}" if place else problem
         if value is not None:
-            message += f" (got {value!r})"
+            message += f" (got {_shown.shown(value)})"
         super().__init__(message)
 
 

@@ -13,6 +13,14 @@ Redis key: values made only of ``[A-Za-z0-9_.@+=~-]`` (and at most 100 character
 as they are, others are percent-encoded (so they contain ``%``), and anything longer than 100
 characters after encoding becomes ``#`` + SHA-256. The three forms cannot collide, and braces
 in a value can never move the hash tag: the tag is always the first ``{...}`` of the key.
+
+What a key value may be: any non-empty ``str`` of Unicode text, of any length, with any
+characters (braces, ``:``, ``%``, NUL, emoji...). Refused with a :class:`RequestError`: the
+empty string (it would name the keyless state) and lone surrogates (``"\\ud800"``, which a
+JSON message can carry but UTF-8 cannot encode). Distinct strings are distinct keys: nothing
+is case-folded or Unicode-normalised (``"é"`` composed and decomposed are two tenants). Values
+longer than 100 characters are hashed without being percent-encoded first and are not kept in
+the name caches, so a huge value costs one SHA-256 pass and no memory.
 """
 
 from __future__ import annotations
@@ -20,32 +28,69 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import string
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from throttle.errors import ConfigError
+from throttle.errors import ConfigError, RequestError
 from throttle.spec import Limit
 
 __all__ = ["KeySpace"]
 
 _SAFE = re.compile(r"[A-Za-z0-9_.@+=~-]{1,100}")
 _MAX_ENCODED = 100
+PART_ALPHABET = frozenset(string.ascii_letters + string.digits + "_.@+=~-%#")
+"""Every character :func:`encode` may output: a character outside it (``:``, ``/``, ``|``,
+a space...) never occurs in an encoded value, so it can separate encoded values."""
+
+
+def text_error(value: str) -> str | None:
+    """Why ``value`` is not Unicode text that can be (part of) a Redis key name, or None
+    when it is: names are sent as UTF-8, which has no form for a lone surrogate (a JSON
+    message may carry one, as ``"\\ud800"``)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate U+{ord(value[exc.start]):04X} at index {exc.start}"
+    return None
 
 
 def encode(value: str) -> str:
-    """Encode one key component (limit name or key value) injectively, without ``:{}``."""
+    """Encode one key component (limit name or key value) injectively, without ``:{}``.
+
+    Raises :class:`RequestError` for an empty value or one that is not Unicode text (see
+    the module's docstring)."""
     if _SAFE.fullmatch(value):
         return value
-    encoded = quote(value, safe="")
+    if not value:
+        raise RequestError("a key component must be a non-empty string (got '')")
+    if len(value) > _MAX_ENCODED:
+        # Percent-encoding never shortens: hash at once, without building a string 3 to 12
+        # times as large first.
+        return "#" + hashlib.sha256(_utf8(value)).hexdigest()
+    encoded = quote(_utf8(value), safe="")
     if len(encoded) > _MAX_ENCODED:
-        return "#" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+        return "#" + hashlib.sha256(_utf8(value)).hexdigest()
     return encoded
 
 
-# Names are rebuilt on every acquire of a hot limit: cache the recent ones (strings only,
-# so the cache key hashes fast), bounded so that many tenants cannot grow it without end.
-@functools.lru_cache(maxsize=4096)
-def _state_keys(base: str, code: str, limit: str, key: str | None) -> tuple[str, ...]:
+def encode_part(value: str) -> str:
+    """:func:`encode` for one value of a composite key (``"{tenant}:{region}"``), where an
+    empty value is allowed (it stays empty): the result never contains a character outside
+    :data:`PART_ALPHABET`."""
+    return encode(value) if value else ""
+
+
+def _utf8(value: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            f"a key must be Unicode text; it has {text_error(value)} (got {value[:100]!r})"
+        ) from None
+
+
+def _state_keys_of(base: str, code: str, limit: str, key: str | None) -> tuple[str, ...]:
     name = f"{base}{code}:{encode(limit)}:"
     if key is not None:
         name += encode(key)
@@ -54,19 +99,26 @@ def _state_keys(base: str, code: str, limit: str, key: str | None) -> tuple[str,
     return (name,)
 
 
-@functools.lru_cache(maxsize=4096)
-def _hold_fields(limit: str, key: str | None) -> tuple[str, str]:
+def _hold_fields_of(limit: str, key: str | None) -> tuple[str, str]:
     name = encode(limit)
     # encode() never yields ':', so "limit:key" cannot be read as another limit's field.
     return (name, "" if key is None else f"{name}:{encode(key)}")
 
 
-@functools.lru_cache(maxsize=4096)
-def _one_limit(
+def _one_limit_of(
     base: str, code: str, limit: str, key: str | None
 ) -> tuple[tuple[str, str], str, str]:
-    (state,) = _state_keys(base, code, limit, key)
-    return (f"{base}holds", state), *_hold_fields(limit, key)
+    (state,) = _state_keys_of(base, code, limit, key)
+    return (f"{base}holds", state), *_hold_fields_of(limit, key)
+
+
+# Names are rebuilt on every acquire of a hot limit: cache the recent ones (strings only,
+# so the cache key hashes fast), bounded so that many tenants cannot grow it without end.
+# Long key values (hashed anyway) bypass the caches: 4096 entries of 10 MB keys would hold
+# 40 GB.
+_state_keys = functools.lru_cache(maxsize=4096)(_state_keys_of)
+_hold_fields = functools.lru_cache(maxsize=4096)(_hold_fields_of)
+_one_limit = functools.lru_cache(maxsize=4096)(_one_limit_of)
 
 
 def decode_hold_field(field: str) -> tuple[str, str | None]:
@@ -98,6 +150,11 @@ class KeySpace:
                 raise ConfigError(
                     "must be a non-empty string without braces", field=what, value=value
                 )
+            problem = text_error(value)
+            if problem is not None:
+                raise ConfigError(
+                    f"must be Unicode text; it has {problem}", field=what, value=value
+                )
         object.__setattr__(self, "_base", f"{self.prefix}:{{{self.namespace}}}:")
 
     @property
@@ -111,7 +168,9 @@ class KeySpace:
 
         Concurrency limits use two keys (holders and their units); others one.
         """
-        return _state_keys(self.base, limit.code, limit.name, key)
+        if key is None or len(key) <= _MAX_ENCODED:
+            return _state_keys(self.base, limit.code, limit.name, key)
+        return _state_keys_of(self.base, limit.code, limit.name, key)
 
     def holds_key(self) -> str:
         """The HASH of holds (lua/hold.lua): field -> until, in us of the Redis clock."""
@@ -119,12 +178,16 @@ class KeySpace:
 
     def one_limit(self, limit: Limit, key: str | None) -> tuple[tuple[str, str], str, str]:
         """The KEYS and hold fields of lua/acquire_one.lua: ((holds, state), whole, own)."""
-        return _one_limit(self.base, limit.code, limit.name, key)
+        if key is None or len(key) <= _MAX_ENCODED:
+            return _one_limit(self.base, limit.code, limit.name, key)
+        return _one_limit_of(self.base, limit.code, limit.name, key)
 
     def hold_fields(self, limit_name: str, key: str | None) -> tuple[str, str]:
         """The two fields of the holds hash that hold ``(limit, key)``: the whole limit's and
         this key's (``""`` when ``key`` is None)."""
-        return _hold_fields(limit_name, key)
+        if key is None or len(key) <= _MAX_ENCODED:
+            return _hold_fields(limit_name, key)
+        return _hold_fields_of(limit_name, key)
 
     def lease_key(self, acquisition_id: str) -> str:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""

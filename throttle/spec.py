@@ -25,7 +25,7 @@ from typing import Any
 
 from throttle.errors import ConfigError
 
-__all__ = ["Algorithm", "Limit", "check_fields"]
+__all__ = ["Algorithm", "Limit", "check_fields", "check_name"]
 
 
 class Algorithm(str, Enum):
@@ -102,7 +102,28 @@ def _algorithm(value: object, limit: str | None, source: str | None) -> Algorith
     )  # fmt: skip
 
 
-def _positive(value: object, what: str, limit: str | None, source: str | None) -> float:
+MAX_AMOUNT = 1e15
+"""The largest count or burst of a limit: amounts are doubles in Redis, exact to a fraction
+of a unit only well below 2**53 (9.007e15)."""
+MIN_PERIOD_S = 1e-6
+"""The shortest period, in s: the Redis clock counts microseconds."""
+MAX_PERIOD_S = 1e10
+"""The longest period, and the longest a limit may take to grant one unit, in s (about 317
+years): Redis keys are kept at most that long (the TTL cap of lua/prelude.lua), so a longer
+period would forget its state before it ends."""
+
+
+_WHAT = {"period_s": "period in s", "count": "count", "burst": "burst"}
+
+
+def _positive(
+    value: object,
+    what: str,
+    limit: str | None,
+    source: str | None,
+    *,
+    high: float = math.inf,
+) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError("must be a number", field=what, value=value, limit=limit, source=source)
     try:
@@ -113,7 +134,27 @@ def _positive(value: object, what: str, limit: str | None, source: str | None) -
         raise ConfigError(
             "must be a finite number > 0", field=what, value=value, limit=limit, source=source
         )
+    if number > high:
+        raise ConfigError(
+            f"the {_WHAT.get(what, what)} must be at most {high:g}",
+            field=what, value=value, limit=limit, source=source,
+        )  # fmt: skip
     return number
+
+
+def check_name(name: object, *, field: str = "name", source: str | None = None) -> str:
+    """A limit's name: a non-empty ``str`` of Unicode text (it is part of Redis keys, sent
+    as UTF-8: a lone surrogate, which YAML's ``"\\ud800"`` can write, has no form there)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError("a limit needs a non-empty name", field=field, value=name, source=source)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"a limit name must be Unicode text; it has a lone surrogate at index {exc.start}",
+            field=field, value=name, source=source,
+        ) from None  # fmt: skip
+    return name
 
 
 @dataclass(frozen=True)
@@ -150,17 +191,26 @@ class Limit:
     """``{code}``: the algorithms a script for this limit alone must carry."""
 
     def __post_init__(self) -> None:
-        name = self.name
-        if not isinstance(name, str) or not name:
-            raise ConfigError("a limit needs a non-empty name", field="name", value=name)
+        name = check_name(self.name)
         algorithm = _algorithm(self.algorithm, name, None)
-        count = _positive(self.count, "count", name, None)
+        count = _positive(self.count, "count", name, None, high=MAX_AMOUNT)
         period_s = 1.0
         if algorithm is not Algorithm.CONCURRENCY:
-            period_s = _positive(self.period_s, "period_s", name, None)
+            period_s = _positive(self.period_s, "period_s", name, None, high=MAX_PERIOD_S)
+            if period_s < MIN_PERIOD_S:
+                raise ConfigError(
+                    f"the period must be at least {MIN_PERIOD_S:g} s (the Redis clock counts "
+                    "microseconds)",
+                    field="period_s", value=self.period_s, limit=name,
+                )  # fmt: skip
+            if period_s / count > MAX_PERIOD_S:
+                raise ConfigError(
+                    f"too slow: one unit per {period_s / count:g} s, more than {MAX_PERIOD_S:g} s",
+                    field="count", value=self.count, limit=name,
+                )  # fmt: skip
         burst = count
         if self.burst is not None:
-            burst = _positive(self.burst, "burst", name, None)
+            burst = _positive(self.burst, "burst", name, None, high=MAX_AMOUNT)
             if burst != count and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
                 raise ConfigError(
                     f"burst applies to token_bucket and gcra only, not {algorithm.value}",
@@ -251,7 +301,11 @@ class Limit:
         except ConfigError as exc:
             # Re-raise with the place the value came from.
             raise ConfigError(
-                exc.problem, field=field, value=spec, limit=limit, source=source
+                exc.problem,
+                field="name" if exc.field == "name" else field,
+                value=exc.value if exc.field == "name" else spec,
+                limit=limit if exc.field != "name" else None,
+                source=source,
             ) from None
 
     @classmethod
@@ -276,7 +330,7 @@ class Limit:
         )
         if "burst" not in config:
             return limit
-        burst = _positive(config["burst"], "burst", name, source)
+        burst = _positive(config["burst"], "burst", name, source, high=MAX_AMOUNT)
         try:
             return cls(limit.name, limit.algorithm, limit.count, limit.period_s, burst)
         except ConfigError as exc:
