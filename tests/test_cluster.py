@@ -9,8 +9,11 @@ follows its slot when the slot moves to another master (MOVED).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,12 +38,14 @@ from throttle.rates import RateBook
 from throttle.stats import StatsBook
 from throttle.testing import RedisServer
 from throttle.testing_cluster import LocalCluster
+from throttle.urls import LazyCluster, cluster_client
 
 TOKEN_BUCKET = Limit.parse("3/s", name="tb")
 GCRA = Limit.parse("3/s", name="gcra", algorithm="gcra")
 SLIDING = Limit.parse("3/s", name="sw", algorithm="sliding_window")
 FIXED = Limit.parse("3/s", name="fw", algorithm="fixed_window")
 CONCURRENCY = Limit.parse("3 concurrent", name="conc")
+HOURLY = Limit.parse("3/h", name="hourly")  # refills too slowly to blur a count
 EVERY_ALGORITHM = [TOKEN_BUCKET, GCRA, SLIDING, FIXED, CONCURRENCY]
 
 
@@ -313,7 +318,8 @@ def test_a_namespace_moved_to_another_master_keeps_its_state(
 def test_from_url_reads_a_cluster_url(redis_cluster: LocalCluster, namespace: str) -> None:
     for url in (redis_cluster.url, redis_cluster.url.split(",")[0]):  # all nodes, or one
         limiter = Limiter.from_url(url, namespace=namespace)
-        assert isinstance(limiter.client, RedisCluster)
+        assert isinstance(limiter.client, LazyCluster)  # reads the slot map on first use
+        assert isinstance(limiter.client.built, RedisCluster)
         assert len(limiter.client.get_primaries()) == 3
         assert limiter.acquire(TOKEN_BUCKET, "acme").allowed
         limiter.client.close()
@@ -336,11 +342,83 @@ def test_a_malformed_cluster_url_is_a_config_error(url: str, problem: str) -> No
 
 
 def test_an_unusable_cluster_is_backend_unavailable(private_redis: RedisServer) -> None:
+    # Built without a connection (as a single server's client); the first call fails.
+    limiter = Limiter.from_url("redis+cluster://u:s3cret@127.0.0.1:1", socket_connect_timeout=1)
     with pytest.raises(BackendUnavailable, match=r"redis\+cluster://u:\*\*\*@127.0.0.1:1\b"):
-        Limiter.from_url("redis+cluster://u:s3cret@127.0.0.1:1", socket_connect_timeout=1)
+        limiter.acquire(TOKEN_BUCKET)
     # A server without cluster mode is named as such.
     with pytest.raises(BackendUnavailable, match="Cluster mode is not enabled"):
-        Limiter.from_url(f"redis+cluster://127.0.0.1:{private_redis.port}")
+        cluster_client(f"redis+cluster://127.0.0.1:{private_redis.port}")
+
+
+@contextlib.contextmanager
+def frozen(server: RedisServer) -> Iterator[None]:
+    """``server`` stopped (SIGSTOP) inside the block: it accepts connections, answers none."""
+    assert server.process is not None
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture
+def one_master() -> Iterator[LocalCluster]:
+    """A cluster of its own, to stop without disturbing the other tests' cluster."""
+    with LocalCluster(masters=1) as cluster:
+        yield cluster
+
+
+def test_a_limiter_built_while_the_cluster_is_down_works_once_it_is_back(
+    one_master: LocalCluster, namespace: str
+) -> None:
+    with frozen(one_master.nodes[0]):
+        limiter = Limiter.from_url(
+            one_master.url, namespace=namespace, socket_timeout=0.3, socket_connect_timeout=0.3
+        )  # a pool child starting during the outage: nothing raised yet
+        for _ in range(2):  # every call tries again, and fails, while it is down
+            with pytest.raises(BackendUnavailable, match="cannot be used"):
+                limiter.acquire(HOURLY, "acme")
+    decision = limiter.acquire(HOURLY, "acme")  # back: the slot map is read now
+    assert decision.allowed
+    assert limiter.peek(HOURLY, "acme").remaining == about(2)  # the failed calls took none
+    limiter.client.close()
+
+
+@pytest.mark.parametrize(
+    ("policy", "runs"),
+    [("allow", True), ("local", True), ("defer", False)],
+)
+def test_a_worker_starting_while_the_cluster_is_down_applies_on_redis_down(
+    one_master: LocalCluster, namespace: str, policy: str, runs: bool
+) -> None:
+    # Throttler.of builds the limiter in each pool child on its first task: during an
+    # outage that must apply the limit's policy, not fail the task.
+    app = Celery("cluster-down", set_as_current=False, task_cls=ThrottledTask)
+    app.conf.update(
+        task_always_eager=True,
+        throttle_redis_url=f"{one_master.url}?socket_timeout=0.3&socket_connect_timeout=0.3",
+        throttle_config={
+            "settings": {"namespace": namespace, "fleet_workers": 1},
+            "limits": {"api": {"rate": "3/h", "on_redis_down": policy}},
+        },
+    )
+
+    @app.task(shared=False)
+    @throttled("api")
+    def call(n: int) -> int:
+        return n
+
+    with frozen(one_master.nodes[0]):
+        if runs:
+            assert call.delay(1).get() == 1
+        else:  # eager calls cannot be deferred: the outage is raised to the caller
+            with pytest.raises(BackendUnavailable):
+                call.delay(1).get()
+    assert call.delay(2).get() == 2  # back: limited through the cluster again
+    limiter = Throttler.of(app).limiter
+    assert limiter.peek(dataclasses.replace(HOURLY, name="api")).remaining == about(2)
+    limiter.client.close()
 
 
 def test_an_eager_celery_task_is_throttled_through_the_cluster(
@@ -370,7 +448,8 @@ def test_an_eager_celery_task_is_throttled_through_the_cluster(
     assert time.monotonic() - started >= 0.19  # 100 ms apart: the limit held
     limiter = Throttler.of(app).limiter
     try:
-        assert isinstance(limiter.client, RedisCluster)
+        assert isinstance(limiter.client, LazyCluster)
+        assert isinstance(limiter.client.built, RedisCluster)
         budget = Limit.parse("1000/d", name="budget")
         # Each call reserved 50 and settled at 1.
         assert limiter.peek(budget, "acme").remaining == pytest.approx(997, abs=0.01)

@@ -199,16 +199,17 @@ class Limiter:
 
         ``redis://``, ``rediss://`` and ``unix://`` name one server
         (``redis.Redis.from_url``), ``redis+sentinel://`` a master behind Sentinel, and
-        ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.urls`). A single server's
-        or Sentinel's client opens no connection before the first call; a cluster's reads
-        the slot map at once, so an unreachable cluster raises :class:`BackendUnavailable`
-        here. A malformed Sentinel or cluster URL raises :class:`ConfigError`.
+        ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.urls`). No client opens a
+        connection before the first call (a cluster's reads its slot map then:
+        :class:`throttle.urls.LazyCluster`), so an unreachable Redis makes the calls, not
+        this, raise :class:`BackendUnavailable`. A malformed Sentinel or cluster URL raises
+        :class:`ConfigError` here.
         """
         client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
         client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
         client: RedisClient
         if is_cluster_url(url):  # redis+cluster://: see throttle.urls
-            client = cluster_client(url, **client_options)
+            client = cluster_client(url, lazy=True, **client_options)
         elif is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
             client = sentinel_client(url, **client_options)
         else:

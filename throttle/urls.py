@@ -30,8 +30,11 @@ A Redis Cluster is named by one or more of its nodes::
   the whole slot map, the others are fallbacks for that first read. Database 0 only.
 - ``USER:PASSWORD`` and ``OPTIONS`` as for ``redis://``, for every node.
 
-The client reads the slot map when it is built (so an unreachable cluster is known at
-once), sends each call to the master of its keys' slot, and follows ``MOVED`` and ``ASK``.
+The client sends each call to the master of its keys' slot and follows ``MOVED`` and
+``ASK``. It reads the slot map on its first call, as a single server's client connects on
+its first call (:class:`LazyCluster`): a worker or pool child that starts while the cluster
+is down gets :class:`~throttle.errors.BackendUnavailable` from its calls, so the limits'
+``on_redis_down`` applies, and its next call after the cluster is back just works.
 Every key of a namespace shares one hash tag (:mod:`throttle.keys`), so each script runs on
 one master.
 
@@ -42,12 +45,15 @@ is shown, logged or put into an error.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, unquote
 
 import redis
+from redis._parsers.encoders import Encoder
 from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
 from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -58,6 +64,7 @@ __all__ = [
     "ACL_COMMANDS",
     "CLUSTER_SCHEMES",
     "SENTINEL_SCHEMES",
+    "LazyCluster",
     "SentinelURL",
     "acl_rules",
     "cluster_client",
@@ -225,13 +232,56 @@ def is_cluster_url(url: str) -> bool:
     return url.partition("://")[0].lower() in CLUSTER_SCHEMES
 
 
-def cluster_client(url: str, **options: Any) -> RedisCluster:
+class LazyCluster:
+    """A ``RedisCluster`` built on first use, and again on each use until one is built.
+
+    redis-py's ``RedisCluster`` reads the slot map in its constructor, so building one
+    while the cluster is down raises. A limiter's client is built when a worker's process
+    first needs it; with this it opens nothing until its first call, as ``redis.Redis``
+    does, and an unreachable cluster surfaces as that call's
+    :class:`~throttle.errors.BackendUnavailable` (which the caller's outage policy
+    handles) instead of failing whatever built the limiter. Each call before the cluster
+    answers pays one attempt to read the slot map (bounded by the connect timeout per
+    startup node). Every attribute is the built client's, except that scripts are
+    registered without it (registering only hashes the source, with ``encoder``); two
+    threads racing on the first call may build one spare client, which is
+    garbage-collected.
+    """
+
+    def __init__(self, build: Callable[[], RedisCluster], encoder: Encoder) -> None:
+        self._build = build
+        self._built: RedisCluster | None = None
+        self._encoder = encoder
+
+    def register_script(self, script: str | bytes) -> Script:
+        """A script called through this client (building it on the first call)."""
+        return Script(cast(RedisCluster, self), script)
+
+    def get_encoder(self) -> Encoder:
+        """How strings become bytes: the URL's ``encoding`` options, as the client's."""
+        return self._encoder
+
+    @property
+    def built(self) -> RedisCluster:
+        """The cluster client (built now if it is not yet)."""
+        client = self._built
+        if client is None:
+            client = self._built = self._build()
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.built, name)
+
+
+def cluster_client(url: str, *, lazy: bool = False, **options: Any) -> RedisCluster:
     """A ``redis.cluster.RedisCluster`` for a ``redis+cluster://`` URL (see the module's
     docstring); ``options`` (e.g. socket timeouts) go to every node, below the URL's own.
 
-    Reads the slot map now: raises :class:`~throttle.errors.BackendUnavailable` when no
-    node answers or the nodes are not a cluster, :class:`~throttle.errors.ConfigError` for
-    a malformed URL; both name the URL without its password."""
+    A malformed URL raises :class:`~throttle.errors.ConfigError` at once. The slot map is
+    read now, raising :class:`~throttle.errors.BackendUnavailable` when no node answers or
+    the nodes are not a cluster; with ``lazy``, on the first call instead (a
+    :class:`LazyCluster`, typed as the client it stands for). Errors name the URL without
+    its password."""
     shown = redact(url)
 
     def bad(problem: str) -> ConfigError:
@@ -257,16 +307,33 @@ def cluster_client(url: str, **options: Any) -> RedisCluster:
     # as further startup nodes.
     node = "rediss" if scheme.lower().startswith("rediss") else "redis"
     first = f"{node}://{userinfo}{at}{hosts.split(',')[0]}{question}{query}"
-    try:
-        return RedisCluster.from_url(first, startup_nodes=nodes[1:], **options)
+    unparsable = (
+        "cannot parse it: percent-encode '/', '@', ':', '?' and '#' in user names and "
+        "passwords, and check the options"
+    )
+    try:  # now, lazy or not: a malformed URL is a configuration error
+        parsed = {**parse_url(first), **options}  # type: ignore[no-untyped-call]
     except ValueError:
         # Its message may quote a piece of the URL, password included: not repeated here.
-        raise bad(
-            "cannot parse it: percent-encode '/', '@', ':', '?' and '#' in user names and "
-            "passwords, and check the options"
-        ) from None
-    except (redis.RedisError, RedisClusterException) as exc:
-        raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc
+        raise bad(unparsable) from None
+
+    def build() -> RedisCluster:
+        try:
+            return RedisCluster.from_url(first, startup_nodes=nodes[1:], **options)
+        except ValueError:
+            raise bad(unparsable) from None
+        except (redis.RedisError, RedisClusterException) as exc:
+            raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc
+
+    if not lazy:
+        return build()
+    encoder = Encoder(  # type: ignore[no-untyped-call]
+        parsed.get("encoding", "utf-8"),
+        parsed.get("encoding_errors", "strict"),
+        parsed.get("decode_responses", False),
+    )
+    # A stand-in with every attribute of the client it builds; the cast says so to mypy.
+    return cast(RedisCluster, LazyCluster(build, encoder))
 
 
 def describe(client: Any) -> str:
