@@ -286,3 +286,12 @@ def test_broker_killed_and_restarted(fleet: Fleet) -> None:
     # worker holds unacked in the hash "unacked"; they come back after the visibility
     # timeout, and would run a second time).
     assert fleet.broker.client().hlen("unacked") == 0
+    # The releasers could not publish while the broker was away: one warning per worker and
+    # failure streak (not a traceback per poll), and each streak said when it ended.
+    began = fleet.logs("the releaser cannot release parked tasks (")
+    ended = fleet.logs("the releaser releases parked tasks again")
+    print(f"releaser failure streaks per worker: {began}")
+    assert all(n <= 1 for n in began) and began == ended
+    assert fleet.logs("throttle: the releaser") == [
+        b + e for b, e in zip(began, ended, strict=True)
+    ]

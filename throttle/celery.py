@@ -151,6 +151,9 @@ PUBLISH_RETRY = {
     "interval_max": 1.0,
 }
 
+STREAK_REMINDER_S = 60.0
+"""While a repeated operation keeps failing, how often (s) a warning says it still does."""
+
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
 
@@ -1283,6 +1286,47 @@ class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 consumer.add_task_queue(queue.name + LANE_SUFFIX)
 
 
+class _FailureStreak:
+    """Logs a run of failures of one repeated operation once, not once per attempt.
+
+    The first failure is a warning with its traceback; later ones are at debug level, but
+    for a reminder every :data:`STREAK_REMINDER_S` seconds (a failure that never ends, such
+    as a payload that cannot be decoded, must not go quiet); the first success after a
+    failure says how long the streak lasted."""
+
+    def __init__(self, what: str, again: str) -> None:
+        self.what, self.again = what, again
+        self.since: float | None = None  # monotonic s of the streak's first failure
+        self.count = 0
+        self.reminded = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.since is None:
+            self.since = self.reminded = now
+            logger.warning(
+                "throttle: %s (%s); retrying, one message per failure streak",
+                self.what, exc, exc_info=True,
+            )  # fmt: skip
+        elif now - self.reminded >= STREAK_REMINDER_S:
+            self.reminded = now
+            logger.warning(
+                "throttle: %s for %.0f s (%d attempts); last error: %s",
+                self.what, now - self.since, self.count, exc,
+            )  # fmt: skip
+        else:
+            logger.debug("throttle: %s (attempt %d)", self.what, self.count, exc_info=True)
+
+    def ended(self) -> None:
+        if self.since is not None:
+            logger.warning(
+                "throttle: %s after %.1f s (%d failed attempts)",
+                self.again, time.monotonic() - self.since, self.count,
+            )  # fmt: skip
+            self.since, self.count = None, 0
+
+
 class Releaser(threading.Thread):
     """Sends parked tasks back to the broker shortly before their slot (one per worker)."""
 
@@ -1298,6 +1342,9 @@ class Releaser(threading.Thread):
 
     def run(self) -> None:
         checked = time.monotonic()
+        failing = _FailureStreak(
+            "the releaser cannot release parked tasks", "the releaser releases parked tasks again"
+        )
         while not self._stop_event.is_set():
             try:
                 released = self.release_once()
@@ -1307,11 +1354,15 @@ class Releaser(threading.Thread):
                     # Redis may have restarted empty between two tasks, unseen by any gate.
                     checked = time.monotonic()
                     throttler.check_cold_start()
+                failing.ended()
             except BackendError as exc:
                 Throttler.of(self.app).outage(exc)
                 released = 0
-            except Exception:  # the releaser must outlive a bad payload or a broker blip
-                logger.exception("throttle: the releaser failed; retrying")
+            except Exception as exc:  # the releaser must outlive a bad payload or a broker blip
+                # Usually the broker is away: claimed tasks stay parked (the claim expires
+                # and they are claimed again), so nothing is lost, and one line per streak
+                # says so rather than a traceback per poll.
+                failing.failed(exc)
                 released = 0
             if released < self.batch:
                 self._stop_event.wait(self.poll_s)
