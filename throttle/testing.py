@@ -25,11 +25,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 from urllib.parse import quote
 
 import redis
 
-__all__ = ["RedisSentinel", "RedisServer", "TlsFiles", "free_port", "redis_url_from_env"]
+__all__ = [
+    "RedisSentinel",
+    "RedisServer",
+    "Service",
+    "TlsFiles",
+    "free_port",
+    "redis_url_from_env",
+]
 
 
 def free_port() -> int:
@@ -81,7 +89,29 @@ class TlsFiles:
         )
 
 
-class RedisServer:
+class Service:
+    """A process the tests start and stop: ``with Service() as running:`` starts it and
+    stops it on the way out, even when the block raises."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer(Service):
     """A ``redis-server`` subprocess on a free loopback port.
 
     Parameters
@@ -243,19 +273,8 @@ class RedisServer:
             self._dir.cleanup()
             self._dir = None
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class RedisSentinel:
+class RedisSentinel(Service):
     """A ``redis-server --sentinel`` on a free loopback port, watching ``master`` as
     ``service`` (quorum 1: alone, it decides failovers), over TLS when the master is.
 
@@ -406,17 +425,6 @@ class RedisSentinel:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
-
-    def __enter__(self) -> RedisSentinel:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def redis_url_from_env() -> str | None:
