@@ -64,7 +64,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
@@ -503,27 +503,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         nodes = {m: c.node_clients() for m, c in clusters.items()}
         share = {m: shares(c, namespaces) for m, c in clusters.items()}
         benches = {m: Capacity(clusters[m], nodes[m], not args.no_pin) for m in CAPACITY_MASTERS}
-        fleet = Fleet({m: clusters[m].url for m in FLEET_MASTERS}, namespaces, args.processes)
+        fleet = running = Fleet(
+            {m: clusters[m].url for m in FLEET_MASTERS}, namespaces, args.processes
+        )
         capacity = {m: Case("capacity", m, bench.label) for m, bench in benches.items()}
         fleets = {m: Case("python fleet", m, "any CPU") for m in FLEET_MASTERS}
-        steps: list[Callable[[], None]] = []
-        for m, bench in benches.items():
-            steps.append(lambda b=bench, c=capacity[m]: b.measure(c))
-        for m in FLEET_MASTERS:
-            steps.append(
-                lambda c=fleets[m], n=nodes[m]: fleet.measure(c, n, args.seconds)  # type: ignore[union-attr]
-            )
+        steps = [("capacity", m) for m in CAPACITY_MASTERS] + [("fleet", m) for m in FLEET_MASTERS]
         # A first round warms connections, script caches and keys and sizes the capacity
         # runs; not recorded.
         for bench in benches.values():
             bench.warm_up(args.seconds)
         for m in FLEET_MASTERS:
-            fleet.measure(Case("warm-up", m), nodes[m], 0.3)
+            running.measure(Case("warm-up", m), nodes[m], 0.3)
         shuffle = random.Random(args.seed).shuffle
         for round_no in range(args.rounds):
             shuffle(steps)
-            for step in steps:
-                step()
+            for kind, m in steps:
+                if kind == "capacity":
+                    benches[m].measure(capacity[m])
+                else:
+                    running.measure(fleets[m], nodes[m], args.seconds)
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
         print(report(capacity, fleets, share, args, (load_start, os.getloadavg()[0])))
     finally:
