@@ -414,7 +414,8 @@ def measured_row(client: str, case: Case, base: Case) -> str:
     per_round = [statistics.median(row) for row in case.cpu_us]
     return (
         f"| {client} | {case.masters} | {case.placement} | {spread(case.rates)} | "
-        f"{spread(ratios, 2)}x | {spread(per_round, 1)} µs | "
+        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+        f"{spread(per_round, 1)} µs | "
         f"{100 * statistics.median(case.busiest):.0f} % | {pct(case.server_cpu)} | "
         f"{pct(case.client_cpu)} |"
     )
