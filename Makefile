@@ -69,7 +69,9 @@ bench-celery: setup
 soak: setup
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
-# Acquisitions per second on a private Redis Cluster: 1 master vs 3, from several processes.
+# Acquisitions per second on private Redis Clusters of 1, 2 and 3 masters: their capacity
+# with redis-benchmark (redis-tools, installed with redis-server), the masters' CPU per
+# acquisition and a projection from it, and a fleet of Python processes. About 2 minutes.
 bench-cluster: setup
 	$(PY) -m bench.cluster
 

@@ -19,9 +19,11 @@ a test cluster needs no failover, and replicas would double the processes on a s
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import redis
@@ -133,8 +135,10 @@ class LocalCluster:
                 first = i * share
                 last = SLOTS if i == self.masters - 1 else first + share
                 client.cluster("ADDSLOTS", *range(first, last))
+            # The bus port must be given: it is not the default port + 10000 (_start_node).
+            bus = clients[0].config_get("cluster-port")["cluster-port"]
             for client in clients[1:]:
-                client.cluster("MEET", "127.0.0.1", self.nodes[0].port)
+                client.cluster("MEET", "127.0.0.1", self.nodes[0].port, bus)
         finally:
             for client in clients:
                 client.close()
@@ -160,6 +164,25 @@ class LocalCluster:
         finally:
             for client in clients:
                 client.close()
+
+    def pin(self, cpus: Sequence[int] | None) -> None:
+        """Pin master ``i`` (every thread of its ``redis-server``) to CPU ``cpus[i]``, or let
+        every master run on any CPU this process may use when ``cpus`` is None.
+
+        For benchmarks: a master executes commands on one thread, so its capacity is one
+        core's, and on a host with fewer cores than masters + clients the scheduler decides
+        who gets a core unless they are pinned (``taskset -a -p``, through
+        ``sched_setaffinity``; Linux only). Pinning reserves nothing: other processes of the
+        host may still run on that CPU.
+        """
+        if cpus is not None and len(cpus) != len(self.nodes):
+            raise ValueError(f"{len(self.nodes)} masters, {len(cpus)} CPUs given")
+        anywhere = os.sched_getaffinity(0)
+        for i, node in enumerate(self.nodes):
+            assert node.process is not None, "the cluster is not started"
+            allowed = anywhere if cpus is None else {cpus[i]}
+            for thread in os.listdir(f"/proc/{node.process.pid}/task"):
+                os.sched_setaffinity(int(thread), allowed)
 
     def stop(self) -> None:
         """Stop every node and remove its directory."""
