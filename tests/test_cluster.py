@@ -520,3 +520,23 @@ def test_the_celery_throttle_command_on_the_cluster(
     finally:
         drop_throttler()
         cli_app.conf.throttle_config, cli_app.conf.throttle_redis_url = saved
+
+
+@pytest.mark.parametrize("masters", [1, 2])
+def test_small_clusters_form_and_serve_every_slot(masters: int, namespace: str) -> None:
+    # Clusters of fewer than 3 masters are joined by hand (redis-cli asks for 3): each
+    # master must learn the others' bus ports, or they never meet.
+    with LocalCluster(masters=masters) as cluster:
+        client = cluster.client()
+        try:
+            assert len(client.get_primaries()) == masters
+            limiter = Limiter(client, namespace=namespace)
+            assert limiter.acquire(HOURLY, "acme").allowed
+        finally:
+            client.close()
+        for node in cluster.node_clients():
+            info = node.cluster("INFO")
+            node.close()
+            assert info["cluster_state"] == "ok"
+            assert int(info["cluster_slots_assigned"]) == 16384
+            assert int(info["cluster_known_nodes"]) == masters

@@ -24,12 +24,11 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
-from types import TracebackType
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from throttle.testing import RedisServer, free_port
+from throttle.testing import RedisServer, Service, free_port
 
 __all__ = ["SLOTS", "LocalCluster"]
 
@@ -37,7 +36,7 @@ SLOTS = 16384
 """Hash slots of a Redis Cluster."""
 
 
-class LocalCluster:
+class LocalCluster(Service):
     """``masters`` cluster-enabled ``redis-server`` processes joined into one cluster.
 
     Parameters
@@ -189,14 +188,3 @@ class LocalCluster:
         for node in self.nodes:
             node.stop()
         self.nodes = []
-
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
