@@ -45,10 +45,6 @@ local function clock_us(explicit)
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
 -- A duration in us rounded up to a whole us, never negative (for replies).
 local function ceil_us(x)
   if x <= 0 then
@@ -66,6 +62,12 @@ local function ttl_ms(idle_us)
 end
 
 -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
+
+-- A number as text, exactly (peek.lua and settle.lua's replies). Past the cut: the scripts
+-- that reply packed doubles would only create it and drop it on every call.
+local function fmt(x)
+  return string.format('%.17g', x)
+end
 
 local ALGO = {}
 
