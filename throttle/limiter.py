@@ -93,6 +93,8 @@ _new = tuple.__new__
 # reset_us as five packed doubles (exact, and no number formatted on either side).
 _unpack_one = struct.Struct("<ddddd").unpack
 _ONE_REPLY_SIZE = 40
+# lua/acquire.lua's decided replies, by their number of doubles (4 + 4 per limit).
+_UNPACKERS: dict[int, Callable[[bytes], tuple[float, ...]]] = {}
 
 
 def _unpack_doubles(raw: bytes, count: int) -> tuple[float, ...]:
@@ -105,7 +107,6 @@ def _unpack_doubles(raw: bytes, count: int) -> tuple[float, ...]:
     return unpack(raw)
 
 
-_UNPACKERS: dict[int, Callable[[bytes], tuple[float, ...]]] = {}
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 
 # Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
@@ -154,7 +155,7 @@ def _held_s(seconds: float) -> float:
 
 
 def _limit_state(limit: Limit, reply: list[Any], i: int) -> LimitState:
-    """One limit's four fields of an acquire.lua reply, from index ``i``."""
+    """One limit's four fields of a peek.lua reply (text), from index ``i``."""
     return LimitState(
         limit.name,
         int(reply[i]) == 1,
