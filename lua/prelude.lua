@@ -9,8 +9,10 @@
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
 -- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written
 -- exactly and in C, never formatted in Lua: several numbers packed as doubles (struct), or
--- one number passed to redis.call, which Redis formats as '%.17g'; replies are text (EVAL
--- would truncate a bare float reply and turn false into nil).
+-- one number passed to redis.call, which Redis formats as '%.17g'; replies are strings
+-- (EVAL would truncate a bare float reply and turn false into nil): the acquire scripts'
+-- decided replies packed doubles (every number made text in Lua is a C sprintf, which cost
+-- more than a limit's arithmetic), the rest text.
 --
 -- Each algorithm file defines local functions check and commit that take plain values (no
 -- per-call table: this runs on every acquire), then, after the line
@@ -43,10 +45,6 @@ local function clock_us(explicit)
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
 -- A duration in us rounded up to a whole us, never negative (for replies).
 local function ceil_us(x)
   if x <= 0 then
@@ -65,13 +63,20 @@ end
 
 -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
+-- A number as text, exactly (peek.lua and settle.lua's replies). Past the cut: the scripts
+-- that reply packed doubles would only create it and drop it on every call.
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
 local ALGO = {}
 
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
 -- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
--- key is KEYS[k], for the drivers of several limits. Created with every field (check's
--- outcome and the state it read), so that no table is resized on that path. cost is nil
--- when its ARGV is '' (settle.lua: as reserved).
+-- key is KEYS[k], for settle.lua and peek.lua. Created with every field (check's outcome
+-- and the state it read), so that no table is resized on that path. cost is nil when its
+-- ARGV is '' (settle.lua: as reserved). acquire.lua, on every multi-limit acquire, keeps
+-- the same values in an array instead (cheaper to build than named fields).
 local function limit_record(i, k)
   local a = 5 * i - 2
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),

@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import math
+import struct
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
@@ -88,6 +89,24 @@ DEFAULT_TIMEOUT_S = 5.0
 _SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unknown", "mismatch")
 _INF = math.inf
 _new = tuple.__new__
+# lua/acquire_one.lua's reply when decided: allowed, wait_us, retry_after_us, remaining,
+# reset_us as five packed doubles (exact, and no number formatted on either side).
+_unpack_one = struct.Struct("<ddddd").unpack
+_ONE_REPLY_SIZE = 40
+# lua/acquire.lua's decided replies, by their number of doubles (4 + 4 per limit).
+_UNPACKERS: dict[int, Callable[[bytes], tuple[float, ...]]] = {}
+
+
+def _unpack_doubles(raw: bytes, count: int) -> tuple[float, ...]:
+    """``count`` little-endian doubles packed by a script (struct '<d'), checked for size."""
+    unpack = _UNPACKERS.get(count)
+    if unpack is None:
+        unpack = _UNPACKERS[count] = struct.Struct(f"<{count}d").unpack
+    if len(raw) != 8 * count:
+        raise BackendError(f"a script replied {len(raw)} bytes where {8 * count} were due")
+    return unpack(raw)
+
+
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 
 # Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
@@ -136,7 +155,7 @@ def _held_s(seconds: float) -> float:
 
 
 def _limit_state(limit: Limit, reply: list[Any], i: int) -> LimitState:
-    """One limit's four fields of an acquire.lua reply, from index ``i``."""
+    """One limit's four fields of a peek.lua reply (text), from index ``i``."""
     return LimitState(
         limit.name,
         int(reply[i]) == 1,
@@ -263,20 +282,20 @@ class Limiter:
             b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
             whole, own,
         ]  # fmt: skip
-        reply = self._call(script, keys, args).split()
-        if reply[0] != b"0":
-            # The script re-checks capacity; the check above normally fires first.
+        reply = self._call(script, keys, args)
+        if len(reply) != _ONE_REPLY_SIZE:
+            # The script re-checks capacity ('2 1'); the check above normally fires first.
             raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        allowed = reply[1] == b"1"
-        remaining = float(reply[4])
-        retry_after_s = float(reply[3]) / 1e6
+        admitted, wait_us, retry_us, remaining, reset_us = _unpack_one(reply)
+        allowed = admitted == 1.0
+        retry_after_s = retry_us / 1e6
         if retry_after_s >= HELD_FOREVER_S:
             retry_after_s = _INF
-        reset_after_s = float(reply[5]) / 1e6
+        reset_after_s = reset_us / 1e6
         # tuple.__new__ straight away: the same NamedTuples in half the time of their
         # generated __new__.
         state = _new(LimitState, (limit.name, allowed, remaining, retry_after_s, reset_after_s))
-        wait_s = float(reply[2]) / 1e6
+        wait_s = wait_us / 1e6
         return _new(
             Decision,
             (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False, 0.0),
@@ -384,10 +403,13 @@ class Limiter:
         args.extend((acquisition_id or b"", max(round(lease_s * 1e6), 1), *fields))
         if self._clock_us is not None:
             args[0] = self._clock_us()
-        reply = self._call(self._scripts_for(codes)[0], keys, args).split()
-        status = int(reply[0])
+        raw = self._call(self._scripts_for(codes)[0], keys, args)
         # What settle needs: the state keys and the lease record, without the holds.
         own_keys = tuple(keys[1:])
+        if raw[:1] == b"\x00":  # status 0, decided: packed doubles (see lua/acquire.lua)
+            return self._decided(raw, n, pairs, costs, acquisition_id, own_keys)
+        reply = raw.split()
+        status = int(reply[0])
         if status == 2:
             # The script re-checks capacity; the check above normally fires first.
             index = int(reply[1]) - 1
@@ -406,26 +428,58 @@ class Limiter:
             voided = Acquisition(str(acquisition_id), tuple(costs), tuple(pairs), own_keys)
             state = LimitState(pairs[index][0].name, False, 0.0, retry_after_s, 0.0)
             return Decision(False, 0.0, retry_after_s, 0.0, 0.0, (state,), voided, held=True)
-        wait_s = float(reply[2]) / 1e6
         if status == 1:
             # Held already (a redelivery): the lease's own costs, not this call's.
+            wait_s = float(reply[2]) / 1e6
             held_costs = tuple(float(c) for c in reply[4 : 4 + n])
             held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), own_keys)
             late_s = float(reply[3]) / 1e6
             return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True, late_s=late_s)
-        allowed = int(reply[1]) == 1
+        raise BackendError(f"unexpected reply of lua/acquire.lua: {raw[:100]!r}")
+
+    @staticmethod
+    def _decided(
+        raw: bytes,
+        n: int,
+        pairs: list[tuple[Limit, str | None]],
+        costs: list[float],
+        acquisition_id: str | None,
+        own_keys: tuple[str, ...],
+    ) -> Decision:
+        """The Decision of a status-0 reply of lua/acquire.lua: 4 + 4n packed doubles."""
+        values = _unpack_doubles(raw, 4 + 4 * n)
+        allowed = values[1] == 1.0
         acquisition = None
         if allowed and acquisition_id is not None:
             acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), own_keys)
-        states = tuple([_limit_state(pairs[i][0], reply, 4 * i + 4) for i in range(n)])
+        states = tuple(
+            [
+                _new(
+                    LimitState,
+                    (
+                        pairs[i][0].name,
+                        values[4 * i + 4] == 1.0,
+                        values[4 * i + 5],
+                        _held_s(values[4 * i + 6] / 1e6),
+                        values[4 * i + 7] / 1e6,
+                    ),
+                )
+                for i in range(n)
+            ]
+        )
         if n == 1:
             remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
         else:
-            remaining = min(state.remaining for state in states)
-            reset_after_s = max(state.reset_after_s for state in states)
-        retry_after_s = _held_s(float(reply[3]) / 1e6)
+            remaining = min([state.remaining for state in states])
+            reset_after_s = max([state.reset_after_s for state in states])
         return Decision(
-            allowed, remaining, retry_after_s, reset_after_s, wait_s, states, acquisition
+            allowed,
+            remaining,
+            _held_s(values[3] / 1e6),
+            reset_after_s,
+            values[2] / 1e6,
+            states,
+            acquisition,
         )
 
     def settle(
