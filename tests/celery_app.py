@@ -14,6 +14,7 @@ import redis
 from celery import Celery
 
 from throttle.celery import ThrottledTask, install, report_cost, throttled
+from throttle.keys import KeySpace
 from workers.demo_app import _post
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")
@@ -29,14 +30,27 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 install(app)
+_KEYS = KeySpace()  # the workers' namespace: the default
+BLOCKS = "test:blocks"
+"""A counter of the ``block`` tasks started (a backlog's progress, read by ``_record``)."""
 
 
 def _record(task: Any, name: str) -> dict[str, Any]:
-    """Count this execution in Redis (so tests see duplicates) and describe it."""
+    """Count this execution in Redis (so tests see duplicates) and describe it.
+
+    ``at`` is when the body started (this host's clock); ``slot`` is the slot the limiter
+    granted it, read from its lease record in Redis (Redis time, epoch s; None for a task
+    that holds no lease), so that tests judge the limiter on what it granted and the worker
+    on how late it ran, apart; ``blocks`` is how many ``block`` tasks had started by then
+    (read in the same round trip).
+    """
     at = time.time()  # first: when the body started, before any Redis round trip
     client = redis.Redis.from_url(BROKER)
-    runs = client.incr(f"test:runs:{task.request.id}")
-    client.expire(f"test:runs:{task.request.id}", 600)
+    key = f"test:runs:{task.request.id}"
+    pipe = client.pipeline(transaction=False)
+    pipe.incr(key).expire(key, 600).hget(_KEYS.lease_key(task.request.id), "at").get(BLOCKS)
+    runs, _, slot_us, blocks = pipe.execute()
+    client.close()
     headers = task.request.headers or {}
     return {
         "task": name,
@@ -45,6 +59,8 @@ def _record(task: Any, name: str) -> dict[str, Any]:
         "deferrals": headers.get("throttle_deferrals", 0),
         "runs": runs,
         "at": at,
+        "slot": None if slot_us is None else float(slot_us) / 1e6,
+        "blocks": int(blocks or 0),
         "queue": (task.request.delivery_info or {}).get("routing_key"),
     }
 
@@ -137,6 +153,9 @@ def held_call(self: Any, x: int) -> dict[str, Any]:
 
 @app.task
 def block(seconds: float) -> float:
-    """Occupies a pool child (not throttled): saturates the workers."""
+    """Occupies a pool child (not throttled): saturates the workers. Counted as it starts."""
+    client = redis.Redis.from_url(BROKER)
+    client.incr(BLOCKS)
+    client.close()
     time.sleep(seconds)
     return seconds

@@ -179,8 +179,11 @@ class Worker(_Child):
         return f"{self.name}@{socket.gethostname()}"
 
 
-def wait_ready(app: Any, workers: Sequence[Worker | Process], timeout_s: float = 60.0) -> None:
-    """Block until every worker answers a ping (or raise, with the worker's exit code)."""
+def wait_ready(app: Any, workers: Sequence[Worker | Process], timeout_s: float = 120.0) -> None:
+    """Block until every worker answers a ping (or raise, with the worker's exit code).
+
+    Generous: a worker imports Celery and forks its children in a few seconds on a quiet
+    host, but a loaded 2-core one (a CI runner) can take ten times that."""
     wanted = {w.hostname for w in workers}
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
@@ -275,9 +278,9 @@ class LocalStack:
 
 
 def _await_line(
-    process: Process, pattern: re.Pattern[str], timeout_s: float = 20.0
+    process: Process, pattern: re.Pattern[str], timeout_s: float = 60.0
 ) -> re.Match[str]:
-    """Wait for a line matching ``pattern`` in the process's log."""
+    """Wait for a line matching ``pattern`` in the process's log (generous, as wait_ready)."""
     assert process.log is not None and process.proc is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -291,8 +294,8 @@ def _await_line(
     raise RuntimeError(f"{process.name} did not print {pattern.pattern!r}: {tail}")
 
 
-def _await_http(process: Process, url: str, timeout_s: float = 60.0) -> None:
-    """Wait until ``url`` answers 200 (or the process exits)."""
+def _await_http(process: Process, url: str, timeout_s: float = 120.0) -> None:
+    """Wait until ``url`` answers 200 (or the process exits; generous, as wait_ready)."""
     assert process.proc is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
