@@ -1074,6 +1074,10 @@ def _report_deferral(
         gate.task.send_event(
             "task-throttled",
             retry=False,  # an event is not worth blocking a pool slot on a broker outage
+            # The task's name, though task-received carried it: the worker's main process
+            # buffers its task events, so Flower may see this one first, and would count it
+            # under an unnamed task.
+            name=gate.task.name,
             limits=list(limits),
             keys=[targets.get(name, (None, None))[0] for name in limits],
             costs=[targets.get(name, (None, None))[1] for name in limits],
