@@ -1358,7 +1358,10 @@ class Releaser(threading.Thread):
                     # Redis may have restarted empty between two tasks, unseen by any gate.
                     checked = time.monotonic()
                     throttler.check_cold_start()
-                failing.ended()
+                # A round that claimed nothing published nothing: it says the broker is back
+                # only if a connection to it now opens.
+                if failing.since is not None and (released or self._broker_reachable()):
+                    failing.ended()
             except BackendError as exc:
                 Throttler.of(self.app).outage(exc)
                 released = 0
@@ -1370,6 +1373,16 @@ class Releaser(threading.Thread):
                 released = 0
             if released < self.batch:
                 self._stop_event.wait(self.poll_s)
+
+    def _broker_reachable(self) -> bool:
+        """Whether the broker accepts a connection now: one attempt, no retries (asked only
+        while publishing fails)."""
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=0)
+        except Exception:
+            return False
+        return True
 
     def release_once(self) -> int:
         """Claim, publish and commit one batch; returns how many were released."""
