@@ -322,7 +322,7 @@ def test_parked_tasks_survive_a_releaser_that_dies_and_run_once(fleet: Fleet) ->
     # will exist), some before: the fleet's releasers take them again when the claims
     # expire, and the worker that starts a copy first is the only one to run it.
     from tests.celery_app import app, far  # noqa: PLC0415
-    from throttle.celery import Releaser  # noqa: PLC0415
+    from throttle.celery.releaser import Releaser  # noqa: PLC0415
 
     lot = ParkingLot(fleet.client, fleet.keyspace)
     handles = [far.delay(x) for x in range(12)]
@@ -414,7 +414,7 @@ def test_a_hold_stops_tasks_already_sleeping_to_their_slots(fleet: Fleet) -> Non
     # Given three tasks at 4/s burst 1: the first runs at once, the others reserve the next
     # slots (0.25 s and 0.5 s later, within sleep_max) and sleep in their pool children
     from tests.celery_app import held_call  # noqa: PLC0415
-    from throttle.celery import RECHECK_LEAD_S  # noqa: PLC0415
+    from throttle.celery.gate import RECHECK_LEAD_S  # noqa: PLC0415
 
     def redis_now_s() -> float:
         seconds, micros = fleet.client.time()

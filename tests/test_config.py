@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from throttle import Algorithm, ConfigError
-from throttle.config import CONFIG_ENV, Rule, Settings, ThrottleConfig, parse_duration
+from throttle.config import CONFIG_ENV, Settings, ThrottleConfig
+from throttle.rules import Rule
+from throttle.units import parse_duration
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

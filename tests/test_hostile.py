@@ -39,9 +39,10 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from throttle import ConfigError, KeySpace, Limit, RequestError
-from throttle.celery import _count_header, _deadline_header, _id_header, _key
-from throttle.config import KeyTemplate, Rule, ThrottleConfig, parse_key_template
+from throttle.celery.message import count_header, deadline_header, id_header
+from throttle.config import ThrottleConfig
 from throttle.keys import PART_ALPHABET, _state_keys, encode, encode_part
+from throttle.rules import KeyTemplate, Rule, key_for, parse_key_template
 from throttle.spec import MAX_AMOUNT, MAX_PERIOD_S, MIN_PERIOD_S
 from throttle.testing import RedisServer
 from workers.harness import Worker, wait_ready
@@ -158,7 +159,7 @@ def test_a_huge_key_value_is_hashed_quickly_and_not_cached() -> None:
         space.state_keys(limit, "")  # "" would be the keyless state's key
 
 
-# --- keys from task arguments (throttle.celery._key) ---------------------------------------
+# --- keys from task arguments (throttle.rules.key_for) ---------------------------------------
 
 
 class Shouty(str):
@@ -190,7 +191,7 @@ class Exploding:
 
 def key_of(template: str, **named: Any) -> str | None:
     rule = Rule(Limit.parse("10/s", name="api"), key=template)
-    return _key(rule, named, (), named)
+    return key_for(rule, named, (), named)
 
 
 def normal(value: str | int) -> str:
@@ -293,7 +294,7 @@ def test_values_that_cannot_name_a_bucket_are_a_config_error(value: Any, problem
     assert (caught.value.limit, caught.value.field) == ("api", "key")
     rule = Rule(Limit.parse("10/s", name="api"), key=lambda tenant: tenant)
     with pytest.raises(ConfigError, match=problem):
-        _key(rule, {}, (value,), {})
+        key_for(rule, {}, (value,), {})
 
 
 def test_hostile_arguments_give_their_content_or_a_config_error() -> None:
@@ -681,19 +682,19 @@ def test_a_small_merge_is_still_a_merge(tmp_path: Path) -> None:
      {"at": 1e9}, 253402300800],
 )  # fmt: skip
 def test_corrupt_deadlines_read_as_absent(value: Any) -> None:
-    assert _deadline_header({"throttle_deadline": value}) is None
+    assert deadline_header({"throttle_deadline": value}) is None
 
 
 def test_valid_headers_read_as_themselves() -> None:
-    assert _deadline_header({"throttle_deadline": 1_763_776_800.5}) == 1_763_776_800.5
-    assert _deadline_header({"throttle_deadline": 1_763_776_800}) == 1_763_776_800.0
-    assert _count_header({"throttle_deferrals": 3}) == 3
-    assert [_count_header({"throttle_deferrals": v}) for v in ("3", -1, True, 10**30, 2.0)] == [
+    assert deadline_header({"throttle_deadline": 1_763_776_800.5}) == 1_763_776_800.5
+    assert deadline_header({"throttle_deadline": 1_763_776_800}) == 1_763_776_800.0
+    assert count_header({"throttle_deferrals": 3}) == 3
+    assert [count_header({"throttle_deferrals": v}) for v in ("3", -1, True, 10**30, 2.0)] == [
         0
     ] * 5
-    assert _id_header({"t": "0f" * 16}, "t") == "0f" * 16
+    assert id_header({"t": "0f" * 16}, "t") == "0f" * 16
     for bad in (5, "", "x" * 101, "a\ud800", "a\nb", "é", None, ["a"]):
-        assert _id_header({"t": bad}, "t") is None
+        assert id_header({"t": bad}, "t") is None
 
 
 # --- headers: real messages through a real worker -----------------------------------------

@@ -457,9 +457,10 @@ def test_without_prometheus_client_the_throttler_works_and_asking_for_metrics_fa
 
 def test_a_failing_stats_write_never_fails_the_task(prefix: str) -> None:
     # The gate's recording of a deferral against a Redis that is gone: no exception.
-    from throttle.celery import _count  # noqa: PLC0415
+    from throttle.celery.observe import FleetStatsReporter, Observer  # noqa: PLC0415
 
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
-    gate = SimpleNamespace(throttler=SimpleNamespace(stats=StatsBook(dead, KeySpace(prefix))))
-    _count(gate, ["api"], ("denied",))  # type: ignore[arg-type]
+    reporter = FleetStatsReporter(StatsBook(dead, KeySpace(prefix)), on_error=Observer())
+    execution = SimpleNamespace(targets=[])
+    reporter.deferred(execution, ["api"], "republish", 1.0, 1)  # type: ignore[arg-type]
     dead.close()

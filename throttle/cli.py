@@ -35,10 +35,12 @@ from typing import Any
 import click
 
 from throttle.admin import reset as reset_state
-from throttle.celery import LANE_SUFFIX, Throttler, _task_spec
-from throttle.config import Rule, ThrottleConfig
+from throttle.celery.message import queue_of
+from throttle.celery.runtime import Throttler, declared_by
+from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
 from throttle.limiter import RedisClient, wrap_errors
+from throttle.rules import Rule
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
 from throttle.urls import describe
@@ -96,7 +98,7 @@ def _known(app: Any, throttler: Throttler) -> dict[str, _Known]:
     """The file's limits in its order, then the tasks' inline limits by name."""
     known = {name: _Known(rule) for name, rule in throttler.config.rules.items()}
     for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
-        spec = _task_spec(task)
+        spec = declared_by(task)
         for rule in spec.rules if spec is not None else ():
             known.setdefault(rule.name, _Known(rule, str(task.name)))
     return known
@@ -166,16 +168,6 @@ def _hold(seconds: float | None) -> dict[str, Any] | None:
     return {"paused": paused, "held_s": None if paused else round(seconds, 3)}
 
 
-def _queue_of(delivery_info: object) -> str | None:
-    """The queue an active task came from; its lane counts as the queue (as in the gate)."""
-    if not isinstance(delivery_info, Mapping):
-        return None
-    queue = delivery_info.get("routing_key") or delivery_info.get("queue") or None
-    if isinstance(queue, str) and queue.endswith(LANE_SUFFIX):
-        queue = queue[: -len(LANE_SUFFIX)]
-    return queue if isinstance(queue, str) else None
-
-
 def in_flight(app: Any, throttler: Throttler, timeout_s: float) -> tuple[Counter[str], int]:
     """Tasks running now, per limit among their rules, from ``inspect().active()``, and how
     many workers replied within ``timeout_s``.
@@ -191,8 +183,8 @@ def in_flight(app: Any, throttler: Throttler, timeout_s: float) -> tuple[Counter
             task = app.tasks.get(info.get("name"))
             if task is None:
                 continue
-            queue = _queue_of(info.get("delivery_info"))
-            for rule in throttler.rules(task, _task_spec(task), queue):
+            queue = queue_of(info.get("delivery_info"))
+            for rule in throttler.rules(task, declared_by(task), queue):
                 counts[rule.name] += 1
     return counts, len(replies)
 
@@ -602,7 +594,7 @@ def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
     defined = ", ".join(sorted(config.rules)) or "none"
     errors = []
     for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
-        spec = _task_spec(task)
+        spec = declared_by(task)
         for name in spec.names if spec is not None else ():
             if name not in config.rules:
                 errors.append(

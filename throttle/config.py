@@ -29,36 +29,27 @@ See ``configs/limits.yaml`` for an annotated example. Rules given inline to the
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import re
-import string
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from throttle.errors import ConfigError
-from throttle.keys import PART_ALPHABET, KeySpace, text_error
+from throttle.keys import KeySpace, text_error
+from throttle.rules import Rule
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
+from throttle.units import parse_duration
 
 __all__ = [
     "CONFIG_ENV",
     "ConfigSource",
-    "Rule",
     "Settings",
     "ThrottleConfig",
-    "parse_duration",
 ]
 
 CONFIG_ENV = "THROTTLE_CONFIG"
 """The environment variable naming the limits file when ``app.conf.throttle_config`` is unset."""
 
-OnTimeout = str  # "fail" or "dead_letter:QUEUE"
-OnError = Literal["keep", "refund"]
-OnRedisDown = str  # "defer", "allow", "allow:DURATION" or "local"
-ColdStart = Literal["full", "empty"]
-KeySource = str | Callable[..., object] | None
-CostSource = float | str | Callable[..., float]
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
 _LIMIT_FIELDS = ("rate", "algorithm", "burst")
@@ -84,8 +75,6 @@ _SETTINGS_FIELDS = {
     "metrics_dir": "str",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
-_DURATION_RE = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)", re.IGNORECASE)
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 # The loader raises the first error it meets; ThrottleConfig.check passes a list instead, and
@@ -108,274 +97,6 @@ def _noted(errors: Errors) -> Iterator[None]:
         yield
     except ConfigError as exc:
         _report(errors, exc)
-
-
-def parse_duration(
-    value: object, *, field: str, limit: str | None = None, source: str | None = None
-) -> float:
-    """Seconds from a number (seconds) or a string such as ``"250ms"``, ``"30s"``, ``"10m"``,
-    ``"2h"``, ``"1d"``; finite and >= 0."""
-    seconds: float | None = None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int too large for a float
-            seconds = math.inf
-    elif isinstance(value, str):
-        match = _DURATION_RE.fullmatch(value.strip())
-        if match:
-            seconds = float(match["n"]) * _DURATION_UNITS[match["unit"].lower()]
-    if seconds is None or not (0 <= seconds < math.inf):
-        raise ConfigError(
-            "must be a duration >= 0: seconds, or a string such as '250ms', '30s', '10m', "
-            "'2h', '1d'",
-            field=field, value=value, limit=limit, source=source,
-        )  # fmt: skip
-    return seconds
-
-
-# One replacement field of a key template: an argument, then attributes and indexes into it
-# ("{tenant_id}", "{user.org}", "{ids[0]}"), and no conversion or format spec ("{x:.3}"
-# would cut distinct values to one key).
-_FIELD_RE = re.compile(r"(?P<head>[^\W\d]\w*)(?:\.[^\W\d]\w*|\[[^\[\]]+\])*")
-
-
-@dataclass(frozen=True)
-class KeyTemplate:
-    """A key template split into its literal text and its fields: ``literals[0]``, the
-    value of ``paths[0]``, ``literals[1]``, ... (``len(literals) == len(paths) + 1``)."""
-
-    literals: tuple[str, ...]
-    paths: tuple[str, ...]
-    """The fields as written, e.g. ``"user.org"`` (``string.Formatter`` paths)."""
-
-    @property
-    def heads(self) -> tuple[str, ...]:
-        """The arguments the fields read."""
-        return tuple(re.split(r"[.\[]", path, maxsplit=1)[0] for path in self.paths)
-
-
-def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:
-    """Split and check a key template. A template of several fields must separate each
-    pair by a character outside :data:`throttle.keys.PART_ALPHABET` (``:``, ``/``, a
-    space...): the worker encodes each value of such a template (throttle.keys.encode_part)
-    so that the separator never occurs in it, which makes the key unambiguous
-    ("{a}:{b}" with "x:y" and "z" is not "x" and "y:z")."""
-
-    def bad(problem: str) -> ConfigError:
-        return ConfigError(problem, field="key", value=template, limit=limit, source=source)
-
-    problem = text_error(template)
-    if problem is not None:
-        raise bad(f"a key template must be Unicode text; it has {problem}")
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise bad(f"malformed key template ({exc})") from None
-    literals, paths = [""], []
-    for text, path, spec, conversion in parsed:
-        literals[-1] += text
-        if path is None:
-            continue
-        if not path or path.isdigit() or path[0].isdigit():
-            raise bad("key template fields must name arguments, as in '{tenant_id}'")
-        if not _FIELD_RE.fullmatch(path):
-            raise bad(
-                f"malformed key template field {{{path}}}: an argument name, then .attribute "
-                "or [index] parts"
-            )
-        if spec or conversion:
-            raise bad(
-                f"a key template field takes no conversion or format spec ({{{path}}}): a "
-                "spec such as ':.3' would give distinct values one key"
-            )
-        paths.append(path)
-        literals.append("")
-    for between in literals[1:-1]:
-        if all(char in PART_ALPHABET for char in between):
-            raise bad(
-                "fields of a key template must be separated by a character such as ':', '/' "
-                "or ' ', not only letters, digits or '_.@+=~-%#' (with '{a}-{b}', 'x-y' and "
-                "'z' would share a key with 'x' and 'y-z')"
-            )
-    return KeyTemplate(tuple(literals), tuple(paths))
-
-
-_REDIS_DOWN_HELP = (
-    "must be 'defer' (fail closed), 'allow' (fail open for settings.fail_open_for), "
-    "'allow:DURATION' such as 'allow:30s' (fail open that long, then closed) or 'local' "
-    "(a per-process bucket at the limit's rate / the fleet's processes)"
-)
-
-
-def _fail_open(value: object, limit: str | None) -> float | None:
-    """The bound of ``allow:DURATION`` in s (None for the other policies); a ConfigError
-    names the field for anything else."""
-    if value in ("defer", "allow", "local"):
-        return None
-    if isinstance(value, str) and value.startswith("allow:"):
-        try:
-            return parse_duration(value[6:], field="on_redis_down", limit=limit)
-        except ConfigError:
-            pass
-    raise ConfigError(_REDIS_DOWN_HELP, field="on_redis_down", value=value, limit=limit)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A limit as a task meets it: where its key and cost come from, how long a task may wait.
-
-    Parameters
-    ----------
-    limit:
-        The :class:`Limit` (its name is the rule's name).
-    key:
-        ``None`` (one state for every task), a template over the task's arguments such as
-        ``"{tenant_id}"`` or ``"{user.org}:{region}"``, or a callable of the task's
-        arguments returning the key.
-    cost:
-        A number (default 1), the name of an argument holding the cost (an estimate that the
-        task may correct with :func:`throttle.celery.report_cost`), or a callable of the
-        task's arguments.
-    max_wait_s:
-        The throttle deadline in seconds, counted from the first denial (``None``: no
-        deadline but the task's ``expires``). Past it, ``on_timeout`` applies.
-    on_timeout:
-        ``"fail"``: the task fails with ``ThrottleTimeout``; ``"dead_letter:QUEUE"``: the
-        task is sent, unchanged and at once, to QUEUE.
-    on_error:
-        When the body raises and reported no actual cost: ``"keep"`` the reserved cost
-        (safe: the call may have been made) or ``"refund"`` it in full.
-    on_redis_down:
-        When Redis cannot be reached: ``"defer"`` the task (fail closed, the default: it
-        comes back every 5 s until Redis answers); ``"allow"`` it (fail open) for
-        ``settings.fail_open_for`` from the start of the outage, then defer; ``"allow:30s"``
-        with a bound of its own; or ``"local"``: a token bucket in each worker process at
-        the limit's rate divided by the fleet's processes (:mod:`throttle.fallback`).
-        Fail open trades the upstream's limit for availability; ``local`` keeps it roughly
-        (exactly only while the count of processes is right), not for concurrency limits.
-    cold_start:
-        What a Redis that restarted empty (its data lost) hands out: ``"full"`` (the
-        default: the state is gone, so a bucket is full again and every limit may admit a
-        whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
-        drains the limit (takes its whole capacity once), so that it starts at its rate.
-        Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
-    """
-
-    limit: Limit
-    key: KeySource = None
-    cost: CostSource = 1.0
-    max_wait_s: float | None = None
-    on_timeout: OnTimeout = "fail"
-    on_error: OnError = "keep"
-    on_redis_down: OnRedisDown = "defer"
-    cold_start: ColdStart = "full"
-    key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
-    """The argument names a key template reads (empty for a callable or no key)."""
-    fail_open_s: float | None = field(init=False, repr=False, compare=False)
-    """``allow:DURATION``: how long the rule fails open, in s; ``None``: ``allow`` (the
-    setting ``fail_open_for`` applies), or not failing open (``defer``, ``local``)."""
-    key_template: KeyTemplate | None = field(init=False, repr=False, compare=False)
-    """The parsed key template (None for a callable or no key)."""
-
-    def __post_init__(self) -> None:
-        name = self.limit.name if isinstance(self.limit, Limit) else None
-        if not isinstance(self.limit, Limit):
-            raise ConfigError("a rule needs a Limit", field="limit", value=self.limit)
-        template = None
-        if isinstance(self.key, str):
-            if not self.key:
-                raise ConfigError("an empty key template", field="key", value="", limit=name)
-            template = parse_key_template(self.key, limit=name, source=None)
-        elif self.key is not None and not callable(self.key):
-            raise ConfigError(
-                "must be a template string such as '{tenant_id}' or a callable",
-                field="key", value=self.key, limit=name,
-            )  # fmt: skip
-        object.__setattr__(self, "key_template", template)
-        object.__setattr__(self, "key_fields", () if template is None else template.heads)
-        cost = self.cost
-        if isinstance(cost, bool) or not (isinstance(cost, int | float | str) or callable(cost)):
-            raise ConfigError(
-                "must be a number, an argument name or a callable",
-                field="cost", value=cost, limit=name,
-            )  # fmt: skip
-        if isinstance(cost, int | float):
-            if not (0 <= cost <= self.limit.capacity):
-                raise ConfigError(
-                    f"must be a number from 0 to the limit's capacity {self.limit.capacity:g}",
-                    field="cost", value=cost, limit=name,
-                )  # fmt: skip
-            object.__setattr__(self, "cost", float(cost))
-        elif isinstance(cost, str) and not cost.isidentifier():
-            raise ConfigError(
-                "must be a number or the name of an argument", field="cost", value=cost,
-                limit=name,
-            )  # fmt: skip
-        if self.max_wait_s is not None:
-            object.__setattr__(
-                self, "max_wait_s", parse_duration(self.max_wait_s, field="max_wait", limit=name)
-            )
-        timeout = self.on_timeout
-        if not isinstance(timeout, str) or not (
-            timeout == "fail"
-            or (
-                timeout.startswith("dead_letter:")
-                and timeout[12:].strip()
-                and text_error(timeout) is None
-            )
-        ):
-            raise ConfigError(
-                "must be 'fail' or 'dead_letter:QUEUE'", field="on_timeout", value=timeout,
-                limit=name,
-            )  # fmt: skip
-        if self.on_error not in ("keep", "refund"):
-            raise ConfigError(
-                "must be 'keep' or 'refund'", field="on_error", value=self.on_error, limit=name
-            )
-        object.__setattr__(self, "fail_open_s", _fail_open(self.on_redis_down, name))
-        if self.on_redis_down == "local" and self.limit.algorithm is Algorithm.CONCURRENCY:
-            raise ConfigError(
-                "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
-                field="on_redis_down", value=self.on_redis_down, limit=name,
-            )  # fmt: skip
-        if self.cold_start not in ("full", "empty"):
-            raise ConfigError(
-                "must be 'full' (a fresh burst) or 'empty' (start at the rate)",
-                field="cold_start", value=self.cold_start, limit=name,
-            )  # fmt: skip
-        if self.cold_start == "empty" and (
-            self.key is not None or self.limit.algorithm is Algorithm.CONCURRENCY
-        ):
-            raise ConfigError(
-                "'empty' is for unkeyed rate limits: per-key states cannot be listed once "
-                "Redis lost them, and a concurrency limit's state is its running holders",
-                field="cold_start", value=self.cold_start, limit=name,
-            )  # fmt: skip
-
-    @property
-    def name(self) -> str:
-        return self.limit.name
-
-    @property
-    def dead_letter_queue(self) -> str | None:
-        """The queue of ``on_timeout: dead_letter:QUEUE``, else None."""
-        if self.on_timeout.startswith("dead_letter:"):
-            return self.on_timeout.partition(":")[2]
-        return None
-
-    @property
-    def estimated(self) -> bool:
-        """True when the cost comes from the task (an argument or a callable): an estimate
-        that a reported actual cost replaces."""
-        return not isinstance(self.cost, float)
-
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any], *, name: str, source: str | None) -> Rule:
-        """One entry of a limits file's ``limits:`` (the limit's and the rule's fields)."""
-        rule = _rule(config, name, source, None)
-        assert rule is not None  # without an error list, the first error was raised
-        return rule
 
 
 def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule | None:

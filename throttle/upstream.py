@@ -519,9 +519,10 @@ def report_upstream(
     """
     signal = read_response(response)
     # Imported here: the parser and the plain form need no Celery.
-    from throttle.celery import Throttler, _ticket, defer_task  # noqa: PLC0415
+    from throttle.celery import Throttler, defer_task  # noqa: PLC0415
+    from throttle.celery.execution import current_ticket  # noqa: PLC0415
 
-    ticket = _ticket.get()
+    ticket = current_ticket()
     if ticket is None or ticket.acquisition is None:
         if signal is not None and retry and signal.refused:
             _release(response)

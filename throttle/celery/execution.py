@@ -1,0 +1,95 @@
+"""One execution of one throttled task: what the gate knows, and the ticket the body runs on.
+
+An :class:`Execution` is built when the task is about to run (its request, headers, queue
+and rules); the gate fills in its targets and deadline, and hands it to the rescheduling
+and reporting code. A :class:`Ticket` is what an admitted execution holds while its body
+runs (the acquisition to settle, the costs the body reported); :func:`current_ticket`
+finds it from inside the body (``report_cost``, ``report_upstream``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+
+from throttle.celery.message import queue_of
+from throttle.config import Settings
+from throttle.decision import Acquisition
+from throttle.rules import Rule, Target
+
+if TYPE_CHECKING:
+    from throttle.celery.runtime import Throttler
+
+
+@dataclass
+class Execution:
+    """One execution of ``task``: its request and the throttler's view of it."""
+
+    task: Task
+    throttler: Throttler
+    rules: tuple[Rule, ...]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    """Each rule's (limit in force, key, cost); empty until the gate evaluates them."""
+    deadline: float | None = None
+    """Epoch s (this worker's clock): past it, ``on_timeout`` applies."""
+
+    @property
+    def request(self) -> Any:
+        return self.task.request
+
+    @property
+    def settings(self) -> Settings:
+        return self.throttler.settings
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        """A copy of the message's headers (an empty dict when they are not a mapping)."""
+        headers = self.request.headers
+        return dict(headers) if isinstance(headers, Mapping) else {}
+
+    @property
+    def queue(self) -> str | None:
+        """The queue the task was consumed from (its lane counts as the queue)."""
+        return queue_of(self.request.delivery_info)
+
+    @property
+    def eager(self) -> bool:
+        """Eager mode or a direct call: no message, no queue to come back through."""
+        return bool(self.request.is_eager or self.request.called_directly)
+
+
+@dataclass
+class Ticket:
+    """What an admitted execution holds: the acquisition to settle, the costs reported."""
+
+    acquisition: Acquisition | None
+    rules: tuple[Rule, ...]
+    slot_at: float
+    """When the slot came, in epoch s of this worker's clock."""
+    reported: dict[str | None, float] = field(default_factory=dict)
+
+
+_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
+    "throttle_ticket", default=None
+)
+
+
+def current_ticket() -> Ticket | None:
+    """The ticket of the throttled task running in this context, or None."""
+    return _ticket.get()
+
+
+def enter_ticket(ticket: Ticket) -> contextvars.Token[Ticket | None]:
+    """Make ``ticket`` the current one; pass the token to :func:`leave_ticket`."""
+    return _ticket.set(ticket)
+
+
+def leave_ticket(token: contextvars.Token[Ticket | None]) -> None:
+    _ticket.reset(token)

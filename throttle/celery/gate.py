@@ -1,0 +1,274 @@
+"""The gate: decide for one execution whether it runs now, sleeps to its slot, or comes back.
+
+1. The task's rules are evaluated (:func:`throttle.rules.targets`): key and cost from its
+   arguments, the rate in force from Redis when an operator changed it at run time.
+2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
+   does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
+3. A slot within ``sleep_max``: the pool slot sleeps until it (looking once more just
+   before it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`.
+   Further ahead: the task is re-published for just before its slot
+   (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
+   up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
+   back when the limit says it could admit, plus a random jitter.
+4. Past the task's deadline (``max_wait``, or its ``expires``): ``on_timeout``.
+
+Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
+the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
+When the limiter's Redis fails, the rules' ``on_redis_down`` decide
+(:mod:`throttle.celery.outage`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from throttle.celery.execution import Execution, Ticket
+from throttle.celery.message import H_PARKED, H_PUBLISH, deadline_header, id_header
+from throttle.celery.outage import run_while_down
+from throttle.celery.reschedule import defer, time_out
+from throttle.celery.runtime import Throttler
+from throttle.decision import Decision
+from throttle.errors import BackendError, ThrottleTimeout
+from throttle.limiter import DEFAULT_LEASE_S
+from throttle.rules import Declared, targets
+from throttle.spec import Algorithm
+
+logger = logging.getLogger("throttle")
+
+MAX_RESERVE_S = 86400.0
+"""The farthest ahead a slot is reserved, in s; a task that would wait longer is denied and
+comes back when the limit says (a rate changed at run time applies to it then)."""
+EARLY_S = 0.1
+"""A rescheduled task is published to arrive this long before its slot and sleeps the rest:
+the slot is kept to the millisecond, whatever the precision of ETA messages."""
+RECHECK_LEAD_S = 0.01
+"""A task sleeping to its slot looks at Redis again this long before it (for holds placed
+meanwhile), then sleeps the rest: the round trip must not make the call late."""
+
+
+class Gate:
+    """Decides for one execution of one task: run now (maybe after a short sleep), or
+    come back later, or time out. :meth:`enter` returns the ticket to run on (None: run
+    without one), or raises celery's Retry/Ignore, or ThrottleTimeout."""
+
+    def __init__(
+        self,
+        task: Task,
+        declared: Declared | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        throttler = Throttler.of(task.app)
+        self.execution = execution = Execution(task, throttler, (), fn, args, kwargs)
+        execution.rules = throttler.rules(task, declared, execution.queue)
+        self.settings = throttler.settings
+        self.limiter = throttler.limiter
+
+    def enter(self) -> Ticket | None:
+        execution = self.execution
+        if not execution.rules:
+            return None
+        try:
+            self._drop_second_copy()
+            execution.targets = targets(
+                execution.rules, execution.fn, execution.args, execution.kwargs,
+                execution.throttler.rates.current,
+            )  # fmt: skip
+            now = time.time()
+            execution.deadline = deadline_of(execution, now)
+            if execution.eager:
+                return self._block()
+            ticket = self._decide(now)
+        except BackendError as exc:
+            run_while_down(execution, exc)
+            return None
+        execution.throttler.observer.allowed(execution, ticket.slot_at - now)
+        return ticket
+
+    def _drop_second_copy(self) -> None:
+        """A parked task released twice (a releaser died between publishing and committing)
+        runs once: the parking lot accepts one publish of each token."""
+        headers = self.execution.headers
+        token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
+        if (
+            token is not None
+            and publish is not None
+            and not self.execution.throttler.parking.accept(token, publish)
+        ):
+            logger.info(
+                "throttle: dropping a second copy of parked task %s", self.execution.request.id
+            )
+            raise Ignore()
+
+    # -- horizons
+
+    def _horizon(self, now: float) -> float:
+        """How far ahead a slot may be reserved: a concurrency unit must not be held while
+        the task waits, so with one the wait is at most a sleep."""
+        execution = self.execution
+        if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in execution.targets):
+            horizon = self.settings.sleep_max_s
+        else:
+            horizon = MAX_RESERVE_S
+        if execution.deadline is not None:
+            horizon = min(horizon, max(execution.deadline - now, 0.0))
+        return horizon
+
+    def _lease_s(self) -> float:
+        """How long the acquisition's record and concurrency units live after its slot, in
+        s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from
+        the slot, so a wait before the slot is in it already."""
+        task = self.execution.task
+        limit = task.request.timelimit or (None, None)
+        hard = limit[0] or task.time_limit or task.app.conf.task_time_limit
+        return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
+
+    def _acquire(self, max_wait_s: float) -> Decision:
+        """Acquire (or look again at) the execution's slot; a reserved slot that a hold
+        placed since has voided (an upstream 429, a pause) is given up, and the decision
+        reads as a denial until the hold ends."""
+        execution = self.execution
+        decision = self.limiter.acquire_many(
+            execution.targets,
+            max_wait_s=max_wait_s,
+            acquisition_id=execution.request.id,
+            lease_s=self._lease_s(),
+        )
+        if decision.held and not decision.allowed and decision.acquisition is not None:
+            self.limiter.settle(decision.acquisition, None)
+        return decision
+
+    def _give_up(self, decision: Decision) -> None:
+        """Give up the slot of ``decision`` (the task is too late for it). Not a refund:
+        the passed slot is lost capacity (a burst-1 API cannot bank it), and handing it
+        back would book the same future slot twice."""
+        assert decision.acquisition is not None
+        self.limiter.settle(decision.acquisition, None)
+
+    # -- the worker path
+
+    def _decide(self, now: float) -> Ticket:
+        """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
+        task comes back later (raises)."""
+        late_tolerance = self.settings.late_tolerance_s
+        redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
+        while True:
+            decision = self._acquire(self._horizon(now))
+            if (
+                decision.allowed
+                and decision.held
+                and decision.late_s > late_tolerance
+                and not redelivered
+            ):
+                # The task reached its reserved slot late (busy workers): calling now could
+                # land on the next task's slot: take a new one. Not for a redelivered
+                # message (its worker or pool child died, most likely in the body, after
+                # the slot): it is the same execution again, and keeps the slot it paid
+                # for; a new one would charge the task twice. The trade-off: a copy that
+                # died before its slot (prefetched) may now call up to its lateness
+                # off-slot.
+                self._give_up(decision)
+                decision = self._acquire(self._horizon(now))
+            self.execution.throttler.outage(None)
+            if not decision.allowed:
+                self._come_back(now, decision)
+            wait = decision.wait_s
+            if wait > self.settings.sleep_max_s:
+                # A slot is reserved, further ahead: come back just before it.
+                defer(self.execution, wait - EARLY_S, wait, decision)
+            if wait > 0 and decision.acquisition:
+                decision, on_time = self._sleep_to_slot(decision)
+                if not decision.allowed:
+                    self._come_back(now, decision)
+                if not on_time:
+                    # Woke too late (a busy machine): the slot passed, take a new one.
+                    self._give_up(decision)
+                    now = time.time()
+                    continue
+            return Ticket(decision.acquisition, self.execution.rules, now + wait)
+
+    def _sleep_to_slot(self, decision: Decision) -> tuple[Decision, bool]:
+        """Sleep until the slot of ``decision`` (allowed, in the future); returns the
+        decision as it stands then, and whether the wake-up came within the tolerance."""
+        wait, late_tolerance = decision.wait_s, self.settings.late_tolerance_s
+        left = wait
+        if wait > RECHECK_LEAD_S:
+            # A hold may begin while this task sleeps (the upstream answered another task
+            # 429): look once more, with the id, shortly before the slot, so that the call
+            # itself still lands on the slot.
+            time.sleep(wait - RECHECK_LEAD_S)
+            decision = self._acquire(0.0)
+            if not decision.allowed:
+                return decision, True
+            if decision.late_s > late_tolerance:
+                return decision, False
+            left = decision.wait_s
+        if left <= 0:
+            return decision, True
+        start = time.monotonic()
+        time.sleep(left)
+        return decision, time.monotonic() - start - left <= late_tolerance
+
+    def _come_back(self, now: float, decision: Decision) -> NoReturn:
+        """A denial: come back when the limits say, plus a jitter; or time out."""
+        execution, settings = self.execution, self.settings
+        retry = decision.retry_after_s
+        if math.isinf(retry):
+            # Paused (celery throttle pause): look again now and then; nothing is lost.
+            recheck = settings.pause_recheck_s
+            retry = recheck + random.uniform(0.0, recheck / 2)
+            defer(execution, retry, retry, decision)
+        if execution.deadline is not None and now + retry > execution.deadline:
+            time_out(execution, now, retry, decision)
+        jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
+        defer(execution, retry + jitter, retry, decision)
+
+    # -- eager mode and direct calls
+
+    def _block(self) -> Ticket:
+        execution = self.execution
+        while True:
+            now = time.time()
+            decision = self._acquire(self._horizon(now))
+            if decision.allowed:
+                if decision.wait_s > 0:
+                    time.sleep(decision.wait_s)
+                return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
+            retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
+            deadline = execution.deadline
+            if deadline is not None and now + retry > deadline:
+                raise ThrottleTimeout(decision.denied_by, retry, max(deadline - now, 0.0))
+            time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
+
+
+def deadline_of(execution: Execution, now: float) -> float | None:
+    """The execution's deadline in epoch s: its ``throttle_deadline`` header (set at its
+    first deferral), else ``now`` + the shortest ``max_wait`` of its rules; and never past
+    the task's ``expires``."""
+    deadline = deadline_header(execution.headers)
+    if deadline is None:
+        waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
+        deadline = now + min(waits) if waits else None
+    expires = execution.request.expires
+    if expires:
+        try:
+            stamp = (
+                datetime.fromisoformat(expires).timestamp()
+                if isinstance(expires, str)
+                else float(expires.timestamp())
+            )
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            stamp = None
+        if stamp is not None:
+            deadline = stamp if deadline is None else min(deadline, stamp)
+    return deadline

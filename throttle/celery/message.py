@@ -1,0 +1,71 @@
+"""What the throttler reads from and writes to a task's message: its queue and headers.
+
+The ``throttle_*`` headers come with the message, and whoever can publish a task can write
+them. Each is read defensively: a value of the wrong type or out of range is absent (never
+an exception), and none of them can make a task skip the limiter or pay less: a deadline
+only shortens the wait a task accepts (it times out sooner, it never runs sooner), the
+parking ids only let a second copy of a parked task be dropped, and the dead-letter mark
+only keeps a timed-out task from being dead-lettered again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from throttle.units import real
+
+H_DEADLINE = "throttle_deadline"
+"""Epoch s: past it, ``on_timeout`` applies."""
+H_DEFERRALS = "throttle_deferrals"
+"""How many times throttling re-published the task."""
+H_PARKED = "throttle_parked"
+"""The parking token of a task released from the lot."""
+H_PUBLISH = "throttle_publish"
+"""The publish id of that release."""
+H_DEAD = "throttle_dead_letter"
+"""The dead-letter queue a timed-out task was sent to."""
+
+LANE_SUFFIX = ".throttled"
+"""A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
+
+MAX_EPOCH_S = 253402300800.0
+"""Year 10000 in epoch s: later than any real deadline (and than ``datetime`` can show)."""
+
+
+def queue_of(delivery_info: object) -> str | None:
+    """The queue a task was consumed from, from its ``delivery_info`` (its lane counts as
+    the queue itself)."""
+    if not isinstance(delivery_info, Mapping):
+        return None
+    queue = delivery_info.get("routing_key") or delivery_info.get("queue") or None
+    if not isinstance(queue, str):
+        return None
+    if queue.endswith(LANE_SUFFIX):
+        queue = queue[: -len(LANE_SUFFIX)]
+    return queue
+
+
+def deadline_header(headers: Mapping[str, Any]) -> float | None:
+    """The ``throttle_deadline`` header in epoch s, or None when absent or corrupt (not a
+    number, a bool, NaN, infinite, <= 0, past year 10000, an int too large for a float)."""
+    value = real(headers.get(H_DEADLINE))
+    if value is not None and 0 < value < MAX_EPOCH_S:
+        return value
+    return None
+
+
+def count_header(headers: Mapping[str, Any]) -> int:
+    """The ``throttle_deferrals`` header, or 0 when absent or corrupt."""
+    value = headers.get(H_DEFERRALS)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31:
+        return value
+    return 0
+
+
+def id_header(headers: Mapping[str, Any], name: str) -> str | None:
+    """A parking token or publish id (hex, ``:``), or None when absent or corrupt."""
+    value = headers.get(name)
+    if isinstance(value, str) and 0 < len(value) <= 100 and value.isascii() and value.isprintable():
+        return value
+    return None

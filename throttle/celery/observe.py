@@ -1,0 +1,183 @@
+"""What the throttler reports about its decisions, behind one small interface.
+
+The gate, the rescheduling code and the settle step call the hooks of one
+:class:`Observer` (the throttler's :attr:`~throttle.celery.runtime.Throttler.observer`):
+a fan-out of the reporters below, each plugged in at one place, as dramatiq's middleware
+plugs in Prometheus. None of them may fail or lose a task: the fan-out logs and swallows
+each reporter's errors.
+
+- :class:`PrometheusReporter`: the worker's Prometheus counters (:mod:`throttle.metrics`;
+  nothing while metrics are off).
+- :class:`FlowerReporter`: a ``task-throttled`` event per deferral, for Flower.
+- :class:`FleetStatsReporter`: the fleet-wide per-minute counts in Redis
+  (:class:`throttle.stats.StatsBook`, read by ``celery throttle status``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from throttle import metrics
+from throttle.stats import StatsBook
+
+if TYPE_CHECKING:
+    from throttle.celery.execution import Execution
+
+logger = logging.getLogger("throttle")
+
+
+class Observer:
+    """Hooks on what the throttler decides; each does nothing here. Times in s."""
+
+    def allowed(self, execution: Execution, wait_s: float) -> None:
+        """The execution may run after ``wait_s`` (0: at once)."""
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        """The task comes back in ``wait_s``, re-published (``how``: ``"republish"``) or
+        parked (``"park"``), for the ``count``-th time, held by ``limits``."""
+
+    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+        """The task passed its deadline: ``action`` is ``"fail"`` or ``"dead_letter"``."""
+
+    def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
+        """An acquisition was settled: each limit's refund (< 0) or extra charge (> 0)."""
+
+    def redis_error(self, limits: Iterable[str]) -> None:
+        """The limiter's Redis failed while serving these limits."""
+
+
+class PrometheusReporter(Observer):
+    """The worker's Prometheus counters and histograms (:mod:`throttle.metrics`)."""
+
+    def allowed(self, execution: Execution, wait_s: float) -> None:
+        metrics.allowed([rule.name for rule in execution.rules], wait_s)
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        metrics.deferred(limits, how, wait_s)
+
+    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+        metrics.timed_out(limits, action)
+
+    def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
+        metrics.settled(limits, deltas)
+
+    def redis_error(self, limits: Iterable[str]) -> None:
+        metrics.redis_error(limits)
+
+
+class FlowerReporter(Observer):
+    """A ``task-throttled`` event per deferral: Flower shows the task as THROTTLED and
+    counts the events in ``flower_events_total``."""
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        # defer_task() (an upstream's word, after the body ran) has no targets.
+        targets = {limit.name: (key, cost) for limit, key, cost in execution.targets}
+        execution.task.send_event(
+            "task-throttled",
+            retry=False,  # an event is not worth blocking a pool slot on a broker outage
+            # The task's name, though task-received carried it: the worker's main process
+            # buffers its task events, so Flower may see this one first, and would count it
+            # under an unnamed task.
+            name=execution.task.name,
+            limits=list(limits),
+            keys=[targets.get(name, (None, None))[0] for name in limits],
+            costs=[targets.get(name, (None, None))[1] for name in limits],
+            wait=round(wait_s, 3),
+            slot=round(time.time() + wait_s, 3),
+            how=how,
+            deferrals=count,
+        )
+
+
+class FleetStatsReporter(Observer):
+    """The fleet-wide counts of denials, parkings and time-outs (:class:`StatsBook`).
+    A failed write counts as a Redis error (``on_error``), and is otherwise lost: a count
+    is not worth a task."""
+
+    def __init__(self, stats: StatsBook, on_error: Observer) -> None:
+        self.stats = stats
+        self.on_error = on_error
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        self._record(limits, ("denied", "parked") if how == "park" else ("denied",))
+
+    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+        self._record(limits, ("timeout",))
+
+    def _record(self, limits: Sequence[str], events: Sequence[str]) -> None:
+        try:
+            self.stats.record_events(limits, events)
+        except Exception as exc:  # BackendError, or anything else
+            self.on_error.redis_error(limits)
+            logger.debug("throttle: cannot record %s in the fleet stats: %s", events, exc)
+
+
+class Observers(Observer):
+    """Calls every hook of each observer in turn; an observer's error is logged and
+    swallowed, so that reporting never fails a task."""
+
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
+        self.observers = list(observers)
+
+    def add(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    def allowed(self, execution: Execution, wait_s: float) -> None:
+        for observer in self.observers:
+            try:
+                observer.allowed(execution, wait_s)
+            except Exception as exc:
+                _failed(observer, exc)
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        for observer in self.observers:
+            try:
+                observer.deferred(execution, limits, how, wait_s, count)
+            except Exception as exc:
+                _failed(observer, exc)
+
+    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+        for observer in self.observers:
+            try:
+                observer.timed_out(execution, limits, action)
+            except Exception as exc:
+                _failed(observer, exc)
+
+    def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
+        for observer in self.observers:
+            try:
+                observer.settled(limits, deltas)
+            except Exception as exc:
+                _failed(observer, exc)
+
+    def redis_error(self, limits: Iterable[str]) -> None:
+        names = list(limits)  # an iterable is read once per observer
+        for observer in self.observers:
+            try:
+                observer.redis_error(names)
+            except Exception as exc:
+                _failed(observer, exc)
+
+
+def _failed(observer: Observer, exc: Exception) -> None:
+    logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
+
+
+def default_observers(stats: StatsBook) -> Observers:
+    """The throttler's reporters: Prometheus, Flower events, fleet-wide stats."""
+    observers = Observers([PrometheusReporter(), FlowerReporter()])
+    observers.add(FleetStatsReporter(stats, on_error=observers))
+    return observers

@@ -1,0 +1,261 @@
+"""When the limiter's Redis is away: one warning per outage, and each rule's policy.
+
+:class:`OutageWatch` notes every failure and every answer of Redis in one process; the
+processes of one worker share a marker file, so that the worker logs one warning when an
+outage begins and one when it ends. :func:`run_while_down` applies the rules'
+``on_redis_down`` to a task that met the outage (:class:`throttle.rules.RedisDown`):
+``allow`` runs it for a bounded time, ``local`` takes from per-process buckets
+(:mod:`throttle.fallback`) at the limit's rate divided by the fleet's processes, and
+``defer`` (the default) re-publishes it until Redis may be back. :func:`check_cold_start`
+drains the ``cold_start: empty`` limits of a Redis that came back without its data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from throttle.celery.reschedule import defer_down
+from throttle.config import Settings
+from throttle.errors import BackendError
+from throttle.fallback import LocalBuckets
+from throttle.limiter import wrap_errors
+from throttle.rules import RedisDown, Rule, targets
+
+if TYPE_CHECKING:
+    from throttle.celery.execution import Execution
+    from throttle.celery.runtime import Throttler
+
+logger = logging.getLogger("throttle")
+
+WORKER_ENV = "THROTTLE_WORKER_ID"
+"""Set by a worker's main process before its pool forks: its pool children and it share
+one outage marker file, so that the worker logs one warning per outage, not one per child."""
+POOL_ENV = "THROTTLE_POOL_SIZE"
+"""The worker's pool size, for the share of ``on_redis_down: local``."""
+PING_TIMEOUT_S = 0.5
+"""How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
+BACKEND_RETRY_S = 5.0
+"""How long a task deferred because Redis is unreachable waits before trying again, in s."""
+
+
+class OutageWatch:
+    """What one process knows of an outage of the limiter's Redis.
+
+    ``on_recovery`` runs in the process that sees Redis answer first after an outage (it
+    checks whether Redis lost its data); ``count_fleet`` returns how many workers the fleet
+    has, asked once per outage by ``on_redis_down: local``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        on_recovery: Callable[[], object],
+        count_fleet: Callable[[], int],
+    ) -> None:
+        self.settings = settings
+        self.on_recovery = on_recovery
+        self.count_fleet = count_fleet
+        self.local = LocalBuckets()
+        self._since: float | None = None  # epoch s, as this worker saw it
+        self._share: int | None = None  # processes of the fleet; 0: could not count
+        self._file: tuple[str | None, Path | None] = ("", None)
+
+    def note(self, exc: BaseException | None) -> None:
+        """Note that Redis failed (``exc``) or answered (``None``).
+
+        One warning per outage per worker, not per task nor per pool child: the worker's
+        processes share a marker file (named after the worker's main process, see
+        :data:`WORKER_ENV`) holding when the outage began. The process that creates it
+        warns; the one that removes it, when Redis answers again, says so (and runs
+        ``on_recovery``). A successful call costs a ``stat`` of that file; a failed one an
+        attempt to create it.
+        """
+        if exc is not None:
+            self._failed(exc)
+            return
+        path = self.file
+        if self._since is None and (path is None or not path.exists()):
+            return
+        since = self._read_start(self.since())
+        self._since = None
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return  # another process of this worker said it first
+        logger.warning(
+            "throttle: Redis is reachable again after %.1f s; limiting resumes",
+            time.time() - since,
+        )
+        try:
+            self.on_recovery()
+        except BackendError as exc2:
+            logger.debug("throttle: cannot check the marker key: %s", exc2)
+
+    def _failed(self, exc: BaseException) -> None:
+        path = self.file
+        now = time.time()
+        started = self._since is None
+        if path is not None:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}")
+            try:
+                tmp.write_text(repr(now))
+                os.link(tmp, path)  # atomic and exclusive: one process starts the outage
+                started = True
+            except FileExistsError:
+                started = False
+            except OSError as exc2:  # no temp dir to share: warn per process instead
+                logger.debug("throttle: cannot write %s: %s", path, exc2)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if started:
+            since = now
+        elif path is not None:
+            since = self._read_start(now)
+        else:
+            since = self.since()
+        if since != self._since:
+            # A new outage for this process: count the fleet again, fresh buckets.
+            self._since = since
+            self._share = None
+            self.local.clear()
+        if started:
+            logger.warning(
+                "throttle: Redis is unreachable (%s); applying on_redis_down until it "
+                "answers (one warning per outage and worker)",
+                exc,
+            )
+
+    @property
+    def file(self) -> Path | None:
+        """The file the processes of this worker share about an outage; None outside a
+        worker (a producer, eager calls: each process warns for itself). Read from the
+        environment each time: a throttler may be built before the worker step sets it."""
+        worker = os.environ.get(WORKER_ENV)
+        if worker != self._file[0]:
+            path = None
+            if worker:
+                name = f"throttle-outage-{self.settings.prefix}-{self.settings.namespace}"
+                path = Path(tempfile.gettempdir()) / f"{name}-{worker}"
+            self._file = (worker, path)
+        return self._file[1]
+
+    def _read_start(self, default: float) -> float:
+        """The start written in the outage file (``default`` if it is gone or unreadable:
+        another process of the worker may have just said that Redis is back)."""
+        if self.file is None:
+            return default
+        try:
+            return float(self.file.read_text() or default)
+        except (OSError, ValueError):
+            return default
+
+    def since(self) -> float:
+        """When the current outage began (epoch s), as this worker saw it."""
+        return self._since if self._since is not None else time.time()
+
+    def share(self) -> int | None:
+        """The processes among which ``on_redis_down: local`` splits a limit: the fleet's
+        workers (``settings.fleet_workers``, else ``count_fleet()`` once per outage) times
+        this worker's pool size. None: the fleet could not be counted."""
+        if self._share is None:
+            workers = self.settings.fleet_workers
+            if workers is None:
+                workers = self.count_fleet()
+            pool = os.environ.get(POOL_ENV, "")
+            self._share = workers * (int(pool) if pool.isdigit() and int(pool) > 0 else 1)
+            if self._share:
+                logger.info("throttle: local fallback shared by %d processes", self._share)
+        return self._share or None
+
+
+def ping_fleet(app: Any) -> int:
+    """How many workers answer a ping through the broker (which needs no Redis of the
+    limiter); 0 when the broker is down too."""
+    try:
+        replies = app.control.ping(timeout=PING_TIMEOUT_S) or []
+    except Exception as exc:  # the broker is down too
+        logger.warning("throttle: cannot count the fleet for 'local': %s", exc)
+        replies = []
+    return len(replies)
+
+
+def run_while_down(execution: Execution, exc: BackendError) -> None:
+    """Redis failed: apply each rule's ``on_redis_down``, and return if the task may run
+    (there is nothing in Redis to settle). All rules must let it run: ``allow`` within its
+    bound, ``local`` when every local bucket admits; any other rule defers it (fail
+    closed): re-published until Redis may be back (raises)."""
+    throttler = execution.throttler
+    watch = throttler.watch
+    watch.note(exc)
+    throttler.observer.redis_error(rule.name for rule in execution.rules)
+    settings = execution.settings
+    open_for = time.time() - watch.since()
+    local: list[Rule] = []
+    for rule in execution.rules:
+        if rule.redis_down is RedisDown.LOCAL:
+            local.append(rule)
+        elif rule.redis_down is not RedisDown.ALLOW or open_for >= (
+            settings.fail_open_for_s if rule.fail_open_s is None else rule.fail_open_s
+        ):
+            defer_down(execution, exc, BACKEND_RETRY_S)
+    share = watch.share() if local else 1
+    if share is None:
+        defer_down(execution, exc, BACKEND_RETRY_S)  # cannot count the fleet
+    # The configured rates (a rate changed at run time lives in the Redis that is down).
+    wanted = targets(local, execution.fn, execution.args, execution.kwargs)
+    while wanted:
+        wait = watch.local.take(wanted, share, time.monotonic())
+        if wait == 0.0:
+            break
+        if wait > settings.sleep_max_s and not execution.eager:
+            defer_down(execution, exc, wait)
+        time.sleep(wait)  # the child is single-threaded: the tokens are there on waking
+
+
+def cold_start_rules(throttler: Throttler) -> list[Rule]:
+    """The rules with ``cold_start: empty``: the file's, then inline ones."""
+    found = {r.name: r for r in throttler.config.rules.values() if r.cold_start == "empty"}
+    for declared in throttler.declared():
+        for rule in declared.rules:
+            if rule.cold_start == "empty":
+                found.setdefault(rule.name, rule)
+    return list(found.values())
+
+
+def check_cold_start(throttler: Throttler) -> list[str]:
+    """Drain the ``cold_start: empty`` limits if Redis has lost its data.
+
+    The throttler keeps a marker key (``PREFIX:{NAMESPACE}:alive``, no TTL) in Redis.
+    Missing, Redis is new or restarted empty: every limit's state is gone, so a bucket
+    would be full and hand a whole burst to the fleet at once. The process that writes
+    the marker again (``SET NX``: one in the fleet) takes each such limit's whole
+    capacity once, through the limit's own script: a token bucket is then empty and
+    refills at its rate, a GCRA limit's next slot is a burst away, a window counts as
+    spent until it ends (for a daily quota, the rest of the day: the safe reading of
+    "we no longer know what was spent"). Not a hold: after a hold, the missing state
+    would still be a full bucket. Returns the names of the limits drained."""
+    rules = cold_start_rules(throttler)
+    if not rules:
+        return []
+    limiter = throttler.limiter
+    client = limiter.client
+    marker = limiter.keyspace.base + "alive"
+    if not wrap_errors(lambda: client.set(marker, repr(time.time()), nx=True)):
+        return []
+    for rule in rules:
+        limit = throttler.rates.current(rule.limit)
+        limiter.acquire(limit, None, cost=limit.capacity)
+    names = [rule.name for rule in rules]
+    logger.warning(
+        "throttle: Redis has no marker key (new, or restarted without its data): "
+        "limits %s start empty (cold_start: empty)",
+        ", ".join(names),
+    )
+    return names

@@ -1,0 +1,149 @@
+"""The releaser: a thread in every worker that sends parked tasks back to the broker.
+
+Parked tasks (:mod:`throttle.parking`) wait in Redis, not in a worker's memory; the
+releaser claims those due within the next polls, publishes each with its parking token
+(so that a second copy is dropped, :class:`throttle.parking.ParkingLot`), then commits the
+claim. A releaser that dies between publishing and committing loses nothing: the claim
+expires and another releaser publishes the task again; the gate drops the second copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from celery import Celery
+from kombu.serialization import loads
+
+from throttle.celery.message import H_PARKED, H_PUBLISH
+from throttle.celery.runtime import Throttler
+from throttle.errors import BackendError
+from throttle.parking import Claimed
+
+logger = logging.getLogger("throttle")
+
+COLD_CHECK_S = 5.0
+"""How often the releaser looks for the marker key of ``cold_start: empty``, in s."""
+STREAK_REMINDER_S = 60.0
+"""While a repeated operation keeps failing, how often (s) a warning says it still does."""
+
+
+class FailureStreak:
+    """Logs a run of failures of one repeated operation once, not once per attempt.
+
+    The first failure is a warning with its traceback; later ones are at debug level, but
+    for a reminder every :data:`STREAK_REMINDER_S` seconds (a failure that never ends, such
+    as a payload that cannot be decoded, must not go quiet); the first success after a
+    failure says how long the streak lasted."""
+
+    def __init__(self, what: str, again: str) -> None:
+        self.what, self.again = what, again
+        self.since: float | None = None  # monotonic s of the streak's first failure
+        self.count = 0
+        self.reminded = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.since is None:
+            self.since = self.reminded = now
+            logger.warning(
+                "throttle: %s (%s); retrying, one message per failure streak",
+                self.what, exc, exc_info=True,
+            )  # fmt: skip
+        elif now - self.reminded >= STREAK_REMINDER_S:
+            self.reminded = now
+            logger.warning(
+                "throttle: %s for %.0f s (%d attempts); last error: %s",
+                self.what, now - self.since, self.count, exc,
+            )  # fmt: skip
+        else:
+            logger.debug("throttle: %s (attempt %d)", self.what, self.count, exc_info=True)
+
+    def ended(self) -> None:
+        if self.since is not None:
+            logger.warning(
+                "throttle: %s after %.1f s (%d failed attempts)",
+                self.again, time.monotonic() - self.since, self.count,
+            )  # fmt: skip
+            self.since, self.count = None, 0
+
+
+class Releaser(threading.Thread):
+    """Sends parked tasks back to the broker shortly before their slot (one per worker)."""
+
+    def __init__(self, app: Celery, *, poll_s: float = 0.25, batch: int = 200) -> None:
+        super().__init__(name="throttle-releaser", daemon=True)
+        self.app = app
+        self.poll_s = poll_s
+        self.batch = batch
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        checked = time.monotonic()
+        failing = FailureStreak(
+            "the releaser cannot release parked tasks", "the releaser releases parked tasks again"
+        )
+        while not self._stop_event.is_set():
+            try:
+                released = self.release_once()
+                throttler = Throttler.of(self.app)
+                throttler.outage(None)
+                if time.monotonic() - checked >= COLD_CHECK_S:
+                    # Redis may have restarted empty between two tasks, unseen by any gate.
+                    checked = time.monotonic()
+                    throttler.check_cold_start()
+                # A round that claimed nothing published nothing: it says the broker is back
+                # only if a connection to it now opens.
+                if failing.since is not None and (released or self._broker_reachable()):
+                    failing.ended()
+            except BackendError as exc:
+                Throttler.of(self.app).outage(exc)
+                released = 0
+            except Exception as exc:  # the releaser must outlive a bad payload or a broker blip
+                # Usually the broker is away: claimed tasks stay parked (the claim expires
+                # and they are claimed again), so nothing is lost, and one line per streak
+                # says so rather than a traceback per poll.
+                failing.failed(exc)
+                released = 0
+            if released < self.batch:
+                self._stop_event.wait(self.poll_s)
+
+    def _broker_reachable(self) -> bool:
+        """Whether the broker accepts a connection now: one attempt, no retries (asked only
+        while publishing fails)."""
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=0)
+        except Exception:
+            return False
+        return True
+
+    def release_once(self) -> int:
+        """Claim, publish and commit one batch; returns how many were released."""
+        throttler = Throttler.of(self.app)
+        claimed = throttler.parking.claim(lead_s=self.poll_s * 2, batch=self.batch)
+        if claimed:
+            self.publish(claimed)
+            throttler.parking.commit(claimed)
+        return len(claimed)
+
+    def publish(self, claimed: Sequence[Claimed]) -> None:
+        """Send claimed tasks to the broker, each with its parking token and publish id, to
+        arrive ``park_lead`` before its slot."""
+        lead_s = Throttler.of(self.app).settings.park_lead_s
+        for item in claimed:
+            content_type, encoding, body = item.payload.split(b"\n", 2)
+            options = loads(  # type: ignore[no-untyped-call]
+                body, content_type.decode(), encoding.decode()
+            )
+            sig = self.app.signature(options)
+            headers = dict(sig.options.get("headers") or {})
+            headers[H_PARKED] = item.token
+            headers[H_PUBLISH] = item.publish_id
+            sig.apply_async(countdown=max(item.due_in_s, 0.0) + lead_s, headers=headers)

@@ -1,0 +1,144 @@
+"""Coming back later: re-publish, park, time out, or dead-letter a task.
+
+A deferred task is the same task (same id, arguments, options, headers, links, chord),
+re-published with Celery's ``signature_from_request`` and ``Retry`` as ``Task.retry``
+does, but without spending ``max_retries``:
+
+- through its queue's lane ``QUEUE.throttled`` (served in turn with QUEUE, so that it does
+  not wait behind QUEUE's backlog), for the moment its slot comes;
+- waits longer than ``park_after`` are parked in Redis (:mod:`throttle.parking`) and sent
+  back by a worker's releaser shortly before they are due;
+- past the task's deadline, it fails with :class:`ThrottleTimeout` or goes to the
+  dead-letter queue of ``on_timeout``.
+
+Every function here ends the execution by raising (celery's ``Retry`` or ``Ignore``, or
+ThrottleTimeout): none returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore, Retry
+from kombu.serialization import dumps
+
+from throttle.celery.execution import Execution
+from throttle.celery.message import (
+    H_DEAD,
+    H_DEADLINE,
+    H_DEFERRALS,
+    H_PARKED,
+    H_PUBLISH,
+    LANE_SUFFIX,
+    count_header,
+)
+from throttle.decision import Decision
+from throttle.errors import BackendError, Throttled, ThrottleTimeout
+
+logger = logging.getLogger("throttle")
+
+PUBLISH_WAIT_S = 60.0
+"""How long a re-publish waits for a broker that went away, in s (retries 1 s apart)."""
+PUBLISH_RETRY = {
+    "max_retries": int(PUBLISH_WAIT_S),
+    "interval_start": 0.2,
+    "interval_step": 0.2,
+    "interval_max": 1.0,
+}
+
+
+def defer(execution: Execution, countdown_s: float, wait_s: float, decision: Decision) -> NoReturn:
+    """Re-publish the task to arrive in ``countdown_s`` (parked beyond ``park_after``);
+    ``wait_s`` is how long the limits said it must wait (shown and counted)."""
+    task, request, settings = execution.task, execution.request, execution.settings
+    countdown_s = max(countdown_s, 0.0)
+    headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
+    if execution.deadline is not None:
+        headers[H_DEADLINE] = execution.deadline
+    else:
+        headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
+    count = headers[H_DEFERRALS] = count_header(headers) + 1
+    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    lane = lane_of(execution)
+    if countdown_s > settings.park_after_s and execution.throttler.releasing:
+        sig = task.signature_from_request(request, headers=headers, queue=lane)
+        content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+            dict(sig), serializer=task.serializer
+        )
+        payload = f"{content_type}\n{encoding}\n".encode() + (
+            body if isinstance(body, bytes) else body.encode()
+        )
+        execution.throttler.parking.park(payload, countdown_s - settings.park_lead_s)
+        how = "park"
+    else:
+        sig = task.signature_from_request(
+            request, countdown=countdown_s, headers=headers, queue=lane
+        )
+        publish(sig)
+        how = "republish"
+    execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
+    raise Retry(exc=Throttled(wait_s, limits), when=countdown_s, sig=sig)
+
+
+def lane_of(execution: Execution) -> str | None:
+    """The lane of the task's queue, when lanes are on and consumed (install())."""
+    queue = execution.queue
+    if queue is None or not execution.settings.lanes or not execution.throttler.releasing:
+        return None
+    return queue + LANE_SUFFIX
+
+
+def time_out(execution: Execution, now: float, needed_s: float, decision: Decision) -> NoReturn:
+    """The task would wait past its deadline: fail it with ThrottleTimeout, or send it to
+    the dead-letter queue of its rule's ``on_timeout`` (once: never from that queue)."""
+    left = max((execution.deadline or now) - now, 0.0)
+    rules = [r for r in execution.rules if r.name in decision.denied_by] or list(execution.rules)
+    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
+    headers = execution.headers
+    # Consumed from the dead-letter queue it was sent to: throttled as any task (it still
+    # calls the API), but never dead-lettered again (no loop). A forged mark can do no
+    # more than make a timed-out task fail instead of being dead-lettered.
+    dead_lettered = execution.queue is not None and headers.get(H_DEAD) == execution.queue
+    if queue is None or dead_lettered:
+        execution.throttler.observer.timed_out(execution, limits, "fail")
+        raise ThrottleTimeout(decision.denied_by, needed_s, left)
+    headers = {k: v for k, v in headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)}
+    headers[H_DEAD] = queue
+    sig = execution.task.signature_from_request(execution.request, queue=queue, headers=headers)
+    sig.apply_async(queue=queue)
+    execution.throttler.observer.timed_out(execution, limits, "dead_letter")
+    logger.warning(
+        "throttle: task %s timed out; sent to dead-letter queue %s", execution.request.id, queue
+    )
+    raise Ignore()
+
+
+def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> NoReturn:
+    """Re-publish the task during an outage of the limiter's Redis (not parked: parking
+    lives in Redis). Eager calls, which have no queue, get the error."""
+    if execution.eager:
+        raise exc
+    # Jittered, so that the tasks deferred during an outage do not all come back at once.
+    countdown_s += random.uniform(0.0, min(execution.settings.jitter_s, countdown_s))
+    sig = execution.task.signature_from_request(
+        execution.request, countdown=countdown_s, headers=execution.headers
+    )
+    publish(sig)
+    raise Retry(exc=exc, when=countdown_s, sig=sig)
+
+
+def publish(sig: Any) -> None:
+    """Re-publish the task, waiting for a broker that went away (up to about
+    :data:`PUBLISH_WAIT_S`).
+
+    Until the copy is published, the message this worker holds is the task's only copy,
+    and acknowledging it would lose the task: a failed publish must not end the execution
+    normally. So the pool slot waits for the broker (it could run nothing else without
+    one), then publishes, and the original is acknowledged as usual. After that wait the
+    task fails with the broker's error (``OperationalError``), as it would without the
+    throttler; the message, unacknowledgeable while the broker is away, comes back after
+    the visibility timeout."""
+    sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)

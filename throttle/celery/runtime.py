@@ -1,0 +1,200 @@
+"""The throttler of one Celery app in one process: config, limiter, rates, parking, reporters.
+
+:class:`Throttler` is built lazily in each process (no connection at import, none shared
+across a fork) by :meth:`Throttler.of`, and resolves the rules of a task: what the task
+declares (``@throttled``, ``ThrottledTask.throttle``) and what the limits file maps to its
+name and queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from celery import Celery, Task
+
+from throttle.celery.observe import Observers, default_observers
+from throttle.celery.outage import OutageWatch, check_cold_start, ping_fleet
+from throttle.config import Settings, ThrottleConfig
+from throttle.errors import ConfigError
+from throttle.limiter import Limiter
+from throttle.parking import ParkingLot
+from throttle.rates import RateBook
+from throttle.rules import Declared, Rule
+from throttle.stats import StatsBook
+from throttle.urls import redact
+
+logger = logging.getLogger("throttle")
+
+RELEASER_STEP = "throttle"
+"""The label of the worker bootstep that runs the releaser of parked tasks (install())."""
+
+
+def declared_by(task: Task) -> Declared | None:
+    """The limits a task declares: ``@throttled`` on its function, or the ``throttle``
+    attribute of its ThrottledTask class; None for a task that declares none."""
+    declared: Declared | None = getattr(task.run, "__throttle__", None)
+    if declared is None:
+        of_class = getattr(type(task), "declared_limits", None)  # ThrottledTask
+        if of_class is not None:
+            declared = of_class()
+    return declared
+
+
+class Throttler:
+    """The throttler of one Celery app in one process: config, limiter, rates, parking."""
+
+    def __init__(self, app: Celery, config: ThrottleConfig, limiter: Limiter) -> None:
+        self.app = app
+        self.config = config
+        self.settings: Settings = config.settings
+        self.limiter = limiter
+        keyspace = limiter.keyspace
+        self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        self.parking = ParkingLot(limiter.client, keyspace)
+        self.stats = StatsBook(limiter.client, keyspace)
+        self.observer: Observers = default_observers(self.stats)
+        self.watch = OutageWatch(
+            self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
+        )
+        self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
+        # Parked tasks need releasers: install() adds one to every worker of the app. Without
+        # it a long wait stays an ETA message (with the risks parking avoids) rather than be
+        # parked for ever.
+        self.releasing = any(
+            getattr(step, "label", None) == RELEASER_STEP for step in app.steps["worker"]
+        )
+        if not self.releasing:
+            logger.warning(
+                "throttle: install(app) was not called: long waits stay ETA messages in "
+                "workers instead of being parked in Redis"
+            )
+
+    @classmethod
+    def of(cls, app: Celery) -> Throttler:
+        """The throttler of ``app`` in this process (created on first call).
+
+        Kept on the app with the pid that built it, so that a forked pool child builds
+        its own connections. No lock: a lock held by the releaser thread at the moment
+        the pool forks would stay locked forever in the child; two threads racing here
+        build one spare throttler at worst.
+        """
+        cached = getattr(app, "_throttler", None)
+        pid = os.getpid()
+        if cached is None or cached[0] != pid:
+            cached = (pid, cls.from_app(app))
+            app._throttler = cached
+        throttler: Throttler = cached[1]
+        return throttler
+
+    @classmethod
+    def from_app(cls, app: Celery) -> Throttler:
+        """Build from ``app.conf.throttle_config`` (a path or mapping; else the file named by
+        ``THROTTLE_CONFIG``) and ``app.conf.throttle_redis_url`` (else the file's
+        ``settings.redis_url``, ``THROTTLE_REDIS_URL``, or the broker when it is Redis).
+
+        The URL may name a master behind Sentinel (``redis+sentinel://``, see
+        :mod:`throttle.urls`). A malformed URL raises :class:`ConfigError` showing it
+        without its password. Keep a password out of ``app.conf`` (use the environment or
+        the limits file): ``celery inspect conf`` and ``celery report`` censor only keys
+        that look secret, and ``throttle_redis_url`` does not."""
+        config = ThrottleConfig.from_source(app.conf.get("throttle_config"))
+        url = (
+            app.conf.get("throttle_redis_url")
+            or config.settings.redis_url
+            or os.environ.get("THROTTLE_REDIS_URL")
+        )
+        if not url:
+            broker = str(app.conf.broker_url or "")
+            if broker.startswith(("redis://", "rediss://", "unix://")):
+                url = broker
+        if not url:
+            raise ConfigError(
+                "no Redis for the limiter: set app.conf.throttle_redis_url, settings.redis_url "
+                "in the limits file or THROTTLE_REDIS_URL",
+                field="redis_url", source=config.source,
+            )  # fmt: skip
+        try:
+            limiter = Limiter.from_url(
+                url, prefix=config.settings.prefix, namespace=config.settings.namespace
+            )
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):  # a malformed Sentinel or Cluster URL, redacted
+                raise
+            # redis-py's message may quote a piece of the URL, password included.
+            raise ConfigError(
+                "the limiter's Redis URL cannot be parsed: use redis://, rediss://, unix://, "
+                "redis+sentinel:// or redis+cluster://, and percent-encode '/', '@', ':', "
+                "'?' and '#' in user names and passwords",
+                field="redis_url", value=redact(url), source=config.source,
+            ) from None  # fmt: skip
+        return cls(app, config, limiter)
+
+    def rules(self, task: Task, declared: Declared | None, queue: str | None) -> tuple[Rule, ...]:
+        """The task's rules: its own (inline, then named), then the file's for its name and
+        queue, each limit once."""
+        cache_key = (task.name, queue, id(declared))
+        rules = self._resolved.get(cache_key)
+        if rules is None:
+            found: dict[str, Rule] = {}
+            if declared is not None:
+                for rule in declared.rules:
+                    found.setdefault(rule.name, rule)
+                for name in declared.names:
+                    rule = self.config.rule(name)
+                    if declared.overrides:
+                        rule = dataclasses.replace(rule, **declared.overrides)
+                    found.setdefault(name, rule)
+            # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by
+            # the file: a limit on the default queue must not stall a chord's bookkeeping.
+            if not task.name.startswith("celery."):
+                for rule in self.config.rules_for(task.name, queue):
+                    found.setdefault(rule.name, rule)
+            rules = self._resolved[cache_key] = tuple(found.values())
+        return rules
+
+    def declared(self) -> Iterator[Declared]:
+        """What each task of the app declares (tasks that declare nothing left out)."""
+        for task in list(self.app.tasks.values()):
+            declared = declared_by(task)
+            if declared is not None:
+                yield declared
+
+    def outage(self, exc: BaseException | None) -> None:
+        """Note that Redis failed (``exc``) or answered (``None``): see
+        :meth:`OutageWatch.note`."""
+        self.watch.note(exc)
+
+    def check_cold_start(self) -> list[str]:
+        """Drain the ``cold_start: empty`` limits if Redis lost its data (see
+        :func:`throttle.celery.outage.check_cold_start`); the names of those drained."""
+        return check_cold_start(self)
+
+    def validate(self) -> None:
+        """Check at worker start what can only be checked against the app: every named
+        limit of its tasks exists in the file, and no wait the throttler keeps in a worker
+        (a sleep, an ETA message) can outlive the broker's visibility timeout (kombu#337:
+        the message would be delivered again, the task run twice)."""
+        self.check_visibility()
+        for declared in self.declared():
+            for name in declared.names:
+                self.config.rule(name)
+
+    def check_visibility(self) -> None:
+        """Refuse settings that hold a task in a worker for more than half the broker's
+        visibility timeout (when the transport has one: Redis, SQS)."""
+        settings = self.settings
+        options: dict[str, Any] = self.app.conf.broker_transport_options or {}
+        visibility = options.get("visibility_timeout")
+        held = settings.park_after_s + settings.park_lead_s + settings.sleep_max_s
+        if isinstance(visibility, int | float) and held > visibility / 2:
+            raise ConfigError(
+                f"a task may be held {held:g} s in a worker (park_after + park_lead + "
+                f"sleep_max), more than half the broker's visibility_timeout "
+                f"({visibility:g} s): lower park_after",
+                field="settings.park_after", value=settings.park_after_s,
+                source=self.config.source,
+            )  # fmt: skip

@@ -1,0 +1,165 @@
+"""The worker's bootsteps, and :func:`install`, which adds them to an app.
+
+- :class:`ThrottleStep` (worker): validates the limits file when the worker starts, and
+  runs the :class:`~throttle.celery.releaser.Releaser` of parked tasks.
+- :class:`LaneStep` (consumer): every queue the worker consumes, it also consumes its lane.
+- :class:`MetricsStep` (worker): the worker's metrics directory and port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, bootsteps, signals
+
+from throttle import metrics
+from throttle.celery.exporter import (
+    fleet_state,
+    metrics_base,
+    metrics_port,
+    register_metrics,
+)
+from throttle.celery.message import LANE_SUFFIX
+from throttle.celery.outage import POOL_ENV, WORKER_ENV
+from throttle.celery.releaser import Releaser
+from throttle.celery.runtime import RELEASER_STEP, Throttler
+from throttle.errors import BackendError
+
+logger = logging.getLogger("throttle")
+
+
+class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: validates the limits file when the worker starts (a bad file stops
+    it), and runs the releaser of parked tasks."""
+
+    label = RELEASER_STEP
+    # Start after the pool has forked its children: the releaser is a thread, and a fork
+    # while it holds a lock would hand the child a lock that nobody releases.
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.app = worker.app
+        # Created before the pool forks: the children inherit these (see
+        # throttle.celery.outage.OutageWatch).
+        os.environ[WORKER_ENV] = str(os.getpid())
+        os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
+        throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
+        throttler.validate()
+        if throttler.watch.file is not None:
+            throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
+        try:
+            throttler.check_cold_start()
+        except BackendError as exc:  # a worker starts while Redis is down: it may
+            throttler.outage(exc)
+        self.releaser: Releaser | None = None
+
+    def start(self, worker: Any) -> None:
+        self.releaser = Releaser(self.app)
+        self.releaser.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.releaser is not None:
+            self.releaser.stop()
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: every queue the worker consumes, it also consumes its lane
+    (``QUEUE.throttled``), where deferred tasks come back when their slot is due. Kombu
+    serves a worker's queues in turn, so a task due now waits for at most a message or so
+    of the backlog, not for all of it."""
+
+    label = "throttle-lanes"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, consumer: Any) -> None:
+        if not Throttler.of(consumer.app).settings.lanes:
+            return
+        for queue in list(consumer.task_consumer.queues):
+            if not queue.name.endswith(LANE_SUFFIX):
+                consumer.add_task_queue(queue.name + LANE_SUFFIX)
+
+
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep of the metrics (``settings.metrics`` / ``metrics_port``).
+
+    Created in the worker's main process before the pool forks (every step is created
+    before any starts): that is when this worker's metrics directory is wiped and
+    prometheus_client put in multiprocess mode (:func:`throttle.metrics.setup_worker`), so
+    that every pool child counts into a file of its own there. Started after the pool, it
+    serves the sum of those files and the Redis-read gauges on the metrics port.
+    """
+
+    label = "throttle-metrics"
+    # A thread started before the fork could hold a lock the children inherit locked.
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.app = worker.app
+        self.server: Any = None
+        self.port: int | None = None
+        self.directory: Path | None = None
+        throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
+        if not throttler.settings.metrics:
+            return
+        source = throttler.config.source
+        self.directory = metrics.setup_worker(
+            metrics_base(throttler.settings), worker.hostname, source=source
+        )
+        self.port = metrics_port(throttler.settings)
+
+    def start(self, worker: Any) -> None:
+        if self.directory is None or self.port is None:
+            return
+        directory, app = self.directory, self.app
+        collector = metrics.ThrottleCollector(lambda: [(None, directory)], lambda: fleet_state(app))
+        self.server = metrics.serve(self.port, collector, source=Throttler.of(app).config.source)
+        logger.info("throttle: metrics of %s on port %d", worker.hostname, self.port)
+
+    def stop(self, worker: Any) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+def install(app: Celery, *, config: Any = None) -> Celery:
+    """Wire the throttler into ``app``'s workers: the limits file (``config``: a path or a
+    mapping; default ``app.conf.throttle_config`` or ``THROTTLE_CONFIG``) is validated when a
+    worker starts, and every worker runs a releaser of parked tasks; with ``settings.metrics``
+    every worker counts into its metrics directory (and serves ``settings.metrics_port``),
+    and a process that has prometheus_client loaded (Flower) shows the fleet's metrics on
+    its default registry (:func:`register_metrics`). Returns ``app``."""
+    if config is not None:
+        app.conf.throttle_config = config
+    if ThrottleStep not in app.steps["worker"]:
+        app.steps["worker"].add(ThrottleStep)
+    if LaneStep not in app.steps["consumer"]:
+        app.steps["consumer"].add(LaneStep)
+    # Pool children: drop an exited child's live files (none today; counters stay).
+    signals.worker_process_shutdown.connect(
+        _child_exited, weak=False, dispatch_uid="throttle-metrics-child-exit"
+    )
+    if MetricsStep not in app.steps["worker"]:
+        app.steps["worker"].add(MetricsStep)
+    # Flower (`celery -A proj flower` imports the app, Flower has loaded prometheus_client
+    # by then) serves REGISTRY on /metrics: add the fleet's view there, once per app.
+    loaded = sys.modules.get("prometheus_client") is not None
+    if loaded and getattr(app, "_throttle_collector", None) is None:
+        app._throttle_collector = register_metrics(app)
+    return app
+
+
+def _child_exited(pid: int | None = None, **kwargs: Any) -> None:
+    metrics.process_exited(pid if pid is not None else os.getpid())

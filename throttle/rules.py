@@ -1,0 +1,501 @@
+"""Rules: a limit as a task meets it, and the evaluation of its key and cost from the
+task's arguments.
+
+A :class:`Rule` pairs a :class:`~throttle.spec.Limit` with where its key and cost come from
+and the policies of a waiting task (``max_wait``, ``on_timeout``, ``on_error``,
+``on_redis_down``, ``cold_start``); the policy strings are parsed once, when the rule is
+built, into typed values (:attr:`Rule.redis_down`, :attr:`Rule.fail_open_s`,
+:attr:`Rule.dead_letter_queue`). :class:`Declared` is what ``@throttled`` or a task class
+names (inline rules and names of rules in a limits file). :func:`targets` is the step
+"rules -> (limit, key, cost)" of one execution: it knows nothing of Celery, only a
+function and its arguments.
+
+Keys built here are unambiguous: distinct arguments give distinct keys, or a
+:class:`ConfigError` (see :func:`key_for`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import math
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from throttle.errors import ConfigError
+from throttle.keys import PART_ALPHABET, encode_part, text_error
+from throttle.spec import Algorithm, Limit
+from throttle.units import parse_duration, real
+
+__all__ = [
+    "Declared",
+    "KeyTemplate",
+    "RedisDown",
+    "Rule",
+    "Target",
+    "cost_for",
+    "declare",
+    "key_for",
+    "named_arguments",
+    "parse_key_template",
+    "targets",
+]
+
+OnTimeout = str  # "fail" or "dead_letter:QUEUE"
+OnError = Literal["keep", "refund"]
+OnRedisDown = str  # "defer", "allow", "allow:DURATION" or "local"
+ColdStart = Literal["full", "empty"]
+KeySource = str | Callable[..., object] | None
+CostSource = float | str | Callable[..., float]
+Target = tuple[Limit, str | None, float]
+"""One limit of an acquisition: the limit, its key (None: one state for all), the cost."""
+
+
+class RedisDown(enum.Enum):
+    """The parsed ``on_redis_down`` of a rule."""
+
+    DEFER = "defer"
+    """Fail closed: the task comes back until Redis answers."""
+    ALLOW = "allow"
+    """Fail open, for :attr:`Rule.fail_open_s` (or ``settings.fail_open_for``)."""
+    LOCAL = "local"
+    """A per-process bucket at the limit's rate divided by the fleet's processes."""
+
+
+# One replacement field of a key template: an argument, then attributes and indexes into it
+# ("{tenant_id}", "{user.org}", "{ids[0]}"), and no conversion or format spec ("{x:.3}"
+# would cut distinct values to one key).
+_FIELD_RE = re.compile(r"(?P<head>[^\W\d]\w*)(?:\.[^\W\d]\w*|\[[^\[\]]+\])*")
+
+
+@dataclass(frozen=True)
+class KeyTemplate:
+    """A key template split into its literal text and its fields: ``literals[0]``, the
+    value of ``paths[0]``, ``literals[1]``, ... (``len(literals) == len(paths) + 1``)."""
+
+    literals: tuple[str, ...]
+    paths: tuple[str, ...]
+    """The fields as written, e.g. ``"user.org"`` (``string.Formatter`` paths)."""
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The arguments the fields read."""
+        return tuple(re.split(r"[.\[]", path, maxsplit=1)[0] for path in self.paths)
+
+
+def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:
+    """Split and check a key template. A template of several fields must separate each
+    pair by a character outside :data:`throttle.keys.PART_ALPHABET` (``:``, ``/``, a
+    space...): the worker encodes each value of such a template (throttle.keys.encode_part)
+    so that the separator never occurs in it, which makes the key unambiguous
+    ("{a}:{b}" with "x:y" and "z" is not "x" and "y:z")."""
+
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(problem, field="key", value=template, limit=limit, source=source)
+
+    problem = text_error(template)
+    if problem is not None:
+        raise bad(f"a key template must be Unicode text; it has {problem}")
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise bad(f"malformed key template ({exc})") from None
+    literals, paths = [""], []
+    for text, path, spec, conversion in parsed:
+        literals[-1] += text
+        if path is None:
+            continue
+        if not path or path.isdigit() or path[0].isdigit():
+            raise bad("key template fields must name arguments, as in '{tenant_id}'")
+        if not _FIELD_RE.fullmatch(path):
+            raise bad(
+                f"malformed key template field {{{path}}}: an argument name, then .attribute "
+                "or [index] parts"
+            )
+        if spec or conversion:
+            raise bad(
+                f"a key template field takes no conversion or format spec ({{{path}}}): a "
+                "spec such as ':.3' would give distinct values one key"
+            )
+        paths.append(path)
+        literals.append("")
+    for between in literals[1:-1]:
+        if all(char in PART_ALPHABET for char in between):
+            raise bad(
+                "fields of a key template must be separated by a character such as ':', '/' "
+                "or ' ', not only letters, digits or '_.@+=~-%#' (with '{a}-{b}', 'x-y' and "
+                "'z' would share a key with 'x' and 'y-z')"
+            )
+    return KeyTemplate(tuple(literals), tuple(paths))
+
+
+_REDIS_DOWN_HELP = (
+    "must be 'defer' (fail closed), 'allow' (fail open for settings.fail_open_for), "
+    "'allow:DURATION' such as 'allow:30s' (fail open that long, then closed) or 'local' "
+    "(a per-process bucket at the limit's rate / the fleet's processes)"
+)
+
+
+def _redis_down(value: object, limit: str | None) -> tuple[RedisDown, float | None]:
+    """The policy of ``on_redis_down`` and the bound of ``allow:DURATION`` in s (None for
+    the other policies); a ConfigError names the field for anything else."""
+    if value in ("defer", "allow", "local"):
+        return RedisDown(value), None
+    if isinstance(value, str) and value.startswith("allow:"):
+        try:
+            return RedisDown.ALLOW, parse_duration(value[6:], field="on_redis_down", limit=limit)
+        except ConfigError:
+            pass
+    raise ConfigError(_REDIS_DOWN_HELP, field="on_redis_down", value=value, limit=limit)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A limit as a task meets it: where its key and cost come from, how long a task may wait.
+
+    Parameters
+    ----------
+    limit:
+        The :class:`Limit` (its name is the rule's name).
+    key:
+        ``None`` (one state for every task), a template over the task's arguments such as
+        ``"{tenant_id}"`` or ``"{user.org}:{region}"``, or a callable of the task's
+        arguments returning the key.
+    cost:
+        A number (default 1), the name of an argument holding the cost (an estimate that the
+        task may correct with :func:`throttle.celery.report_cost`), or a callable of the
+        task's arguments.
+    max_wait_s:
+        The throttle deadline in seconds, counted from the first denial (``None``: no
+        deadline but the task's ``expires``). Past it, ``on_timeout`` applies.
+    on_timeout:
+        ``"fail"``: the task fails with ``ThrottleTimeout``; ``"dead_letter:QUEUE"``: the
+        task is sent, unchanged and at once, to QUEUE.
+    on_error:
+        When the body raises and reported no actual cost: ``"keep"`` the reserved cost
+        (safe: the call may have been made) or ``"refund"`` it in full.
+    on_redis_down:
+        When Redis cannot be reached: ``"defer"`` the task (fail closed, the default: it
+        comes back every 5 s until Redis answers); ``"allow"`` it (fail open) for
+        ``settings.fail_open_for`` from the start of the outage, then defer; ``"allow:30s"``
+        with a bound of its own; or ``"local"``: a token bucket in each worker process at
+        the limit's rate divided by the fleet's processes (:mod:`throttle.fallback`).
+        Fail open trades the upstream's limit for availability; ``local`` keeps it roughly
+        (exactly only while the count of processes is right), not for concurrency limits.
+    cold_start:
+        What a Redis that restarted empty (its data lost) hands out: ``"full"`` (the
+        default: the state is gone, so a bucket is full again and every limit may admit a
+        whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
+        drains the limit (takes its whole capacity once), so that it starts at its rate.
+        Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
+    """
+
+    limit: Limit
+    key: KeySource = None
+    cost: CostSource = 1.0
+    max_wait_s: float | None = None
+    on_timeout: OnTimeout = "fail"
+    on_error: OnError = "keep"
+    on_redis_down: OnRedisDown = "defer"
+    cold_start: ColdStart = "full"
+    key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The argument names a key template reads (empty for a callable or no key)."""
+    fail_open_s: float | None = field(init=False, repr=False, compare=False)
+    """``allow:DURATION``: how long the rule fails open, in s; ``None``: ``allow`` (the
+    setting ``fail_open_for`` applies), or not failing open (``defer``, ``local``)."""
+    key_template: KeyTemplate | None = field(init=False, repr=False, compare=False)
+    """The parsed key template (None for a callable or no key)."""
+    redis_down: RedisDown = field(init=False, repr=False, compare=False)
+    """The parsed ``on_redis_down``."""
+    dead_letter_queue: str | None = field(init=False, repr=False, compare=False)
+    """The queue of ``on_timeout: dead_letter:QUEUE``, else None."""
+
+    def __post_init__(self) -> None:
+        name = self.limit.name if isinstance(self.limit, Limit) else None
+        if not isinstance(self.limit, Limit):
+            raise ConfigError("a rule needs a Limit", field="limit", value=self.limit)
+        template = None
+        if isinstance(self.key, str):
+            if not self.key:
+                raise ConfigError("an empty key template", field="key", value="", limit=name)
+            template = parse_key_template(self.key, limit=name, source=None)
+        elif self.key is not None and not callable(self.key):
+            raise ConfigError(
+                "must be a template string such as '{tenant_id}' or a callable",
+                field="key", value=self.key, limit=name,
+            )  # fmt: skip
+        object.__setattr__(self, "key_template", template)
+        object.__setattr__(self, "key_fields", () if template is None else template.heads)
+        cost = self.cost
+        if isinstance(cost, bool) or not (isinstance(cost, int | float | str) or callable(cost)):
+            raise ConfigError(
+                "must be a number, an argument name or a callable",
+                field="cost", value=cost, limit=name,
+            )  # fmt: skip
+        if isinstance(cost, int | float):
+            if not (0 <= cost <= self.limit.capacity):
+                raise ConfigError(
+                    f"must be a number from 0 to the limit's capacity {self.limit.capacity:g}",
+                    field="cost", value=cost, limit=name,
+                )  # fmt: skip
+            object.__setattr__(self, "cost", float(cost))
+        elif isinstance(cost, str) and not cost.isidentifier():
+            raise ConfigError(
+                "must be a number or the name of an argument", field="cost", value=cost,
+                limit=name,
+            )  # fmt: skip
+        if self.max_wait_s is not None:
+            object.__setattr__(
+                self, "max_wait_s", parse_duration(self.max_wait_s, field="max_wait", limit=name)
+            )
+        timeout = self.on_timeout
+        if not isinstance(timeout, str) or not (
+            timeout == "fail"
+            or (
+                timeout.startswith("dead_letter:")
+                and timeout[12:].strip()
+                and text_error(timeout) is None
+            )
+        ):
+            raise ConfigError(
+                "must be 'fail' or 'dead_letter:QUEUE'", field="on_timeout", value=timeout,
+                limit=name,
+            )  # fmt: skip
+        if self.on_error not in ("keep", "refund"):
+            raise ConfigError(
+                "must be 'keep' or 'refund'", field="on_error", value=self.on_error, limit=name
+            )
+        policy, fail_open_s = _redis_down(self.on_redis_down, name)
+        object.__setattr__(self, "redis_down", policy)
+        object.__setattr__(self, "fail_open_s", fail_open_s)
+        dead_letter = timeout.partition(":")[2] if timeout.startswith("dead_letter:") else None
+        object.__setattr__(self, "dead_letter_queue", dead_letter)
+        if policy is RedisDown.LOCAL and self.limit.algorithm is Algorithm.CONCURRENCY:
+            raise ConfigError(
+                "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
+                field="on_redis_down", value=self.on_redis_down, limit=name,
+            )  # fmt: skip
+        if self.cold_start not in ("full", "empty"):
+            raise ConfigError(
+                "must be 'full' (a fresh burst) or 'empty' (start at the rate)",
+                field="cold_start", value=self.cold_start, limit=name,
+            )  # fmt: skip
+        if self.cold_start == "empty" and (
+            self.key is not None or self.limit.algorithm is Algorithm.CONCURRENCY
+        ):
+            raise ConfigError(
+                "'empty' is for unkeyed rate limits: per-key states cannot be listed once "
+                "Redis lost them, and a concurrency limit's state is its running holders",
+                field="cold_start", value=self.cold_start, limit=name,
+            )  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return self.limit.name
+
+    @property
+    def estimated(self) -> bool:
+        """True when the cost comes from the task (an argument or a callable): an estimate
+        that a reported actual cost replaces."""
+        return not isinstance(self.cost, float)
+
+
+# -- what a task declares ------------------------------------------------------------------
+
+UNSET: Any = object()
+"""An option of ``@throttled`` that was not given (``None`` is a value of some)."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What ``@throttled`` or ``ThrottledTask.throttle`` names: inline rules, and names of
+    rules in the limits file (resolved when the worker starts), with overrides of their
+    fields."""
+
+    rules: tuple[Rule, ...] = ()
+    names: tuple[str, ...] = ()
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+def declare(
+    items: Sequence[Limit | Rule | str], owner: str, options: Mapping[str, Any]
+) -> Declared:
+    """The rules named by ``items`` (names in the limits file, inline rates such as
+    ``"20/s burst 1"``, Limits or Rules), with ``options`` (Rule fields, and ``algorithm``
+    for inline rates; :data:`UNSET` ones left out). ``owner`` names inline limits and
+    errors (the task's function)."""
+    rules: list[Rule] = []
+    names: list[str] = []
+    rule_options = {k: v for k, v in options.items() if v is not UNSET and k != "algorithm"}
+    algorithm = options.get("algorithm", UNSET)
+    for i, item in enumerate(items):
+        if isinstance(item, Rule):
+            rules.append(item)
+        elif isinstance(item, Limit):
+            rules.append(Rule(item, **rule_options))
+        elif isinstance(item, str) and ("/" in item or "concurrent" in item):
+            name = owner if len(items) == 1 else f"{owner}#{i + 1}"
+            algo = None if algorithm is UNSET else algorithm
+            limit = Limit.parse(item, name=name, algorithm=algo, source=owner)
+            rules.append(Rule(limit, **rule_options))
+        elif isinstance(item, str) and item:
+            names.append(item)
+        else:
+            raise ConfigError(
+                "a throttled limit is a rate such as '20/s', the name of a limit in the "
+                "config file, a Limit or a Rule",
+                value=item, source=owner,
+            )  # fmt: skip
+    return Declared(tuple(rules), tuple(names), rule_options)
+
+
+# -- keys and costs from a task's arguments ------------------------------------------------
+
+# inspect.signature costs tens of us; a task's function never changes.
+_signature = functools.lru_cache(maxsize=1024)(inspect.signature)
+
+
+def named_arguments(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The arguments of a call of ``fn`` by name (positional ones bound to its parameters)."""
+    try:
+        signature = _signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    named = dict(bound.arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in named:
+            named.update(named.pop(parameter.name))
+    return named
+
+
+_FORMATTER = string.Formatter()
+
+
+def _key_text(rule: Rule, value: object, what: str) -> str:
+    """One value of a key as text. Only ``str`` and ``int`` qualify: an int is the same
+    key as its decimal string (``42`` and ``"42"`` are one tenant, as JSON producers may
+    send either). Anything else (None, bool, float, bytes, lists, objects) is refused
+    rather than passed through ``str()``: ``None`` would share the bucket of a tenant named
+    "None", and an object's ``__str__`` or ``__format__`` may return the same text for
+    distinct values. A ``str`` subclass is read as the plain string it holds."""
+    if isinstance(value, str):
+        text = str.__str__(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            text = int.__repr__(value)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ConfigError(
+                f"{what} is an integer too long for a key", field="key", value=value,
+                limit=rule.name,
+            ) from None  # fmt: skip
+    else:
+        raise ConfigError(
+            f"{what} is {type(value).__name__}, not text or an integer: it cannot name a "
+            "bucket",
+            field="key", value=value, limit=rule.name,
+        )  # fmt: skip
+    problem = text_error(text)
+    if problem is not None:
+        raise ConfigError(
+            f"{what} is not Unicode text (it has {problem})", field="key", value=text,
+            limit=rule.name,
+        )  # fmt: skip
+    return text
+
+
+def key_for(
+    rule: Rule, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """The key of ``rule`` for these arguments (``named``: :func:`named_arguments`):
+    distinct arguments give distinct keys, or a ConfigError (see :func:`_key_text` and
+    :func:`parse_key_template`)."""
+    key = rule.key
+    if key is None:
+        return None
+    if callable(key):
+        value = _key_text(rule, key(*args, **kwargs), "the key function's result")
+    else:
+        template = rule.key_template
+        assert template is not None  # a str key is parsed by Rule
+        missing = [name for name in rule.key_fields if name not in named]
+        if missing:
+            raise ConfigError(
+                f"the task has no argument {', '.join(map(repr, missing))} for the key template",
+                field="key", value=key, limit=rule.name,
+            )  # fmt: skip
+        texts = []
+        for path in template.paths:
+            try:
+                found = _FORMATTER.get_field(path, (), named)[0]
+            except Exception as exc:  # a missing attribute or index, or a hostile __getattr__
+                raise ConfigError(
+                    f"cannot read {{{path}}} of the task's arguments for the key template "
+                    f"({type(exc).__name__}: {str(exc)[:100]})",
+                    field="key", value=key, limit=rule.name,
+                ) from None  # fmt: skip
+            texts.append(_key_text(rule, found, f"{{{path}}}"))
+        if len(texts) > 1:
+            # Each value without the template's separators, so the key reads back one way.
+            texts = [encode_part(text) for text in texts]
+        literals = template.literals
+        value = literals[0] + "".join(t + lit for t, lit in zip(texts, literals[1:], strict=True))
+    if not value:
+        raise ConfigError(
+            "the key is empty for this task's arguments", field="key", value=key, limit=rule.name
+        )
+    return value
+
+
+def cost_for(
+    rule: Rule, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> float:
+    """The cost of ``rule`` for these arguments: a finite number >= 0, or a ConfigError."""
+    cost = rule.cost
+    if isinstance(cost, float):
+        return cost
+    if isinstance(cost, str):
+        if cost not in named:
+            raise ConfigError(
+                "the task has no argument of this name", field="cost", value=cost,
+                limit=rule.name,
+            )  # fmt: skip
+        value = named[cost]
+    else:
+        value = cost(*args, **kwargs)
+    number = real(value)
+    if number is None or not 0 <= number < math.inf:
+        raise ConfigError(
+            "the cost of this task is not a finite number >= 0", field="cost", value=value,
+            limit=rule.name,
+        )  # fmt: skip
+    return number
+
+
+def _configured(limit: Limit) -> Limit:
+    return limit
+
+
+def targets(
+    rules: Sequence[Rule],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    current: Callable[[Limit], Limit] = _configured,
+) -> list[Target]:
+    """Each rule's (limit, key, cost) for a call of ``fn`` with these arguments; ``current``
+    gives the limit in force (a rate changed at run time), default the configured one."""
+    # Binding the arguments to names is only needed by templates and argument costs.
+    by_name = any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules)
+    named = named_arguments(fn, args, kwargs) if by_name else {}
+    return [
+        (current(rule.limit), key_for(rule, named, args, kwargs),
+         cost_for(rule, named, args, kwargs))
+        for rule in rules
+    ]  # fmt: skip
