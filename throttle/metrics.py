@@ -68,7 +68,6 @@ __all__ = [
     "MULTIPROC_ENV",
     "FleetState",
     "ThrottleCollector",
-    "active_dir",
     "allowed",
     "available",
     "default_base_dir",
@@ -124,11 +123,6 @@ def default_base_dir(prefix: str, namespace: str) -> Path:
 def _dir_name(worker: str) -> str:
     # Worker names are "name@host": keep them readable, but never a path separator.
     return re.sub(r"[^A-Za-z0-9_.@-]", "_", worker) or "_"
-
-
-def active_dir() -> str | None:
-    """The metrics directory of this worker, when it counts (None: metrics off here)."""
-    return _State.active
 
 
 def setup_worker(base: Path, worker: str, *, source: str | None = None) -> Path:

@@ -230,19 +230,19 @@ class Rule:
             )  # fmt: skip
         object.__setattr__(self, "key_template", template)
         object.__setattr__(self, "key_fields", () if template is None else template.heads)
-        cost = self.cost
-        if isinstance(cost, bool) or not (isinstance(cost, int | float | str) or callable(cost)):
+        cost, number = self.cost, real(self.cost)
+        if number is None and not (isinstance(cost, str) or callable(cost)):
             raise ConfigError(
                 "must be a number, an argument name or a callable",
                 field="cost", value=cost, limit=name,
             )  # fmt: skip
-        if isinstance(cost, int | float):
-            if not (0 <= cost <= self.limit.capacity):
+        if number is not None:
+            if not (0 <= number <= self.limit.capacity):
                 raise ConfigError(
                     f"must be a number from 0 to the limit's capacity {self.limit.capacity:g}",
                     field="cost", value=cost, limit=name,
                 )  # fmt: skip
-            object.__setattr__(self, "cost", float(cost))
+            object.__setattr__(self, "cost", number)
         elif isinstance(cost, str) and not cost.isidentifier():
             raise ConfigError(
                 "must be a number or the name of an argument", field="cost", value=cost,

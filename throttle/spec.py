@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from throttle.errors import ConfigError
+from throttle.units import real
 
 __all__ = ["Algorithm", "Limit", "check_fields", "check_name"]
 
@@ -124,12 +125,9 @@ def _positive(
     *,
     high: float = math.inf,
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    number = real(value)
+    if number is None:
         raise ConfigError("must be a number", field=what, value=value, limit=limit, source=source)
-    try:
-        number = float(value)
-    except OverflowError:  # an int too large for a float
-        number = math.inf
     if not (0 < number < math.inf):
         raise ConfigError(
             "must be a finite number > 0", field=what, value=value, limit=limit, source=source

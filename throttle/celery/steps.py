@@ -147,7 +147,7 @@ def install(app: Celery, *, config: Any = None) -> Celery:
         app.steps["worker"].add(ThrottleStep)
     if LaneStep not in app.steps["consumer"]:
         app.steps["consumer"].add(LaneStep)
-    # Pool children: drop an exited child's live files (none today; counters stay).
+    # An exited pool child's live-gauge files are dropped; its counters stay.
     signals.worker_process_shutdown.connect(
         _child_exited, weak=False, dispatch_uid="throttle-metrics-child-exit"
     )
