@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from throttle import metrics
@@ -134,46 +134,29 @@ class Observers(Observer):
         self.observers.append(observer)
 
     def allowed(self, execution: Execution, wait_s: float) -> None:
-        for observer in self.observers:
-            try:
-                observer.allowed(execution, wait_s)
-            except Exception as exc:
-                _failed(observer, exc)
+        self._each(lambda observer: observer.allowed(execution, wait_s))
 
     def deferred(
         self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
-        for observer in self.observers:
-            try:
-                observer.deferred(execution, limits, how, wait_s, count)
-            except Exception as exc:
-                _failed(observer, exc)
+        self._each(lambda observer: observer.deferred(execution, limits, how, wait_s, count))
 
     def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
-        for observer in self.observers:
-            try:
-                observer.timed_out(execution, limits, action)
-            except Exception as exc:
-                _failed(observer, exc)
+        self._each(lambda observer: observer.timed_out(execution, limits, action))
 
     def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
-        for observer in self.observers:
-            try:
-                observer.settled(limits, deltas)
-            except Exception as exc:
-                _failed(observer, exc)
+        self._each(lambda observer: observer.settled(limits, deltas))
 
     def redis_error(self, limits: Iterable[str]) -> None:
         names = list(limits)  # an iterable is read once per observer
+        self._each(lambda observer: observer.redis_error(names))
+
+    def _each(self, hook: Callable[[Observer], None]) -> None:
         for observer in self.observers:
             try:
-                observer.redis_error(names)
+                hook(observer)
             except Exception as exc:
-                _failed(observer, exc)
-
-
-def _failed(observer: Observer, exc: Exception) -> None:
-    logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
+                logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
 
 
 def default_observers(stats: StatsBook) -> Observers:
