@@ -1,0 +1,83 @@
+"""The step "rules -> (limit, key, cost)" of one execution, without Celery or Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from throttle.errors import ConfigError
+from throttle.rules import RedisDown, Rule, declare, targets
+from throttle.spec import Algorithm, Limit
+
+TOKENS = Limit.parse("90000/m", name="tokens")
+REQUESTS = Limit.parse("10/s", name="requests")
+
+
+def complete(tenant_id: str, prompt: str, max_tokens: int = 100, **extra: Any) -> None:
+    """A task function: the rules read its arguments by name."""
+
+
+def test_targets_give_each_rule_its_limit_key_and_cost() -> None:
+    rules = [
+        Rule(REQUESTS, key="{tenant_id}"),
+        Rule(TOKENS, key="{tenant_id}:{region}", cost="max_tokens"),
+    ]
+    got = targets(rules, complete, ("acme", "hi"), {"max_tokens": 2000, "region": "eu"})
+    assert got == [(REQUESTS, "acme", 1.0), (TOKENS, "acme:eu", 2000.0)]
+
+
+def test_positional_arguments_are_bound_by_name_and_defaults_are_not_invented() -> None:
+    rule = Rule(TOKENS, cost="max_tokens")
+    assert targets([rule], complete, ("acme", "hi", 7), {}) == [(TOKENS, None, 7.0)]
+    with pytest.raises(ConfigError, match="no argument of this name") as caught:
+        targets([rule], complete, ("acme", "hi"), {})  # the default is not a cost
+    assert (caught.value.limit, caught.value.field) == ("tokens", "cost")
+
+
+def test_callables_get_the_task_arguments_as_given() -> None:
+    rule = Rule(TOKENS, key=lambda tenant_id, *a, **k: tenant_id.upper(), cost=lambda *a, **k: 3)
+    assert targets([rule], complete, ("acme", "hi"), {}) == [(TOKENS, "ACME", 3.0)]
+
+
+def test_the_limit_in_force_comes_from_current() -> None:
+    lowered = Limit.parse("5/s", name="requests")
+    got = targets([Rule(REQUESTS)], complete, ("a", "b"), {}, current=lambda limit: lowered)
+    assert got == [(lowered, None, 1.0)]
+
+
+@pytest.mark.parametrize("cost", [-1, float("nan"), float("inf"), True, "x", None, 10**400])
+def test_a_cost_from_the_arguments_must_be_a_finite_number_at_least_zero(cost: object) -> None:
+    rule = Rule(TOKENS, cost="max_tokens")
+    with pytest.raises(ConfigError, match="finite number"):
+        targets([rule], complete, ("a", "b"), {"max_tokens": cost})
+
+
+def test_policy_strings_are_parsed_once_into_typed_values() -> None:
+    assert Rule(REQUESTS).redis_down is RedisDown.DEFER
+    allow = Rule(REQUESTS, on_redis_down="allow:30s")
+    assert (allow.redis_down, allow.fail_open_s) == (RedisDown.ALLOW, 30.0)
+    assert (Rule(REQUESTS, on_redis_down="allow").fail_open_s) is None
+    assert Rule(REQUESTS, on_redis_down="local").redis_down is RedisDown.LOCAL
+    assert Rule(REQUESTS, on_timeout="dead_letter:late").dead_letter_queue == "late"
+    assert Rule(REQUESTS).dead_letter_queue is None
+    with pytest.raises(ConfigError, match="'defer'") as caught:
+        Rule(REQUESTS, on_redis_down="allow:soon")
+    assert (caught.value.limit, caught.value.field) == ("requests", "on_redis_down")
+
+
+def test_declare_splits_inline_rates_from_names_and_keeps_the_overrides() -> None:
+    declared = declare(
+        ["20/s burst 1", "github", REQUESTS],
+        "proj.tasks.fetch",
+        {"key": "{owner}", "algorithm": "gcra", "cost": "n"},
+    )
+    assert declared.names == ("github",)
+    inline, given = declared.rules
+    assert (inline.name, inline.limit.algorithm, inline.key) == (
+        "proj.tasks.fetch#1",
+        Algorithm.GCRA,
+        "{owner}",
+    )
+    assert given.limit is REQUESTS
+    assert set(declared.overrides) == {"key", "cost"}
