@@ -38,10 +38,10 @@ from throttle.admin import reset as reset_state
 from throttle.celery import LANE_SUFFIX, Throttler, _task_spec
 from throttle.config import Rule, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
-from throttle.limiter import RedisClient, wrap_errors
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.urls import describe
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
-from throttle.urls import describe
 
 __all__ = ["throttle"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
-from throttle.keys import PART_ALPHABET, KeySpace, text_error
+from throttle.redis.keys import PART_ALPHABET, KeySpace, text_error
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
 
 __all__ = [
@@ -157,8 +157,8 @@ class KeyTemplate:
 
 def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:
     """Split and check a key template. A template of several fields must separate each
-    pair by a character outside :data:`throttle.keys.PART_ALPHABET` (``:``, ``/``, a
-    space...): the worker encodes each value of such a template (throttle.keys.encode_part)
+    pair by a character outside :data:`throttle.redis.keys.PART_ALPHABET` (``:``, ``/``, a
+    space...): the worker encodes each value of such a template (throttle.redis.keys.encode_part)
     so that the separator never occurs in it, which makes the key unambiguous
     ("{a}:{b}" with "x:y" and "z" is not "x" and "y:z")."""
 
@@ -456,7 +456,7 @@ class Settings:
         The limiter's Redis. ``None``: ``THROTTLE_REDIS_URL``, else the broker's URL when
         the broker is Redis.
     prefix, namespace:
-        Where the keys live (:class:`throttle.keys.KeySpace`).
+        Where the keys live (:class:`throttle.redis.keys.KeySpace`).
     refresh_s:
         How often a process re-reads rates changed at run time: the fleet follows a
         change within this time.
