@@ -16,12 +16,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   local tat = now
   local s = redis.call('GET', KEYS[k])
   if s then
-    -- 8 bytes: a packed double; anything else is the text TAT of an earlier build.
-    if #s == 8 then
-      tat = math.max(struct.unpack('<d', s), now)
-    else
-      tat = math.max(tonumber(s), now)
-    end
+    tat = math.max(struct.unpack('<d', s), now)
   end
   local new_tat = tat + cost * interval
   local conform_at = new_tat - burst * interval

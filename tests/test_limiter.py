@@ -483,20 +483,6 @@ def test_back_to_back_calls_get_the_burst_and_no_more(
     assert client.pttl(state_key(clocked, limit)) > 1000
 
 
-def test_gcra_reads_the_text_tat_of_an_earlier_build(
-    clocked: Limiter, clock: FakeClock, client: redis.Redis
-) -> None:
-    limit = Limit.parse("10/s burst 2", name="api", algorithm="gcra")
-    # The TAT written as '%.17g' text, 1.5 intervals ahead; now it is packed as a double.
-    client.set(state_key(clocked, limit), repr(float(clock.now_us + 150_000)))
-    denied = clocked.acquire(limit)
-    assert not denied.allowed
-    assert denied.remaining == pytest.approx(0.5)
-    clock.advance(0.05)
-    assert clocked.acquire(limit).allowed
-    assert len(client.get(state_key(clocked, limit)) or b"") == 8
-
-
 def test_one_limit_with_its_own_cost_runs_the_one_limit_script(clocked: Limiter) -> None:
     limit = Limit.parse("10/s", name="api")
     # A (limit, key, cost) triple alone, without an id: the cost is the limit's, not `cost`.
