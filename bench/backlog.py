@@ -38,8 +38,8 @@ from typing import Any
 import psutil
 import redis
 
-from throttle.keys import KeySpace
 from throttle.parking import ParkingLot
+from throttle.redis.keys import KeySpace
 from throttle.testing import RedisServer
 from workers.harness import Worker, start_api, wait_ready
 

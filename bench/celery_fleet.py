@@ -82,8 +82,8 @@ import redis
 from celery import Celery
 
 from throttle.config import ThrottleConfig
-from throttle.keys import KeySpace
 from throttle.parking import ParkingLot
+from throttle.redis.keys import KeySpace
 from throttle.testing import RedisServer, free_port
 from workers.harness import ROOT, Worker, demo_env, wait_ready
 

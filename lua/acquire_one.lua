@@ -2,7 +2,7 @@
 -- decision for n = 1, without the bookkeeping of several limits and of lease records.
 --
 -- Sent as prelude.lua and the limit's algorithm file, each up to its "several limits only"
--- line, + this file (throttle/scripts.py): it calls that algorithm's check and commit
+-- line, + this file (throttle/redis/scripts.py): it calls that algorithm's check and commit
 -- directly and builds no table, because this runs on every plain acquire and every table
 -- and function a script creates costs server time on each call.
 --

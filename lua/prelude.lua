@@ -1,6 +1,6 @@
 -- prelude.lua: helpers shared by every operation script.
 --
--- throttle/scripts.py builds each script sent to Redis as
+-- throttle/redis/scripts.py builds each script sent to Redis as
 --   prelude.lua + the file of each algorithm the call uses + the operation file,
 -- so every algorithm's arithmetic exists exactly once, a single-limit call carries only its
 -- own algorithm, and a multi-limit acquisition over several algorithms is still one atomic

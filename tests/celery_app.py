@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 
 from throttle.celery import ThrottledTask, install, report_cost, throttled
-from throttle.keys import KeySpace
+from throttle.redis.keys import KeySpace
 from workers.demo_app import _post
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from throttle.redis.wire import limit_args
 from throttle.spec import Limit
 
 
@@ -28,7 +29,7 @@ class Params:
 
     @classmethod
     def of(cls, limit: Limit) -> Params:
-        _, count, period_us, burst = limit.script_args  # exactly what the script receives
+        _, count, period_us, burst = limit_args(limit)  # exactly what the script receives
         return cls(float(count), float(period_us), float(burst))
 
 

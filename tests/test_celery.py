@@ -19,9 +19,9 @@ import redis
 from celery import chain, chord
 
 from throttle import Limit, Limiter
-from throttle.keys import KeySpace
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.keys import KeySpace
 from throttle.testing import RedisServer
 from workers.harness import ROOT, Api, Worker, start_api, wait_ready
 

@@ -32,13 +32,13 @@ from throttle import BackendError, BackendUnavailable, ConfigError, KeySpace, Li
 from throttle.admin import reset
 from throttle.celery import ThrottledTask, Throttler, report_cost, throttled
 from throttle.cli import throttle
-from throttle.limiter import run_script
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.client import run_script
+from throttle.redis.urls import LazyCluster, cluster_client
 from throttle.stats import StatsBook
 from throttle.testing import RedisServer
 from throttle.testing_cluster import LocalCluster
-from throttle.urls import LazyCluster, cluster_client
 
 TOKEN_BUCKET = Limit.parse("3/s", name="tb")
 GCRA = Limit.parse("3/s", name="gcra", algorithm="gcra")

@@ -41,7 +41,8 @@ from redis.crc import key_slot
 from throttle import ConfigError, KeySpace, Limit, RequestError
 from throttle.celery.message import count_header, deadline_header, id_header
 from throttle.config import ThrottleConfig
-from throttle.keys import PART_ALPHABET, _state_keys, encode, encode_part
+from throttle.redis.keys import PART_ALPHABET, _state_keys, encode, encode_part
+from throttle.redis.wire import limit_args
 from throttle.rules import KeyTemplate, Rule, key_for, parse_key_template
 from throttle.spec import MAX_AMOUNT, MAX_PERIOD_S, MIN_PERIOD_S
 from throttle.testing import RedisServer
@@ -344,7 +345,7 @@ def check_limit(limit: Limit) -> None:
         assert MIN_PERIOD_S <= limit.period_s <= MAX_PERIOD_S
         assert 0 < limit.rate_per_s < math.inf
         assert limit.period_s / limit.count <= MAX_PERIOD_S
-    for arg in limit.script_args[1:]:
+    for arg in limit_args(limit)[1:]:
         assert math.isfinite(float(arg))
 
 

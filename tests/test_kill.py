@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from throttle import Limit, Limiter
-from throttle.keys import KeySpace
+from throttle.redis.keys import KeySpace
 from throttle.testing import RedisServer
 from workers.harness import Worker, wait_ready
 

@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from throttle.config import Settings
 from throttle.errors import ConfigError, Throttled
-from throttle.keys import KeySpace
+from throttle.redis.keys import KeySpace
 from throttle.stats import StatsBook
 from throttle.testing import RedisServer, free_port
 from workers.harness import ROOT, Worker, wait_ready

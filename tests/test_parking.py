@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from tests.conftest import FakeClock
-from throttle.keys import KeySpace
 from throttle.parking import Claimed, ParkingLot
+from throttle.redis.keys import KeySpace
 
 LEAD_S = 2.0
 

@@ -12,7 +12,7 @@ import redis
 
 from tests.conftest import FakeClock
 from throttle import Limit, Limiter
-from throttle.scripts import (
+from throttle.redis.scripts import (
     ALGORITHM_FILES,
     ONE_LIMIT_OPERATION,
     SEVERAL_LIMITS_ONLY,

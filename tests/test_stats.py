@@ -8,7 +8,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from throttle.errors import BackendUnavailable, RequestError
-from throttle.keys import KeySpace
+from throttle.redis.keys import KeySpace
 from throttle.stats import MAX_MINUTES, TTL_S, StatsBook
 from throttle.testing import free_port
 

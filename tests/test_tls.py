@@ -2,7 +2,7 @@
 
 Real servers only: ``redis-server`` over TLS (certificates made by the openssl CLI, mutual
 TLS) with an ACL user holding the least privilege the limiter needs
-(:func:`throttle.urls.acl_rules`), a ``redis-server --sentinel`` with a master and a replica
+(:func:`throttle.redis.urls.acl_rules`), a ``redis-server --sentinel`` with a master and a replica
 (and a failover), a real ``celery worker``, a real Flower and the real ``celery throttle``
 command, whose logs, events, metrics and output are searched for the password.
 """
@@ -31,9 +31,9 @@ from throttle.admin import reset
 from throttle.celery import Throttler
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.urls import acl_rules, describe, parse_sentinel_url, redact
 from throttle.stats import StatsBook
 from throttle.testing import RedisSentinel, RedisServer, TlsFiles, free_port
-from throttle.urls import acl_rules, describe, parse_sentinel_url, redact
 from workers.harness import ROOT, Worker, wait_ready
 
 # A distinctive secret, with characters a URL must encode: searched raw and encoded.

@@ -18,8 +18,8 @@ from throttle.errors import (
     ThrottleError,
     ThrottleTimeout,
 )
-from throttle.keys import KeySpace
 from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.redis.keys import KeySpace
 from throttle.spec import Algorithm, Limit
 
 __all__ = [

@@ -1,28 +1,20 @@
 """Operator actions on a limit's state in Redis that the limiter does not offer: a reset.
 
-What ``celery throttle reset`` runs. The keys come from :class:`throttle.keys.KeySpace`
+What ``celery throttle reset`` runs. The keys come from :class:`throttle.redis.keys.KeySpace`
 (the one place that names them); every key of a limit is found with ``SCAN`` on its key
 pattern, never ``KEYS``, which blocks Redis for as long as it walks the whole keyspace.
 """
 
 from __future__ import annotations
 
-import re
-
-from throttle.keys import KeySpace, encode
-from throttle.limiter import RedisClient, wrap_errors
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.keys import KeySpace
 from throttle.spec import Algorithm, Limit
 
 __all__ = ["reset"]
 
 _SCAN_COUNT = 1000
 """Keys asked for per SCAN call: few round trips, each short enough not to stall Redis."""
-_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a literal in a Redis glob pattern (``*?[]\\`` escaped)."""
-    return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 def _probes(name: str) -> list[Limit]:
@@ -46,13 +38,7 @@ def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None =
         names = [name for probe in _probes(limit) for name in keyspace.state_keys(probe, key)]
         deleted: int = wrap_errors(lambda: client.delete(*names))
         return deleted
-    # The layout is ``base + code + ":" + encode(limit) + ":" + encode(key)`` (plus ":h" for a
-    # concurrency limit's second key). encode() never yields ":", so the trailing ":" keeps
-    # limit "api" from matching the keys of limit "api-2".
-    patterns = [
-        f"{_glob_escape(keyspace.base)}{probe.code}:{_glob_escape(encode(limit))}:*"
-        for probe in _probes(limit)
-    ]
+    patterns = [keyspace.state_pattern(probe) for probe in _probes(limit)]
 
     def scan_and_delete() -> int:
         count = 0

@@ -39,11 +39,11 @@ from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
-from throttle.limiter import RedisClient, wrap_errors
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.urls import describe
 from throttle.rules import Rule
 from throttle.spec import Algorithm, Limit
 from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
-from throttle.urls import describe
 
 __all__ = ["throttle"]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from throttle.errors import ConfigError
-from throttle.keys import KeySpace, text_error
+from throttle.redis.keys import KeySpace, text_error
 from throttle.rules import Rule
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
 from throttle.units import parse_duration
@@ -177,7 +177,7 @@ class Settings:
         The limiter's Redis. ``None``: ``THROTTLE_REDIS_URL``, else the broker's URL when
         the broker is Redis.
     prefix, namespace:
-        Where the keys live (:class:`throttle.keys.KeySpace`).
+        Where the keys live (:class:`throttle.redis.keys.KeySpace`).
     refresh_s:
         How often a process re-reads rates changed at run time: the fleet follows a
         change within this time.

@@ -2,10 +2,11 @@
 
 One Redis round trip per decision: the arithmetic runs in ``lua/acquire.lua`` on the Redis
 server, against the Redis clock. This module validates arguments, names keys (through
-:mod:`throttle.keys`), calls the script and turns its reply into a :class:`Decision`.
-It is on the hot path of every throttled call, so it avoids work it can do once: limit
-arguments are encoded when the limit is built, key names are cached, scripts are
-registered once per set of algorithms.
+:mod:`throttle.redis.keys`), calls the script (:func:`throttle.redis.client.run_script`)
+and has its reply decoded into a :class:`Decision` (:mod:`throttle.redis.replies`).
+It is on the hot path of every throttled call, so it avoids work it can do once: a limit's
+arguments are encoded once per limit (:mod:`throttle.redis.wire`), key names are cached,
+scripts are registered once per set of algorithms.
 
 Example::
 
@@ -33,87 +34,37 @@ Example::
 from __future__ import annotations
 
 import math
-import struct
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any
 
-import redis
-from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import (
-    ClusterDownError,
-    NoScriptError,
-    RedisClusterException,
-    SlotNotCoveredError,
-)
 
-from throttle.decision import Acquisition, Decision, LimitState, Settlement, SettleStatus
-from throttle.errors import (
-    BackendError,
-    BackendUnavailable,
-    CostExceedsCapacity,
-    RequestError,
+from throttle.decision import Acquisition, Decision, LimitState, Settlement
+from throttle.errors import CostExceedsCapacity, RequestError
+from throttle.redis.client import RedisClient, client_from_url, run_script
+from throttle.redis.keys import KeySpace
+from throttle.redis.replies import (
+    acquire_decision,
+    held_s,
+    holds,
+    one_limit_decision,
+    peek_state,
+    settlement,
 )
-from throttle.keys import KeySpace, decode_hold_field
-from throttle.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
+from throttle.redis.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
+from throttle.redis.wire import HOLD_FOREVER_US, limit_args
 from throttle.spec import Limit
-from throttle.urls import cluster_client, is_cluster_url, is_sentinel_url, sentinel_client
 
-__all__ = [
-    "DEFAULT_LEASE_S",
-    "DEFAULT_TIMEOUT_S",
-    "HELD_FOREVER_S",
-    "HOLD_FOREVER_US",
-    "MAX_DURATION_S",
-    "Limiter",
-    "RedisClient",
-    "run_script",
-]
-
-RedisClient: TypeAlias = redis.Redis | RedisCluster
-"""The clients a limiter works with: one Redis server, or a Redis Cluster."""
+__all__ = ["DEFAULT_LEASE_S", "MAX_DURATION_S", "Limiter"]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
 MAX_DURATION_S = 10 * 365 * 86400.0
 """The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
-HOLD_FOREVER_US = 10**18
-"""A hold until lifted (a pause) is a hold of this many us (about 31,700 years)."""
-HELD_FOREVER_S = 1e11
-"""A wait this long (about 3,000 years) can only be a hold until lifted: read as ``inf``."""
-DEFAULT_TIMEOUT_S = 5.0
-"""Socket timeouts of :meth:`Limiter.from_url`: a hung Redis must not block a worker."""
 
-# The status codes of lua/settle.lua, in order.
-_SETTLE_STATUS: tuple[SettleStatus, ...] = ("settled", "already_settled", "unknown", "mismatch")
 _INF = math.inf
-_new = tuple.__new__
-# lua/acquire_one.lua's reply when decided: allowed, wait_us, retry_after_us, remaining,
-# reset_us as five packed doubles (exact, and no number formatted on either side).
-_unpack_one = struct.Struct("<ddddd").unpack
-_ONE_REPLY_SIZE = 40
-# lua/acquire.lua's decided replies, by their number of doubles (4 + 4 per limit).
-_UNPACKERS: dict[int, Callable[[bytes], tuple[float, ...]]] = {}
-
-
-def _unpack_doubles(raw: bytes, count: int) -> tuple[float, ...]:
-    """``count`` little-endian doubles packed by a script (struct '<d'), checked for size."""
-    unpack = _UNPACKERS.get(count)
-    if unpack is None:
-        unpack = _UNPACKERS[count] = struct.Struct(f"<{count}d").unpack
-    if len(raw) != 8 * count:
-        raise BackendError(f"a script replied {len(raw)} bytes where {8 * count} were due")
-    return unpack(raw)
-
-
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
-
-# Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
-# cluster without a master for the slot (failing over, or never covered) is as unreachable
-# as a server that refuses connections.
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError)
-_REFUSED = (redis.RedisError, RedisClusterException)
 
 
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
@@ -149,22 +100,6 @@ def _options(cost: object, max_wait_s: object, lease_s: object) -> tuple[float, 
     return checked_cost, max_wait_us, lease
 
 
-def _held_s(seconds: float) -> float:
-    """A wait in seconds, ``inf`` for a hold until lifted (a pause)."""
-    return _INF if seconds >= HELD_FOREVER_S else seconds
-
-
-def _limit_state(limit: Limit, reply: list[Any], i: int) -> LimitState:
-    """One limit's four fields of a peek.lua reply (text), from index ``i``."""
-    return LimitState(
-        limit.name,
-        int(reply[i]) == 1,
-        float(reply[i + 1]),
-        _held_s(float(reply[i + 2]) / 1e6),
-        float(reply[i + 3]) / 1e6,
-    )
-
-
 class Limiter:
     """Acquires and settles tokens of limits kept in Redis.
 
@@ -176,7 +111,7 @@ class Limiter:
         limiter runs on the one master of that slot). The limiter opens no connection
         itself.
     prefix, namespace:
-        Where the keys live (see :class:`throttle.keys.KeySpace`).
+        Where the keys live (see :class:`throttle.redis.keys.KeySpace`).
     clock_us:
         Tests only: a callable returning "now" in microseconds, sent to the scripts
         instead of letting them read Redis ``TIME``. Production code never sets it, so
@@ -212,28 +147,14 @@ class Limiter:
         namespace: str = "default",
         **client_options: Any,
     ) -> Limiter:
-        """A limiter on the Redis at ``url``, with socket timeouts of
-        :data:`DEFAULT_TIMEOUT_S` unless given in ``client_options``, so that a hung Redis
-        raises :class:`BackendUnavailable`.
-
-        ``redis://``, ``rediss://`` and ``unix://`` name one server
-        (``redis.Redis.from_url``), ``redis+sentinel://`` a master behind Sentinel, and
-        ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.urls`). No client opens a
-        connection before the first call (a cluster's reads its slot map then:
-        :class:`throttle.urls.LazyCluster`), so an unreachable Redis makes the calls, not
-        this, raise :class:`BackendUnavailable`. A malformed Sentinel or cluster URL raises
-        :class:`ConfigError` here.
+        """A limiter on the Redis at ``url``: a client built by
+        :func:`throttle.redis.client.client_from_url` (one server, Sentinel or Cluster
+        URLs; socket timeouts of :data:`~throttle.redis.client.DEFAULT_TIMEOUT_S` unless
+        given in ``client_options``). No connection is opened here: an unreachable Redis
+        makes the calls raise :class:`BackendUnavailable`; a malformed Sentinel or cluster
+        URL raises :class:`ConfigError` here.
         """
-        client_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
-        client_options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
-        client: RedisClient
-        if is_cluster_url(url):  # redis+cluster://: see throttle.urls
-            client = cluster_client(url, lazy=True, **client_options)
-        elif is_sentinel_url(url):  # redis+sentinel://: see throttle.urls
-            client = sentinel_client(url, **client_options)
-        else:
-            client = redis.Redis.from_url(url, **client_options)
-        return cls(client, prefix=prefix, namespace=namespace)
+        return cls(client_from_url(url, **client_options), prefix=prefix, namespace=namespace)
 
     def acquire(
         self,
@@ -275,31 +196,18 @@ class Limiter:
             script = self._one[limit.code] = self.client.register_script(
                 script_source(ONE_LIMIT_OPERATION, limit.codes)
             )
-        _, count, period_us, burst = limit.script_args
+        _, count, period_us, burst = limit_args(limit)
         clock = self._clock_us
         keys, whole, own = self.keyspace.one_limit(limit, key)
         args = [
             b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
             whole, own,
         ]  # fmt: skip
-        reply = self._call(script, keys, args)
-        if len(reply) != _ONE_REPLY_SIZE:
-            # The script re-checks capacity ('2 1'); the check above normally fires first.
+        decision = one_limit_decision(limit.name, self._call(script, keys, args))
+        if decision is None:
+            # The script re-checks capacity; the check above normally fires first.
             raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        admitted, wait_us, retry_us, remaining, reset_us = _unpack_one(reply)
-        allowed = admitted == 1.0
-        retry_after_s = retry_us / 1e6
-        if retry_after_s >= HELD_FOREVER_S:
-            retry_after_s = _INF
-        reset_after_s = reset_us / 1e6
-        # tuple.__new__ straight away: the same NamedTuples in half the time of their
-        # generated __new__.
-        state = _new(LimitState, (limit.name, allowed, remaining, retry_after_s, reset_after_s))
-        wait_s = wait_us / 1e6
-        return _new(
-            Decision,
-            (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False, 0.0),
-        )
+        return decision
 
     def acquire_many(
         self,
@@ -384,7 +292,7 @@ class Limiter:
             if limit_cost > limit.capacity:
                 raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
             keys.extend(keyspace.state_keys(limit, key))
-            args.extend(limit.script_args)
+            args.extend(limit_args(limit))
             args.append(encoded)
             pairs.append((limit, key))
             costs.append(limit_cost)
@@ -405,82 +313,7 @@ class Limiter:
             args[0] = self._clock_us()
         raw = self._call(self._scripts_for(codes)[0], keys, args)
         # What settle needs: the state keys and the lease record, without the holds.
-        own_keys = tuple(keys[1:])
-        if raw[:1] == b"\x00":  # status 0, decided: packed doubles (see lua/acquire.lua)
-            return self._decided(raw, n, pairs, costs, acquisition_id, own_keys)
-        reply = raw.split()
-        status = int(reply[0])
-        if status == 2:
-            # The script re-checks capacity; the check above normally fires first.
-            index = int(reply[1]) - 1
-            limit = pairs[index][0]
-            raise CostExceedsCapacity(limit.name, costs[index], limit.capacity)
-        if status == 3:
-            raise RequestError(
-                f"acquisition {acquisition_id!r} already holds a lease on other limits or "
-                "keys: an id names one acquisition"
-            )
-        if status == 4:
-            # Held already, but a hold placed since covers the reserved slot: the caller
-            # gives the lease up (settles it) and comes back when the hold ends.
-            index = int(reply[1]) - 1
-            retry_after_s = _held_s(float(reply[2]) / 1e6)
-            voided = Acquisition(str(acquisition_id), tuple(costs), tuple(pairs), own_keys)
-            state = LimitState(pairs[index][0].name, False, 0.0, retry_after_s, 0.0)
-            return Decision(False, 0.0, retry_after_s, 0.0, 0.0, (state,), voided, held=True)
-        if status == 1:
-            # Held already (a redelivery): the lease's own costs, not this call's.
-            wait_s = float(reply[2]) / 1e6
-            held_costs = tuple(float(c) for c in reply[4 : 4 + n])
-            held = Acquisition(str(acquisition_id), held_costs, tuple(pairs), own_keys)
-            late_s = float(reply[3]) / 1e6
-            return Decision(True, 0.0, 0.0, 0.0, wait_s, (), held, held=True, late_s=late_s)
-        raise BackendError(f"unexpected reply of lua/acquire.lua: {raw[:100]!r}")
-
-    @staticmethod
-    def _decided(
-        raw: bytes,
-        n: int,
-        pairs: list[tuple[Limit, str | None]],
-        costs: list[float],
-        acquisition_id: str | None,
-        own_keys: tuple[str, ...],
-    ) -> Decision:
-        """The Decision of a status-0 reply of lua/acquire.lua: 4 + 4n packed doubles."""
-        values = _unpack_doubles(raw, 4 + 4 * n)
-        allowed = values[1] == 1.0
-        acquisition = None
-        if allowed and acquisition_id is not None:
-            acquisition = Acquisition(acquisition_id, tuple(costs), tuple(pairs), own_keys)
-        states = tuple(
-            [
-                _new(
-                    LimitState,
-                    (
-                        pairs[i][0].name,
-                        values[4 * i + 4] == 1.0,
-                        values[4 * i + 5],
-                        _held_s(values[4 * i + 6] / 1e6),
-                        values[4 * i + 7] / 1e6,
-                    ),
-                )
-                for i in range(n)
-            ]
-        )
-        if n == 1:
-            remaining, reset_after_s = states[0].remaining, states[0].reset_after_s
-        else:
-            remaining = min([state.remaining for state in states])
-            reset_after_s = max([state.reset_after_s for state in states])
-        return Decision(
-            allowed,
-            remaining,
-            _held_s(values[3] / 1e6),
-            reset_after_s,
-            values[2] / 1e6,
-            states,
-            acquisition,
-        )
+        return acquire_decision(raw, pairs, costs, acquisition_id, tuple(keys[1:]))
 
     def settle(
         self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
@@ -513,14 +346,12 @@ class Limiter:
                 )
         args: list[Any] = [b"", acquisition.id, n]
         for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
-            args.extend(limit.script_args)
+            args.extend(limit_args(limit))
             args.append(b"" if actual is None else _number(actual, "actual_cost"))
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
-        reply = self._call(self._scripts_for(codes)[1], list(acquisition.keys), args).split()
-        deltas = tuple(float(delta) for delta in reply[1:])
-        return Settlement(_SETTLE_STATUS[int(reply[0])], deltas)
+        return settlement(self._call(self._scripts_for(codes)[1], list(acquisition.keys), args))
 
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
@@ -538,7 +369,7 @@ class Limiter:
         asked = min(_number(cost, "cost"), limit.capacity)
         keyspace = self.keyspace
         keys = [keyspace.holds_key(), *keyspace.state_keys(limit, key)]
-        args: list[Any] = [b"", 0, 1, *limit.script_args, repr(asked), b"", 1]
+        args: list[Any] = [b"", 0, 1, *limit_args(limit), repr(asked), b"", 1]
         args.extend(keyspace.hold_fields(limit.name, key))
         if self._clock_us is not None:
             args[0] = self._clock_us()
@@ -547,7 +378,7 @@ class Limiter:
             script = self._peek[limit.code] = self.client.register_script(
                 script_source("peek", limit.codes)
             )
-        return _limit_state(limit, self._call(script, keys, args).split(), 1)
+        return peek_state(limit.name, self._call(script, keys, args))
 
     def hold(
         self, limit: Limit | str, key: str | None = None, seconds: float | None = None
@@ -566,7 +397,7 @@ class Limiter:
             for_us = HOLD_FOREVER_US
         else:
             for_us = max(round(_number(seconds, "seconds", most=MAX_DURATION_S) * 1e6), 1)
-        return _held_s(float(self._hold(limit, key, for_us)) / 1e6)
+        return held_s(float(self._hold(limit, key, for_us)) / 1e6)
 
     def unhold(self, limit: Limit | str, key: str | None = None) -> None:
         """Lift the hold (or pause) of ``limit`` (of its ``key``, when given)."""
@@ -581,12 +412,7 @@ class Limiter:
         if self._holds_script is None:
             self._holds_script = self.client.register_script(operation_source("holds"))
         now = b"" if self._clock_us is None else self._clock_us()
-        reply = self._call(self._holds_script, [self.keyspace.holds_key()], [now])
-        now_us = int(reply[0])
-        return {
-            decode_hold_field(reply[i].decode()): _held_s((float(reply[i + 1]) - now_us) / 1e6)
-            for i in range(1, len(reply), 2)
-        }
+        return holds(self._call(self._holds_script, [self.keyspace.holds_key()], [now]))
 
     def _hold(self, limit: Limit | str, key: str | None, for_us: int | bytes) -> Any:
         name = limit.name if isinstance(limit, Limit) else limit
@@ -616,32 +442,3 @@ class Limiter:
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
         """One script call through :func:`run_script` (the one place bench/core.py taps)."""
         return run_script(self.client, script, keys, args)
-
-
-def run_script(client: RedisClient, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
-    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped.
-
-    On a Redis Cluster, redis-py sends it to the master of the keys' slot (all keys of a
-    call share their namespace's hash tag), follows MOVED and ASK, and on NOSCRIPT loads
-    the script on every master before it retries."""
-    try:
-        try:
-            return script(keys, args)
-        except NoScriptError:
-            # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
-            # (registered from a str: see Limiter._scripts_for)
-            return client.eval(cast(str, script.script), len(keys), *keys, *args)
-    except _UNAVAILABLE as exc:
-        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-    except _REFUSED as exc:
-        raise BackendError(f"Redis refused a limiter call: {exc}") from exc
-
-
-def wrap_errors(call: Callable[[], Any]) -> Any:
-    """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
-    try:
-        return call()
-    except _UNAVAILABLE as exc:
-        raise BackendUnavailable(f"Redis is unreachable: {exc}") from exc
-    except _REFUSED as exc:
-        raise BackendError(f"Redis refused a limiter call: {exc}") from exc

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from throttle.keys import KeySpace
-from throttle.limiter import RedisClient, run_script
-from throttle.scripts import operation_source
+from throttle.redis.client import RedisClient, run_script
+from throttle.redis.keys import KeySpace
+from throttle.redis.scripts import operation_source
 
 __all__ = ["Claimed", "ParkingLot"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from throttle.keys import KeySpace
-from throttle.limiter import RedisClient, wrap_errors
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
 
 __all__ = ["RateBook"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from throttle.errors import ConfigError
-from throttle.keys import PART_ALPHABET, encode_part, text_error
+from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
 from throttle.spec import Algorithm, Limit
 from throttle.units import parse_duration, real
 
@@ -89,8 +89,8 @@ class KeyTemplate:
 
 def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:
     """Split and check a key template. A template of several fields must separate each
-    pair by a character outside :data:`throttle.keys.PART_ALPHABET` (``:``, ``/``, a
-    space...): the worker encodes each value of such a template (throttle.keys.encode_part)
+    pair by a character outside :data:`throttle.redis.keys.PART_ALPHABET` (``:``, ``/``, a
+    space...): the worker encodes each value of such a template (throttle.redis.keys.encode_part)
     so that the separator never occurs in it, which makes the key unambiguous
     ("{a}:{b}" with "x:y" and "z" is not "x" and "y:z")."""
 

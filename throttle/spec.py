@@ -46,7 +46,7 @@ class Algorithm(str, Enum):
 
 
 _ALIASES = {"leaky_bucket": Algorithm.GCRA, "token-bucket": Algorithm.TOKEN_BUCKET}
-# Short codes understood by the Lua scripts (lua/acquire.lua picks ALGO[code]).
+# Each algorithm's short name: in Redis key names, and in the scripts (ALGO[code]).
 _CODES = {
     Algorithm.TOKEN_BUCKET: "tb",
     Algorithm.GCRA: "gcra",
@@ -180,13 +180,15 @@ class Limit:
     count: float
     period_s: float = 1.0
     burst: float | None = None
-    # The four ARGV values of this limit for lua/acquire.lua, built once and encoded (redis-py
-    # sends bytes as they are): algorithm code, count, period in us, capacity.
-    script_args: tuple[bytes, bytes, bytes, bytes] = field(init=False, repr=False, compare=False)
     code: str = field(init=False, repr=False, compare=False)
-    """The short algorithm code the Lua scripts use (``tb``, ``gcra``, ``fw``, ``sw``...)."""
+    """The algorithm's short name (``tb``, ``gcra``, ``fw``, ``sw``, ``conc``), as Redis key
+    names and the scripts spell it."""
     codes: frozenset[str] = field(init=False, repr=False, compare=False)
     """``{code}``: the algorithms a script for this limit alone must carry."""
+    _wire: Any = field(default=None, init=False, repr=False, compare=False)
+    # Owned by throttle.redis.wire, which computes this limit's arguments to the scripts on
+    # first use and keeps them here: they are read on every acquire, and a cache keyed by
+    # the limit would hash its five fields each time. The Limit never reads it.
 
     def __post_init__(self) -> None:
         name = check_name(self.name)
@@ -218,8 +220,6 @@ class Limit:
         object.__setattr__(self, "count", count)
         object.__setattr__(self, "period_s", period_s)
         object.__setattr__(self, "burst", burst)
-        args = (_CODES[algorithm], repr(count), repr(period_s * 1e6), repr(burst))
-        object.__setattr__(self, "script_args", tuple(arg.encode() for arg in args))
         object.__setattr__(self, "code", _CODES[algorithm])
         object.__setattr__(self, "codes", frozenset((self.code,)))
 

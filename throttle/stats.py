@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from throttle.errors import RequestError
-from throttle.keys import KeySpace
-from throttle.limiter import RedisClient, wrap_errors
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.keys import KeySpace
 
 __all__ = ["EVENTS", "MAX_MINUTES", "StatsBook"]
 

@@ -18,7 +18,7 @@ from throttle import metrics
 from throttle.celery.runtime import Throttler
 from throttle.config import Settings
 from throttle.errors import ConfigError
-from throttle.limiter import wrap_errors
+from throttle.redis.client import wrap_errors
 from throttle.rules import Rule
 from throttle.spec import Limit
 

@@ -24,7 +24,7 @@ from throttle.celery.reschedule import defer_down
 from throttle.config import Settings
 from throttle.errors import BackendError
 from throttle.fallback import LocalBuckets
-from throttle.limiter import wrap_errors
+from throttle.redis.client import wrap_errors
 from throttle.rules import RedisDown, Rule, targets
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def check_cold_start(throttler: Throttler) -> list[str]:
         return []
     limiter = throttler.limiter
     client = limiter.client
-    marker = limiter.keyspace.base + "alive"
+    marker = limiter.keyspace.alive_key()
     if not wrap_errors(lambda: client.set(marker, repr(time.time()), nx=True)):
         return []
     for rule in rules:

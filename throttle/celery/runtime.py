@@ -23,9 +23,9 @@ from throttle.errors import ConfigError
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.urls import redact
 from throttle.rules import Declared, Rule
 from throttle.stats import StatsBook
-from throttle.urls import redact
 
 logger = logging.getLogger("throttle")
 
@@ -97,7 +97,7 @@ class Throttler:
         ``settings.redis_url``, ``THROTTLE_REDIS_URL``, or the broker when it is Redis).
 
         The URL may name a master behind Sentinel (``redis+sentinel://``, see
-        :mod:`throttle.urls`). A malformed URL raises :class:`ConfigError` showing it
+        :mod:`throttle.redis.urls`). A malformed URL raises :class:`ConfigError` showing it
         without its password. Keep a password out of ``app.conf`` (use the environment or
         the limits file): ``celery inspect conf`` and ``celery report`` censor only keys
         that look secret, and ``throttle_redis_url`` does not."""

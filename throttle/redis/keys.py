@@ -35,9 +35,10 @@ from urllib.parse import quote, unquote
 from throttle.errors import ConfigError, RequestError
 from throttle.spec import Limit
 
-__all__ = ["KeySpace"]
+__all__ = ["PART_ALPHABET", "KeySpace", "decode_hold_field", "encode", "encode_part", "text_error"]
 
 _SAFE = re.compile(r"[A-Za-z0-9_.@+=~-]{1,100}")
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _MAX_ENCODED = 100
 PART_ALPHABET = frozenset(string.ascii_letters + string.digits + "_.@+=~-%#")
 """Every character :func:`encode` may output: a character outside it (``:``, ``/``, ``|``,
@@ -79,6 +80,11 @@ def encode_part(value: str) -> str:
     empty value is allowed (it stays empty): the result never contains a character outside
     :data:`PART_ALPHABET`."""
     return encode(value) if value else ""
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (``*?[]\\`` escaped)."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 def _utf8(value: str) -> bytes:
@@ -172,6 +178,15 @@ class KeySpace:
             return _state_keys(self.base, limit.code, limit.name, key)
         return _state_keys_of(self.base, limit.code, limit.name, key)
 
+    def state_pattern(self, limit: Limit) -> str:
+        """A ``SCAN MATCH`` pattern of every Redis key of ``limit``'s state: of every key
+        value, and of the keyless state.
+
+        Under the limit's algorithm only: a stand-in limit of the same name per algorithm
+        finds the state another algorithm left. ``encode()`` never yields ``:``, so the
+        ``:`` after the name keeps limit ``api`` from matching the keys of ``api-2``."""
+        return f"{_glob_escape(self.base)}{limit.code}:{_glob_escape(encode(limit.name))}:*"
+
     def holds_key(self) -> str:
         """The HASH of holds (lua/hold.lua): field -> until, in us of the Redis clock."""
         return f"{self.base}holds"
@@ -206,6 +221,11 @@ class KeySpace:
     def parked_run_key(self, token: str) -> str:
         """Which published copy of a parked task may run (the first one to start)."""
         return f"{self.base}park:run:{encode(token)}"
+
+    def alive_key(self) -> str:
+        """The marker that this Redis kept the namespace's data (no TTL): its absence tells
+        a worker that Redis is new or restarted empty (the ``cold_start`` setting)."""
+        return f"{self.base}alive"
 
     def stats_key(self, minute: int) -> str:
         """The HASH of fleet-wide counts of one minute (``minute`` = epoch s // 60):

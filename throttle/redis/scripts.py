@@ -54,13 +54,15 @@ stops reading that file."""
 
 @functools.cache
 def lua_dir() -> Path:
-    """The directory holding the scripts: inside the installed wheel, or the checkout's."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "lua", here.parent / "lua"):
+    """The directory holding the scripts: inside the installed wheel (``throttle/lua``, see
+    pyproject.toml), or the checkout's top-level ``lua/``."""
+    package = Path(__file__).resolve().parent.parent
+    candidates = (package / "lua", package.parent / "lua")
+    for candidate in candidates:
         if (candidate / "prelude.lua").is_file():
             return candidate
     raise FileNotFoundError(
-        f"the Lua scripts are missing: neither {here / 'lua'} nor {here.parent / 'lua'} "
+        f"the Lua scripts are missing: neither {candidates[0]} nor {candidates[1]} "
         "holds prelude.lua"
     )
 

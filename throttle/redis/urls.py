@@ -35,7 +35,7 @@ The client sends each call to the master of its keys' slot and follows ``MOVED``
 its first call (:class:`LazyCluster`): a worker or pool child that starts while the cluster
 is down gets :class:`~throttle.errors.BackendUnavailable` from its calls, so the limits'
 ``on_redis_down`` applies, and its next call after the cluster is back just works.
-Every key of a namespace shares one hash tag (:mod:`throttle.keys`), so each script runs on
+Every key of a namespace shares one hash tag (:mod:`throttle.redis.keys`), so each script runs on
 one master.
 
 :func:`redact` hides the password of any URL (and any ``*password*`` query option) before it

@@ -1,0 +1,92 @@
+"""The Redis client: its type, building one from a URL, and calling it with errors wrapped.
+
+Every call the package makes to Redis goes through :func:`run_script` (a Lua script) or
+:func:`wrap_errors` (any other command), so that a driver error always surfaces as
+:class:`~throttle.errors.BackendUnavailable` (Redis cannot serve now) or
+:class:`~throttle.errors.BackendError` (Redis refused the call), never as redis-py's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias, cast
+
+import redis
+from redis.cluster import RedisCluster
+from redis.commands.core import Script
+from redis.exceptions import (
+    ClusterDownError,
+    NoScriptError,
+    RedisClusterException,
+    SlotNotCoveredError,
+)
+
+from throttle.errors import BackendError, BackendUnavailable
+from throttle.redis.urls import cluster_client, is_cluster_url, is_sentinel_url, sentinel_client
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RedisClient", "client_from_url", "run_script", "wrap_errors"]
+
+RedisClient: TypeAlias = redis.Redis | RedisCluster
+"""The clients a limiter works with: one Redis server, or a Redis Cluster."""
+
+DEFAULT_TIMEOUT_S = 5.0
+"""Socket timeouts of :func:`client_from_url`: a hung Redis must not block a worker."""
+
+# Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
+# cluster without a master for the slot (failing over, or never covered) is as unreachable
+# as a server that refuses connections.
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError)
+_REFUSED = (redis.RedisError, RedisClusterException)
+
+
+def _wrapped(exc: Exception) -> BackendError:
+    """The package's error for a driver error (one of ``_REFUSED``)."""
+    if isinstance(exc, _UNAVAILABLE):
+        return BackendUnavailable(f"Redis is unreachable: {exc}")
+    return BackendError(f"Redis refused a limiter call: {exc}")
+
+
+def client_from_url(url: str, **options: Any) -> RedisClient:
+    """A client of the Redis at ``url``, with socket timeouts of :data:`DEFAULT_TIMEOUT_S`
+    unless given in ``options``, so that a hung Redis raises :class:`BackendUnavailable`.
+
+    ``redis://``, ``rediss://`` and ``unix://`` name one server
+    (``redis.Redis.from_url``), ``redis+sentinel://`` a master behind Sentinel, and
+    ``redis+cluster://`` a Redis Cluster (see :mod:`throttle.redis.urls`). No client opens a
+    connection before the first call (a cluster's reads its slot map then:
+    :class:`throttle.redis.urls.LazyCluster`), so an unreachable Redis makes the calls, not
+    this, raise :class:`BackendUnavailable`. A malformed Sentinel or cluster URL raises
+    :class:`ConfigError` here.
+    """
+    options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
+    if is_cluster_url(url):
+        return cluster_client(url, lazy=True, **options)
+    if is_sentinel_url(url):
+        return sentinel_client(url, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def run_script(client: RedisClient, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
+    """One script call: EVALSHA (reloaded by redis-py on NOSCRIPT), driver errors wrapped.
+
+    On a Redis Cluster, redis-py sends it to the master of the keys' slot (all keys of a
+    call share their namespace's hash tag), follows MOVED and ASK, and on NOSCRIPT loads
+    the script on every master before it retries."""
+    try:
+        try:
+            return script(keys, args)
+        except NoScriptError:
+            # Flushed again between redis-py's SCRIPT LOAD and its retry: send the source.
+            # (the package registers every script from a str: see throttle.redis.scripts)
+            return client.eval(cast(str, script.script), len(keys), *keys, *args)
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+
+
+def wrap_errors(call: Callable[[], Any]) -> Any:
+    """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
+    try:
+        return call()
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
