@@ -55,6 +55,7 @@ from throttle.redis.replies import (
 from throttle.redis.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
 from throttle.redis.wire import HOLD_FOREVER_US, limit_args
 from throttle.spec import Limit
+from throttle.units import real
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_DURATION_S", "Limiter"]
 
@@ -70,13 +71,9 @@ _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
     """``value`` as a finite float >= 0 (> 0 when ``positive``, <= ``most``), or a
     RequestError that names ``what`` and the value."""
-    # bool is an int subclass, and never a cost; other int and float subclasses are fine.
-    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, int | float)):
+    number = real(value)
+    if number is None:
         raise RequestError(f"{what} must be a number (got {value!r})")
-    try:
-        number = float(value)
-    except OverflowError:  # an int too large for a float
-        number = _INF
     if (number > 0 if positive else number >= 0) and number <= most and number != _INF:
         return number
     # NaN fails every comparison, so it lands here as well.
@@ -270,33 +267,10 @@ class Limiter:
                     )
                 _, key = target
                 return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
-        encoded_cost = repr(cost).encode()
         keyspace = self.keyspace
         keys: list[str] = [keyspace.holds_key()]
         args: list[Any] = [b"", max_wait_us, n]
-        pairs: list[tuple[Limit, str | None]] = []
-        costs: list[float] = []
-        fields: list[str] = []
-        for target in targets:
-            if len(target) == 3:
-                limit, key, own = target
-                limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
-                encoded = repr(limit_cost).encode()
-            else:
-                limit, key = target
-                limit_cost, encoded = cost, encoded_cost
-            if not isinstance(limit, Limit):
-                raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
-            if key is not None and (type(key) is not str or not key):
-                raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-            if limit_cost > limit.capacity:
-                raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
-            keys.extend(keyspace.state_keys(limit, key))
-            args.extend(limit_args(limit))
-            args.append(encoded)
-            pairs.append((limit, key))
-            costs.append(limit_cost)
-            fields.extend(keyspace.hold_fields(limit.name, key))
+        pairs, costs, fields = _encode_targets(keyspace, targets, cost, keys, args)
         if n > 1 and len(set(keys)) != len(keys):
             raise RequestError("the same limit and key appear twice in one acquisition")
         codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
@@ -442,3 +416,40 @@ class Limiter:
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
         """One script call through :func:`run_script` (the one place bench/core.py taps)."""
         return run_script(self.client, script, keys, args)
+
+
+def _encode_targets(
+    keyspace: KeySpace,
+    targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]],
+    cost: float,
+    keys: list[str],
+    args: list[Any],
+) -> tuple[list[tuple[Limit, str | None]], list[float], list[str]]:
+    """Check each target of an acquisition and append its state keys to ``keys`` and its
+    script arguments (the limit's, then its cost) to ``args``; returns the (limit, key)
+    pairs, each limit's cost, and the fields of the holds hash the script reads."""
+    encoded_cost = repr(cost).encode()
+    pairs: list[tuple[Limit, str | None]] = []
+    costs: list[float] = []
+    fields: list[str] = []
+    for target in targets:
+        if len(target) == 3:
+            limit, key, own = target
+            limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
+            encoded = repr(limit_cost).encode()
+        else:
+            limit, key = target
+            limit_cost, encoded = cost, encoded_cost
+        if not isinstance(limit, Limit):
+            raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        if limit_cost > limit.capacity:
+            raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
+        keys.extend(keyspace.state_keys(limit, key))
+        args.extend(limit_args(limit))
+        args.append(encoded)
+        pairs.append((limit, key))
+        costs.append(limit_cost)
+        fields.extend(keyspace.hold_fields(limit.name, key))
+    return pairs, costs, fields
