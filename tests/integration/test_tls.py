@@ -26,6 +26,7 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.support.clock import FakeClock
 from tests.support.servers import RedisSentinel, RedisServer, TlsFiles, free_port
 from throttle import BackendError, BackendUnavailable, ConfigError, Limit, Limiter
 from throttle.admin import reset
@@ -126,26 +127,31 @@ def test_every_operation_over_mutual_tls_as_a_least_privilege_acl_user(
     url = tls_server.url_for("limiter", SECRET)
     assert url.startswith("rediss://limiter:") and "ssl_certfile=" in url
     limiter = Limiter.from_url(url)
+    # and the same connection (same user, same certificate) on the test clock: the counts
+    # below are judged at one instant, however long the calls take over TLS on a slow host
+    # (at 5/s a token comes back every 200 ms, at 100/m 0.1 of one every 60 ms). The real
+    # clock (Redis TIME, as this user) still runs the acquire after SCRIPT FLUSH below.
+    clocked = Limiter(limiter.client, clock_us=FakeClock())
     admin = tls_server.client()
     try:
         # Then every algorithm, several limits at once, reservation and settle work
         for algorithm in ("token_bucket", "gcra", "sliding_window", "fixed_window"):
             limit = Limit.parse("5/s", name=f"tls-{algorithm}", algorithm=algorithm)
-            assert [bool(limiter.acquire(limit, "k")) for _ in range(6)] == [True] * 5 + [False]
+            assert [bool(clocked.acquire(limit, "k")) for _ in range(6)] == [True] * 5 + [False]
         bucket = Limit.parse("100/m", name="tokens")
         gate = Limit.parse("2 concurrent", name="gate")
-        decision = limiter.acquire_many([(bucket, "t", 40), (gate, None)], acquisition_id="a-1")
+        decision = clocked.acquire_many([(bucket, "t", 40), (gate, None)], acquisition_id="a-1")
         assert decision and decision.acquisition is not None
-        assert limiter.settle(decision.acquisition, [10, None]).status == "settled"
-        assert limiter.peek(bucket, "t").remaining == pytest.approx(90, abs=0.1)
-        assert limiter.acquire(Limit.parse("1/s burst 1", name="slot", algorithm="gcra"))
-        assert limiter.acquire(
+        assert clocked.settle(decision.acquisition, [10, None]).status == "settled"
+        assert clocked.peek(bucket, "t").remaining == pytest.approx(90, abs=0.1)
+        assert clocked.acquire(Limit.parse("1/s burst 1", name="slot", algorithm="gcra"))
+        assert clocked.acquire(
             Limit.parse("1/s burst 1", name="slot", algorithm="gcra"), max_wait_s=2
         ).wait_s == pytest.approx(1, abs=0.1)
         # holds, run-time rates, parking, fleet stats, reset
-        assert limiter.hold("gate", None, 5) == pytest.approx(5)
-        assert set(limiter.holds()) == {("gate", None)}
-        limiter.unhold("gate")
+        assert clocked.hold("gate", None, 5) == pytest.approx(5)
+        assert set(clocked.holds()) == {("gate", None)}
+        clocked.unhold("gate")
         book = RateBook(limiter.client, limiter.keyspace)
         book.set(bucket, "50/m")
         assert book.overrides() == {"tokens": "50/m"}
@@ -154,9 +160,13 @@ def test_every_operation_over_mutual_tls_as_a_least_privilege_acl_user(
         [claimed] = lot.claim(lead_s=1)
         assert lot.accept(claimed.token, claimed.publish_id)
         assert lot.commit([claimed]) == 1 and lot.counts() == (0, 0)
-        StatsBook(limiter.client, limiter.keyspace).record(["tokens"], "denied", 3)
-        # (read a minute ahead: the current minute counts only once it is over)
-        ahead = StatsBook(limiter.client, limiter.keyspace, clock=lambda: time.time() + 60)
+        # (read a minute ahead: the current minute counts only once it is over; one instant,
+        # so that a minute ending between the write and the read cannot move the write)
+        now = time.time()
+        StatsBook(limiter.client, limiter.keyspace, clock=lambda: now).record(
+            ["tokens"], "denied", 3
+        )
+        ahead = StatsBook(limiter.client, limiter.keyspace, clock=lambda: now + 60)
         assert ahead.per_minute(1)["tokens"]["denied"] == 3
         assert reset(limiter.client, limiter.keyspace, "tokens") == 1
         # and after SCRIPT FLUSH the scripts are loaded again (SCRIPT LOAD is allowed)
