@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import redis
+
 EPOCH_US = 1_763_776_800_000_000  # 2025-11-22 02:00 UTC: a realistic Redis TIME in us
 
 
@@ -16,3 +18,10 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now_us += round(seconds * 1e6)
+
+
+def redis_now_s(client: redis.Redis) -> float:
+    """Redis ``TIME`` in seconds: the clock the scripts run on outside the test clock, to
+    state a real-time bound in (how long calls took on this host, however loaded)."""
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1e6
