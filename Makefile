@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean
+.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean
 
 setup: system-deps $(STAMP)
 
@@ -42,6 +42,12 @@ pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The inner loop: tests/unit only (no server, no lint, no mypy; a few seconds). `make test`
+# runs everything: tests/unit, tests/integration (real redis-server) and tests/system
+# (celery workers, Flower, kills, the demo stack).
+test-fast: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m workers.celery_demo

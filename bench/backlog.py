@@ -38,9 +38,9 @@ from typing import Any
 import psutil
 import redis
 
+from tests.support.servers import RedisServer
 from throttle.parking import ParkingLot
 from throttle.redis.keys import KeySpace
-from throttle.testing import RedisServer
 from workers.harness import Worker, start_api, wait_ready
 
 

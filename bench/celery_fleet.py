@@ -81,10 +81,10 @@ import psutil
 import redis
 from celery import Celery
 
+from tests.support.servers import RedisServer, free_port
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.redis.keys import KeySpace
-from throttle.testing import RedisServer, free_port
 from workers.harness import ROOT, Worker, demo_env, wait_ready
 
 API_RATE, API_BURST = 20.0, 1.0

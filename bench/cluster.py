@@ -75,8 +75,8 @@ import redis
 from redis.crc import key_slot
 
 from bench.core import capture
+from tests.support.cluster import SLOTS, LocalCluster
 from throttle import Limit, Limiter
-from throttle.testing_cluster import SLOTS, LocalCluster
 
 CAPACITY_MASTERS = (1, 2, 3)
 FLEET_MASTERS = (1, 3)

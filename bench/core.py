@@ -70,8 +70,8 @@ from limits.strategies import MovingWindowRateLimiter
 from redis.commands.core import Script
 from throttled import RateLimiterType, RedisStore, Throttled, per_sec
 
+from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
-from throttle.testing import RedisServer
 
 # Far above what one client can reach (tens of thousands of calls per second): every call
 # is admitted, including the fixed and sliding windows that count every call.

@@ -5,7 +5,7 @@
 
 Two private redis-servers: one is the fleet's broker and limiter (what is measured), the
 other only counts executions, so that the count does not weigh on the measured memory.
-Two ``celery worker`` processes of ``tests/kill_app.py`` (4 prefork children each) run
+Two ``celery worker`` processes of ``tests/apps/kill_app.py`` (4 prefork children each) run
 ``tick``, an almost empty task throttled by one GCRA limit ``soak`` at ``--rate`` per second:
 the limiter and the fleet are what is measured, not the task. Results are not stored
 (``ignore_result``), so the broker's keys can go back to their baseline.
@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 import redis
 
-from throttle.testing import RedisServer
+from tests.support.servers import RedisServer
 from workers.harness import Worker, wait_ready
 
 SAMPLE_S = 5.0
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             "KILL_VISIBILITY_S": "60",
         }
         os.environ.update(env)
-        from tests.kill_app import app, tick  # noqa: PLC0415 (reads the env above)
+        from tests.apps.kill_app import app, tick  # noqa: PLC0415 (reads the env above)
 
         client = redis.Redis.from_url(server.url)
         counts = redis.Redis.from_url(count_server.url)
         workers = [
-            Worker(f"soak{i}", env, concurrency=4, queues="kill", app="tests.kill_app",
+            Worker(f"soak{i}", env, concurrency=4, queues="kill", app="tests.apps.kill_app",
                    log=tmp / f"w{i}.log")
             for i in (1, 2)
         ]  # fmt: skip

@@ -18,29 +18,15 @@ import redis
 from hypothesis import settings
 from redis.cluster import RedisCluster
 
+from tests.support.clock import FakeClock
+from tests.support.cluster import LocalCluster
+from tests.support.servers import RedisServer, TlsFiles
 from throttle import Limiter
-from throttle.testing import RedisServer, TlsFiles
-from throttle.testing_cluster import LocalCluster
 
 # Deterministic in CI; `HYPOTHESIS_PROFILE=explore` searches with fresh random examples.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True, max_examples=200)
 settings.register_profile("explore", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-EPOCH_US = 1_763_776_800_000_000  # 2025-11-22 02:00 UTC: a realistic Redis TIME in us
-
-
-class FakeClock:
-    """The test clock handed to ``Limiter(clock_us=...)``: microseconds, moved by hand."""
-
-    def __init__(self, now_us: int = EPOCH_US) -> None:
-        self.now_us = now_us
-
-    def __call__(self) -> int:
-        return self.now_us
-
-    def advance(self, seconds: float) -> None:
-        self.now_us += round(seconds * 1e6)
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,8 @@ from multiprocessing.queues import Queue
 
 import redis
 
+from tests.support.servers import RedisServer, redis_url_from_env
 from throttle import ConfigError, Limit, Limiter
-from throttle.testing import RedisServer, redis_url_from_env
 from workers.mock_api import MockApi, serve
 
 JITTER_S = 0.010

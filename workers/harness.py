@@ -26,11 +26,13 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from throttle.testing import RedisServer, free_port
 from workers.mock_api import MockApi, serve
 from workers.stack import Addresses, Service, environment, worker_argv
+
+if TYPE_CHECKING:
+    from tests.support.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -235,6 +237,10 @@ class LocalStack:
         self.stop()
 
     def _start(self) -> None:
+        # Imported here: the worker containers import this module (workers.demo_app reads
+        # WORKER_SETTINGS) and their image carries workers/, not tests/.
+        from tests.support.servers import RedisServer, free_port  # noqa: PLC0415
+
         redis_argv = self.services["redis"].argv
         self.redis = RedisServer(redis_argv[1:], executable=redis_argv[0]).start()
         api = self._run("mock-api", {})

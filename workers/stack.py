@@ -2,7 +2,7 @@
 
 ``docker-compose.yml`` runs these services as containers, ``make demo``
 (``workers/celery_demo.py``) runs them as processes on this machine, and
-``tests/test_stack.py`` checks that every compose service's ``command`` and
+``tests/system/test_stack.py`` checks that every compose service's ``command`` and
 ``environment`` are the ones built here, so the two cannot drift apart.
 
 =========  ===============================================================================
@@ -23,7 +23,7 @@ comes from the command itself:
 * the mock API takes no address from the environment, so on this machine the harness
   *appends* loopback arguments (:attr:`Service.local_args`): a later flag overrides an
   earlier one, the command itself is the compose one; ``redis-server`` is started by
-  :class:`throttle.testing.RedisServer` with the same arguments plus a free port.
+  :class:`tests.support.servers.RedisServer` with the same arguments plus a free port.
 
 ``python`` at the head of a command is the image's interpreter in compose and this
 process's interpreter (the virtualenv's) here.
@@ -165,7 +165,7 @@ def services(
            "--rate", f"{API_RATE:g}", "--burst", f"{API_BURST:g}"]  # fmt: skip
     stack = {
         "redis": Service(
-            # On this machine throttle.testing.RedisServer runs it, adding a free loopback
+            # On this machine tests.support.servers.RedisServer runs it, adding a free loopback
             # port, a temporary directory and a log file.
             ("redis-server", "--save", "", "--appendonly", "no"),
             python_env=False,

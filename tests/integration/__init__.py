@@ -1,0 +1,1 @@
+"""Tests against a real redis-server (or TLS, Sentinel, Cluster), from this process."""

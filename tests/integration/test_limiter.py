@@ -1,0 +1,506 @@
+"""Behaviour of the limiter against a real Redis: algorithms, TTLs, settle, leases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from tests.support.clock import FakeClock, redis_now_s
+from throttle import (
+    Acquisition,
+    CostExceedsCapacity,
+    Decision,
+    Limit,
+    Limiter,
+    RequestError,
+    Throttled,
+)
+
+HOUR = 3600.0
+
+
+def state_key(limiter: Limiter, limit: Limit, key: str | None = None) -> str:
+    return limiter.keyspace.state_keys(limit, key)[0]
+
+
+def test_token_bucket_allows_the_burst_then_the_rate(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("5/s", name="api")
+    assert [clocked.acquire(limit, "k").allowed for _ in range(6)] == [True] * 5 + [False]
+    denied = clocked.acquire(limit, "k")
+    assert denied.retry_after_s == pytest.approx(0.2)
+    assert denied.denied_by == ("api",)
+    clock.advance(0.2)
+    assert clocked.acquire(limit, "k").allowed
+    assert not clocked.acquire(limit, "k").allowed
+
+
+def test_keys_are_independent(clocked: Limiter) -> None:
+    limit = Limit.parse("1/m", name="api")
+    assert clocked.acquire(limit, "tenant-a").allowed
+    assert clocked.acquire(limit, "tenant-b").allowed
+    assert clocked.acquire(limit).allowed
+    assert not clocked.acquire(limit, "tenant-a").allowed
+
+
+def test_fractional_refill_is_not_lost(clocked: Limiter, clock: FakeClock) -> None:
+    # throttled-py floors whole seconds: 23 tokens where 26 were due. Here 2.6 s at 10/s
+    # after emptying a bucket of 30 gives exactly 26 tokens.
+    limit = Limit.parse("10/s burst 30", name="api")
+    assert clocked.acquire(limit, cost=30).allowed
+    clock.advance(2.6)
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(26.0)
+
+
+def test_gcra_spaces_calls_strictly(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
+    assert clocked.acquire(limit).allowed
+    denied = clocked.acquire(limit)
+    assert not denied.allowed
+    assert denied.retry_after_s == pytest.approx(0.1)
+    clock.advance(0.099)
+    assert not clocked.acquire(limit).allowed
+    clock.advance(0.001)
+    assert clocked.acquire(limit).allowed
+
+
+def test_gcra_reserves_the_next_free_slots_up_to_max_wait(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    limit = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
+    waits = [clocked.acquire(limit, max_wait_s=0.35).wait_s for _ in range(4)]
+    assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    beyond = clocked.acquire(limit, max_wait_s=0.35)
+    assert not beyond.allowed
+    assert beyond.retry_after_s == pytest.approx(0.4)
+    # The queue drains with time: 0.25 s later the next free slot is 0.15 s away.
+    clock.advance(0.25)
+    assert clocked.acquire(limit, max_wait_s=0.35).wait_s == pytest.approx(0.15)
+
+
+def test_token_bucket_reservation_goes_into_debt(clocked: Limiter) -> None:
+    limit = Limit.parse("2/s burst 2", name="api")
+    assert clocked.acquire(limit, cost=2).wait_s == 0
+    reserved = clocked.acquire(limit, cost=1, max_wait_s=1.0)
+    assert reserved.allowed
+    assert reserved.wait_s == pytest.approx(0.5)
+    assert clocked.acquire(limit, cost=0).remaining == 0
+    assert clocked.acquire(limit, cost=1, max_wait_s=1.0).wait_s == pytest.approx(1.0)
+
+
+def test_fixed_window_resets_at_the_window_edge(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("3/m", name="quota", algorithm="fixed_window")
+    clock.now_us = clock.now_us // 60_000_000 * 60_000_000 + 50_000_000  # 50 s into a minute
+    assert [clocked.acquire(limit).allowed for _ in range(4)] == [True, True, True, False]
+    assert clocked.acquire(limit).retry_after_s == pytest.approx(10.0)
+    clock.advance(10)
+    assert clocked.acquire(limit).allowed
+
+
+def test_sliding_window_closes_the_window_edge_burst(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("4/m", name="sliding", algorithm="sliding_window")
+    clock.now_us = clock.now_us // 60_000_000 * 60_000_000 + 55_000_000
+    assert all(clocked.acquire(limit).allowed for _ in range(4))
+    clock.advance(10)  # 5 s into the next minute: the previous 4 still weigh 4 * 55/60
+    denied = clocked.acquire(limit)
+    assert not denied.allowed
+    # Room for one more when 4 * (1 - f) + 0 + 1 <= 4, i.e. f >= 1/4: 15 s in, 10 s away.
+    assert denied.retry_after_s == pytest.approx(10.0)
+    clock.advance(10)
+    assert clocked.acquire(limit).allowed
+
+
+def test_multi_limit_is_all_or_nothing(clocked: Limiter) -> None:
+    tenant = Limit.parse("2/s", name="per-tenant")
+    fleet = Limit.parse("100/s", name="fleet", algorithm="gcra")
+    daily = Limit.parse("50000/d", name="daily", algorithm="fixed_window")
+    targets = [(tenant, "acme"), (fleet, None), (daily, "acme")]
+    assert clocked.acquire_many(targets).allowed
+    assert clocked.acquire_many(targets).allowed
+    denied = clocked.acquire_many(targets)
+    assert not denied.allowed
+    assert denied.denied_by == ("per-tenant",)
+    # The denial took nothing from the limits that would have allowed it.
+    fleet_left = clocked.acquire(fleet, cost=0).remaining
+    daily_left = clocked.acquire(daily, "acme", cost=0).remaining
+    assert fleet_left == pytest.approx(98.0)
+    assert daily_left == pytest.approx(49998.0)
+
+
+def test_each_limit_can_have_its_own_cost(clocked: Limiter) -> None:
+    # An LLM call: 1 of 3 requests per minute and an estimated 2000 of 5000 tokens per minute.
+    requests = Limit.parse("3/m", name="requests")
+    tokens = Limit.parse("5000/m", name="tokens")
+    first = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 2000)], acquisition_id="call-1"
+    )
+    assert first.allowed and first.acquisition is not None
+    assert first.acquisition.costs == (1.0, 2000.0)
+    assert [s.remaining for s in first.limits] == [pytest.approx(2.0), pytest.approx(3000.0)]
+    # All or nothing: 4000 more tokens do not fit, so no request is taken either.
+    denied = clocked.acquire_many([(requests, "acme", 1), (tokens, "acme", 4000)])
+    assert denied.denied_by == ("tokens",)
+    assert clocked.acquire(requests, "acme", cost=0).remaining == pytest.approx(2.0)
+    # The call used 1200 tokens: settle the tokens, keep the request as reserved.
+    settled = clocked.settle(first.acquisition, [None, 1200])
+    assert settled.deltas == (0.0, -800.0)
+    assert clocked.acquire(tokens, "acme", cost=0).remaining == pytest.approx(3800.0)
+    assert clocked.acquire(requests, "acme", cost=0).remaining == pytest.approx(2.0)
+    # A redelivered call does not pay twice, and knows what it reserved.
+    second = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 100)], acquisition_id="call-2"
+    )
+    held = clocked.acquire_many(
+        [(requests, "acme", 1), (tokens, "acme", 999)], acquisition_id="call-2"
+    )
+    assert held.held and held.acquisition is not None
+    assert held.acquisition.costs == (1.0, 100.0)
+    assert second.acquisition is not None
+    with pytest.raises(RequestError, match="1 actual costs for 2 limits"):
+        clocked.settle(second.acquisition, [5])
+    with pytest.raises(CostExceedsCapacity, match="cost 6000 exceeds the capacity 5000"):
+        clocked.acquire_many([(requests, "acme", 1), (tokens, "acme", 6000)])
+
+
+def test_multi_limit_retry_after_is_the_largest_denial(clocked: Limiter) -> None:
+    short = Limit.parse("1/s", name="short")
+    long = Limit.parse("1/m", name="long")
+    other = Limit.parse("10/s", name="other")
+    assert clocked.acquire_many([(short, None), (long, None)]).allowed
+    denied = clocked.acquire_many([(short, None), (long, None), (other, None)])
+    assert denied.denied_by == ("short", "long")
+    assert denied.retry_after_s == pytest.approx(60.0)
+    assert [s.retry_after_s for s in denied.limits] == pytest.approx([1.0, 60.0, 0.0])
+
+
+def test_a_reservable_wait_counts_in_the_retry_after_of_a_denial(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    # GCRA could reserve 0.5 s ahead, but the window denies for 0.2 s: the caller must not
+    # come back before the GCRA slot either.
+    shaper = Limit.parse("2/s burst 1", name="shaper", algorithm="gcra")
+    window = Limit.parse("1/s", name="window", algorithm="fixed_window")
+    clock.now_us = clock.now_us // 1_000_000 * 1_000_000 + 800_000  # 0.2 s before a window edge
+    assert clocked.acquire(shaper).allowed
+    assert clocked.acquire(window).allowed
+    denied = clocked.acquire_many([(shaper, None), (window, None)], max_wait_s=1.0)
+    assert not denied.allowed
+    assert denied.denied_by == ("window",)
+    assert [s.retry_after_s for s in denied.limits] == pytest.approx([0.0, 0.2])
+    assert denied.retry_after_s == pytest.approx(0.5)
+
+
+def test_settle_refunds_the_unused_part(clocked: Limiter) -> None:
+    limit = Limit.parse("100/h burst 10", name="llm")
+    decision = clocked.acquire(limit, "acme", cost=8, acquisition_id="task-1")
+    assert decision.acquisition is not None
+    settled = clocked.settle(decision.acquisition, 3)
+    assert (settled.status, settled.refunded, settled.charged) == ("settled", 5.0, 0.0)
+    assert clocked.acquire(limit, "acme", cost=0).remaining == pytest.approx(7.0)
+
+
+def test_a_refund_never_lifts_a_bucket_above_capacity(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("10/s burst 10", name="api")
+    decision = clocked.acquire(limit, cost=4, acquisition_id="t")
+    clock.advance(0.3)  # 3 tokens back: 9
+    assert decision.acquisition is not None
+    assert clocked.settle(decision.acquisition, 0).refunded == 4.0
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(10.0)
+
+
+def test_settle_charges_the_extra_as_a_debt(clocked: Limiter) -> None:
+    limit = Limit.parse("1/s burst 10", name="api")
+    decision = clocked.acquire(limit, cost=2, acquisition_id="t")
+    assert decision.acquisition is not None
+    assert clocked.settle(decision.acquisition, 14).charged == 12.0
+    denied = clocked.acquire(limit)
+    assert not denied.allowed
+    assert denied.retry_after_s == pytest.approx(5.0)  # -4 tokens: 5 s to reach one
+
+
+def test_gcra_refund_never_moves_a_slot_before_now(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("1/s burst 1", name="shaper", algorithm="gcra")
+    decision = clocked.acquire(limit, acquisition_id="t")
+    clock.advance(0.5)
+    assert decision.acquisition is not None
+    clocked.settle(decision.acquisition, 0)
+    # The slot is free now, but no credit was banked for the past.
+    assert clocked.acquire(limit).allowed
+    assert not clocked.acquire(limit).allowed
+
+
+def test_window_refund_goes_only_to_the_window_that_paid(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    limit = Limit.parse("5/m", name="quota", algorithm="fixed_window")
+    clock.now_us = clock.now_us // 60_000_000 * 60_000_000 + 59_000_000
+    decision = clocked.acquire(limit, cost=3, acquisition_id="t")
+    clock.advance(2)  # the next window
+    assert clocked.acquire(limit, cost=5).allowed
+    assert decision.acquisition is not None
+    assert clocked.settle(decision.acquisition, 0).status == "settled"
+    assert not clocked.acquire(limit).allowed  # nothing came back into the new window
+
+
+def test_settling_twice_or_unknown_changes_nothing(clocked: Limiter) -> None:
+    limit = Limit.parse("10/h", name="api")
+    decision = clocked.acquire(limit, cost=5, acquisition_id="t")
+    assert decision.acquisition is not None
+    assert clocked.settle(decision.acquisition, 1).status == "settled"
+    again = clocked.settle(decision.acquisition, 0)
+    assert (again.status, again.delta) == ("already_settled", 0.0)
+    ghost = Acquisition(
+        "never-acquired",
+        (5.0,),
+        decision.acquisition.targets,
+        (*decision.acquisition.keys[:-1], clocked.keyspace.lease_key("never-acquired")),
+    )
+    assert clocked.settle(ghost, 0).status == "unknown"
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(9.0)
+
+
+def test_settling_an_expired_lease_changes_nothing(limiter: Limiter) -> None:
+    limit = Limit.parse("10/h", name="api")
+    decision = limiter.acquire(limit, cost=5, acquisition_id="t", lease_s=0.05)
+    time.sleep(0.15)
+    assert decision.acquisition is not None
+    assert limiter.settle(decision.acquisition, 0).status == "unknown"
+    assert limiter.acquire(limit, cost=0).remaining == pytest.approx(5.0, abs=0.01)
+
+
+def test_an_id_names_one_acquisition(clocked: Limiter) -> None:
+    limit = Limit.parse("10/h", name="api")
+    first = clocked.acquire(limit, "a", cost=5, acquisition_id="t")
+    assert first.acquisition is not None
+    # The same id on other keys (or limits) is refused, and takes nothing from them.
+    with pytest.raises(RequestError, match="'t' already holds a lease on other limits or keys"):
+        clocked.acquire(limit, "b", cost=5, acquisition_id="t")
+    streams = Limit.parse("1 concurrent", name="streams")
+    with pytest.raises(RequestError, match="already holds a lease"):
+        clocked.acquire(streams, acquisition_id="t")
+    assert clocked.acquire(limit, "b", cost=0).remaining == 10
+    assert clocked.acquire(streams).allowed
+    # A settle that names other keys than the record's changes nothing.
+    forged = Acquisition(
+        "t",
+        (5.0,),
+        ((limit, "b"),),
+        (state_key(clocked, limit, "b"), clocked.keyspace.lease_key("t")),
+    )
+    assert clocked.settle(forged, 0).status == "mismatch"
+    assert clocked.settle(first.acquisition, 0).status == "settled"
+    assert clocked.acquire(limit, "a", cost=0).remaining == 10
+
+
+def test_the_same_acquisition_id_does_not_pay_twice(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("1/s burst 1", name="shaper", algorithm="gcra")
+    assert clocked.acquire(limit).allowed
+    first = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    assert first.wait_s == pytest.approx(1.0)
+    clock.advance(0.4)
+    redelivered = clocked.acquire(limit, cost=0.5, acquisition_id="task-9", max_wait_s=5)
+    assert redelivered.held
+    assert redelivered.wait_s == pytest.approx(0.6)  # the same slot, nothing taken again
+    assert redelivered.acquisition is not None
+    assert redelivered.acquisition.cost == 1.0  # what the lease reserved, not this call
+    assert redelivered.late_s == 0
+    clock.advance(0.85)  # 0.25 s past the slot
+    late = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    assert late.held and late.wait_s == 0 and late.late_s == pytest.approx(0.25)
+    clock.advance(-0.85)
+    assert clocked.acquire(limit, max_wait_s=5).wait_s == pytest.approx(1.6)
+    # Once settled, the id may acquire (and pay) anew.
+    assert first.acquisition is not None
+    clocked.release(first.acquisition)
+    again = clocked.acquire(limit, acquisition_id="task-9", max_wait_s=5)
+    assert not again.held
+    assert again.wait_s == pytest.approx(2.6)
+
+
+def test_concurrency_limits_holders_and_releases(clocked: Limiter) -> None:
+    limit = Limit.parse("2 concurrent", name="streams")
+    a = clocked.acquire(limit, acquisition_id="a", lease_s=60)
+    b = clocked.acquire(limit, acquisition_id="b", lease_s=60)
+    c = clocked.acquire(limit, acquisition_id="c", lease_s=60)
+    assert (a.allowed, b.allowed, c.allowed) == (True, True, False)
+    assert c.retry_after_s == pytest.approx(60.0)  # an upper bound: the first lease's end
+    assert a.acquisition is not None
+    assert clocked.release(a.acquisition).status == "settled"
+    assert clocked.acquire(limit, acquisition_id="c", lease_s=60).allowed
+
+
+def test_a_dead_holder_frees_its_units_when_its_lease_ends(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    limit = Limit.parse("1 concurrent", name="streams")
+    assert clocked.acquire(limit, lease_s=30).allowed  # never released: the holder "died"
+    assert not clocked.acquire(limit, lease_s=30).allowed
+    clock.advance(30)
+    assert clocked.acquire(limit, lease_s=30).allowed
+
+
+def test_concurrency_without_an_id_gets_one(clocked: Limiter) -> None:
+    decision = clocked.acquire(Limit.parse("3 concurrent", name="c"))
+    assert decision.acquisition is not None
+    assert len(decision.acquisition.id) == 32
+
+
+def test_weighted_concurrency_units(clocked: Limiter) -> None:
+    limit = Limit.parse("3 concurrent", name="gpu")
+    big = clocked.acquire(limit, cost=2.5)
+    assert big.allowed
+    assert not clocked.acquire(limit, cost=1).allowed
+    assert clocked.acquire(limit, cost=0.5).allowed
+    assert big.acquisition is not None
+    clocked.release(big.acquisition)
+    assert clocked.acquire(limit, cost=2.5).allowed
+
+
+def test_a_one_per_three_hours_limit_survives_an_idle_hour(
+    clocked: Limiter, clock: FakeClock, client: redis.Redis
+) -> None:
+    limit = Limit.parse("1/3h", name="slow")
+    assert clocked.acquire(limit).allowed
+    # The key lives until the bucket is full again: three hours (plus a second).
+    assert client.pttl(state_key(clocked, limit)) >= 3 * HOUR * 1000
+    clock.advance(HOUR)
+    denied = clocked.acquire(limit)
+    assert not denied.allowed
+    assert denied.retry_after_s == pytest.approx(2 * HOUR)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("10/s", "token_bucket"),
+        ("10/s burst 2", "gcra"),
+        ("10/s", "sliding_window"),
+        ("10/s", "fixed_window"),
+        ("10 concurrent", "concurrency"),
+    ],
+    ids=lambda spec: spec[1],
+)
+def test_every_key_has_a_ttl_and_idle_keys_vanish(
+    limiter: Limiter, client: redis.Redis, prefix: str, spec: tuple[str, str]
+) -> None:
+    limit = Limit.parse(spec[0], name="idle", algorithm=spec[1])
+    started = redis_now_s(client)
+    decision = limiter.acquire(limit, "k", acquisition_id="lease-1", lease_s=0.5)
+    assert decision.allowed
+    keys = list(client.scan_iter(match=f"{prefix}:*"))
+    assert keys
+    ttls = {key.decode(): client.pttl(key) for key in keys}
+    # The TTLs ran down while they were read: by at most this long on the Redis clock, plus
+    # a millisecond (PTTL counts whole ones). A fixed window's key written at the end of its
+    # window starts at 1000 ms and a little, the lease record at 500 ms.
+    elapsed_ms = (redis_now_s(client) - started) * 1000 + 1
+    # Every key expires: no sooner than its state stops mattering, plus one second (a lease
+    # record: when the lease ends), and no later than the end of the next 1 s window.
+    for key, ttl in ttls.items():
+        least = (500 if ":lease:" in key else 1000) - elapsed_ms
+        assert least <= ttl <= 3000, (ttls, elapsed_ms)
+    deadline = time.monotonic() + 5
+    while list(client.scan_iter(match=f"{prefix}:*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(client.scan_iter(match=f"{prefix}:*")) == []
+
+
+def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:
+    limit = Limit.parse("1/s burst 5", name="api")
+    assert clocked.acquire(limit, cost=5).allowed
+    clock.advance(2)
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
+    clock.advance(-1)  # Redis TIME stepped back a second
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
+    clock.advance(1)  # back where it was: that second must not be refilled again
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(2.0)
+    clock.advance(1)
+    assert clocked.acquire(limit, cost=0).remaining == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
+def test_a_clock_step_back_does_not_reopen_a_full_window(
+    clocked: Limiter, clock: FakeClock, algorithm: str
+) -> None:
+    limit = Limit.parse("3/m", name="quota", algorithm=algorithm)
+    clock.now_us = clock.now_us // 60_000_000 * 60_000_000 + 60_000_000  # a minute starts
+    assert [clocked.acquire(limit).allowed for _ in range(4)] == [True, True, True, False]
+    clock.advance(-0.001)  # back into the previous minute
+    assert not clocked.acquire(limit).allowed
+    clock.advance(0.002)
+    assert not clocked.acquire(limit).allowed
+
+
+def test_cost_zero_peeks_without_taking(clocked: Limiter, client: redis.Redis) -> None:
+    limit = Limit.parse("3/m", name="api")
+    for _ in range(3):
+        assert clocked.acquire(limit, cost=0).remaining == pytest.approx(3.0)
+    assert clocked.acquire(limit, cost=3).allowed
+    # A cost-0 call on a concurrency limit holds nothing and leaves no holder behind.
+    streams = Limit.parse("2 concurrent", name="streams")
+    for _ in range(5):
+        assert clocked.acquire(streams, cost=0).allowed
+    assert client.exists(*clocked.keyspace.state_keys(streams, None)) == 0
+    assert clocked.acquire(streams, cost=2).allowed
+
+
+def test_cost_zero_is_denied_while_a_limit_is_in_debt(clocked: Limiter, clock: FakeClock) -> None:
+    # Debt (a reservation or a charge) is owed before anything else passes, even nothing.
+    limit = Limit.parse("2/s burst 2", name="api")
+    assert clocked.acquire(limit, cost=2).allowed
+    assert clocked.acquire(limit, cost=1, max_wait_s=1).wait_s == pytest.approx(0.5)
+    peek = clocked.acquire(limit, cost=0)
+    assert (peek.allowed, peek.remaining, peek.retry_after_s) == (False, 0.0, pytest.approx(0.5))
+    clock.advance(0.5)
+    assert clocked.acquire(limit, cost=0).allowed
+
+
+def test_thousands_of_dead_holders_are_swept(clocked: Limiter, clock: FakeClock) -> None:
+    # More expired leases than one sweep batch (and than Lua's unpack() could take at once).
+    limit = Limit.parse("5000 concurrent", name="crowd")
+    for i in range(2500):
+        assert clocked.acquire(limit, acquisition_id=f"dead-{i}", lease_s=10).allowed
+    assert not clocked.acquire(limit, cost=2501).allowed
+    clock.advance(10)
+    full = clocked.acquire(limit, cost=5000)
+    assert full.allowed
+    assert full.remaining == 0
+
+
+def test_raise_if_denied_carries_the_delay(clocked: Limiter) -> None:
+    limit = Limit.parse("1/m", name="api")
+    assert clocked.acquire(limit).raise_if_denied().allowed
+    with pytest.raises(Throttled) as caught:
+        clocked.acquire(limit).raise_if_denied()
+    assert caught.value.retry_after_s == pytest.approx(60.0)
+    assert caught.value.denied_by == ("api",)
+    assert str(caught.value) == "throttled by api: retry after 60.000 s"
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_back_to_back_calls_get_the_burst_and_no_more(
+    clocked: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # throttled-py 3.5 at "10/s burst 4" floors its TTL to 0 and admits 100 of 100.
+    limit = Limit.parse("10/s burst 4", name="api", algorithm=algorithm)
+    assert sum(clocked.acquire(limit).allowed for _ in range(100)) == 4
+    assert client.pttl(state_key(clocked, limit)) > 1000
+
+
+def test_one_limit_with_its_own_cost_runs_the_one_limit_script(clocked: Limiter) -> None:
+    limit = Limit.parse("10/s", name="api")
+    # A (limit, key, cost) triple alone, without an id: the cost is the limit's, not `cost`.
+    decision = clocked.acquire_many([(limit, "k", 3)], cost=5)
+    assert decision.allowed and decision.remaining == 7
+    assert decision.late_s == 0.0 and decision.acquisition is None
+    assert len(decision) == len(Decision._fields)  # every field, late_s included
+    assert clocked.acquire(limit, "k").remaining == 6
+    assert limit.code in clocked._one  # lua/acquire_one.lua ran, not acquire.lua
+    with pytest.raises(RequestError, match="cost of limit 'api'"):
+        clocked.acquire_many([(limit, "k", -1)])
+    with pytest.raises(CostExceedsCapacity):
+        clocked.acquire_many([(limit, "k", 11)])
+    # The global cost is still checked, as acquire_many always did.
+    with pytest.raises(RequestError, match="cost must be"):
+        clocked.acquire_many([(limit, "k", 1)], cost=-1)

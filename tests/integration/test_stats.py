@@ -1,0 +1,113 @@
+"""StatsBook: fleet-wide per-minute counts of throttle events, against a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tests.support.servers import free_port
+from throttle.errors import BackendUnavailable, RequestError
+from throttle.redis.keys import KeySpace
+from throttle.stats import MAX_MINUTES, TTL_S, StatsBook
+
+T0 = 1_763_776_800.0  # 2025-11-22 02:00:00 UTC, the start of a minute
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def book(client: redis.Redis, prefix: str, clock: Clock) -> StatsBook:
+    return StatsBook(client, KeySpace(prefix), clock=clock)
+
+
+def test_counts_are_averaged_over_the_last_whole_minutes(book: StatsBook, clock: Clock) -> None:
+    # Given three minutes of events from "several workers" (several books, one keyspace)
+    other = StatsBook(book.client, book.keyspace, clock=clock)
+    book.record(["github"], "denied", 6)  # minute 0
+    other.record(["github", "stripe"], "denied")
+    clock.now += 60  # minute 1
+    book.record(["github"], "denied", 2)
+    other.record(["github"], "parked", 3)
+    clock.now += 60  # minute 2
+    book.record(["stripe"], "timeout")
+    clock.now += 90  # half-way through minute 3: minute 2 is the last whole one
+    book.record(["github"], "denied", 100)  # the unfinished minute is not counted
+    # Then the last whole minute, and the mean of the last two and three
+    assert book.per_minute(1) == {"stripe": {"denied": 0.0, "parked": 0.0, "timeout": 1.0}}
+    assert book.per_minute(2) == {
+        "github": {"denied": 1.0, "parked": 1.5, "timeout": 0.0},
+        "stripe": {"denied": 0.0, "parked": 0.0, "timeout": 0.5},
+    }
+    assert book.per_minute(3) == {
+        "github": {"denied": 3.0, "parked": 1.0, "timeout": 0.0},
+        "stripe": {"denied": 1 / 3, "parked": 0.0, "timeout": 1 / 3},
+    }
+
+
+def test_buckets_live_in_the_namespace_hash_tag_and_expire(
+    book: StatsBook, client: redis.Redis, prefix: str, clock: Clock
+) -> None:
+    book.record(["a:b{c}"], "denied")  # any limit name, braces and colons included
+    key = book.keyspace.stats_key(int(T0 // 60))
+    assert key.startswith(f"{prefix}:{{default}}:")
+    assert client.hgetall(key) == {b"denied:a:b{c}": b"1"}
+    assert TTL_S - 5 <= client.ttl(key) <= TTL_S
+    assert TTL_S > (MAX_MINUTES + 1) * 60  # per_minute(60) still finds its oldest minute
+    clock.now += 60
+    assert book.per_minute() == {"a:b{c}": {"denied": 1.0, "parked": 0.0, "timeout": 0.0}}
+
+
+def test_a_park_counts_as_denied_and_parked(book: StatsBook, clock: Clock) -> None:
+    book.record_events(["x", "y"], ("denied", "parked"))
+    clock.now += 60
+    assert book.per_minute() == {
+        "x": {"denied": 1.0, "parked": 1.0, "timeout": 0.0},
+        "y": {"denied": 1.0, "parked": 1.0, "timeout": 0.0},
+    }
+
+
+def test_nothing_recorded_is_an_empty_answer(book: StatsBook) -> None:
+    book.record([], "denied")
+    book.record(["x"], "denied", 0)
+    assert book.per_minute(MAX_MINUTES) == {}
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda b: b.record(["x"], "refused"), "unknown stats event 'refused'"),
+        (lambda b: b.record(["x"], "denied", -1), "integer >= 0 (got -1)"),
+        (lambda b: b.record(["x"], "denied", 1.5), "integer >= 0 (got 1.5)"),
+        (lambda b: b.per_minute(0), "from 1 to 60 (got 0)"),
+        (lambda b: b.per_minute(61), "from 1 to 60 (got 61)"),
+        (lambda b: b.per_minute(True), "from 1 to 60 (got True)"),
+    ],
+    ids=["event", "negative", "fraction", "zero-minutes", "too-many-minutes", "bool"],
+)
+def test_bad_arguments_are_clear_errors(book: StatsBook, call: object, message: str) -> None:
+    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(book)  # type: ignore[operator]
+
+
+def test_an_unreachable_redis_raises_the_package_error(prefix: str) -> None:
+    # No retries: redis-py would back off for seconds before giving up.
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    book = StatsBook(dead, KeySpace(prefix))
+    with pytest.raises(BackendUnavailable):
+        book.record(["x"], "denied")
+    with pytest.raises(BackendUnavailable):
+        book.per_minute()
+    dead.close()

@@ -1,0 +1,421 @@
+"""TLS, ACL users, Sentinel, and passwords that never show.
+
+Real servers only: ``redis-server`` over TLS (certificates made by the openssl CLI, mutual
+TLS) with an ACL user holding the least privilege the limiter needs
+(:func:`throttle.redis.urls.acl_rules`), a ``redis-server --sentinel`` with a master and a replica
+(and a failover), a real ``celery worker``, a real Flower and the real ``celery throttle``
+command, whose logs, events, metrics and output are searched for the password.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from tests.support.clock import FakeClock
+from tests.support.servers import RedisSentinel, RedisServer, TlsFiles, free_port
+from throttle import BackendError, BackendUnavailable, ConfigError, Limit, Limiter
+from throttle.admin import reset
+from throttle.celery import Throttler
+from throttle.parking import ParkingLot
+from throttle.rates import RateBook
+from throttle.redis.urls import acl_rules, describe, parse_sentinel_url, redact
+from throttle.stats import StatsBook
+from workers.harness import ROOT, Worker, wait_ready
+
+# A distinctive secret, with characters a URL must encode: searched raw and encoded.
+SECRET = f"pw/{uuid.uuid4().hex}:+@"
+CORE = SECRET[3:35]  # the hex part: present in every spelling of the password
+
+
+def limiter_user(password: str = SECRET, prefix: str = "throttle") -> str:
+    return f"user limiter on >{password} {acl_rules(prefix)}"
+
+
+# -- redaction and parsing -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@h:6379/0", "redis://:***@h:6379/0"),
+        ("rediss://limiter:hunter2@h:6380/1?ssl_ca_certs=/ca.pem", "rediss://limiter:***@h:6380/1?ssl_ca_certs=/ca.pem"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        ("redis://limiter@h:6379/0", "redis://limiter@h:6379/0"),
+        # malformed: an unencoded '/' or '@' in the password still hides all of it
+        ("redis://u:hun/ter2@h:6379/0", "redis://u:***@h:6379/0"),
+        ("redis://u:hu@nter2@h:6379/0", "redis://u:***@h:6379/0"),
+        ("redis+sentinel://u:hunter2@a:1,b:2/svc/0?sentinel_password=hunter2&x=1", "redis+sentinel://u:***@a:1,b:2/svc/0?sentinel_password=***&x=1"),
+        ("unix:///run/redis.sock?password=hunter2&db=2", "unix:///run/redis.sock?password=***&db=2"),
+    ],
+)  # fmt: skip
+def test_redact_hides_every_password(url: str, shown: str) -> None:
+    assert redact(url) == shown
+    assert "hunter2" not in redact(url) and "ter2" not in redact(url)
+
+
+def test_sentinel_urls_are_parsed_and_bad_ones_named_without_the_password() -> None:
+    parsed = parse_sentinel_url(
+        "rediss+sentinel://limiter:p%2Fw@10.0.0.1:26379,[::1]:26380/cache/3"
+        "?ssl_ca_certs=/ca.pem&socket_timeout=2&sentinel_password=sp"
+    )
+    assert parsed.sentinels == (("10.0.0.1", 26379), ("::1", 26380))
+    assert (parsed.service, parsed.db) == ("cache", 3)
+    master, sentinels = parsed.master_options, parsed.sentinel_options
+    assert (master["username"], master["password"], master["ssl"]) == ("limiter", "p/w", True)
+    assert master["socket_timeout"] == sentinels["socket_timeout"] == 2.0
+    assert sentinels == {
+        "ssl": True,
+        "ssl_ca_certs": "/ca.pem",
+        "socket_timeout": 2.0,
+        "password": "sp",
+    }
+    assert "sentinel_password" not in master and "username" not in sentinels  # fmt: skip
+
+    for url, problem in [
+        ("redis+sentinel://u:hunter2@h:26379", "name the master's service"),
+        ("redis+sentinel://u:hunter2@h/svc", "sentinel 'h' is not HOST:PORT"),
+        ("redis+sentinel://u:hunter2@h:26379/svc/x", "database after the service"),
+        ("redis+sentinel://u:hunter2@h:26379/svc?socket_timeout=soon", "cannot parse it"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            Limiter.from_url(url)
+        assert problem in str(caught.value)
+        assert "u:***@" in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+def test_a_malformed_url_is_a_config_error_without_the_password() -> None:
+    # Given a password with an unencoded '/': redis-py's own error quotes a piece of it
+    app = Celery("malformed", set_as_current=False)
+    app.conf.throttle_redis_url = "redis://limiter:hunter/2@127.0.0.1:6379/0"
+    app.conf.throttle_config = {"limits": {"x": {"rate": "1/s"}}}
+    with pytest.raises(ConfigError) as caught:
+        Throttler.from_app(app)
+    message = str(caught.value)
+    assert "field 'redis_url'" in message and "percent-encode" in message
+    assert "limiter:***@127.0.0.1" in message and "hunter" not in message
+
+
+# -- TLS and ACL -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tls_files: TlsFiles) -> Iterator[RedisServer]:
+    """TLS only, client certificates required, the least-privilege ``limiter`` user."""
+    with RedisServer(tls=tls_files, client_certs=True, acl=[limiter_user()]) as server:
+        yield server
+
+
+def test_every_operation_over_mutual_tls_as_a_least_privilege_acl_user(
+    tls_server: RedisServer,
+) -> None:
+    # Given the limiter as user 'limiter' over TLS with a client certificate
+    url = tls_server.url_for("limiter", SECRET)
+    assert url.startswith("rediss://limiter:") and "ssl_certfile=" in url
+    limiter = Limiter.from_url(url)
+    # and the same connection (same user, same certificate) on the test clock: the counts
+    # below are judged at one instant, however long the calls take over TLS on a slow host
+    # (at 5/s a token comes back every 200 ms, at 100/m 0.1 of one every 60 ms). The real
+    # clock (Redis TIME, as this user) still runs the acquire after SCRIPT FLUSH below.
+    clocked = Limiter(limiter.client, clock_us=FakeClock())
+    admin = tls_server.client()
+    try:
+        # Then every algorithm, several limits at once, reservation and settle work
+        for algorithm in ("token_bucket", "gcra", "sliding_window", "fixed_window"):
+            limit = Limit.parse("5/s", name=f"tls-{algorithm}", algorithm=algorithm)
+            assert [bool(clocked.acquire(limit, "k")) for _ in range(6)] == [True] * 5 + [False]
+        bucket = Limit.parse("100/m", name="tokens")
+        gate = Limit.parse("2 concurrent", name="gate")
+        decision = clocked.acquire_many([(bucket, "t", 40), (gate, None)], acquisition_id="a-1")
+        assert decision and decision.acquisition is not None
+        assert clocked.settle(decision.acquisition, [10, None]).status == "settled"
+        assert clocked.peek(bucket, "t").remaining == pytest.approx(90, abs=0.1)
+        assert clocked.acquire(Limit.parse("1/s burst 1", name="slot", algorithm="gcra"))
+        assert clocked.acquire(
+            Limit.parse("1/s burst 1", name="slot", algorithm="gcra"), max_wait_s=2
+        ).wait_s == pytest.approx(1, abs=0.1)
+        # holds, run-time rates, parking, fleet stats, reset
+        assert clocked.hold("gate", None, 5) == pytest.approx(5)
+        assert set(clocked.holds()) == {("gate", None)}
+        clocked.unhold("gate")
+        book = RateBook(limiter.client, limiter.keyspace)
+        book.set(bucket, "50/m")
+        assert book.overrides() == {"tokens": "50/m"}
+        lot = ParkingLot(limiter.client, limiter.keyspace)
+        lot.park(b"payload", 0)
+        [claimed] = lot.claim(lead_s=1)
+        assert lot.accept(claimed.token, claimed.publish_id)
+        assert lot.commit([claimed]) == 1 and lot.counts() == (0, 0)
+        # (read a minute ahead: the current minute counts only once it is over; one instant,
+        # so that a minute ending between the write and the read cannot move the write)
+        now = time.time()
+        StatsBook(limiter.client, limiter.keyspace, clock=lambda: now).record(
+            ["tokens"], "denied", 3
+        )
+        ahead = StatsBook(limiter.client, limiter.keyspace, clock=lambda: now + 60)
+        assert ahead.per_minute(1)["tokens"]["denied"] == 3
+        assert reset(limiter.client, limiter.keyspace, "tokens") == 1
+        # and after SCRIPT FLUSH the scripts are loaded again (SCRIPT LOAD is allowed)
+        admin.script_flush()
+        assert limiter.acquire(Limit.parse("5/s", name="after-flush"))
+
+        # But the same user cannot touch keys outside its prefix, nor other commands
+        other = Limiter(limiter.client, prefix="other")
+        with pytest.raises(
+            BackendError, match="no permissions to access one of the keys"
+        ) as caught:
+            other.acquire(Limit.parse("5/s", name="x"))
+        assert CORE not in str(caught.value)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            limiter.client.flushall()
+        # and a client without a certificate is turned away by the server
+        no_cert = tls_server.url_for("limiter", SECRET).split("&ssl_certfile")[0]
+        with pytest.raises(BackendUnavailable):
+            Limiter.from_url(no_cert).acquire(Limit.parse("5/s", name="x"))
+    finally:
+        limiter.client.close()
+        admin.close()
+
+
+def test_a_wrong_password_is_a_clear_error_without_the_password(tls_server: RedisServer) -> None:
+    wrong = f"wrong-{CORE}"
+    limiter = Limiter.from_url(tls_server.url_for("limiter", wrong))
+    with pytest.raises(BackendUnavailable) as caught:
+        limiter.acquire(Limit.parse("5/s", name="x"))
+    error = caught.value
+    assert "invalid username-password pair" in str(error)
+    chain = f"{error!s} {error!r} {error.__cause__!s} {error.__cause__!r}"
+    assert CORE not in chain and "wrong-" not in chain
+    limiter.client.close()
+
+
+# -- Sentinel --------------------------------------------------------------------------------
+
+
+def test_sentinel_finds_the_master_and_follows_a_failover() -> None:
+    acl = [limiter_user()]
+    with (
+        # (no 5 s wait for more replicas before the first full sync)
+        RedisServer(("--repl-diskless-sync-delay", "0"), acl=acl) as master,
+        RedisServer(acl=acl) as replica,
+        contextlib.closing(master.client()) as on_master,
+        contextlib.closing(replica.client()) as on_replica,
+    ):
+        on_replica.replicaof("127.0.0.1", master.port)
+        wait_for(lambda: on_replica.info("replication")["master_link_status"] == "up")
+        with RedisSentinel(master, "limits", down_after_ms=1000, password=SECRET) as sentinel:
+            # Given a limiter and a Celery app on the Sentinel URL, as the ACL user
+            url = sentinel.url("limiter", SECRET)
+            assert url.startswith("redis+sentinel://limiter:") and "sentinel_password=" in url
+            app = Celery("sentinel", set_as_current=False)
+            app.conf.throttle_redis_url = url
+            app.conf.throttle_config = {"limits": {"api": {"rate": "1000/s"}}}
+            limiter = Throttler.from_app(app).limiter
+            limit = Limit.parse("1000/s", name="api")
+            try:
+                # Then it reaches the master through the sentinel
+                assert limiter.acquire(limit)
+                assert on_master.keys(f"{limiter.keyspace.base}*")
+                shown = describe(limiter.client)
+                assert shown == f"redis+sentinel://127.0.0.1:{sentinel.port}/limits/0"
+
+                # When the master dies, the sentinel promotes the replica
+                master.stop()
+                wait_for(lambda: sentinel.master_address() == ("127.0.0.1", replica.port), 20)
+                # Then after at most a few failed calls the limiter works on the new master
+                failures = 0
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        assert limiter.acquire(limit)
+                        break
+                    except BackendUnavailable as exc:
+                        assert CORE not in str(exc)
+                        failures += 1
+                        assert time.monotonic() < deadline, exc
+                        time.sleep(0.1)
+                assert failures <= 2
+                assert on_replica.info("replication")["role"] == "master"
+            finally:
+                limiter.client.close()
+
+
+def wait_for(check: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# -- no password in logs, events, metrics, CLI output, Flower --------------------------------
+
+CONFIG = """
+settings:
+  sleep_max: 0.2s
+  park_after: 0.8s
+  park_lead: 0.3s
+  metrics: true
+  metrics_dir: {metrics_dir}
+limits:
+  slow: {{algorithm: gcra, rate: 4/s, burst: 1}}
+"""
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text: str = response.read().decode()
+        return text
+
+
+class AllEvents:
+    """Every event on the broker, as a real receiver (Flower's kind) gets them."""
+
+    def __init__(self, app: Celery) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.connection = app.connection_for_read()
+        self.receiver = app.events.Receiver(self.connection, handlers={"*": self.events.append})
+        self.thread = threading.Thread(target=self._run, daemon=True, name="all-events")
+        self.thread.start()
+        with app.events.default_dispatcher() as dispatcher:  # subscribed once one arrives
+            deadline = time.monotonic() + 10
+            while not self.events and time.monotonic() < deadline:
+                dispatcher.send("worker-probe")
+                time.sleep(0.1)
+        assert self.events, "the event receiver did not start"
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.receiver.should_stop = True
+        self.thread.join(5)
+        self.connection.release()
+        return list(self.events)
+
+
+def throttle_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.tls_app", "throttle", *args],
+        cwd=ROOT, env={**os.environ, **env}, text=True, capture_output=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+
+
+def start_flower(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        flower = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.apps.tls_app", "flower",
+             f"--port={port}", "--address=127.0.0.1"],
+            cwd=ROOT, env={**os.environ, **env, "FLOWER_UNAUTHENTICATED_API": "true"},
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return flower
+
+
+def test_the_password_never_shows_in_logs_events_metrics_cli_or_flower(
+    tmp_path: Path, tls_files: TlsFiles
+) -> None:
+    config = tmp_path / "limits.yaml"
+    config.write_text(CONFIG.format(metrics_dir=tmp_path / "metrics"))
+    metrics_port, flower_port = free_port(), free_port()
+    with RedisServer() as broker, RedisServer(tls=tls_files, acl=[limiter_user()]) as limits:
+        # Given a worker and Flower whose limiter URL carries the password (TLS, ACL user)
+        url = limits.url_for("limiter", SECRET)
+        assert CORE in url
+        env = {
+            "TLS_BROKER_URL": broker.url,
+            "THROTTLE_CONFIG": str(config),
+            "THROTTLE_REDIS_URL": url,
+        }
+        worker = Worker(
+            "tls", {**env, "THROTTLE_METRICS_PORT": str(metrics_port)}, concurrency=2,
+            queues="tls", app="tests.apps.tls_app", log=tmp_path / "worker.log",
+            extra=["-E", "-l", "DEBUG"],
+        )  # fmt: skip
+        producer = Celery("tls", broker=broker.url, backend=broker.url, set_as_current=False)
+        producer.conf.task_default_queue = "tls"
+        flower = None
+        events = AllEvents(producer)
+        try:
+            worker.start()
+            flower = start_flower(env, flower_port, tmp_path / "flower.log")
+            wait_ready(producer, [worker])
+            # When tasks are throttled (slept for, deferred, parked)
+            handles = [producer.send_task("tests.apps.tls_app.slow", (x,)) for x in range(8)]
+            results = [handle.get(timeout=30) for handle in handles]
+            assert sum(r["deferrals"] for r in results) >= 3
+            status = throttle_cli(env, "status", "--json", "--timeout", "0")
+            assert status.returncode == 0, status.stderr
+            assert json.loads(status.stdout)["redis"] == f"rediss://127.0.0.1:{limits.port}/0"
+            # (a wrong user: a clear error)
+            wrong = throttle_cli(
+                {**env, "THROTTLE_REDIS_URL": url.replace("limiter:", "nobody:")},
+                "status",
+                "--timeout",
+                "0",
+            )
+            assert wrong.returncode == 1
+            assert "invalid username-password pair" in wrong.stdout + wrong.stderr
+            worker_metrics = get(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert 'throttle_decisions_total{decision="denied",limit="slow"}' in worker_metrics
+            wait_for(lambda: "task-throttled" in _flower_metrics(flower_port), 20)
+            flower_metrics = _flower_metrics(flower_port)
+            flower_tasks = get(f"http://127.0.0.1:{flower_port}/api/tasks")
+            assert handles[0].id in flower_tasks
+
+            # And when the limiter's Redis goes away, so that the worker warns
+            limits.stop()
+            producer.send_task("tests.apps.tls_app.slow", (99,))
+            log = tmp_path / "worker.log"
+            wait_for(lambda: "Redis is unreachable" in log.read_text(errors="replace"), 20)
+            down = throttle_cli(env, "status", "--timeout", "0")
+            assert down.returncode == 1 and "Redis is unreachable" in down.stdout + down.stderr
+        finally:
+            seen = events.stop()
+            worker.stop()
+            if flower is not None:
+                flower.terminate()
+                flower.wait(10)
+        # Then the password is nowhere: not in any log line, event, metric or output
+        throttled = [e for e in seen if e.get("type") == "task-throttled"]
+        assert throttled and all(e["limits"] == ["slow"] for e in throttled)
+        assert {e["how"] for e in throttled} == {"republish", "park"}  # parking ran too
+        texts = {
+            "worker log": log.read_text(errors="replace"),
+            "flower log": (tmp_path / "flower.log").read_text(errors="replace"),
+            "events": json.dumps(seen, default=str),
+            "worker metrics": worker_metrics,
+            "flower metrics": flower_metrics,
+            "flower tasks": flower_tasks,
+            "cli status": status.stdout + status.stderr,
+            "cli status, Redis down": down.stdout + down.stderr,
+            "cli status, wrong user": wrong.stdout + wrong.stderr,
+        }
+        assert "throttle: Redis is unreachable" in texts["worker log"]
+        # (and the least-privilege user was enough for the Celery layer: parking, stats)
+        assert "permission" not in texts["worker log"].lower()
+        assert "throttle" in texts["flower metrics"]
+        leaks = [where for where, text in texts.items() if CORE in text]
+        assert leaks == []
+
+
+def _flower_metrics(port: int) -> str:
+    try:
+        return get(f"http://127.0.0.1:{port}/metrics")
+    except OSError:
+        return ""

@@ -1,0 +1,2 @@
+"""Fleets of processes: real ``celery worker`` subprocesses, Flower, kills and outages,
+the demo stack."""
