@@ -40,6 +40,7 @@ from throttle.celery.runtime import Throttler, declared_by
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
 from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.clock import read_clocks
 from throttle.redis.urls import describe
 from throttle.rules import Rule
 from throttle.spec import Algorithm, Limit
@@ -53,6 +54,9 @@ EXIT_USAGE = 2
 """Usage: an unknown limit, a bad rate, a missing argument (click's own code for these)."""
 
 DEFAULT_MINUTES = 5
+CLOCKS_SEEN_S = 300.0
+"""``status`` shows the clocks of workers that recorded theirs within this time, in s
+(a worker records it at start and each minute)."""
 """``status`` averages the denials over this many whole minutes unless told otherwise."""
 _UNITS = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001))
 
@@ -252,6 +256,17 @@ def collect_status(
         "releasing": releasing,
         "minutes": minutes,
         "limits": rows,
+        "clocks": [
+            {
+                "worker": record.worker,
+                "offset_s": round(-record.offset_s, 6),
+                "error_s": round(record.error_s, 6),
+                "age_s": round(record.age_s, 3),
+            }
+            for record in read_clocks(
+                limiter.client, limiter.keyspace.clocks_key(), newer_than_s=CLOCKS_SEEN_S
+            )
+        ],
     }
 
 
@@ -343,6 +358,11 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
         out.append("workers  not asked (--timeout 0): IN FLIGHT unknown")
     else:
         out.append(f"workers  {workers} replied within {_seconds(timeout_s)}")
+    for clock in data["clocks"]:
+        out.append(
+            f"clock    {clock['worker']}: {clock['offset_s']:+.3f} s from Redis "
+            f"(+/- {clock['error_s']:.3f} s, {_seconds(clock['age_s'])} ago)"
+        )
     out.append(
         f"redis    {data['redis']}  prefix {data['prefix']}  namespace {data['namespace']}"
         f"  limits file {data['config'] or '(none)'}"

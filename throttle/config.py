@@ -185,10 +185,14 @@ class Settings:
         A slot at most this far ahead is waited for in the worker (the pool slot sleeps);
         beyond, the task is rescheduled. Short: a sleeping pool slot runs nothing else.
     park_after_s:
-        A wait longer than this is parked in Redis rather than held as an ETA message by a
-        worker (kept far below the broker's visibility timeout).
+        A wait longer than this is parked in Redis and sent back on the Redis clock; a
+        shorter one (beyond ``sleep_max``) is re-published as a Celery ETA message, which
+        is due on the publishing worker's clock and held by the receiving worker until its
+        own clock says so: workers whose clocks disagree then miss slots. The default (1 s,
+        the default ``sleep_max``) parks every wait that is not slept.
     park_lead_s:
-        A parked task is sent back to the broker this long before its slot.
+        A parked task with a reserved slot is sent back to the broker this long before
+        it (at most half of ``sleep_max``), and sleeps the rest in the worker.
     late_tolerance_s:
         A task that reaches its reserved slot later than this gives the slot up and takes
         a new one: a late batch must not call the API at once.
@@ -233,8 +237,8 @@ class Settings:
     namespace: str = "default"
     refresh_s: float = 2.0
     sleep_max_s: float = 1.0
-    park_after_s: float = 10.0
-    park_lead_s: float = 2.0
+    park_after_s: float = 1.0
+    park_lead_s: float = 0.5
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0

@@ -19,6 +19,7 @@ import redis
 from celery import chain, chord
 
 from tests.support.servers import RedisServer
+from tests.support.upstream import api_lateness, violations_explained
 from throttle import Limit, Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
@@ -156,41 +157,10 @@ CLOCK_S = 0.002
 clock of the slots is this host's clock): a margin for that conversion."""
 
 
-def api_lateness(
-    api: Api, arrivals: list[dict[str, Any]], slot_of: dict[str, float]
-) -> list[float]:
-    """How long after its slot each arrival reached the API, in s (in arrival order)."""
-    epoch_of_monotonic = time.time() - time.monotonic()
-    return [
-        epoch_of_monotonic + api.api.started + a["at_s"] - slot_of[a["task_id"]] for a in arrivals
-    ]
-
-
 def api_violations_explained(arrivals: list[dict[str, Any]], late: list[float]) -> list[int]:
-    """The refused arrivals (indexes) that calls on time cannot explain.
-
-    The API is a bucket of API_BURST = 2 refilled every SPACING_S; the slots are SPACING_S
-    apart. Say every call of a stretch of arrivals [a_i, a_j] came at most L after its slot
-    (and none before): the n calls of that stretch have slots in [a_i - L, a_j], so
-    n <= 1 + (a_j - a_i + L) / SPACING_S, while refusing a_j with the bucket full at a_i
-    takes n > 2 + (a_j - a_i) / SPACING_S: L > SPACING_S. So each refusal must have a call
-    more than SPACING_S late since the bucket was last full (a host that stalled a worker
-    between its slot and its call); one without is the limiter's fault, and returned.
-    """
-    # The API's bucket replayed on its arrivals, to know when it was last full; the verdicts
-    # are the API's own (a replay could differ on a float rounding at the edge).
-    tokens, stamp = API_BURST, 0.0  # reset() refilled it at at_s = 0
-    full_since, unexplained = 0, []
-    for j, arrival in enumerate(arrivals):
-        tokens = min(API_BURST, tokens + (arrival["at_s"] - stamp) * API_RATE)
-        stamp = arrival["at_s"]
-        if tokens >= API_BURST - 1e-9:
-            full_since = j
-        if arrival["allowed"]:
-            tokens -= 1
-        elif max(late[full_since : j + 1]) <= SPACING_S:
-            unexplained.append(j)
-    return unexplained
+    """The refused arrivals that calls on time cannot explain, at this fleet's API (see
+    :func:`tests.support.upstream.violations_explained`)."""
+    return violations_explained(arrivals, late, API_RATE, API_BURST)
 
 
 def test_throttled_tasks_keep_their_id_and_result_and_retry_budget(fleet: Fleet) -> None:

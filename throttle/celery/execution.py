@@ -38,7 +38,7 @@ class Execution:
     targets: list[Target] = field(default_factory=list)
     """Each rule's (limit in force, key, cost); empty until the gate evaluates them."""
     deadline: float | None = None
-    """Epoch s (this worker's clock): past it, ``on_timeout`` applies."""
+    """Epoch s on the Redis clock: past it, ``on_timeout`` applies."""
 
     @property
     def request(self) -> Any:

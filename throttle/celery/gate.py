@@ -85,7 +85,7 @@ class Gate:
                 execution.throttler.rates.current,
             )  # fmt: skip
             now = time.time()
-            execution.deadline = deadline_of(execution, now)
+            execution.deadline = deadline_of(execution)
             if execution.eager:
                 return self._block()
             ticket = self._decide(now)
@@ -112,16 +112,18 @@ class Gate:
 
     # -- horizons
 
-    def _horizon(self, now: float) -> float:
-        """How far ahead a slot may be reserved: a concurrency unit must not be held while
-        the task waits, so with one the wait is at most a sleep."""
+    def _horizon(self) -> float:
+        """How far ahead a slot may be reserved, in s: up to the deadline; and a concurrency
+        unit must not be held while the task waits, so with one the wait is at most a
+        sleep."""
         execution = self.execution
         if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in execution.targets):
             horizon = self.settings.sleep_max_s
         else:
             horizon = MAX_RESERVE_S
         if execution.deadline is not None:
-            horizon = min(horizon, max(execution.deadline - now, 0.0))
+            left = execution.deadline - execution.throttler.clock.now()
+            horizon = min(horizon, max(left, 0.0))
         return horizon
 
     def _lease_s(self) -> float:
@@ -163,7 +165,7 @@ class Gate:
         late_tolerance = self.settings.late_tolerance_s
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         while True:
-            decision = self._acquire(self._horizon(now))
+            decision = self._acquire(self._horizon())
             if (
                 decision.allowed
                 and decision.held
@@ -178,18 +180,18 @@ class Gate:
                 # died before its slot (prefetched) may now call up to its lateness
                 # off-slot.
                 self._give_up(decision)
-                decision = self._acquire(self._horizon(now))
+                decision = self._acquire(self._horizon())
             self.execution.throttler.outage(None)
             if not decision.allowed:
-                self._come_back(now, decision)
+                self._come_back(decision)
             wait = decision.wait_s
             if wait > self.settings.sleep_max_s:
                 # A slot is reserved, further ahead: come back just before it.
-                defer(self.execution, wait - EARLY_S, wait, decision)
+                defer(self.execution, wait - EARLY_S, wait, decision, slot=True)
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision)
                 if not decision.allowed:
-                    self._come_back(now, decision)
+                    self._come_back(decision)
                 if not on_time:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self._give_up(decision)
@@ -219,8 +221,9 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
-    def _come_back(self, now: float, decision: Decision) -> NoReturn:
-        """A denial: come back when the limits say, plus a jitter; or time out."""
+    def _come_back(self, decision: Decision) -> NoReturn:
+        """A denial: come back when the limits say, plus a jitter; or time out (the
+        deadline is on the Redis clock)."""
         execution, settings = self.execution, self.settings
         retry = decision.retry_after_s
         if math.isinf(retry):
@@ -228,8 +231,10 @@ class Gate:
             recheck = settings.pause_recheck_s
             retry = recheck + random.uniform(0.0, recheck / 2)
             defer(execution, retry, retry, decision)
-        if execution.deadline is not None and now + retry > execution.deadline:
-            time_out(execution, now, retry, decision)
+        if execution.deadline is not None:
+            now = execution.throttler.clock.now()
+            if now + retry > execution.deadline:
+                time_out(execution, now, retry, decision)
         jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
         defer(execution, retry + jitter, retry, decision)
 
@@ -239,26 +244,32 @@ class Gate:
         execution = self.execution
         while True:
             now = time.time()
-            decision = self._acquire(self._horizon(now))
+            decision = self._acquire(self._horizon())
             if decision.allowed:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
             retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
             deadline = execution.deadline
-            if deadline is not None and now + retry > deadline:
-                raise ThrottleTimeout(decision.denied_by, retry, max(deadline - now, 0.0))
+            if deadline is not None:
+                left = deadline - execution.throttler.clock.now()
+                if retry > left:
+                    raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
 
 
-def deadline_of(execution: Execution, now: float) -> float | None:
-    """The execution's deadline in epoch s: its ``throttle_deadline`` header (set at its
-    first deferral), else ``now`` + the shortest ``max_wait`` of its rules; and never past
-    the task's ``expires``."""
+def deadline_of(execution: Execution) -> float | None:
+    """The execution's deadline on the Redis clock (epoch s), which any worker reads the
+    same whatever its own clock: its ``throttle_deadline`` header (set at its first
+    deferral), else now + the shortest ``max_wait`` of its rules; and never past the task's
+    ``expires``. ``expires`` is Celery's: an absolute time on the producer's clock, which
+    Celery compares with the receiving worker's clock; the throttler reads it as Celery
+    does, on this worker's clock, converted to Redis time by its measured offset."""
+    clock = execution.throttler.clock
     deadline = deadline_header(execution.headers)
     if deadline is None:
         waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
-        deadline = now + min(waits) if waits else None
+        deadline = clock.now() + min(waits) if waits else None
     expires = execution.request.expires
     if expires:
         try:
@@ -270,5 +281,6 @@ def deadline_of(execution: Execution, now: float) -> float | None:
         except (TypeError, ValueError, AttributeError, OverflowError):
             stamp = None
         if stamp is not None:
+            stamp = clock.from_wall(stamp)
             deadline = stamp if deadline is None else min(deadline, stamp)
     return deadline

@@ -1,10 +1,11 @@
 """The releaser: a thread in every worker that sends parked tasks back to the broker.
 
 Parked tasks (:mod:`throttle.parking`) wait in Redis, not in a worker's memory; the
-releaser claims those due within the next polls, publishes each with its parking token
-(so that a second copy is dropped, :class:`throttle.parking.ParkingLot`), then commits the
-claim. A releaser that dies between publishing and committing loses nothing: the claim
-expires and another releaser publishes the task again; the gate drops the second copy.
+releaser claims those due by its next poll (on the Redis clock), publishes each at once,
+with no ETA, and with its parking token (so that a second copy is dropped,
+:class:`throttle.parking.ParkingLot`), then commits the claim. A releaser that dies
+between publishing and committing loses nothing: the claim expires and another releaser
+publishes the task again; the gate drops the second copy.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from throttle.celery.message import H_PARKED, H_PUBLISH
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError
 from throttle.parking import Claimed
+from throttle.redis.clock import REFRESH_S, record_clock
 
 logger = logging.getLogger("throttle")
 
 COLD_CHECK_S = 5.0
 """How often the releaser looks for the marker key of ``cold_start: empty``, in s."""
+POLL_S = 0.25
+"""How often the releaser looks for due tasks, in s (shorter when ``sleep_max`` is short)."""
+MIN_POLL_S = 0.01
 STREAK_REMINDER_S = 60.0
 """While a repeated operation keeps failing, how often (s) a warning says it still does."""
 
@@ -74,10 +79,18 @@ class FailureStreak:
 class Releaser(threading.Thread):
     """Sends parked tasks back to the broker shortly before their slot (one per worker)."""
 
-    def __init__(self, app: Celery, *, poll_s: float = 0.25, batch: int = 200) -> None:
+    def __init__(
+        self, app: Celery, *, worker: str | None = None, poll_s: float = POLL_S, batch: int = 200
+    ) -> None:
         super().__init__(name="throttle-releaser", daemon=True)
         self.app = app
-        self.poll_s = poll_s
+        self.worker = worker
+        """The worker's name, under which it records its clock (None: not recorded)."""
+        # A task must not arrive more than sleep_max before its slot (it would be
+        # deferred again): it is released up to park_lead (<= sleep_max / 2) plus one
+        # poll early.
+        sleep_max = Throttler.of(app).settings.sleep_max_s
+        self.poll_s = max(min(poll_s, sleep_max / 4), MIN_POLL_S)
         self.batch = batch
         self._stop_event = threading.Event()
 
@@ -85,7 +98,7 @@ class Releaser(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        checked = time.monotonic()
+        checked = recorded = time.monotonic()
         failing = FailureStreak(
             "the releaser cannot release parked tasks", "the releaser releases parked tasks again"
         )
@@ -98,6 +111,11 @@ class Releaser(threading.Thread):
                     # Redis may have restarted empty between two tasks, unseen by any gate.
                     checked = time.monotonic()
                     throttler.check_cold_start()
+                if self.worker is not None and time.monotonic() - recorded >= REFRESH_S:
+                    recorded = time.monotonic()
+                    record_clock(
+                        throttler.clock, throttler.limiter.keyspace.clocks_key(), self.worker
+                    )
                 # A round that claimed nothing published nothing: it says the broker is back
                 # only if a connection to it now opens.
                 if failing.since is not None and (released or self._broker_reachable()):
@@ -127,16 +145,15 @@ class Releaser(threading.Thread):
     def release_once(self) -> int:
         """Claim, publish and commit one batch; returns how many were released."""
         throttler = Throttler.of(self.app)
-        claimed = throttler.parking.claim(lead_s=self.poll_s * 2, batch=self.batch)
+        claimed = throttler.parking.claim(lead_s=self.poll_s, batch=self.batch)
         if claimed:
             self.publish(claimed)
             throttler.parking.commit(claimed)
         return len(claimed)
 
     def publish(self, claimed: Sequence[Claimed]) -> None:
-        """Send claimed tasks to the broker, each with its parking token and publish id, to
-        arrive ``park_lead`` before its slot."""
-        lead_s = Throttler.of(self.app).settings.park_lead_s
+        """Send claimed tasks to the broker now, each with its parking token and publish
+        id (they were parked until ``park_lead`` before their slot)."""
         for item in claimed:
             content_type, encoding, body = item.payload.split(b"\n", 2)
             options = loads(  # type: ignore[no-untyped-call]
@@ -146,4 +163,4 @@ class Releaser(threading.Thread):
             headers = dict(sig.options.get("headers") or {})
             headers[H_PARKED] = item.token
             headers[H_PUBLISH] = item.publish_id
-            sig.apply_async(countdown=max(item.due_in_s, 0.0) + lead_s, headers=headers)
+            sig.apply_async(headers=headers)

@@ -5,9 +5,15 @@ re-published with Celery's ``signature_from_request`` and ``Retry`` as ``Task.re
 does, but without spending ``max_retries``:
 
 - through its queue's lane ``QUEUE.throttled`` (served in turn with QUEUE, so that it does
-  not wait behind QUEUE's backlog), for the moment its slot comes;
-- waits longer than ``park_after`` are parked in Redis (:mod:`throttle.parking`) and sent
-  back by a worker's releaser shortly before they are due;
+  not wait behind QUEUE's backlog);
+- parked in Redis (:mod:`throttle.parking`) until it is due, on the Redis clock, then sent
+  back at once by a worker's releaser: a task with a reserved slot arrives shortly before
+  it (``park_lead``, at most half of ``sleep_max``) and sleeps the rest, measured by the
+  limiter on the Redis clock. No time of any worker's clock travels in the message, so
+  workers whose clocks disagree keep the schedule. Waits up to ``park_after`` (and every
+  wait while no releaser runs, without ``install()``, or while the limiter's Redis is
+  away) are re-published as Celery ETA messages instead: those are due on the publishing
+  worker's clock and held until then on the receiving worker's;
 - past the task's deadline, it fails with :class:`ThrottleTimeout` or goes to the
   dead-letter queue of ``on_timeout``.
 
@@ -49,9 +55,18 @@ PUBLISH_RETRY = {
 }
 
 
-def defer(execution: Execution, countdown_s: float, wait_s: float, decision: Decision) -> NoReturn:
-    """Re-publish the task to arrive in ``countdown_s`` (parked beyond ``park_after``);
-    ``wait_s`` is how long the limits said it must wait (shown and counted)."""
+def defer(
+    execution: Execution,
+    countdown_s: float,
+    wait_s: float,
+    decision: Decision,
+    *,
+    slot: bool = False,
+) -> NoReturn:
+    """Send the task back to arrive in ``countdown_s`` (parked beyond ``park_after``);
+    ``wait_s`` is how long the limits said it must wait (shown and counted). ``slot``: a
+    slot is reserved in ``wait_s``, so a parked task is released ``park_lead`` before it
+    (at most half of ``sleep_max``: the task then sleeps to it)."""
     task, request, settings = execution.task, execution.request, execution.settings
     countdown_s = max(countdown_s, 0.0)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
@@ -70,7 +85,8 @@ def defer(execution: Execution, countdown_s: float, wait_s: float, decision: Dec
         payload = f"{content_type}\n{encoding}\n".encode() + (
             body if isinstance(body, bytes) else body.encode()
         )
-        execution.throttler.parking.park(payload, countdown_s - settings.park_lead_s)
+        lead_s = min(settings.park_lead_s, settings.sleep_max_s / 2) if slot else 0.0
+        execution.throttler.parking.park(payload, (wait_s if slot else countdown_s) - lead_s)
         how = "park"
     else:
         sig = task.signature_from_request(

@@ -23,6 +23,7 @@ from throttle.errors import ConfigError
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.clock import RedisClock
 from throttle.redis.urls import redact
 from throttle.rules import Declared, Rule
 from throttle.stats import StatsBook
@@ -56,6 +57,7 @@ class Throttler:
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
         self.stats = StatsBook(limiter.client, keyspace)
+        self.clock = RedisClock(limiter.client)
         self.observer: Observers = default_observers(self.stats)
         self.watch = OutageWatch(
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)

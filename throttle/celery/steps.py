@@ -28,6 +28,10 @@ from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.runtime import RELEASER_STEP, Throttler
 from throttle.errors import BackendError
+from throttle.redis.clock import record_clock
+
+CLOCK_WARN_S = 0.5
+"""A worker whose wall clock is further than this from the Redis clock (s) warns at start."""
 
 logger = logging.getLogger("throttle")
 
@@ -54,12 +58,14 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
             throttler.check_cold_start()
+            check_clock(throttler, worker.hostname)
         except BackendError as exc:  # a worker starts while Redis is down: it may
             throttler.outage(exc)
+        self.hostname = worker.hostname
         self.releaser: Releaser | None = None
 
     def start(self, worker: Any) -> None:
-        self.releaser = Releaser(self.app)
+        self.releaser = Releaser(self.app, worker=self.hostname)
         self.releaser.start()
 
     def stop(self, worker: Any) -> None:
@@ -68,6 +74,21 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)
+
+
+def check_clock(throttler: Throttler, worker: str) -> float:
+    """Measure this host's offset to the Redis clock, record it for ``celery throttle
+    status``, and warn once when it exceeds :data:`CLOCK_WARN_S`. Returns the offset (s)."""
+    clock = throttler.clock
+    offset = clock.measure()
+    record_clock(clock, throttler.limiter.keyspace.clocks_key(), worker)
+    if abs(offset) > CLOCK_WARN_S:
+        logger.warning(
+            "throttle: this host's clock is %+.3f s off the Redis clock (+/- %.3f s): "
+            "the throttler keeps its times on the Redis clock, but check the host's NTP",
+            -offset, clock.error_s,
+        )  # fmt: skip
+    return offset
 
 
 class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]

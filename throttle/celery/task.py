@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -178,10 +177,11 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
     if task.request.is_eager or task.request.called_directly:
         raise Throttled(countdown_s, names)
     execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
-    now = time.time()
-    execution.deadline = deadline_of(execution, now)
+    execution.deadline = deadline_of(execution)
     states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
     denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
-    if execution.deadline is not None and now + countdown_s > execution.deadline:
-        time_out(execution, now, countdown_s, denied)
+    if execution.deadline is not None:
+        now = execution.throttler.clock.now()
+        if now + countdown_s > execution.deadline:
+            time_out(execution, now, countdown_s, denied)
     defer(execution, countdown_s, countdown_s, denied)

@@ -227,6 +227,12 @@ class KeySpace:
         a worker that Redis is new or restarted empty (the ``cold_start`` setting)."""
         return f"{self.base}alive"
 
+    def clocks_key(self) -> str:
+        """The HASH of the workers' clocks: worker name -> its offset to the Redis clock,
+        the round trip that bounds it, and when it was measured (see
+        :mod:`throttle.redis.clock`)."""
+        return f"{self.base}clocks"
+
     def stats_key(self, minute: int) -> str:
         """The HASH of fleet-wide counts of one minute (``minute`` = epoch s // 60):
         field ``EVENT:LIMIT`` -> count (see :mod:`throttle.stats`)."""
