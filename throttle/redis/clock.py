@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class RedisClock:
         self._wall = wall
         self._monotonic = monotonic
         self._anchor: tuple[float, float] | None = None  # (Redis epoch s, monotonic s)
-        self._measured_at = -REFRESH_S  # monotonic s
+        self._measured_at = -math.inf  # monotonic s of the last attempt
         self.offset_s = 0.0
         """Redis time minus this host's wall clock, in s, as last measured."""
         self.error_s = 0.0
@@ -69,13 +71,13 @@ class RedisClock:
         round trips a minute). While Redis is away the last measurement goes on, carried
         by the monotonic clock; with none yet, this host's wall clock stands in (nothing
         is decided on the Redis clock during an outage anyway)."""
-        if self._anchor is None or self._monotonic() - self._measured_at >= REFRESH_S:
-            try:
+        mono = self._monotonic()
+        if mono - self._measured_at >= REFRESH_S:
+            self._measured_at = mono  # tried now: a Redis that is away is asked again later
+            with contextlib.suppress(BackendError):
                 self.measure()
-            except BackendError:
-                if self._anchor is None:
-                    return self._wall()
-        assert self._anchor is not None
+        if self._anchor is None:
+            return self._wall()
         redis_at, mono_at = self._anchor
         return redis_at + (self._monotonic() - mono_at)
 
