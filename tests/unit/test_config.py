@@ -80,7 +80,7 @@ def test_example_limits_file_loads() -> None:
         config.rule("llm-streams"),
         config.rule("github"),
     )
-    assert config.settings == Settings(refresh_s=2.0, park_after_s=10.0)
+    assert config.settings == Settings(refresh_s=2.0)
 
 
 def test_demo_file_loads() -> None:
