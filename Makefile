@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean
+.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew
 
 setup: system-deps $(STAMP)
 
@@ -83,3 +83,10 @@ bench-cluster: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Two workers whose wall clocks are +S and -S off (an LD_PRELOAD shim built with gcc), on a
+# Redis and a RabbitMQ broker: the share of the API's rate kept, ours beside BEFORE (a git
+# revision, default the code before the one-clock change). About 15 minutes.
+BEFORE ?= e1bee06
+bench-skew: setup
+	$(PY) -m bench.skew --before $(BEFORE) $(SKEW_ARGS)

@@ -1,6 +1,8 @@
 """The Celery app of the clock-skew tests (tests/system/test_skew.py), run by workers whose
 wall clocks are off. Broker, result backend and limiter: the test's private redis-server
-(``DEMO_BROKER_URL``); limits file: ``THROTTLE_CONFIG``; the mock API: ``MOCK_API_URL``.
+(``DEMO_BROKER_URL``; a RabbitMQ broker with ``DEMO_BACKEND_URL`` and
+``THROTTLE_REDIS_URL`` naming the Redis, as bench/skew.py runs it); limits file:
+``THROTTLE_CONFIG``; the mock API: ``MOCK_API_URL``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from throttle.celery import ThrottledTask, install
 from throttle.redis.keys import KeySpace
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")
+BACKEND = os.environ.get("DEMO_BACKEND_URL", BROKER)
+LIMITER = os.environ.get("THROTTLE_REDIS_URL", BACKEND)
 
-app = Celery("skew", broker=BROKER, backend=BROKER, task_cls=ThrottledTask)
+app = Celery("skew", broker=BROKER, backend=BACKEND, task_cls=ThrottledTask)
 app.conf.update(
     throttle_config=os.environ.get("THROTTLE_CONFIG"),
     task_default_queue="upstream",
@@ -49,7 +53,7 @@ def _post(task_id: str) -> int:
 def call(self: Any, n: int) -> dict[str, Any]:
     """One call of the mock API; reports the slot the limiter granted (its lease record)
     and when the body started, both on the Redis clock, and the task's headers."""
-    client = redis.Redis.from_url(BROKER)
+    client = redis.Redis.from_url(LIMITER)
     pipe = client.pipeline(transaction=False)
     pipe.time().hget(_KEYS.lease_key(self.request.id), "at").incr(f"test:runs:{self.request.id}")
     (seconds, micros), slot_us, runs = pipe.execute()

@@ -31,6 +31,7 @@ COLD_CHECK_S = 5.0
 POLL_S = 0.25
 """How often the releaser looks for due tasks, in s (shorter when ``sleep_max`` is short)."""
 MIN_POLL_S = 0.01
+"""The shortest poll, in s (a sleep_max near 0 must not make the releaser spin)."""
 STREAK_REMINDER_S = 60.0
 """While a repeated operation keeps failing, how often (s) a warning says it still does."""
 
