@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +198,23 @@ def wait_ready(app: Any, workers: Sequence[Worker | Process], timeout_s: float =
         if wanted <= seen:
             return
     raise TimeoutError(f"workers not ready after {timeout_s} s: {sorted(wanted - seen)}")
+
+
+@contextlib.contextmanager
+def running(app: Any, workers: Sequence[Worker], *, kill: bool = False) -> Iterator[None]:
+    """Start ``workers``, wait until each answers a ping, and stop them on exit (a warm
+    shutdown; ``kill``: SIGKILL, for fleets whose tasks are left mid-flight)."""
+    try:
+        for worker in workers:
+            worker.start()
+        wait_ready(app, workers)
+        yield
+    finally:
+        for worker in workers:
+            if kill:
+                worker.kill()
+            else:
+                worker.stop()
 
 
 def demo_env(redis_url: str, api_url: str, **extra: str) -> dict[str, str]:

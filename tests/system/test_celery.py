@@ -24,7 +24,7 @@ from throttle import Limit, Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
-from workers.harness import ROOT, Api, Worker, start_api, wait_ready
+from workers.harness import ROOT, Api, Worker, running, start_api
 
 CONFIG = """
 settings:
@@ -88,13 +88,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         app.conf.broker_url = app.conf.result_backend = server.url
         try:
-            for worker in fleet.workers:
-                worker.start()
-            wait_ready(app, fleet.workers)
-            yield fleet
+            with running(app, fleet.workers):
+                yield fleet
         finally:
-            for worker in fleet.workers:
-                worker.stop()
             api.stop()
             fleet.client.close()
             cached = getattr(app, "_throttler", None)

@@ -26,7 +26,7 @@ import redis
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
 from throttle.redis.keys import KeySpace
-from workers.harness import Worker, wait_ready
+from workers.harness import Worker, running
 
 VISIBILITY_S = 10.0
 # Held in a worker at most park_after + park_lead + sleep_max = 2.5 s: within half the
@@ -107,13 +107,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         app.conf.broker_url = app.conf.result_backend = server.url
         try:
-            for worker in fleet.workers:
-                worker.start()
-            wait_ready(app, fleet.workers)
-            yield fleet
+            with running(app, fleet.workers, kill=True):
+                yield fleet
         finally:
-            for worker in fleet.workers:
-                worker.kill()
             fleet.client.close()
             fleet.limiter.client.close()
             for name in fleet.env:

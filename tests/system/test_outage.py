@@ -22,7 +22,7 @@ from throttle import Limit, Limiter
 from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.fallback import LocalBuckets
-from workers.harness import Worker, wait_ready
+from workers.harness import Worker, running
 
 CONFIG = """
 settings:
@@ -174,14 +174,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         fleet = Fleet(broker, limiter, ledger, tmp)
         app.conf.broker_url = broker.url
         app.conf.result_backend = ledger.url
-        try:
-            for worker in fleet.workers:
-                worker.start()
-            wait_ready(app, fleet.workers)
+        with running(app, fleet.workers):
             yield fleet
-        finally:
-            for worker in fleet.workers:
-                worker.stop()
 
 
 def _results(results: list[Any], timeout_s: float) -> list[dict[str, Any]]:

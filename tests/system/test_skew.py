@@ -25,7 +25,7 @@ import redis
 from tests.support.servers import RedisServer
 from tests.support.skew import build_shim, skewed_env
 from tests.support.upstream import api_lateness, violations_explained
-from workers.harness import ROOT, Api, Worker, start_api, wait_ready
+from workers.harness import ROOT, Api, Worker, running, start_api
 
 pytestmark = pytest.mark.slow
 
@@ -101,13 +101,9 @@ def fleet(shim: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Skew
 
         app.conf.broker_url = app.conf.result_backend = server.url
         try:
-            for worker in fleet.workers:
-                worker.start()
-            wait_ready(app, fleet.workers)
-            yield fleet
+            with running(app, fleet.workers):
+                yield fleet
         finally:
-            for worker in fleet.workers:
-                worker.stop()
             api.stop()
             fleet.client.close()
             cached = getattr(app, "_throttler", None)
