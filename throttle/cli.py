@@ -201,7 +201,9 @@ def collect_status(
     known = _known(app, throttler)
     overrides = throttler.rates.overrides()
     holds = limiter.holds()
-    counts = StatsBook(limiter.client, limiter.keyspace).per_minute(minutes)
+    counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
+        minutes
+    )
     parked, releasing = _parked(throttler)
     workers: int | None = None
     flights: Counter[str] | None = None

@@ -15,10 +15,11 @@ Events:
 * ``parked``: of those, the ones whose wait was parked in Redis (counted in ``denied`` too);
 * ``timeout``: a task's throttle deadline passed before its slot (failed or dead-lettered).
 
-Trade-off: the minute is taken from the recording process's clock, not from Redis ``TIME``
-(a script building its own key name would break Redis Cluster's rule that scripts declare
-their keys). These are counts for people; no limit is ever decided from them, and a worker
-whose clock is off by a minute only files its counts under the neighbouring minute.
+The minute is taken in the recording process, not by a script from Redis ``TIME`` (a
+script building its own key name would break Redis Cluster's rule that scripts declare
+their keys): workers and the CLI pass their :class:`throttle.redis.clock.RedisClock`, so
+the minute is the Redis clock's as the process measured it, whatever its own clock says.
+These are counts for people; no limit is ever decided from them.
 """
 
 from __future__ import annotations

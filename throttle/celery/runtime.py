@@ -56,8 +56,8 @@ class Throttler:
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
-        self.stats = StatsBook(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
+        self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
         self.observer: Observers = default_observers(self.stats)
         self.watch = OutageWatch(
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
