@@ -29,16 +29,25 @@ H_DEAD = "throttle_dead_letter"
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
 
+QUEUE_KEY = "queue"
+"""The ``delivery_info`` key where the worker writes the queue a task was consumed from
+(:mod:`throttle.celery.routing`; "" when it could not be told)."""
+
 MAX_EPOCH_S = 253402300800.0
 """Year 10000 in epoch s: later than any real deadline (and than ``datetime`` can show)."""
 
 
 def queue_of(delivery_info: object) -> str | None:
-    """The queue a task was consumed from, from its ``delivery_info`` (its lane counts as
-    the queue itself)."""
+    """The queue a task was consumed from (its lane counts as the queue itself), as the
+    worker resolved it into ``delivery_info`` (see :mod:`throttle.celery.routing`). Where
+    nothing resolved it (a consumer outside a worker), the routing key, which is the
+    queue's name in Celery's default routing."""
     if not isinstance(delivery_info, Mapping):
         return None
-    queue = delivery_info.get("routing_key") or delivery_info.get("queue") or None
+    if QUEUE_KEY in delivery_info:
+        queue = delivery_info.get(QUEUE_KEY) or None
+    else:
+        queue = delivery_info.get("routing_key") or None
     if not isinstance(queue, str):
         return None
     if queue.endswith(LANE_SUFFIX):

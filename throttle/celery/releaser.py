@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from celery import Celery
 from kombu.serialization import loads
 
-from throttle.celery.message import H_PARKED, H_PUBLISH
+from throttle.celery.message import H_PARKED, H_PUBLISH, LANE_SUFFIX
+from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError
 from throttle.parking import Claimed
@@ -161,6 +162,9 @@ class Releaser(threading.Thread):
                 body, content_type.decode(), encoding.decode()
             )
             sig = self.app.signature(options)
+            queue = sig.options.get("queue")
+            if isinstance(queue, str) and queue.endswith(LANE_SUFFIX):  # declared as its queue
+                lane_queue(self.app, queue[: -len(LANE_SUFFIX)])
             headers = dict(sig.options.get("headers") or {})
             headers[H_PARKED] = item.token
             headers[H_PUBLISH] = item.publish_id

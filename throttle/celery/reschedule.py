@@ -37,9 +37,9 @@ from throttle.celery.message import (
     H_DEFERRALS,
     H_PARKED,
     H_PUBLISH,
-    LANE_SUFFIX,
     count_header,
 )
+from throttle.celery.routing import lane_queue
 from throttle.decision import Decision
 from throttle.errors import BackendError, Throttled, ThrottleTimeout
 
@@ -99,11 +99,12 @@ def defer(
 
 
 def lane_of(execution: Execution) -> str | None:
-    """The lane of the task's queue, when lanes are on and consumed (install())."""
+    """The lane of the task's queue, when lanes are on and consumed (install()); registered
+    with the queue's arguments, which Celery declares when it publishes there."""
     queue = execution.queue
     if queue is None or not execution.settings.lanes or not execution.throttler.releasing:
         return None
-    return queue + LANE_SUFFIX
+    return lane_queue(execution.task.app, queue).name
 
 
 def time_out(execution: Execution, now: float, needed_s: float, decision: Decision) -> NoReturn:

@@ -18,6 +18,7 @@ from celery import Celery, Task
 
 from throttle.celery.observe import Observers, default_observers
 from throttle.celery.outage import OutageWatch, check_cold_start, ping_fleet
+from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.config import Settings, ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.limiter import Limiter
@@ -29,6 +30,10 @@ from throttle.rules import Declared, Rule
 from throttle.stats import StatsBook
 
 logger = logging.getLogger("throttle")
+
+RABBITMQ_CONSUMER_TIMEOUT_S = 1800.0
+"""RabbitMQ's default ``consumer_timeout`` (30 min), assumed on an AMQP broker unless
+``broker_transport_options["consumer_timeout"]`` says otherwise."""
 
 RELEASER_STEP = "throttle"
 """The label of the worker bootstep that runs the releaser of parked tasks (install())."""
@@ -177,26 +182,37 @@ class Throttler:
 
     def validate(self) -> None:
         """Check at worker start what can only be checked against the app: every named
-        limit of its tasks exists in the file, and no wait the throttler keeps in a worker
+        limit of its tasks exists in the file, no wait the throttler keeps in a worker
         (a sleep, an ETA message) can outlive the broker's visibility timeout (kombu#337:
-        the message would be delivered again, the task run twice)."""
+        the message would be delivered again, the task run twice) or RabbitMQ's consumer
+        timeout, and the worker can tell which queue each task came from."""
         self.check_visibility()
+        check_routing(self.app, self.config.source)
         for declared in self.declared():
             for name in declared.names:
                 self.config.rule(name)
 
     def check_visibility(self) -> None:
         """Refuse settings that hold a task in a worker for more than half the broker's
-        visibility timeout (when the transport has one: Redis, SQS)."""
+        visibility timeout (when the transport has one: Redis, SQS), or than half
+        RabbitMQ's ``consumer_timeout`` (a server setting, 30 min by default: past it the
+        server closes the channel and delivers its unacked messages again; tell the
+        worker yours with ``broker_transport_options["consumer_timeout"]``, in s)."""
         settings = self.settings
         options: dict[str, Any] = self.app.conf.broker_transport_options or {}
-        visibility = options.get("visibility_timeout")
         held = settings.park_after_s + settings.park_lead_s + settings.sleep_max_s
-        if isinstance(visibility, int | float) and held > visibility / 2:
-            raise ConfigError(
-                f"a task may be held {held:g} s in a worker (park_after + park_lead + "
-                f"sleep_max), more than half the broker's visibility_timeout "
-                f"({visibility:g} s): lower park_after",
-                field="settings.park_after", value=settings.park_after_s,
-                source=self.config.source,
-            )  # fmt: skip
+        limits: list[tuple[str, Any]] = [("visibility_timeout", options.get("visibility_timeout"))]
+        consumer_timeout = options.get("consumer_timeout")
+        if consumer_timeout is None and has_consumer_tags(self.app):  # RabbitMQ
+            consumer_timeout = RABBITMQ_CONSUMER_TIMEOUT_S
+        limits.append(("consumer_timeout", consumer_timeout))
+        for name, timeout in limits:
+            number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+            if number and held > timeout / 2:
+                raise ConfigError(
+                    f"a task may be held {held:g} s in a worker (park_after + park_lead + "
+                    f"sleep_max), more than half the broker's {name} ({timeout:g} s): "
+                    f"lower park_after",
+                    field="settings.park_after", value=settings.park_after_s,
+                    source=self.config.source,
+                )  # fmt: skip

@@ -26,6 +26,7 @@ from throttle.celery.exporter import (
 from throttle.celery.message import LANE_SUFFIX
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
+from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import RELEASER_STEP, Throttler
 from throttle.errors import BackendError
 from throttle.redis.clock import record_clock
@@ -93,7 +94,9 @@ def check_clock(throttler: Throttler, worker: str) -> float:
 
 class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: every queue the worker consumes, it also consumes its lane
-    (``QUEUE.throttled``), where deferred tasks come back when their slot is due. Kombu
+    (``QUEUE.throttled``, declared with QUEUE's arguments: see
+    :func:`throttle.celery.routing.lane_queue`), where deferred tasks come back when their
+    slot is due. Kombu
     serves a worker's queues in turn, so a task due now waits for at most a message or so
     of the backlog, not for all of it."""
 
@@ -105,7 +108,8 @@ class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         for queue in list(consumer.task_consumer.queues):
             if not queue.name.endswith(LANE_SUFFIX):
-                consumer.add_task_queue(queue.name + LANE_SUFFIX)
+                # Declared like the queue it serves (a quorum queue's lane is a quorum queue).
+                consumer.add_task_queue(lane_queue(consumer.app, queue).name)
 
 
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
