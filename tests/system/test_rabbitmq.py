@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -330,3 +331,41 @@ def test_a_killed_worker_s_tasks_come_back_at_once_and_complete_once(fleet: Flee
     assert all(fleet.client.llen(f"test:starts:{h.id}") == 2 for h in handles)
     assert {r["queue"] for r in done} == {"kill"}
     print(f"\nkilled worker: its 2 messages were back {back_s:.2f} s after the kill")
+
+
+def test_a_deferred_task_goes_back_to_its_own_queue_only_even_from_a_fanout(vhost: str) -> None:
+    # Given a fanout exchange bound to two queues, and a task consumed from one of them
+    from celery import Celery  # noqa: PLC0415
+
+    from throttle.celery.reschedule import route_of  # noqa: PLC0415
+
+    fan = Exchange("fan", type="fanout")
+    queues = [Queue("fan-a", fan, routing_key="fan-a"), Queue("fan-b", fan, routing_key="fan-b")]
+    app = Celery("fanout", broker=f"{AMQP}/{vhost}")
+    app.conf.task_queues = queues
+    with Connection(f"{AMQP}/{vhost}") as conn:
+        for queue in queues:
+            queue(conn.default_channel).declare()
+
+        def depth(name: str) -> int:
+            return int(conn.default_channel.queue_declare(name, passive=True).message_count)
+
+        # When the throttler sends it back with lanes off (the queue resolved as fan-a)
+        execution = SimpleNamespace(
+            queue="fan-a", settings=SimpleNamespace(lanes=False),
+            throttler=SimpleNamespace(releasing=True),
+        )  # fmt: skip
+        route = route_of(execution)  # type: ignore[arg-type]
+        app.send_task("proj.t", **route)
+        # Then only fan-a has it, as the default exchange routes by queue name
+        deadline = time.monotonic() + 10
+        while depth("fan-a") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (depth("fan-a"), depth("fan-b")) == (1, 0)
+        # while publishing to the queue by its own exchange would copy it to both
+        app.send_task("proj.t", queue="fan-a")
+        deadline = time.monotonic() + 10
+        while depth("fan-b") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (depth("fan-a"), depth("fan-b")) == (2, 1)
+    app.close()

@@ -76,9 +76,9 @@ def defer(
         headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
     count = headers[H_DEFERRALS] = count_header(headers) + 1
     limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
-    lane = lane_of(execution)
+    route = route_of(execution)
     if countdown_s > settings.park_after_s and execution.throttler.releasing:
-        sig = task.signature_from_request(request, headers=headers, queue=lane)
+        sig = task.signature_from_request(request, headers=headers, **route)
         content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
             dict(sig), serializer=task.serializer
         )
@@ -89,13 +89,22 @@ def defer(
         execution.throttler.parking.park(payload, (wait_s if slot else countdown_s) - lead_s)
         how = "park"
     else:
-        sig = task.signature_from_request(
-            request, countdown=countdown_s, headers=headers, queue=lane
-        )
+        sig = task.signature_from_request(request, countdown=countdown_s, headers=headers, **route)
         publish(sig)
         how = "republish"
     execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
     raise Retry(exc=Throttled(wait_s, limits), when=countdown_s, sig=sig)
+
+
+def route_of(execution: Execution) -> dict[str, Any]:
+    """Where a deferred task is published: its queue's lane, else the queue it was consumed
+    from, each through the default exchange, so that exactly that queue receives it (the
+    queue's own exchange may be fanout or topic: a copy in every bound queue); a task whose
+    queue is unknown goes back as it came (its exchange and routing key)."""
+    target = lane_of(execution) or execution.queue
+    if target is None:
+        return {}
+    return {"queue": target, "exchange": "", "exchange_type": "direct"}
 
 
 def lane_of(execution: Execution) -> str | None:
@@ -141,7 +150,7 @@ def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> N
     # Jittered, so that the tasks deferred during an outage do not all come back at once.
     countdown_s += random.uniform(0.0, min(execution.settings.jitter_s, countdown_s))
     sig = execution.task.signature_from_request(
-        execution.request, countdown=countdown_s, headers=execution.headers
+        execution.request, countdown=countdown_s, headers=execution.headers, **route_of(execution)
     )
     publish(sig)
     raise Retry(exc=exc, when=countdown_s, sig=sig)
