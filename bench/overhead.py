@@ -28,8 +28,10 @@ scripts and keys and is not recorded.
 
 What is printed
 ---------------
-Per version and task: the median block time, µs per task, the ratio to ``plain`` of the
-same version (medians of the same run) and the µs per task above it, and the script calls
+Per version and task: the median block time (and the best), µs per task, the ratio to
+``plain`` of the same version (medians of the same run) and the µs per task above it; the
+CPU time of the worker (main process and pool children) and of redis-server per task, less
+sensitive than wall time to other tenants of a shared machine; and the script calls
 (EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
 scripts on this server (the app does not start the releaser, whose polls would).
 """
@@ -54,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 from celery import Celery
 
@@ -85,6 +88,20 @@ class Version:
     proc: subprocess.Popen[bytes] | None = None
     seconds: dict[str, list[float]] = field(default_factory=dict)
     scripts: dict[str, int] = field(default_factory=dict)
+    worker_cpu_s: dict[str, list[float]] = field(default_factory=dict)
+    redis_cpu_s: dict[str, list[float]] = field(default_factory=dict)
+
+
+def cpu_s(pid: int, tree: bool) -> float:
+    """User + system CPU seconds of a process (and, with ``tree``, of its children)."""
+    process = psutil.Process(pid)
+    processes = [process, *process.children(recursive=True)] if tree else [process]
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 @contextlib.contextmanager
@@ -134,16 +151,19 @@ def script_calls(client: redis.Redis) -> int:
 
 
 def block(
-    app: Celery, client: redis.Redis, version: Version, task: str, n: int
-) -> tuple[float, int]:
+    app: Celery, client: redis.Redis, server_pid: int, version: Version, task: str, n: int
+) -> tuple[float, int, float, float]:
     """Enqueue ``n`` tasks while nobody consumes them, let the version's worker drain them:
-    (seconds from add_consumer to empty, script calls meanwhile)."""
+    seconds from add_consumer to empty, script calls, CPU seconds of the worker (its main
+    process and pool children) and of redis-server meanwhile."""
+    assert version.proc is not None
     name = f"{APP}.{task}"
     with app.producer_or_acquire() as producer:
         for _ in range(n):
             app.send_task(name, ARGS[task], queue=version.queue, producer=producer)
     assert client.llen(version.queue) == n, "the queue must hold the whole block"
     calls = script_calls(client)
+    worker_cpu, redis_cpu = cpu_s(version.proc.pid, True), cpu_s(server_pid, False)
     started = time.perf_counter()
     app.control.add_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
     while True:
@@ -154,21 +174,27 @@ def block(
             break
         time.sleep(POLL_S)
     elapsed = time.perf_counter() - started
+    worker_cpu = cpu_s(version.proc.pid, True) - worker_cpu
+    redis_cpu = cpu_s(server_pid, False) - redis_cpu
     scripts = script_calls(client) - calls
     app.control.cancel_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
     # A BRPOP the worker issued before the cancel may block for up to 1 s on the queue:
     # let it end before the next block fills the queue.
     time.sleep(1.2)
-    return elapsed, scripts
+    return elapsed, scripts, worker_cpu, redis_cpu
 
 
 def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
     rows = []
     for version in versions:
         plain = statistics.median(version.seconds["plain"])
+        plain_cpu = statistics.median(version.worker_cpu_s["plain"])
+        plain_redis = statistics.median(version.redis_cpu_s["plain"])
         for task in TASKS:
             samples = version.seconds[task]
             median = statistics.median(samples)
+            worker_cpu = statistics.median(version.worker_cpu_s[task])
+            redis_cpu = statistics.median(version.redis_cpu_s[task])
             rows.append({
                 "version": version.label,
                 "task": task,
@@ -177,6 +203,11 @@ def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
                 "ratio": median / plain,
                 "extra_us_per_task": (median - plain) / n * 1e6,
                 "scripts_per_task": version.scripts[task] / (n * len(samples)),
+                "worker_cpu_us_per_task": worker_cpu / n * 1e6,
+                "worker_cpu_ratio": worker_cpu / plain_cpu,
+                "redis_cpu_us_per_task": redis_cpu / n * 1e6,
+                "redis_cpu_extra_us_per_task": (redis_cpu - plain_redis) / n * 1e6,
+                "best_s": min(samples),
                 "samples_s": samples,
             })  # fmt: skip
     return rows
@@ -185,14 +216,16 @@ def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
 def print_table(rows: list[dict[str, Any]], n: int, rounds: int) -> None:
     print(f"\n{n} no-op tasks per block, {rounds} rounds, medians")
     print(
-        "| version | task | median s | µs/task | vs plain | µs/task over plain "
-        "| script calls/task |"
+        "| version | task | median s (best) | µs/task | vs plain | µs/task over plain "
+        "| worker CPU µs/task (vs plain) | redis CPU µs/task | script calls/task |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['version']} | {r['task']} | {r['median_s']:.3f} | {r['us_per_task']:.0f} "
-            f"| {r['ratio']:.2f}x | {r['extra_us_per_task']:+.0f} "
+            f"| {r['version']} | {r['task']} | {r['median_s']:.3f} ({r['best_s']:.3f}) "
+            f"| {r['us_per_task']:.0f} | {r['ratio']:.2f}x | {r['extra_us_per_task']:+.0f} "
+            f"| {r['worker_cpu_us_per_task']:.0f} ({r['worker_cpu_ratio']:.2f}x) "
+            f"| {r['redis_cpu_us_per_task']:.0f} ({r['redis_cpu_extra_us_per_task']:+.0f}) "
             f"| {r['scripts_per_task']:.2f} |"
         )
 
@@ -221,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.overhead_app import app  # noqa: PLC0415
 
         app.conf.broker_url = server.url
+        assert server.process is not None
+        server_pid = server.process.pid
         client = redis.Redis.from_url(server.url)
         stack.callback(client.close)
         try:
@@ -235,17 +270,22 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.2)
             for version in versions:  # warm-up, not recorded
                 for task in TASKS:
-                    block(app, client, version, task, WARMUP_TASKS)
+                    block(app, client, server_pid, version, task, WARMUP_TASKS)
             for round_no in range(args.rounds):
                 cases = [(v, t) for v in versions for t in TASKS]
                 rng.shuffle(cases)
                 for version, task in cases:
-                    seconds, scripts = block(app, client, version, task, args.tasks)
+                    seconds, scripts, worker_cpu, redis_cpu = block(
+                        app, client, server_pid, version, task, args.tasks
+                    )
                     version.seconds.setdefault(task, []).append(seconds)
+                    version.worker_cpu_s.setdefault(task, []).append(worker_cpu)
+                    version.redis_cpu_s.setdefault(task, []).append(redis_cpu)
                     version.scripts[task] = version.scripts.get(task, 0) + scripts
                     print(
                         f"round {round_no + 1}: {version.label:<22} {task:<10} "
-                        f"{seconds:.3f} s, {scripts / args.tasks:.2f} scripts/task",
+                        f"{seconds:.3f} s, worker CPU {worker_cpu:.3f} s, "
+                        f"{scripts / args.tasks:.2f} scripts/task",
                         flush=True,
                     )
         finally:
