@@ -43,7 +43,6 @@ limits:
   live: {algorithm: gcra, rate: 10/s, burst: 1}
   strict: {algorithm: gcra, rate: 10/s, burst: 1}
   held: {algorithm: gcra, rate: 4/s, burst: 1}
-  roomy: {rate: 1000/s}
 queues:
   upstream: [upstream]
   shaped: [shaped]
