@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew
+.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead
 
 setup: system-deps $(STAMP)
 
@@ -90,3 +90,10 @@ clean:
 BEFORE ?= e1bee06
 bench-skew: setup
 	$(PY) -m bench.skew --before $(BEFORE) $(SKEW_ARGS)
+
+# What throttling costs a worker per task: one `celery worker -c 4`, 2,000 no-op tasks per
+# block, plain vs throttled (limits that never bind), medians of interleaved rounds, script
+# calls per task from INFO commandstats; OVERHEAD_ARGS="--before REV" runs an older
+# revision's worker beside this one. A few minutes.
+bench-overhead: setup
+	$(PY) -m bench.overhead $(OVERHEAD_ARGS)

@@ -11,8 +11,10 @@ import redis
 from celery import Celery
 
 from tests.support.clock import redis_now_s
+from tests.support.servers import RedisServer
 from throttle import BackendUnavailable, ConfigError, Limit, Limiter, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
+from throttle.limiter import DEFAULT_LEASE_S
 
 
 @pytest.fixture
@@ -243,3 +245,121 @@ def test_shared_tasks_are_throttled_too(redis_url: str, prefix: str) -> None:
     finally:
         previous.set_current()
         close_throttler(app)
+
+
+# -- round trips: one per admitted task, a settle only when there is something to settle
+
+
+def script_calls(server: RedisServer) -> int:
+    """The script calls (EVALSHA, EVAL) the private server has executed so far."""
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
+@pytest.fixture
+def counted(private_redis: RedisServer, prefix: str) -> Iterator[Celery]:
+    """An eager app whose limiter is the private server: its INFO commandstats count this
+    test's script calls alone."""
+    app = Celery("counted", set_as_current=False, task_cls=ThrottledTask)
+    app.conf.update(
+        task_always_eager=True,
+        throttle_redis_url=private_redis.url,
+        throttle_config={
+            "settings": {"prefix": prefix},
+            "limits": {
+                "loose": {"rate": "1000/s"},
+                "spaced": {"algorithm": "gcra", "rate": "1000/s", "burst": 1},
+                "budget": {"rate": "100000/d", "key": "{tenant}", "cost": "estimate"},
+                "refunded": {"rate": "1000/s", "on_error": "refund"},
+                "slots": {"algorithm": "concurrency", "rate": "4 concurrent"},
+            },
+        },
+    )
+    yield app
+    close_throttler(app)
+
+
+def calls_of_one_run(server: RedisServer, task: Any, *args: Any) -> int:
+    """The script calls of one execution of ``task``, after a first one (which loads the
+    scripts: a first EVALSHA answered NOSCRIPT, SCRIPT LOAD, EVALSHA again)."""
+    task.delay(*args).get()
+    before = script_calls(server)
+    task.delay(*args).get()
+    return script_calls(server) - before
+
+
+def test_a_fixed_cost_task_makes_one_round_trip(
+    counted: Celery, private_redis: RedisServer
+) -> None:
+    @counted.task(shared=False)
+    @throttled("loose", "spaced")
+    def fixed(x: int) -> int:
+        report_cost(7)  # for every estimated cost: these are fixed, so it changes nothing
+        return x
+
+    @counted.task(shared=False)
+    @throttled("budget")
+    def estimated_kept(tenant: str, estimate: int) -> int:
+        return estimate
+
+    # Then one script call each: the acquire, no settle (nothing would change)
+    assert calls_of_one_run(private_redis, fixed, 1) == 1
+    assert calls_of_one_run(private_redis, estimated_kept, "acme", 5) == 1
+    # and the lease record, left unsettled, ends with its lease (+ the slot, here now)
+    handle = fixed.delay(2)
+    handle.get()
+    lease = Throttler.of(counted).limiter.keyspace.lease_key(handle.id)
+    redis_client = private_redis.client()
+    try:
+        assert redis_client.hget(lease, "s") == b"1"
+        ttl_s = redis_client.pttl(lease) / 1000
+    finally:
+        redis_client.close()
+    lease_s = DEFAULT_LEASE_S + 60  # Gate._lease_s without a time limit
+    assert lease_s - 5 < ttl_s <= lease_s
+
+
+def test_a_reported_cost_a_refund_or_a_concurrency_unit_is_settled_in_one_more(
+    counted: Celery, private_redis: RedisServer
+) -> None:
+    @counted.task(shared=False)
+    @throttled("budget")
+    def reported(tenant: str, estimate: int) -> int:
+        report_cost(estimate / 2)
+        return estimate
+
+    @counted.task(shared=False)
+    @throttled("loose")
+    def named(x: int) -> int:
+        report_cost(3, limit="loose")  # by name: applies to a fixed cost too
+        return x
+
+    @counted.task(shared=False)
+    @throttled("slots", "loose")
+    def bounded(x: int) -> int:
+        return x
+
+    @counted.task(shared=False)
+    @throttled("refunded")
+    def failing(x: int) -> int:
+        raise ValueError(x)
+
+    @counted.task(shared=False)
+    @throttled("loose")
+    def failing_kept(x: int) -> int:
+        raise ValueError(x)
+
+    assert calls_of_one_run(private_redis, reported, "acme", 100) == 2
+    assert calls_of_one_run(private_redis, named, 1) == 2
+    assert calls_of_one_run(private_redis, bounded, 1) == 2
+    # A body that raised is settled (a refund; or, keeping its cost, to close its record:
+    # a retry under the same id must pay for its own call)
+    for task in (failing, failing_kept):
+        task.apply((0,))
+        before = script_calls(private_redis)
+        assert task.apply((1,)).failed()
+        assert script_calls(private_redis) - before == 2

@@ -208,6 +208,45 @@ def test_reserved_cost_is_refunded_or_charged(fleet: Fleet) -> None:
     assert left("kept") == pytest.approx(9000, abs=1)
 
 
+def test_an_admitted_task_settles_only_what_changed(fleet: Fleet) -> None:
+    from tests.apps.celery_app import roomy, spend  # noqa: PLC0415
+
+    def script_calls(handle: Any) -> int:
+        """The EVALSHA/EVAL calls naming the task's id (its lease record is among their
+        keys), read from the server's slow log, which records every command here."""
+        handle.get(timeout=30, propagate=False)
+        entries = fleet.client.slowlog_get(1_000_000)
+        return sum(
+            1
+            for entry in entries
+            if entry["command"].split(b" ", 1)[0].upper() in (b"EVALSHA", b"EVAL")
+            and handle.id.encode() in entry["command"]
+        )
+
+    previous = fleet.client.config_get("slowlog-*")
+    fleet.client.config_set("slowlog-max-len", 1_000_000)
+    fleet.client.config_set("slowlog-log-slower-than", 0)
+    try:
+        # The scripts loaded first (a first call of a script is answered NOSCRIPT, loaded
+        # and called again)
+        roomy.delay(0).get(timeout=30)
+        spend.delay("warm", 100, 40).get(timeout=30)
+        fleet.client.slowlog_reset()
+        # A fixed cost, and an estimate not corrected: the acquire alone
+        assert script_calls(roomy.delay(1)) == 1
+        assert script_calls(spend.delay("once", 100, None)) == 1
+        # A reported cost, and a body that raised under on_error: refund: one settle more
+        assert script_calls(spend.delay("twice", 100, 40)) == 2
+        failed = spend.delay("refunded", 100, None, True)
+        with pytest.raises(ValueError):
+            failed.get(timeout=30)
+        assert script_calls(failed) == 2
+    finally:
+        for name, value in previous.items():
+            fleet.client.config_set(name, value)
+        fleet.client.slowlog_reset()
+
+
 def test_a_deadline_ends_in_throttle_timeout_or_the_dead_letter_queue(fleet: Fleet) -> None:
     from tests.apps.celery_app import doomed, hurry  # noqa: PLC0415
 

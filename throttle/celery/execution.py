@@ -10,6 +10,7 @@ finds it from inside the body (``report_cost``, ``report_upstream``).
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,9 @@ class Execution:
     deadline: float | None = None
     """Epoch s on the Redis clock: past it, ``on_timeout`` applies."""
 
-    @property
+    @functools.cached_property
     def request(self) -> Any:
+        """The task's request (read once: it is the top of a stack, on every lookup)."""
         return self.task.request
 
     @property
@@ -51,8 +53,14 @@ class Execution:
     @property
     def headers(self) -> dict[str, Any]:
         """A copy of the message's headers (an empty dict when they are not a mapping)."""
+        return dict(self.message_headers)
+
+    @functools.cached_property
+    def message_headers(self) -> Mapping[str, Any]:
+        """The message's headers as they came, for lookups (not a copy: never change it;
+        empty when they are not a mapping)."""
         headers = self.request.headers
-        return dict(headers) if isinstance(headers, Mapping) else {}
+        return headers if isinstance(headers, Mapping) else {}
 
     @property
     def queue(self) -> str | None:

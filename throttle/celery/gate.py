@@ -98,7 +98,7 @@ class Gate:
     def _drop_second_copy(self) -> None:
         """A parked task released twice (a releaser died between publishing and committing)
         runs once: the parking lot accepts one publish of each token."""
-        headers = self.execution.headers
+        headers = self.execution.message_headers
         token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
         if (
             token is not None
@@ -130,9 +130,9 @@ class Gate:
         """How long the acquisition's record and concurrency units live after its slot, in
         s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from
         the slot, so a wait before the slot is in it already."""
-        task = self.execution.task
-        limit = task.request.timelimit or (None, None)
-        hard = limit[0] or task.time_limit or task.app.conf.task_time_limit
+        execution = self.execution
+        limit = execution.request.timelimit or (None, None)
+        hard = limit[0] or execution.task.time_limit or execution.throttler.task_time_limit
         return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
 
     def _acquire(self, max_wait_s: float) -> Decision:
@@ -266,7 +266,7 @@ def deadline_of(execution: Execution) -> float | None:
     Celery compares with the receiving worker's clock; the throttler reads it as Celery
     does, on this worker's clock, converted to Redis time by its measured offset."""
     clock = execution.throttler.clock
-    deadline = deadline_header(execution.headers)
+    deadline = deadline_header(execution.message_headers)
     if deadline is None:
         waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
         deadline = clock.now() + min(waits) if waits else None

@@ -64,6 +64,9 @@ class Throttler:
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
         self.observer: Observers = default_observers(self.stats)
+        self.task_time_limit: float | None = app.conf.task_time_limit
+        """The app's ``task_time_limit`` (s), read once: a lookup in the app's settings
+        costs more than the rest of the lease's computation, on every task."""
         self.watch = OutageWatch(
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
         )

@@ -1,8 +1,13 @@
-"""After the body: settle the acquisition with what the call really cost.
+"""After the body: settle the acquisition with what the call really cost, when there is
+something to settle.
 
 A cost the body reported (:func:`throttle.celery.report_cost`) replaces its estimate; a
 body that raised refunds the limits whose rule says ``on_error: refund``; concurrency units
-come back. One round trip (``Limiter.settle``).
+come back. One round trip (``Limiter.settle``), and none at all when the body returned and
+nothing changes: every cost stays as reserved (fixed costs, estimates not corrected) and no
+concurrency unit is held. The lease record is then left to expire on its own (the lease
+after the slot, ``Gate._lease_s``): until then a redelivered copy of the task still finds
+its reservation instead of paying twice.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from throttle.celery.execution import Ticket
+from throttle.decision import Acquisition
 from throttle.errors import BackendError
+from throttle.spec import Algorithm
 
 if TYPE_CHECKING:
     from throttle.celery.runtime import Throttler
@@ -23,16 +30,12 @@ def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
     acquisition = ticket.acquisition
     if acquisition is None:
         return
-    by_name = {rule.name: rule for rule in ticket.rules}
-    actuals: list[float | None] = []
-    for limit, _ in acquisition.targets:
-        rule = by_name.get(limit.name)
-        actual = ticket.reported.get(limit.name)
-        if actual is None and rule is not None and rule.estimated:
-            actual = ticket.reported.get(None)
-        if actual is None and failed and rule is not None and rule.on_error == "refund":
-            actual = 0.0
-        actuals.append(actual)
+    actuals = actual_costs(ticket, acquisition, failed)
+    if not failed and not holds_units(acquisition) and all(a is None for a in actuals):
+        # Nothing to settle. A body that raised is settled even then: it may come back
+        # under the same id (self.retry, autoretry, defer_task), and that run must pay for
+        # its own call, not find this one's reservation.
+        return
     names = [limit.name for limit, _ in acquisition.targets]
     try:
         settlement = throttler.limiter.settle(acquisition, actuals)
@@ -41,3 +44,27 @@ def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
         throttler.observer.redis_error(names)
         return
     throttler.observer.settled(names, settlement.deltas)
+
+
+def actual_costs(ticket: Ticket, acquisition: Acquisition, failed: bool) -> list[float | None]:
+    """Each target's actual cost, in order (None: as reserved): the one the body reported
+    for the limit by name; else, for an estimated cost, the one it reported for all; else
+    0 when the body raised and the rule refunds on error."""
+    reported = ticket.reported
+    by_name = {rule.name: rule for rule in ticket.rules}
+    actuals: list[float | None] = []
+    for limit, _ in acquisition.targets:
+        rule = by_name.get(limit.name)
+        actual = reported.get(limit.name) if reported else None
+        if actual is None and rule is not None and rule.estimated:
+            actual = reported.get(None)
+        if actual is None and failed and rule is not None and rule.on_error == "refund":
+            actual = 0.0
+        actuals.append(actual)
+    return actuals
+
+
+def holds_units(acquisition: Acquisition) -> bool:
+    """Whether the acquisition holds concurrency units (given back only by a settle, or by
+    the lease's end)."""
+    return any(limit.algorithm is Algorithm.CONCURRENCY for limit, _ in acquisition.targets)

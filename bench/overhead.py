@@ -1,0 +1,315 @@
+"""What throttling costs a real worker per task: no-op tasks, plain and under ``@throttled``.
+
+``python -m bench.overhead [--tasks 2000] [--rounds 5] [--concurrency 4] [--before REV]
+[--seed N] [--json PATH]``
+
+What runs
+---------
+One private ``redis-server`` (broker and limiter) and one ``celery worker -P prefork -c 4``
+of ``bench/overhead_app.py`` per version of the code: this tree, and with ``--before REV``
+the tree of git revision REV (``git archive`` into a temporary directory, the app copied
+into it; its worker runs with ``PYTHONPATH`` on that tree, in the same virtualenv). The
+tasks (``bench/overhead_app.py``):
+
+* ``plain``: not throttled, the baseline;
+* ``one_limit``: a token bucket far above the rate (it never binds), cost 1;
+* ``two_limits``: a GCRA limit and a per-tenant token budget whose cost is an argument (an
+  estimate the body does not correct);
+* ``reported``: as ``two_limits``, and the body reports its actual cost, so the
+  acquisition must be settled: the price of a settle.
+
+A block is ``--tasks`` messages of one task enqueued at once while no worker consumes
+their queue, then the worker is told to consume it (``add_consumer``) and the block is
+timed until the queue and the broker's unacked messages are empty (late acks: a message is
+acknowledged when its task returns), polled every 5 ms. Each round runs one block of every
+task on every version, in an order shuffled per round (fixed seed): drift on a shared
+machine hits every case alike. A first round of 200 tasks per block warms up connections,
+scripts and keys and is not recorded.
+
+What is printed
+---------------
+Per version and task: the median block time (and the best), µs per task, the ratio to
+``plain`` of the same version (medians of the same run) and the µs per task above it; the
+CPU time of the worker (main process and pool children) and of redis-server per task, less
+sensitive than wall time to other tenants of a shared machine; and the script calls
+(EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
+scripts on this server (the app does not start the releaser, whose polls would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+from celery import Celery
+
+from tests.support.servers import RedisServer
+from workers.harness import ROOT
+from workers.stack import worker_argv
+
+APP = "bench.overhead_app"
+TASKS = ("plain", "one_limit", "two_limits", "reported")
+ARGS: dict[str, tuple[Any, ...]] = {
+    "plain": (),
+    "one_limit": (),
+    "two_limits": ("acme", 1000),
+    "reported": ("acme", 1000),
+}
+POLL_S = 0.005
+WARMUP_TASKS = 200
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
+
+
+@dataclass
+class Version:
+    """One version of the code and its worker."""
+
+    label: str
+    tree: Path
+    queue: str
+    node: str
+    proc: subprocess.Popen[bytes] | None = None
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    scripts: dict[str, int] = field(default_factory=dict)
+    worker_cpu_s: dict[str, list[float]] = field(default_factory=dict)
+    redis_cpu_s: dict[str, list[float]] = field(default_factory=dict)
+
+
+def cpu_s(pid: int, tree: bool) -> float:
+    """User + system CPU seconds of a process (and, with ``tree``, of its children)."""
+    process = psutil.Process(pid)
+    processes = [process, *process.children(recursive=True)] if tree else [process]
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """The tree of git revision ``rev`` in a temporary directory, with this benchmark's app."""
+    with tempfile.TemporaryDirectory(prefix="overhead-before-") as tmp:
+        tree = Path(tmp)
+        archive = subprocess.run(
+            ["git", "archive", rev], cwd=ROOT, check=True, capture_output=True, timeout=120
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
+        (tree / "bench").mkdir(exist_ok=True)
+        shutil.copy(ROOT / "bench" / "overhead_app.py", tree / "bench")
+        yield tree
+
+
+def start_worker(version: Version, concurrency: int, env: dict[str, str], log: Path) -> None:
+    argv = worker_argv(
+        version.node.split("@")[0], app=APP, concurrency=concurrency, queues=version.queue
+    )
+    argv[0] = sys.executable
+    full = {**os.environ, **env, "PYTHONPATH": str(version.tree)}
+    with open(log, "wb") as out:
+        version.proc = subprocess.Popen(
+            argv, cwd=version.tree, env=full, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_ready(app: Celery, versions: list[Version], timeout_s: float = 120.0) -> None:
+    wanted = {v.node for v in versions}
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for v in versions:
+            if v.proc is not None and v.proc.poll() is not None:
+                raise RuntimeError(f"the worker of {v.label} exited ({v.proc.returncode})")
+        for reply in app.control.ping(timeout=0.5) or []:
+            seen.update(reply)
+        if wanted <= seen:
+            return
+    raise TimeoutError(f"workers not ready after {timeout_s} s: {sorted(wanted - seen)}")
+
+
+def script_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in SCRIPT_COMMANDS)
+
+
+def block(
+    app: Celery, client: redis.Redis, server_pid: int, version: Version, task: str, n: int
+) -> tuple[float, int, float, float]:
+    """Enqueue ``n`` tasks while nobody consumes them, let the version's worker drain them:
+    seconds from add_consumer to empty, script calls, CPU seconds of the worker (its main
+    process and pool children) and of redis-server meanwhile."""
+    assert version.proc is not None
+    name = f"{APP}.{task}"
+    with app.producer_or_acquire() as producer:
+        for _ in range(n):
+            app.send_task(name, ARGS[task], queue=version.queue, producer=producer)
+    assert client.llen(version.queue) == n, "the queue must hold the whole block"
+    calls = script_calls(client)
+    worker_cpu, redis_cpu = cpu_s(version.proc.pid, True), cpu_s(server_pid, False)
+    started = time.perf_counter()
+    app.control.add_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
+    while True:
+        pipe = client.pipeline(transaction=False)
+        pipe.llen(version.queue).hlen("unacked")
+        queued, unacked = pipe.execute()
+        if not queued and not unacked:
+            break
+        time.sleep(POLL_S)
+    elapsed = time.perf_counter() - started
+    worker_cpu = cpu_s(version.proc.pid, True) - worker_cpu
+    redis_cpu = cpu_s(server_pid, False) - redis_cpu
+    scripts = script_calls(client) - calls
+    app.control.cancel_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
+    # A BRPOP the worker issued before the cancel may block for up to 1 s on the queue:
+    # let it end before the next block fills the queue.
+    time.sleep(1.2)
+    return elapsed, scripts, worker_cpu, redis_cpu
+
+
+def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
+    rows = []
+    for version in versions:
+        plain = statistics.median(version.seconds["plain"])
+        plain_cpu = statistics.median(version.worker_cpu_s["plain"])
+        plain_redis = statistics.median(version.redis_cpu_s["plain"])
+        for task in TASKS:
+            samples = version.seconds[task]
+            median = statistics.median(samples)
+            worker_cpu = statistics.median(version.worker_cpu_s[task])
+            redis_cpu = statistics.median(version.redis_cpu_s[task])
+            rows.append({
+                "version": version.label,
+                "task": task,
+                "median_s": median,
+                "us_per_task": median / n * 1e6,
+                "ratio": median / plain,
+                "extra_us_per_task": (median - plain) / n * 1e6,
+                "scripts_per_task": version.scripts[task] / (n * len(samples)),
+                "worker_cpu_us_per_task": worker_cpu / n * 1e6,
+                "worker_cpu_ratio": worker_cpu / plain_cpu,
+                "redis_cpu_us_per_task": redis_cpu / n * 1e6,
+                "redis_cpu_extra_us_per_task": (redis_cpu - plain_redis) / n * 1e6,
+                "best_s": min(samples),
+                "samples_s": samples,
+            })  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], n: int, rounds: int) -> None:
+    print(f"\n{n} no-op tasks per block, {rounds} rounds, medians")
+    print(
+        "| version | task | median s (best) | µs/task | vs plain | µs/task over plain "
+        "| worker CPU µs/task (vs plain) | redis CPU µs/task | script calls/task |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['version']} | {r['task']} | {r['median_s']:.3f} ({r['best_s']:.3f}) "
+            f"| {r['us_per_task']:.0f} | {r['ratio']:.2f}x | {r['extra_us_per_task']:+.0f} "
+            f"| {r['worker_cpu_us_per_task']:.0f} ({r['worker_cpu_ratio']:.2f}x) "
+            f"| {r['redis_cpu_us_per_task']:.0f} ({r['redis_cpu_extra_us_per_task']:+.0f}) "
+            f"| {r['scripts_per_task']:.2f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--before", default=None, help="a git revision to run beside this tree")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overhead-")))
+        versions = [Version("this tree", ROOT, "overhead-this", "this@overhead")]
+        if args.before:
+            tree = stack.enter_context(checkout(args.before))
+            versions.append(Version(f"before ({args.before})", tree, "overhead-before",
+                                    "before@overhead"))  # fmt: skip
+        env = {"OVERHEAD_BROKER_URL": server.url}
+        os.environ.update(env)
+        from bench.overhead_app import app  # noqa: PLC0415
+
+        app.conf.broker_url = server.url
+        assert server.process is not None
+        server_pid = server.process.pid
+        client = redis.Redis.from_url(server.url)
+        stack.callback(client.close)
+        try:
+            for version in versions:
+                version.node = f"{version.node.split('@')[0]}@{socket.gethostname()}"
+                start_worker(version, args.concurrency, env, logs / f"{version.queue}.log")
+            wait_ready(app, versions)
+            for version in versions:
+                app.control.cancel_consumer(
+                    version.queue, destination=[version.node], reply=True, timeout=10
+                )
+            time.sleep(1.2)
+            for version in versions:  # warm-up, not recorded
+                for task in TASKS:
+                    block(app, client, server_pid, version, task, WARMUP_TASKS)
+            for round_no in range(args.rounds):
+                cases = [(v, t) for v in versions for t in TASKS]
+                rng.shuffle(cases)
+                for version, task in cases:
+                    seconds, scripts, worker_cpu, redis_cpu = block(
+                        app, client, server_pid, version, task, args.tasks
+                    )
+                    version.seconds.setdefault(task, []).append(seconds)
+                    version.worker_cpu_s.setdefault(task, []).append(worker_cpu)
+                    version.redis_cpu_s.setdefault(task, []).append(redis_cpu)
+                    version.scripts[task] = version.scripts.get(task, 0) + scripts
+                    print(
+                        f"round {round_no + 1}: {version.label:<22} {task:<10} "
+                        f"{seconds:.3f} s, worker CPU {worker_cpu:.3f} s, "
+                        f"{scripts / args.tasks:.2f} scripts/task",
+                        flush=True,
+                    )
+        finally:
+            for version in versions:
+                if version.proc is not None and version.proc.poll() is None:
+                    version.proc.terminate()
+            for version in versions:
+                if version.proc is not None:
+                    try:
+                        version.proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        version.proc.kill()
+                        version.proc.wait(10)
+    rows = report(versions, args.tasks)
+    print_table(rows, args.tasks, args.rounds)
+    load = os.getloadavg()
+    print(
+        f"\n{started}, {platform.python_implementation()} {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, load average at the end {load[0]:.1f}"
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"started": started, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The Celery app of ``bench/overhead.py``: no-op tasks, plain and throttled.
+
+Run by ``celery -A bench.overhead_app worker``; its broker and limiter are the Redis at
+``OVERHEAD_BROKER_URL`` (the benchmark's private redis-server). The settings are those of
+the demo app's workers (``workers.harness.WORKER_SETTINGS``: late acks, one prefetched
+task per child), results ignored. The limits never bind: every task is admitted at once,
+so what differs between the tasks is the throttler's own work.
+
+``install(app)`` is not called: its releaser thread polls Redis with a script a few times
+a second whether tasks run or not, which would blur the count of script calls per task;
+no task here is ever parked, so the releaser would have nothing to do.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from throttle.celery import report_cost, throttled
+
+BROKER = os.environ.get("OVERHEAD_BROKER_URL", "redis://127.0.0.1:6379/0")
+
+app = Celery("overhead", broker=BROKER)
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    task_ignore_result=True,
+    throttle_config={
+        "limits": {
+            "roomy": {"rate": "1000000/s"},
+            "requests": {"algorithm": "gcra", "rate": "100000/s", "burst": 1000},
+            "tokens": {"rate": "1000000000/d", "key": "{tenant}", "cost": "tokens"},
+        },
+    },
+)
+
+
+@app.task
+def plain() -> None:
+    """Not throttled."""
+
+
+@app.task
+@throttled("roomy")
+def one_limit() -> None:
+    """One token bucket, cost 1."""
+
+
+@app.task
+@throttled("requests", "tokens")
+def two_limits(tenant: str, tokens: int) -> None:
+    """A GCRA limit (cost 1) and a per-tenant token budget whose cost is an argument
+    (an estimate, kept: nothing reported)."""
+
+
+@app.task
+@throttled("requests", "tokens")
+def reported(tenant: str, tokens: int) -> None:
+    """As ``two_limits``, and the body reports the actual cost (half the estimate): the
+    acquisition is settled."""
+    report_cost(tokens // 2)
