@@ -83,6 +83,12 @@ def _app(ctx: click.Context) -> Any:
     return app
 
 
+def _app_option(ctx: click.Context) -> str:
+    """The ``-A`` of the command line, to repeat in a command it suggests (" -A proj")."""
+    given = ctx.find_root().params.get("app")
+    return f" -A {given}" if isinstance(given, str) and given else ""
+
+
 def _throttler(ctx: click.Context) -> tuple[Any, Throttler]:
     app = _app(ctx)
     with _errors():
@@ -549,8 +555,8 @@ def pause(ctx: click.Context, limit: str, key: str | None) -> None:
     recheck = _seconds(throttler.settings.pause_recheck_s)
     click.echo(
         f"paused {what}: its tasks are deferred and look again every {recheck} "
-        f"(settings.pause_recheck); none is lost. Undo: celery throttle resume {limit}"
-        + (f" {key}" if key is not None else "")
+        f"(settings.pause_recheck); none is lost. Undo: celery{_app_option(ctx)} throttle "
+        f"resume {limit}" + (f" {key}" if key is not None else "")
     )
 
 

@@ -147,6 +147,21 @@ def test_outside_a_task_the_function_is_plain_and_report_cost_is_a_no_op() -> No
         report_cost(-1)
 
 
+def test_throttled_above_app_task_is_refused_at_import() -> None:
+    # Above @app.task it would wrap the task object: the task would run unthrottled
+    app = Celery("order")
+    for finalized in (False, True):
+        if finalized:
+            app.finalize()
+
+        def double(x: int) -> int:
+            return 2 * x
+
+        task = app.task(double, name=f"order.double{finalized}")
+        with pytest.raises(ConfigError, match=r"goes under @app\.task"):
+            throttled("10/s")(task)
+
+
 def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
     seen: list[str] = []
 

@@ -551,7 +551,10 @@ def test_a_paused_limit_runs_nothing_until_resumed_then_every_task_once(
     producer, broker = worker
     # Given limit "gate" paused through the celery program
     with cli.run("pause", "gate") as paused:
-        assert paused.wait(30) == 0, paused.communicate()
+        out, err = paused.communicate(timeout=30)
+        assert paused.returncode == 0, err
+    # its undo hint names the app, as the command was run
+    assert "Undo: celery -A tests.apps.cli_app throttle resume gate" in out, out
     # When tasks under it are sent, and a task of limit "busy" occupies a pool child
     handles = [producer.send_task("tests.apps.cli_app.gated", (n,), queue="cli") for n in range(5)]
     running = producer.send_task("tests.apps.cli_app.busy", (4.0,), queue="cli")

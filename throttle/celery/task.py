@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 from celery import Task
 from celery._state import get_current_task
+from celery.local import Proxy
 
 from throttle.celery.execution import (
     Execution,
@@ -26,7 +27,7 @@ from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.celery.settle import settle
 from throttle.decision import Decision, LimitState
-from throttle.errors import Throttled
+from throttle.errors import ConfigError, Throttled
 from throttle.rules import UNSET, Declared, Rule, declare
 from throttle.spec import Algorithm, Limit
 from throttle.units import real
@@ -87,6 +88,14 @@ def throttled(
     }  # fmt: skip
 
     def decorate(fn: F) -> F:
+        # type(), not isinstance(): a task not yet bound is a Proxy that isinstance would
+        # evaluate (and finalize the app).
+        if issubclass(type(fn), (Task, Proxy)):
+            raise ConfigError(
+                "@throttled goes under @app.task (or @shared_task), on the function: above "
+                "it, it would wrap the task object and the task would run unthrottled",
+                value=fn, source="@throttled",
+            )  # fmt: skip
         owner = f"{fn.__module__}.{fn.__qualname__}"
         declared = declare(limits, owner, options)
 
