@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead
 
 setup: system-deps $(STAMP)
 
@@ -32,8 +32,8 @@ system-deps:
 	fi
 
 lint: setup
-	$(VENV)/bin/ruff check throttle tests bench workers
-	$(VENV)/bin/ruff format --check throttle tests bench workers
+	$(VENV)/bin/ruff check throttle tests bench workers docs/_hooks
+	$(VENV)/bin/ruff format --check throttle tests bench workers docs/_hooks
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -41,7 +41,16 @@ typecheck: setup
 pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+test: lint typecheck docs-check pytest
+
+# The documentation site (mkdocs.yml, docs/): `make docs` builds it into site/; `make test`
+# builds it with --strict, so a broken link, a missing page or a bad reference fails. The
+# build needs no network (the theme's web fonts are off).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build
+
+docs-check: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The inner loop: tests/unit only (no server, no lint, no mypy; a few seconds). `make test`
 # runs everything: tests/unit, tests/integration (real redis-server) and tests/system
@@ -82,7 +91,7 @@ bench-cluster: setup
 	$(PY) -m bench.cluster
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site
 
 # Two workers whose wall clocks are +S and -S off (an LD_PRELOAD shim built with gcc), on a
 # Redis and a RabbitMQ broker: the share of the API's rate kept, ours beside BEFORE (a git

@@ -12,9 +12,9 @@ run there as the README says.
   private ``redis-server``): a prefork ``celery worker``, two throttled tasks and their
   results, ``celery -A proj throttle status`` listing the limits, ``throttle check`` on the
   limits file shipped in the wheel, and every module of the package imported.
-* Django (the README's blocks, run in this venv): ``CELERY_THROTTLE_CONFIG`` and
-  ``CELERY_THROTTLE_REDIS_URL`` in a project's settings reach the throttler through
-  ``config_from_object("django.conf:settings", namespace="CELERY")``.
+* Django (the blocks of docs/getting-started.md, run in this venv):
+  ``CELERY_THROTTLE_CONFIG`` and ``CELERY_THROTTLE_REDIS_URL`` in a project's settings reach
+  the throttler through ``config_from_object("django.conf:settings", namespace="CELERY")``.
 """
 
 from __future__ import annotations
@@ -159,13 +159,18 @@ def test_wheel_carries_scripts_types_example_and_metadata(dists: Dists) -> None:
 # --- the quick start, installed ---------------------------------------------------------
 
 
-def _readme_block(first_line: str) -> str:
-    """The README's fenced code block whose first line is ``first_line``."""
-    readme = (ROOT / "README.md").read_text()
+def _readme_block(first_line: str, page: str = "README.md") -> str:
+    """The fenced code block of the README (or of another page, e.g. the docs' getting
+    started) whose first line is ``first_line``."""
+    readme = (ROOT / page).read_text()
     for block in re.findall(r"^```\w*\n(.*?)^```", readme, re.MULTILINE | re.DOTALL):
         if block.splitlines()[0].strip() == first_line:
             return str(block)
-    raise AssertionError(f"README.md has no code block starting with {first_line!r}")
+    raise AssertionError(f"{page} has no code block starting with {first_line!r}")
+
+
+# The Django blocks live in the docs' getting started page (the README links to it).
+DJANGO_PAGE = "docs/getting-started.md"
 
 
 README_LIMITS = "# limits.yaml (configs/limits.yaml is the annotated example)"
@@ -346,18 +351,18 @@ print(json.dumps({
 
 
 def test_django_settings_reach_the_throttler(tmp_path: Path) -> None:
-    """The README's Django blocks: ``CELERY_THROTTLE_CONFIG`` and
+    """The Django blocks of the getting started page: ``CELERY_THROTTLE_CONFIG`` and
     ``CELERY_THROTTLE_REDIS_URL`` in the settings, read through
     ``config_from_object("django.conf:settings", namespace="CELERY")``."""
     pytest.importorskip("django")
     package = tmp_path / "mysite"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "celery.py").write_text(_readme_block("# mysite/celery.py"))
+    (package / "celery.py").write_text(_readme_block("# mysite/celery.py", DJANGO_PAGE))
     (package / "tasks.py").write_text(DJANGO_TASKS)
     limits = tmp_path / "limits.yaml"
     limits.write_text("settings: {prefix: django-site}\nlimits:\n  mail: {rate: 5/s}\n")
-    settings = _readme_block("# mysite/settings.py")
+    settings = _readme_block("# mysite/settings.py", DJANGO_PAGE)
     assert settings.count("redis://localhost:6379/") == 2, "the Django block's URLs changed"
     with RedisServer() as server:
         settings = settings.replace("localhost:6379", f"127.0.0.1:{server.port}")
