@@ -145,7 +145,12 @@ def limit_table() -> str:
             raise ValueError(f"limit field {key!r}: no Rule docstring entry {attr!r}")
         kind = "duration" if attr.endswith("_s") else ""
         rows.append((f"`{key}`", rule_doc[attr], _default(defaults[attr], kind)))
-    return _table(("field", "meaning", "default"), rows)
+    note = (
+        "In a file, `max_wait` is a duration: seconds, or a string such as `30s`, `10m`, "
+        "`2h`. In Python these are the fields of `throttle.Limit` and `throttle.rules.Rule` "
+        "(`max_wait_s`), and the keyword options of `@throttled`."
+    )
+    return _table(("field", "meaning", "default"), rows) + "\n\n" + note
 
 
 def algorithms_table() -> str:
