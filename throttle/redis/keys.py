@@ -224,6 +224,12 @@ class KeySpace:
         base = f"{self.base}park:"
         return (base + "ids", base + "tasks")
 
+    def task_key(self, task_id: str) -> str:
+        """The HASH of the last thing the throttler did with one task (a deferral, a time
+        out), for ``celery throttle task ID``; it expires (see
+        :class:`throttle.celery.observe.TaskTrailReporter`)."""
+        return f"{self.base}task:{encode(task_id)}"
+
     def parked_run_key(self, token: str) -> str:
         """Which published copy of a parked task may run (the first one to start)."""
         return f"{self.base}park:run:{encode(token)}"
