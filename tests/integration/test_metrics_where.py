@@ -79,6 +79,7 @@ def test_the_flower_subcommand_of_the_celery_command_registers_them() -> None:
             ctx.invoked_subcommand = "flower"
             flower_app = Celery("flower")
             flower_app.conf.throttle_config = app.conf.throttle_config
+            flower_app.conf.throttle_redis_url = app.conf.throttle_redis_url
             _register_where_it_belongs(flower_app)
         print(names())
         """
