@@ -5,6 +5,7 @@ throttle ...`` subprocess (the entry point). Times are judged on the Redis clock
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -113,7 +114,7 @@ def test_task_says_where_a_task_is(cli: Cli) -> None:
     assert 29.0 < data["until"] - data["now"] <= 30.0
     out = cli("task", parked_id).output
     assert f"task {parked_id}: parked in Redis until " in out
-    assert "(in 30s)" in out or "(in 29.9s)" in out
+    assert re.search(r"\(in (30|2\d(\.\d)?)s\)", out), out  # a few ms of CLI pass
     # A reserved slot: far ahead (re-published to come back before it), near (sleeping),
     # passed (running), settled (done)
     shaper = cli.limit("shaper")  # 2/s burst 1: each acquisition is 0.5 s after the last
