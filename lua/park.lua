@@ -6,12 +6,20 @@
 -- ARGV[2]  token     a new unique id of this parking
 -- ARGV[3]  delay_us  how long from now the task is due back at the broker
 -- ARGV[4]  payload
+-- KEYS[3]  ids       HASH task id -> token (the index of `celery throttle task ID`)
+-- KEYS[4]  tasks     HASH token -> task id (so that the index entry leaves with the task)
+-- ARGV[5]  task_id   '' = not indexed
 --
 -- Returns the due time in us, as a string. The lot's keys have no TTL: a parked task lives
--- until it is released (claim_parked.lua, commit_parked.lua); nothing else deletes it.
+-- until it is released (claim_parked.lua, commit_parked.lua) or purged (purge_parked.lua),
+-- and its index entries leave with it: the index is never larger than the lot.
 
 local now = clock_us(ARGV[1])
 local due = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
 redis.call('ZADD', KEYS[1], due, ARGV[2])
+if ARGV[5] and ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[5], ARGV[2])
+  redis.call('HSET', KEYS[4], ARGV[2], ARGV[5])
+end
 return string.format('%d', due)

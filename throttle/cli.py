@@ -8,6 +8,9 @@
     celery -A proj throttle pause LIMIT [KEY]
     celery -A proj throttle resume LIMIT [KEY]
     celery -A proj throttle check FILE
+    celery -A proj throttle task TASK_ID [--json]
+    celery -A proj throttle parked [--queue Q] [--limit L] [--json] [--max N]
+    celery -A proj throttle purge (--queue Q | --limit L | --all) [--yes]
 
 A subcommand of the ``celery`` program, installed through the ``celery.commands`` entry
 point. The app is the one ``-A`` names (celery's ``CLIContext``, ``ctx.obj.app``); its
@@ -31,14 +34,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
+from urllib.parse import unquote
 
 import click
+from kombu.serialization import loads
 
 from throttle.admin import reset as reset_state
-from throttle.celery.message import queue_of
+from throttle.celery.message import LANE_SUFFIX, queue_of
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
+from throttle.parking import Parked
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.clock import read_clocks
 from throttle.redis.urls import describe
@@ -383,7 +389,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
 
 @click.group()
 def throttle() -> None:
-    """Fleet-wide rate limits (celery-throttled): status, set, reset, pause, resume, check."""
+    """Fleet-wide rate limits (celery-throttled): status, set, reset, pause, resume, check,
+    task, parked, purge."""
 
 
 @throttle.command()
@@ -636,3 +643,342 @@ def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
                     )
                 )
     return errors
+
+
+# -- parked tasks and single tasks ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ParkedTask:
+    """A parked task as the commands show it: its payload decoded."""
+
+    parked: Parked
+    task_id: str | None
+    name: str | None
+    queue: str | None
+    """The queue it goes back to (its lane counts as the queue itself)."""
+    lane: bool
+    limits: tuple[str, ...]
+    """The limits of its rules in this app (empty: a task this app does not know)."""
+
+
+def _decode(app: Any, throttler: Throttler, parked: Parked) -> _ParkedTask:
+    """Read a parked payload (``content type\\nencoding\\nbody``, the task's signature, as
+    :func:`throttle.celery.reschedule.defer` wrote it); an unreadable one shows as
+    unknown (name None) rather than stop the listing."""
+    try:
+        content_type, encoding, body = parked.payload.split(b"\n", 2)
+        sig = loads(body, content_type.decode(), encoding.decode())  # type: ignore[no-untyped-call]
+        options = sig.get("options") or {}
+        name = sig.get("task")
+    except Exception:
+        return _ParkedTask(parked, parked.task_id, None, None, False, ())
+    queue = options.get("queue") if isinstance(options.get("queue"), str) else None
+    lane = queue is not None and queue.endswith(LANE_SUFFIX)
+    if queue is not None and lane:
+        queue = queue[: -len(LANE_SUFFIX)]
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    limits: tuple[str, ...] = ()
+    if task is not None:
+        limits = tuple(rule.name for rule in throttler.rules(task, declared_by(task), queue))
+    task_id = parked.task_id or (options.get("task_id") if isinstance(options, dict) else None)
+    return _ParkedTask(
+        parked, str(task_id) if task_id else None, name if isinstance(name, str) else None,
+        queue, lane, limits,
+    )  # fmt: skip
+
+
+def _lot(app: Any, throttler: Throttler) -> list[_ParkedTask]:
+    with _errors():
+        return [_decode(app, throttler, parked) for parked in wrap_errors(lambda: _scan(throttler))]
+
+
+def _scan(throttler: Throttler) -> list[Parked]:
+    return list(throttler.parking.scan())
+
+
+def _redis_now_us(throttler: Throttler) -> int:
+    with _errors():
+        now: int = wrap_errors(throttler.parking.now_us)
+        return now
+
+
+def _when(due_us: int, now_us: int) -> str:
+    stamp = datetime.fromtimestamp(due_us / 1e6).strftime("%Y-%m-%d %H:%M:%S")
+    left = (due_us - now_us) / 1e6
+    return f"{stamp} ({'in ' + _seconds(left) if left >= 0 else _seconds(-left) + ' ago'})"
+
+
+def _select(tasks: list[_ParkedTask], queue: str | None, limit: str | None) -> list[_ParkedTask]:
+    return [
+        task
+        for task in tasks
+        if (queue is None or task.queue == queue) and (limit is None or limit in task.limits)
+    ]
+
+
+def _check_filters(
+    ctx: click.Context, app: Any, throttler: Throttler, queue: str | None, limit: str | None
+) -> None:
+    if limit is not None:
+        try:
+            _lookup(_known(app, throttler), limit)
+        except click.BadParameter as exc:
+            exc.param_hint = "'--limit'"
+            raise
+    if queue is not None and (not queue or queue.endswith(LANE_SUFFIX)):
+        raise click.BadParameter(
+            f"give the queue, not its lane: {queue[: -len(LANE_SUFFIX)]!r} "
+            f"(its lane {queue!r} is included)"
+            if queue
+            else "the queue name is empty",
+            param_hint="'--queue'",
+        )
+
+
+@throttle.command()
+@click.option("--queue", "-Q", metavar="QUEUE", help="Only the tasks going back to QUEUE.")
+@click.option("--limit", "-l", metavar="LIMIT", help="Only the tasks under LIMIT.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option(
+    "--max",
+    "most",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="List at most this many tasks (soonest due first); the counts are of all.",
+)
+@click.pass_context
+def parked(
+    ctx: click.Context, queue: str | None, limit: str | None, as_json: bool, most: int
+) -> None:
+    """The tasks parked in Redis: counts per limit and per queue, and the soonest due.
+
+    Parked tasks wait in Redis, not at the broker: `celery inspect scheduled`, `celery
+    inspect reserved` and `celery purge` do not see them. Each goes back to its queue's
+    lane (QUEUE.throttled) when it is due; a task being published by a releaser right now
+    shows as "releasing".
+    """
+    app, throttler = _throttler(ctx)
+    _check_filters(ctx, app, throttler, queue, limit)
+    now = _redis_now_us(throttler)
+    tasks = _select(_lot(app, throttler), queue, limit)
+    tasks.sort(key=lambda t: (t.parked.due_us is not None, t.parked.due_us or 0))
+    per_limit: Counter[str] = Counter(name for task in tasks for name in task.limits)
+    per_queue: Counter[str] = Counter(task.queue or "?" for task in tasks)
+    rows = [
+        {
+            "task_id": task.task_id,
+            "name": task.name,
+            "queue": task.queue,
+            "lane": task.lane,
+            "limits": list(task.limits),
+            "state": "parked" if task.parked.due_us is not None else "releasing",
+            "due_in_s": None
+            if task.parked.due_us is None
+            else round((task.parked.due_us - now) / 1e6, 3),
+        }
+        for task in tasks[:most]
+    ]
+    if as_json:
+        data = {
+            "total": len(tasks),
+            "per_limit": dict(per_limit),
+            "per_queue": dict(per_queue),
+            "tasks": rows,
+        }
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"{_count(len(tasks), 'parked task')}" + _filters(queue, limit))
+    for title, counts in (("per limit", per_limit), ("per queue", per_queue)):
+        if counts:
+            click.echo(f"{title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for task in tasks[:most]:
+        when = (
+            "releasing now"
+            if task.parked.due_us is None
+            else f"due {_when(task.parked.due_us, now)}"
+        )
+        click.echo(
+            f"  {task.task_id or '?'}  {task.name or '(unreadable payload)'}  "
+            f"queue {task.queue or '?'}  limits {','.join(task.limits) or '-'}  {when}"
+        )
+    if len(tasks) > most:
+        click.echo(f"  ... and {len(tasks) - most} more (--max)")
+
+
+def _filters(queue: str | None, limit: str | None) -> str:
+    parts = ([f"queue {queue!r}"] if queue else []) + ([f"limit {limit!r}"] if limit else [])
+    return (" of " + " and ".join(parts)) if parts else ""
+
+
+@throttle.command()
+@click.option("--queue", "-Q", metavar="QUEUE", help="The parked tasks going back to QUEUE.")
+@click.option("--limit", "-l", metavar="LIMIT", help="The parked tasks under LIMIT.")
+@click.option("--all", "everything", is_flag=True, help="Every parked task.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def purge(
+    ctx: click.Context, queue: str | None, limit: str | None, everything: bool, yes: bool
+) -> None:
+    """Delete parked tasks for good: by --queue, by --limit (both: either filter), or --all.
+
+    Only the parked tasks in Redis: messages at the broker, in QUEUE and in its lane
+    QUEUE.throttled, stay (`celery purge -Q QUEUE,QUEUE.throttled` empties those, and
+    `celery purge` alone does not know the lanes). A task a releaser is publishing at that
+    moment is not deleted (it will run): the deletion is one Redis script, atomic with the
+    releasers' claims. Deleted tasks never run; their results never come.
+    """
+    if everything == (queue is not None or limit is not None):
+        raise click.UsageError("give --queue QUEUE, --limit LIMIT (or both), or --all")
+    app, throttler = _throttler(ctx)
+    _check_filters(ctx, app, throttler, queue, limit)
+    tasks = [t for t in _select(_lot(app, throttler), queue, limit) if t.parked.due_us is not None]
+    what = _filters(queue, limit) or " (all)"
+    if not tasks:
+        click.echo(f"no parked tasks{what}: nothing to purge")
+        return
+    if not yes:
+        click.confirm(
+            f"Delete {_count(len(tasks), 'parked task')}{what}? They will never run", abort=True
+        )
+    with _errors():
+        deleted: int = wrap_errors(lambda: throttler.parking.purge([t.parked.token for t in tasks]))
+    click.echo(f"purged {_count(deleted, 'parked task')}{what}")
+    if deleted < len(tasks):
+        click.echo(f"  {len(tasks) - deleted} were being released meanwhile: not purged")
+    lane = f"{queue},{queue}{LANE_SUFFIX}" if queue else "QUEUE,QUEUE" + LANE_SUFFIX
+    click.echo(
+        f"  broker messages are untouched: celery{_app_option(ctx)} purge -Q {lane} empties "
+        "the queue and its lane"
+    )
+
+
+def _task_limits(keys: list[bytes | None], base: str) -> list[str]:
+    """The limit names of a lease record's state keys (``base code:limit:key``)."""
+    names = []
+    for raw in keys:
+        if raw is None:
+            continue
+        key = raw.decode(errors="replace")
+        if key.startswith(base):
+            parts = key[len(base) :].split(":")
+            if len(parts) >= 2:
+                names.append(unquote(parts[1]))
+    return names
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
+    """Where task ``task_id`` is, as far as the throttler's Redis knows (see ``task``)."""
+    limiter = throttler.limiter
+    keyspace = limiter.keyspace
+    client = limiter.client
+    now_us = throttler.parking.now_us()
+    now = now_us / 1e6
+    out: dict[str, Any] = {"task_id": task_id, "now": round(now, 3), "limits": []}
+
+    found = throttler.parking.find(task_id)
+    if found is not None:
+        task = _decode(app, throttler, found)
+        out.update(name=task.name, queue=task.queue, limits=list(task.limits))
+        if found.due_us is None:
+            return {**out, "state": "releasing", "until": None}
+        return {**out, "state": "parked", "until": round(found.due_us / 1e6, 3)}
+
+    lease = {_text(k): _bytes(v) for k, v in client.hgetall(keyspace.lease_key(task_id)).items()}
+    if lease:
+        count = int(lease.get("n", b"0"))
+        out["limits"] = _task_limits(
+            [lease.get(f"k{i}") for i in range(1, count + 1)], keyspace.base
+        )
+        slot = int(lease.get("at", b"0")) / 1e6
+        out["slot"] = round(slot, 3)
+    if lease.get("s") == b"1":
+        if slot > now + throttler.settings.sleep_max_s:
+            return {**out, "state": "republished", "until": round(slot, 3)}
+        if slot > now:
+            return {**out, "state": "sleeping", "until": round(slot, 3)}
+        ttl = client.pttl(keyspace.lease_key(task_id))
+        return {**out, "state": "running", "until": round(now + max(ttl, 0) / 1000, 3)}
+
+    trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
+    if trail:
+        limits = [str(name) for name in json.loads(trail.get("limits", "[]"))]
+        until = float(trail.get("until", "0"))
+        out.update(limits=limits, at=float(trail.get("at", "0")), until=round(until, 3))
+        how = trail.get("how")
+        if how in ("fail", "dead_letter"):
+            return {**out, "state": "timed_out", "action": how}
+        holds = limiter.holds()
+        for name in limits:
+            left = holds.get((name, None))
+            if left is not None:
+                state = "paused" if math.isinf(left) else "held"
+                until_held = None if math.isinf(left) else round(now + left, 3)
+                return {**out, "state": state, "held_by": name, "until": until_held}
+        if how == "park":  # released: back at the broker (or running) since
+            return {**out, "state": "released"}
+        return {**out, "state": "republished" if until > now else "released"}
+    if lease.get("s") == b"2":
+        return {**out, "state": "done", "until": None}
+    return {**out, "state": "unknown", "until": None}
+
+
+_SAYS = {
+    "parked": "parked in Redis until {until}: then a releaser sends it to its lane",
+    "releasing": "being published to the broker by a releaser right now",
+    "sleeping": "in a worker, sleeping to its slot at {until}",
+    "running": "running (its slot at {slot} passed); its lease ends by {until}",
+    "republished": "re-published to the broker, due back at {until}",
+    "released": "sent back to the broker at {until}: queued, or running",
+    "held": "held by limit {held_by} until {until}: it comes back then",
+    "paused": "held by limit {held_by}, paused until `celery throttle resume {held_by}`",
+    "timed_out": "timed out at {at} ({action})",
+    "done": "finished: its slot at {slot} was settled",
+    "unknown": (
+        "unknown: never throttled, finished more than its lease ago, or not a task of this "
+        "fleet (prefix and namespace)"
+    ),
+}
+
+
+@throttle.command()
+@click.argument("task_id", metavar="TASK_ID")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Why is TASK_ID waiting? Where the throttler has it, from Redis.
+
+    One of: parked until T, being released, sleeping to its slot at T, running, re-published
+    for T, held by limit L until T (or paused), timed out, done, unknown. Read from the
+    parking lot's index, the task's lease record (its reserved slot and limits) and its
+    trail (the last deferral or time out, kept an hour past its due time).
+    """
+    if not task_id.strip():
+        raise click.BadParameter("the task id is empty", param_hint="TASK_ID")
+    app, throttler = _throttler(ctx)
+    with _errors():
+        data = wrap_errors(lambda: task_status(app, throttler, task_id))
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    now_us = round(data["now"] * 1e6)
+
+    def stamp(value: Any) -> str:
+        return "?" if value is None else _when(round(value * 1e6), now_us)
+
+    fields = {k: stamp(data.get(k)) for k in ("until", "slot", "at")}
+    fields.update(held_by=data.get("held_by"), action=data.get("action"))
+    click.echo(f"task {task_id}: " + _SAYS[data["state"]].format(**fields))
+    if data.get("name") or data.get("queue"):
+        click.echo(f"  task {data.get('name') or '?'}  queue {data.get('queue') or '?'}")
+    if data["limits"]:
+        click.echo("  limits " + ", ".join(data["limits"]))

@@ -21,7 +21,7 @@ This module knows nothing of Celery: payloads are opaque bytes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from throttle.redis.client import RedisClient, run_script
 from throttle.redis.keys import KeySpace
 from throttle.redis.scripts import operation_source
 
-__all__ = ["Claimed", "ParkingLot"]
+__all__ = ["Claimed", "Parked", "ParkingLot"]
 
 DEFAULT_CLAIM_S = 30.0
 """How long a claim protects a task from other releasers, in s (publishing takes ms)."""
@@ -46,6 +46,21 @@ class Claimed:
     """Seconds from the claim until it is due (< 0: overdue), on the Redis clock."""
     publish_id: str
     payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """A task in the lot, as an operator sees it (:meth:`ParkingLot.find`,
+    :meth:`ParkingLot.scan`)."""
+
+    token: str
+    due_us: int | None
+    """When it is due back at the broker, in us of the Redis clock (None: claimed)."""
+    claimed_until_us: int | None
+    """While a releaser has claimed it (it is being published): when the claim expires."""
+    payload: bytes
+    task_id: str | None = None
+    """From the lot's index (None for a task parked by a version without it)."""
 
 
 class ParkingLot:
@@ -70,22 +85,26 @@ class ParkingLot:
     ) -> None:
         self.client = client
         self.keyspace = keyspace
-        self._keys = list(keyspace.parking_keys())
+        self._keys = [*keyspace.parking_keys(), *keyspace.parking_index_keys()]
         self._clock_us = clock_us
         register = client.register_script
         self._park = register(operation_source("park"))
         self._claim = register(operation_source("claim_parked"))
         self._commit = register(operation_source("commit_parked"))
         self._accept = register(operation_source("accept_parked"))
+        self._purge = register(operation_source("purge_parked"))
 
     def _now(self) -> Any:
         return b"" if self._clock_us is None else self._clock_us()
 
-    def park(self, payload: bytes, delay_s: float) -> str:
-        """Park ``payload`` until ``delay_s`` from now (Redis clock); returns its token."""
+    def park(self, payload: bytes, delay_s: float, task_id: str | None = None) -> str:
+        """Park ``payload`` until ``delay_s`` from now (Redis clock); returns its token.
+        ``task_id``: indexed with it (:meth:`find`), in the same atomic call."""
         token = uuid.uuid4().hex
         delay_us = max(round(delay_s * 1e6), 0)
-        run_script(self.client, self._park, self._keys[:2], [self._now(), token, delay_us, payload])
+        keys = [self._keys[0], self._keys[1], *self._keys[4:]]
+        args = [self._now(), token, delay_us, payload, task_id or ""]
+        run_script(self.client, self._park, keys, args)
         return token
 
     def claim(
@@ -117,9 +136,73 @@ class ParkingLot:
         key = self.keyspace.parked_run_key(token)
         return bool(run_script(self.client, self._accept, [key], [publish_id, round(ttl_s * 1000)]))
 
+    def find(self, task_id: str) -> Parked | None:
+        """The parked task of ``task_id`` (from the lot's index), or None."""
+        raw = self.client.hget(self._keys[4], task_id)
+        if raw is None:
+            return None
+        token = raw.decode() if isinstance(raw, bytes) else str(raw)
+        found = self._read([token])
+        if not found:
+            return None
+        return Parked(
+            found[0].token, found[0].due_us, found[0].claimed_until_us, found[0].payload, task_id
+        )
+
+    def scan(self, count: int = 500) -> Iterator[Parked]:
+        """Every task in the lot, in no order, ``count`` at a time (``HSCAN``): a task
+        parked or released during the scan may be missed or seen once more."""
+        tokens: list[str] = []
+        for field, _ in self.client.hscan_iter(self._keys[1], count=count):
+            tokens.append(field.decode() if isinstance(field, bytes) else str(field))
+            if len(tokens) >= count:
+                yield from self._read(tokens)
+                tokens = []
+        if tokens:
+            yield from self._read(tokens)
+
+    def _read(self, tokens: list[str]) -> list[Parked]:
+        due, messages, claimed, _, _, tasks = self._keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zmscore(due, tokens)
+            pipe.zmscore(claimed, tokens)
+            pipe.hmget(messages, tokens)
+            pipe.hmget(tasks, tokens)
+            dues, claims, payloads, ids = pipe.execute()
+        out = []
+        for token, when, claim, payload, task in zip(
+            tokens, dues, claims, payloads, ids, strict=True
+        ):
+            if payload is None:  # released or purged since
+                continue
+            out.append(
+                Parked(
+                    token,
+                    None if when is None else int(when),
+                    None if claim is None else int(claim),
+                    bytes(payload),
+                    None if task is None else task.decode(),
+                )
+            )
+        return out
+
+    def purge(self, tokens: list[str]) -> int:
+        """Delete these parked tasks for good, but for those a releaser has claimed since
+        (they are being published: they will run). Returns how many were deleted."""
+        if not tokens:
+            return 0
+        return int(run_script(self.client, self._purge, self._keys, list(tokens)))
+
+    def now_us(self) -> int:
+        """Now on the Redis clock (``TIME``), in us (tests: the lot's clock)."""
+        if self._clock_us is not None:
+            return int(self._clock_us())
+        seconds, micros = self.client.time()
+        return int(seconds) * 1_000_000 + int(micros)
+
     def counts(self) -> tuple[int, int]:
         """(parked, claimed but not yet committed)."""
-        due, _, claimed, _ = self._keys
+        due, _, claimed, *_ = self._keys
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zcard(due)
             pipe.zcard(claimed)

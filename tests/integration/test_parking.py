@@ -277,3 +277,65 @@ def test_concurrent_releasers_release_every_task_exactly_once(
     assert all(payloads[token] == payload for token, payload in released)
     assert all(accepted)
     assert parker.counts() == (0, 0)
+
+
+def test_the_index_finds_a_parked_task_by_id_until_it_is_released(
+    client: redis.Redis, lot: ParkingLot, clock: FakeClock
+) -> None:
+    token = lot.park(b"payload", 10.0, task_id="task-1")
+    lot.park(b"anonymous", 10.0)  # not indexed: no task id
+    found = lot.find("task-1")
+    assert found is not None
+    assert (found.token, found.payload, found.task_id) == (token, b"payload", "task-1")
+    assert found.due_us == clock() + 10_000_000 and found.claimed_until_us is None
+    assert lot.find("task-2") is None
+    # While a releaser holds its claim, it is found as claimed
+    clock.advance(10.0)
+    claimed = lot.claim(lead_s=0.0, claim_s=30.0)
+    found = lot.find("task-1")
+    assert found is not None and found.due_us is None
+    assert found.claimed_until_us == clock() + 30_000_000
+    # Committed: gone, and so is its index entry (the index never outgrows the lot)
+    assert lot.commit(claimed) == 2
+    assert lot.find("task-1") is None
+    assert client.exists(*lot.keyspace.parking_index_keys()) == 0
+
+
+def test_a_task_parked_again_before_its_release_commits_keeps_its_new_entry(
+    lot: ParkingLot, clock: FakeClock
+) -> None:
+    # The releaser published it, the task ran, was denied and parked again, and only then
+    # did the first release commit: the index keeps the new parking.
+    lot.park(b"first", 1.0, task_id="t")
+    clock.advance(1.0)
+    claimed = lot.claim(lead_s=0.0)
+    second = lot.park(b"second", 60.0, task_id="t")
+    assert lot.commit(claimed) == 1
+    found = lot.find("t")
+    assert found is not None and (found.token, found.payload) == (second, b"second")
+
+
+def test_purge_deletes_waiting_tasks_but_never_one_being_released(
+    client: redis.Redis, lot: ParkingLot, clock: FakeClock
+) -> None:
+    soon = lot.park(b"soon", 1.0, task_id="soon")
+    later = lot.park(b"later", 100.0, task_id="later")
+    clock.advance(1.0)
+    claimed = lot.claim(lead_s=0.0)  # a releaser is publishing "soon"
+    assert tokens(claimed) == [soon]
+    assert sorted(p.token for p in lot.scan()) == sorted([soon, later])
+    # Purging both deletes only the one still waiting
+    assert lot.purge([soon, later, "no-such-token"]) == 1
+    assert lot.find("later") is None
+    assert [p.token for p in lot.scan()] == [soon]
+    # The release of the other goes on: committed, nothing of either is left
+    assert lot.commit(claimed) == 1
+    assert client.exists(*lot.keyspace.parking_keys(), *lot.keyspace.parking_index_keys()) == 0
+    assert lot.purge([]) == 0
+
+
+def test_scan_reads_a_lot_larger_than_its_batch(lot: ParkingLot) -> None:
+    parked = {lot.park(f"p{i}".encode(), 5.0, task_id=f"id-{i}") for i in range(23)}
+    seen = list(lot.scan(count=5))
+    assert {p.token for p in seen} == parked
+    assert {p.task_id for p in seen} == {f"id-{i}" for i in range(23)}

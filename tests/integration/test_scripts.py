@@ -23,7 +23,13 @@ from throttle.redis.scripts import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PARKING_OPERATIONS = ["park.lua", "claim_parked.lua", "commit_parked.lua", "accept_parked.lua"]
+PARKING_OPERATIONS = [
+    "park.lua",
+    "claim_parked.lua",
+    "commit_parked.lua",
+    "accept_parked.lua",
+    "purge_parked.lua",
+]
 
 
 def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> None:

@@ -32,9 +32,11 @@ def register_metrics(app: Celery, registry: Any = None) -> metrics.ThrottleColle
     worker under ``settings.metrics_dir`` on this host (label ``worker``) and the
     fleet-wide gauges read from Redis at each scrape. Nothing while metrics are off.
 
-    :func:`throttle.celery.install` calls it when prometheus_client is already loaded (as
-    in Flower, or an exporter of your own that imported it first); call it yourself
-    otherwise."""
+    :func:`throttle.celery.install` calls it in Flower and in a worker's main process
+    (when prometheus_client is loaded there), and nowhere else: a web process that imports
+    the app would otherwise export the fleet-wide gauges once more per pod. Call it
+    yourself in a process of your own that should export them (one exporter per fleet is
+    enough: the gauges are read from Redis, the same everywhere)."""
     metrics.require()
     if registry is None:
         from prometheus_client import REGISTRY  # noqa: PLC0415

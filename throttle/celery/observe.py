@@ -11,16 +11,20 @@ each reporter's errors.
 - :class:`FlowerReporter`: a ``task-throttled`` event per deferral, for Flower.
 - :class:`FleetStatsReporter`: the fleet-wide per-minute counts in Redis
   (:class:`throttle.stats.StatsBook`, read by ``celery throttle status``).
+- :class:`TaskTrailReporter`: per task, the last deferral or time out, in Redis for a
+  while (read by ``celery throttle task ID``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from throttle import metrics
+from throttle.redis.keys import KeySpace
 from throttle.stats import StatsBook
 
 if TYPE_CHECKING:
@@ -123,6 +127,61 @@ class FleetStatsReporter(Observer):
             logger.debug("throttle: cannot record %s in the fleet stats: %s", events, exc)
 
 
+TRAIL_AFTER_S = 3600.0
+"""How long a task's trail record outlives the time it was due back, in s."""
+TRAIL_TIMEOUT_S = 86400.0
+"""How long the record of a task's time out lives, in s."""
+
+
+class TaskTrailReporter(Observer):
+    """Per task, the last deferral or time out: a small HASH (``KeySpace.task_key``) with
+    ``how`` (``republish``, ``park``, ``fail``, ``dead_letter``), ``limits`` (JSON list),
+    ``at`` and ``until`` (epoch s on the Redis clock, as :class:`RedisClock` estimates it)
+    and ``deferrals``. It expires :data:`TRAIL_AFTER_S` after ``until`` (a time out:
+    after :data:`TRAIL_TIMEOUT_S`), so the trail of a busy fleet stays bounded by its
+    traffic of that long. One pipelined round trip per deferral; a failed write is lost
+    (logged at debug level by :class:`Observers`), never the task."""
+
+    def __init__(self, client: Any, keyspace: KeySpace, now: Callable[[], float]) -> None:
+        self.client, self.keyspace, self.now = client, keyspace, now
+
+    def deferred(
+        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        self._write(execution, how, limits, wait_s, wait_s + TRAIL_AFTER_S, count)
+
+    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+        self._write(execution, action, limits, 0.0, TRAIL_TIMEOUT_S, None)
+
+    def _write(
+        self,
+        execution: Execution,
+        how: str,
+        limits: Sequence[str],
+        wait_s: float,
+        ttl_s: float,
+        count: int | None,
+    ) -> None:
+        task_id = execution.request.id
+        if not isinstance(task_id, str) or not task_id:
+            return
+        now = self.now()
+        record = {
+            "how": how,
+            "limits": json.dumps(list(limits)),
+            "at": repr(round(now, 6)),
+            "until": repr(round(now + wait_s, 6)),
+        }
+        if count is not None:
+            record["deferrals"] = str(count)
+        key = self.keyspace.task_key(task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping=record)
+            pipe.pexpire(key, max(round(ttl_s * 1000), 1))
+            pipe.execute()
+
+
 class Observers(Observer):
     """Calls every hook of each observer in turn; an observer's error is logged and
     swallowed, so that reporting never fails a task."""
@@ -159,8 +218,11 @@ class Observers(Observer):
                 logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
 
 
-def default_observers(stats: StatsBook) -> Observers:
-    """The throttler's reporters: Prometheus, Flower events, fleet-wide stats."""
+def default_observers(stats: StatsBook, trail: TaskTrailReporter | None = None) -> Observers:
+    """The throttler's reporters: Prometheus, Flower events, fleet-wide stats, and the
+    tasks' trail when given."""
     observers = Observers([PrometheusReporter(), FlowerReporter()])
     observers.add(FleetStatsReporter(stats, on_error=observers))
+    if trail is not None:
+        observers.add(trail)
     return observers

@@ -86,7 +86,9 @@ def defer(
             body if isinstance(body, bytes) else body.encode()
         )
         lead_s = min(settings.park_lead_s, settings.sleep_max_s / 2) if slot else 0.0
-        execution.throttler.parking.park(payload, (wait_s if slot else countdown_s) - lead_s)
+        execution.throttler.parking.park(
+            payload, (wait_s if slot else countdown_s) - lead_s, task_id=request.id
+        )
         how = "park"
     else:
         sig = task.signature_from_request(request, countdown=countdown_s, headers=headers, **route)

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery, Task
 
-from throttle.celery.observe import Observers, default_observers
+from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
 from throttle.celery.outage import OutageWatch, check_cold_start, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.config import Settings, ThrottleConfig
@@ -63,7 +63,8 @@ class Throttler:
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
-        self.observer: Observers = default_observers(self.stats)
+        trail = TaskTrailReporter(limiter.client, keyspace, self.clock.now)
+        self.observer: Observers = default_observers(self.stats, trail)
         self.task_time_limit: float | None = app.conf.task_time_limit
         """The app's ``task_time_limit`` (s), read once: a lookup in the app's settings
         costs more than the rest of the lease's computation, on every task."""

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import click
 from celery import Celery, bootsteps, signals
 
 from throttle import metrics
@@ -163,9 +164,12 @@ def install(app: Celery, *, config: Any = None) -> Celery:
     """Wire the throttler into ``app``'s workers: the limits file (``config``: a path or a
     mapping; default ``app.conf.throttle_config`` or ``THROTTLE_CONFIG``) is validated when a
     worker starts, and every worker runs a releaser of parked tasks; with ``settings.metrics``
-    every worker counts into its metrics directory (and serves ``settings.metrics_port``),
-    and a process that has prometheus_client loaded (Flower) shows the fleet's metrics on
-    its default registry (:func:`register_metrics`). Returns ``app``."""
+    every worker counts into its metrics directory (and serves ``settings.metrics_port``).
+    The fleet's metrics go on prometheus_client's default registry (:func:`register_metrics`)
+    only in Flower and in a worker's main process, where prometheus_client is loaded: never
+    in other processes that import the app (a Django web process), which would each export
+    the fleet-wide gauges again, or a false ``throttle_redis_up 0`` (see
+    :func:`metrics_belong_here`). Returns ``app``."""
     if config is not None:
         app.conf.throttle_config = config
     if ThrottleStep not in app.steps["worker"]:
@@ -178,12 +182,51 @@ def install(app: Celery, *, config: Any = None) -> Celery:
     )
     if MetricsStep not in app.steps["worker"]:
         app.steps["worker"].add(MetricsStep)
-    # Flower (`celery -A proj flower` imports the app, Flower has loaded prometheus_client
-    # by then) serves REGISTRY on /metrics: add the fleet's view there, once per app.
-    loaded = sys.modules.get("prometheus_client") is not None
-    if loaded and getattr(app, "_throttle_collector", None) is None:
-        app._throttle_collector = register_metrics(app)
+    _register_where_it_belongs(app)
     return app
+
+
+def metrics_belong_here() -> str | None:
+    """Which process this is, when the fleet's metrics belong on its default registry:
+    ``"flower"`` when the ``celery`` command runs its ``flower`` subcommand (the app is
+    imported by the ``celery`` group's callback, inside click's context, which already
+    names the subcommand), else None. A worker's main process is told apart later, by the
+    ``worker_init`` signal (:func:`install` connects it); any other process importing the
+    app (a web process, a script, ``celery beat``, ``celery throttle``) gets nothing, and
+    can ask with :func:`register_metrics`."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().invoked_subcommand == "flower":
+        return "flower"
+    return None
+
+
+def _register_where_it_belongs(app: Celery) -> None:
+    """Register the fleet's metrics in Flower now, and in a worker's main process when it
+    initialises (``worker_init``: sent once, in the main process, before the pool forks)."""
+    if metrics_belong_here() == "flower":
+        _register_once(app)
+        return
+
+    def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            _register_once(app)
+
+    signals.worker_init.connect(
+        on_worker_init, weak=False, dispatch_uid=f"throttle-metrics-registry-{id(app)}"
+    )
+
+
+def _register_once(app: Celery) -> None:
+    """:func:`register_metrics` on the default registry, once per app, when prometheus_client
+    is loaded (Flower loads it; a worker with ``settings.metrics`` on too)."""
+    if sys.modules.get("prometheus_client") is None:
+        return
+    if getattr(app, "_throttle_collector", None) is not None:
+        return
+    try:
+        app._throttle_collector = register_metrics(app)
+    except ValueError as exc:  # another app of this process registered the same names
+        logger.warning("throttle: the fleet's metrics of %s are not registered: %s", app, exc)
 
 
 def _child_exited(pid: int | None = None, **kwargs: Any) -> None:

@@ -218,6 +218,18 @@ class KeySpace:
         base = f"{self.base}park:"
         return (base + "due", base + "msg", base + "claimed", base + "pub")
 
+    def parking_index_keys(self) -> tuple[str, str]:
+        """The parking lot's index: ids (HASH task id -> token) and tasks (HASH token ->
+        task id), written with the task (lua/park.lua) and deleted with it."""
+        base = f"{self.base}park:"
+        return (base + "ids", base + "tasks")
+
+    def task_key(self, task_id: str) -> str:
+        """The HASH of the last thing the throttler did with one task (a deferral, a time
+        out), for ``celery throttle task ID``; it expires (see
+        :class:`throttle.celery.observe.TaskTrailReporter`)."""
+        return f"{self.base}task:{encode(task_id)}"
+
     def parked_run_key(self, token: str) -> str:
         """Which published copy of a parked task may run (the first one to start)."""
         return f"{self.base}park:run:{encode(token)}"

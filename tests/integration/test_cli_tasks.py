@@ -1,0 +1,176 @@
+"""``celery throttle task``, ``parked`` and ``purge`` against a real redis-server: in
+process through click's CliRunner, and once through a ``celery -A tests.apps.cli_app
+throttle ...`` subprocess (the entry point). Times are judged on the Redis clock."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+from kombu.serialization import dumps
+
+from tests.apps.cli_app import app as cli_app
+from tests.integration import test_cli
+from tests.integration.test_cli import Cli
+from throttle.celery.observe import TaskTrailReporter
+from throttle.celery.runtime import Throttler
+
+
+def park(task: str, queue: str, delay_s: float) -> str:
+    """Park a task as ``defer`` does (its signature, serialized), indexed by its id."""
+    task_id = uuid.uuid4().hex
+    sig = cli_app.signature(
+        task, args=(1,), options={"task_id": task_id, "queue": queue, "headers": {}}
+    )
+    content_type, encoding, body = dumps(dict(sig), serializer="json")
+    payload = f"{content_type}\n{encoding}\n".encode() + (
+        body if isinstance(body, bytes) else body.encode()
+    )
+    Throttler.of(cli_app).parking.park(payload, delay_s, task_id=task_id)
+    return task_id
+
+
+def as_json(cli: Cli, *args: str) -> dict[str, Any]:
+    result = cli(*args, "--json")
+    assert result.exit_code == 0, result.output
+    data: dict[str, Any] = json.loads(result.output)
+    return data
+
+
+cli = test_cli.cli  # the fixture: celery throttle of tests.apps.cli_app on this test's Redis
+
+GATED, BUSY = "tests.apps.cli_app.gated", "tests.apps.cli_app.busy"
+
+
+def test_parked_counts_per_limit_and_queue_and_lists_the_soonest(cli: Cli) -> None:
+    first = park(GATED, "cli.throttled", 30.0)
+    park(GATED, "cli.throttled", 60.0)
+    park(BUSY, "other.throttled", 90.0)
+    data = as_json(cli, "parked")
+    assert data["total"] == 3
+    # gated's limit, and the file's limit of queue cli (its lane counts as the queue)
+    assert data["per_limit"] == {"gate": 2, "daily": 2, "busy": 1}
+    assert data["per_queue"] == {"cli": 2, "other": 1}
+    assert data["tasks"][0]["task_id"] == first
+    assert data["tasks"][0]["lane"] is True
+    assert 29.0 < data["tasks"][0]["due_in_s"] <= 30.0
+    assert as_json(cli, "parked", "--limit", "busy")["total"] == 1
+    assert as_json(cli, "parked", "--queue", "cli", "--max", "1")["tasks"][0]["task_id"] == first
+    text = cli("parked").output
+    assert text.startswith("3 parked tasks\n")
+    assert "per limit: busy 1, daily 2, gate 2" in text
+    assert f"  {first}  {GATED}  queue cli  limits gate,daily  due " in text
+
+
+def test_purge_asks_then_deletes_by_queue_or_limit_only(cli: Cli) -> None:
+    park(GATED, "cli.throttled", 30.0)
+    park(GATED, "cli.throttled", 60.0)
+    kept = park(BUSY, "other.throttled", 90.0)
+    # Not confirmed: nothing deleted
+    result = cli("purge", "--queue", "cli", input="n\n")
+    assert result.exit_code == 1
+    assert "Delete 2 parked tasks of queue 'cli'? They will never run" in result.output
+    assert as_json(cli, "parked")["total"] == 3
+    # Confirmed
+    result = cli("purge", "--queue", "cli", input="y\n")
+    assert result.exit_code == 0, result.output
+    assert "purged 2 parked tasks of queue 'cli'" in result.output
+    assert "celery purge -Q cli,cli.throttled empties the queue and its lane" in result.output
+    assert [t["task_id"] for t in as_json(cli, "parked")["tasks"]] == [kept]
+    # By limit, without asking
+    result = cli("purge", "--limit", "gate", "--yes")
+    assert "no parked tasks of limit 'gate': nothing to purge" in result.output
+    result = cli("purge", "--limit", "busy", "--yes")
+    assert "purged 1 parked task of limit 'busy'" in result.output
+    assert as_json(cli, "parked")["total"] == 0
+
+
+def test_bad_filters_are_usage_errors_naming_what_is_wrong(cli: Cli) -> None:
+    park(GATED, "cli.throttled", 30.0)
+    cases = {
+        ("purge",): "give --queue QUEUE, --limit LIMIT (or both), or --all",
+        ("purge", "--all", "--queue", "cli"): "give --queue QUEUE, --limit LIMIT",
+        ("purge", "--limit", "nope", "--yes"): "unknown limit 'nope'; known limits: api",
+        ("parked", "--limit", "nope"): "Invalid value for '--limit': unknown limit 'nope'",
+        ("purge", "--queue", "cli.throttled", "--yes"): "give the queue, not its lane: 'cli'",
+        ("task", " "): "Invalid value for TASK_ID: the task id is empty",
+    }
+    for args, message in cases.items():
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output, (args, result.output)
+    assert as_json(cli, "parked")["total"] == 1  # nothing deleted
+
+
+def test_task_says_where_a_task_is(cli: Cli) -> None:
+    throttler = Throttler.of(cli_app)
+    # Parked
+    parked_id = park(GATED, "cli.throttled", 30.0)
+    data = as_json(cli, "task", parked_id)
+    assert (data["state"], data["queue"], data["limits"]) == ("parked", "cli", ["gate", "daily"])
+    assert 29.0 < data["until"] - data["now"] <= 30.0
+    out = cli("task", parked_id).output
+    assert f"task {parked_id}: parked in Redis until " in out
+    assert re.search(r"\(in (30|2\d(\.\d)?)s\)", out), out  # a few ms of CLI pass
+    # A reserved slot: far ahead (re-published to come back before it), near (sleeping),
+    # passed (running), settled (done)
+    shaper = cli.limit("shaper")  # 2/s burst 1: each acquisition is 0.5 s after the last
+    ids = [f"slot-{n}" for n in range(8)]
+    for task_id in ids:
+        assert cli.limiter.acquire_many(
+            [(shaper, None)], max_wait_s=10, acquisition_id=task_id
+        ).allowed
+    far = as_json(cli, "task", ids[-1])
+    assert far["state"] == "republished" and far["limits"] == ["shaper"]
+    assert 3.0 <= far["until"] - far["now"] <= 3.5
+    assert as_json(cli, "task", ids[1])["state"] == "sleeping"
+    assert as_json(cli, "task", ids[0])["state"] == "running"
+    decision = cli.limiter.acquire_many([(shaper, None)], max_wait_s=10, acquisition_id="done")
+    assert decision.acquisition is not None
+    cli.limiter.settle(decision.acquisition, None)
+    assert as_json(cli, "task", "done")["state"] == "done"
+    # Denied: re-published for T; held while its limit is paused; timed out
+    trail = TaskTrailReporter(cli.limiter.client, cli.limiter.keyspace, throttler.clock.now)
+    denied: Any = SimpleNamespace(request=SimpleNamespace(id="denied"))
+    trail.deferred(denied, ["gate"], "republish", 20.0, 1)
+    data = as_json(cli, "task", "denied")
+    assert data["state"] == "republished" and data["limits"] == ["gate"]
+    assert 19.0 < data["until"] - data["now"] <= 20.5
+    assert cli("pause", "gate").exit_code == 0
+    data = as_json(cli, "task", "denied")
+    assert (data["state"], data["held_by"], data["until"]) == ("paused", "gate", None)
+    assert (
+        "held by limit gate, paused until `celery throttle resume gate`"
+        in cli("task", "denied").output
+    )
+    cli.limiter.unhold("gate", None)
+    cli.limiter.hold("gate", None, 40.0)
+    data = as_json(cli, "task", "denied")
+    assert data["state"] == "held" and 39.0 < data["until"] - data["now"] <= 40.5
+    late: Any = SimpleNamespace(request=SimpleNamespace(id="late"))
+    trail.timed_out(late, ["gate"], "fail")
+    data = as_json(cli, "task", "late")
+    assert (data["state"], data["action"]) == ("timed_out", "fail")
+    # Unknown
+    out = cli("task", "never-seen").output
+    assert out.startswith("task never-seen: unknown: never throttled")
+
+
+def test_the_celery_program_runs_task_parked_and_purge(cli: Cli) -> None:
+    task_id = park(GATED, "cli.throttled", 30.0)
+    runs = {
+        "task": cli.run("task", task_id, "--json"),
+        "parked": cli.run("parked", "--json"),
+    }
+    done = {name: (*proc.communicate(timeout=30), proc.returncode) for name, proc in runs.items()}
+    assert done["task"][2] == 0, done["task"]
+    assert json.loads(done["task"][0])["state"] == "parked"
+    assert json.loads(done["parked"][0])["total"] == 1
+    proc = cli.run("purge", "--all", "--yes")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "purged 1 parked task (all)" in out
+    assert as_json(cli, "parked")["total"] == 0
