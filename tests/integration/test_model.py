@@ -1,8 +1,10 @@
 """Property tests: every Lua script agrees exactly with its Python reference model.
 
 Hypothesis draws limits and sequences of (time step, cost, reservation horizon, settle);
-the same sequence goes to the real script in Redis (through the test clock) and to
-tests/support/model.py. Decisions, remaining tokens, retry_after and reset must be identical.
+the same sequence goes to the real script in Redis (through the test clock), to its model
+(throttle/memory.py, re-exported by tests/support/model.py) and to the in-memory limiter
+built on the models (throttle.memory.MemoryLimiter, the one users' eager tests run on).
+Decisions, remaining tokens, retry_after and reset must be identical.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from tests.support.clock import EPOCH_US, FakeClock
 from tests.support.model import ModelLimiter
 from throttle import Decision, Limit, Limiter, RequestError
+from throttle.memory import MemoryLimiter
 
 ALGORITHMS = ("token_bucket", "gcra", "sliding_window", "fixed_window", "concurrency")
 
@@ -79,8 +82,10 @@ def run_against_model(
     prefix = f"m-{uuid.uuid4().hex[:12]}"
     limiter = Limiter(client, prefix=prefix, clock_us=clock)
     model = ModelLimiter()
+    memory = MemoryLimiter(prefix=prefix, clock_us=clock)
     model_targets = [(lim, limiter.keyspace.state_keys(lim, key)[0]) for lim, key in targets]
     acquisitions: list[Any] = []
+    in_memory: list[Any] = []  # the memory limiter's acquisitions, beside the real ones
     try:
         for i, step in enumerate(sequence):
             clock.now_us += step[1]
@@ -97,17 +102,26 @@ def run_against_model(
                     call_targets = [(*t, c) for t, c in zip(targets, cost, strict=True)]
                     cost = 1.0
                 if expected == ("mismatch",):
-                    with pytest.raises(RequestError, match="already holds a lease"):
-                        limiter.acquire_many(
-                            call_targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
-                        )
+                    for one in (limiter, memory):
+                        with pytest.raises(RequestError, match="already holds a lease"):
+                            one.acquire_many(
+                                call_targets,
+                                cost=cost,
+                                max_wait_s=wait_us / 1e6,
+                                acquisition_id=acq,
+                            )
                     continue
                 real = limiter.acquire_many(
                     call_targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
                 )
                 assert summary(real) == expected, f"step {i}: {step}"
+                mem = memory.acquire_many(
+                    call_targets, cost=cost, max_wait_s=wait_us / 1e6, acquisition_id=acq
+                )
+                assert mem == real, f"step {i} (memory limiter): {step}"
                 if real.acquisition:
                     acquisitions.append(real.acquisition)
+                    in_memory.append(mem.acquisition)
             elif acquisitions:
                 _, _, pick, actual, _ = step
                 acquisition = acquisitions[pick % len(acquisitions)]
@@ -116,6 +130,8 @@ def run_against_model(
                     acquisition.id, model_targets, now=clock.now_us, actual=actual
                 )
                 assert (result.status, result.deltas) == expected_settle, f"step {i}: {step}"
+                mem_result = memory.settle(in_memory[pick % len(in_memory)], actual)
+                assert mem_result == result, f"step {i} (memory limiter): {step}"
     finally:
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:

@@ -38,6 +38,28 @@ RABBITMQ_CONSUMER_TIMEOUT_S = 1800.0
 RELEASER_STEP = "throttle"
 """The label of the worker bootstep that runs the releaser of parked tasks (install())."""
 
+MEMORY_URL = "memory://"
+"""``throttle_redis_url`` of the in-memory limiter (:mod:`throttle.testing`): one process,
+no Redis; for eager tests."""
+
+_OFF = ("0", "false", "no", "off")
+
+
+def throttling_enabled(app: Celery) -> bool:
+    """Whether ``app``'s tasks are throttled: ``app.conf.throttle_enabled`` (Django:
+    ``CELERY_THROTTLE_ENABLED`` through ``config_from_object(..., namespace="CELERY")``),
+    else the environment's ``THROTTLE_ENABLED``; on unless one of them says ``False``,
+    ``0``, ``false``, ``no`` or ``off``. Off, tasks run unthrottled and nothing reaches
+    Redis: no limiter is built, the worker's steps do nothing."""
+    value = app.conf.get("throttle_enabled")
+    if value is None:
+        value = os.environ.get("THROTTLE_ENABLED")
+        if value is None:
+            return True
+    if isinstance(value, str):
+        return value.strip().lower() not in _OFF
+    return bool(value)
+
 
 def declared_by(task: Task) -> Declared | None:
     """The limits a task declares: ``@throttled`` on its function, or the ``throttle``
@@ -78,7 +100,9 @@ class Throttler:
         self.releasing = any(
             getattr(step, "label", None) == RELEASER_STEP for step in app.steps["worker"]
         )
-        if not self.releasing:
+        self.in_memory = getattr(limiter, "server", None) is not None
+        """The limiter is the in-memory one (``memory://``, :mod:`throttle.testing`)."""
+        if not self.releasing and not self.in_memory:
             logger.warning(
                 "throttle: install(app) was not called: long waits stay ETA messages in "
                 "workers instead of being parked in Redis"
@@ -111,7 +135,10 @@ class Throttler:
         :mod:`throttle.redis.urls`). A malformed URL raises :class:`ConfigError` showing it
         without its password. Keep a password out of ``app.conf`` (use the environment or
         the limits file): ``celery inspect conf`` and ``celery report`` censor only keys
-        that look secret, and ``throttle_redis_url`` does not."""
+        that look secret, and ``throttle_redis_url`` does not.
+
+        ``memory://`` (:data:`MEMORY_URL`) builds the in-memory limiter of eager tests
+        (:class:`throttle.testing.MemoryLimiter`): no Redis, this process only."""
         config = ThrottleConfig.from_source(app.conf.get("throttle_config"))
         url = (
             app.conf.get("throttle_redis_url")
@@ -128,6 +155,13 @@ class Throttler:
                 "in the limits file or THROTTLE_REDIS_URL",
                 field="redis_url", source=config.source,
             )  # fmt: skip
+        if url.startswith(MEMORY_URL):
+            from throttle.memory import MemoryLimiter  # noqa: PLC0415 (tests only)
+
+            settings = config.settings
+            return cls(
+                app, config, MemoryLimiter(prefix=settings.prefix, namespace=settings.namespace)
+            )
         try:
             limiter = Limiter.from_url(
                 url, prefix=config.settings.prefix, namespace=config.settings.namespace

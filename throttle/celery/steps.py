@@ -28,8 +28,8 @@ from throttle.celery.message import LANE_SUFFIX
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.routing import lane_queue
-from throttle.celery.runtime import RELEASER_STEP, Throttler
-from throttle.errors import BackendError
+from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
+from throttle.errors import BackendError, ConfigError
 from throttle.redis.clock import record_clock
 
 CLOCK_WARN_S = 0.5
@@ -54,7 +54,18 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # throttle.celery.outage.OutageWatch).
         os.environ[WORKER_ENV] = str(os.getpid())
         os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
+        self.hostname = worker.hostname
+        self.releaser: Releaser | None = None
+        if not throttling_enabled(self.app):
+            logger.info("throttle: throttling is off (throttle_enabled): tasks run unthrottled")
+            return
         throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
+        if throttler.in_memory:
+            raise ConfigError(
+                "the in-memory limiter serves one process (eager tests): a worker's pool "
+                "would count each child apart; give the worker a Redis",
+                field="redis_url", value=MEMORY_URL, source=throttler.config.source,
+            )  # fmt: skip
         throttler.validate()
         if throttler.watch.file is not None:
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
@@ -63,10 +74,10 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
             check_clock(throttler, worker.hostname)
         except BackendError as exc:  # a worker starts while Redis is down: it may
             throttler.outage(exc)
-        self.hostname = worker.hostname
-        self.releaser: Releaser | None = None
 
     def start(self, worker: Any) -> None:
+        if not throttling_enabled(self.app):
+            return
         self.releaser = Releaser(self.app, worker=self.hostname)
         self.releaser.start()
 
@@ -105,7 +116,7 @@ class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, consumer: Any) -> None:
-        if not Throttler.of(consumer.app).settings.lanes:
+        if not throttling_enabled(consumer.app) or not Throttler.of(consumer.app).settings.lanes:
             return
         for queue in list(consumer.task_consumer.queues):
             if not queue.name.endswith(LANE_SUFFIX):
@@ -133,6 +144,8 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.server: Any = None
         self.port: int | None = None
         self.directory: Path | None = None
+        if not throttling_enabled(self.app):
+            return
         throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
         if not throttler.settings.metrics:
             return

@@ -24,7 +24,7 @@ from throttle.celery.execution import (
 )
 from throttle.celery.gate import Gate, deadline_of
 from throttle.celery.reschedule import defer, time_out
-from throttle.celery.runtime import Throttler
+from throttle.celery.runtime import Throttler, throttling_enabled
 from throttle.celery.settle import settle
 from throttle.decision import Decision, LimitState
 from throttle.errors import ConfigError, Throttled
@@ -44,6 +44,8 @@ def run(
     kwargs: dict[str, Any],
 ) -> Any:
     """One execution of ``task``: the gate, then ``call()`` (the body), then the settle."""
+    if not throttling_enabled(task.app):
+        return call()  # switched off (tests): no limiter, no ticket
     gate = Gate(task, declared, fn, args, kwargs)
     ticket = gate.enter()
     if ticket is None:

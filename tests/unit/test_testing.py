@@ -1,0 +1,198 @@
+"""Users' own tests: eager tasks on the in-memory limiter, and throttling switched off.
+
+No redis-server: every Redis URL points at a closed port, and any connection attempt fails
+the test. Times are judged on the limiter's clock (slot_time, the memory server's clock).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import redis
+from celery import Celery
+
+from throttle import ConfigError, Limit, ThrottleTimeout
+from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
+from throttle.celery.outage import POOL_ENV, WORKER_ENV
+from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep
+from throttle.testing import MemoryLimiter, memory_limiter, reset, use_memory
+
+LIMITS = {
+    "five": {"algorithm": "gcra", "rate": "5/s", "burst": 1},
+    "hourly": {"algorithm": "gcra", "rate": "1/h", "burst": 1, "max_wait": "1s"},
+    "budget": {"rate": "1000/d", "key": "{tenant}", "cost": "estimate"},
+    "single": {"algorithm": "concurrency", "rate": "1 concurrent"},
+}
+
+
+@pytest.fixture
+def closed_url() -> str:
+    """A Redis URL nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(autouse=True)
+def no_redis(monkeypatch: pytest.MonkeyPatch, closed_url: str) -> list[Any]:
+    """Any Redis connection attempt is recorded and fails; THROTTLE_REDIS_URL is closed."""
+    attempts: list[Any] = []
+
+    def connect(self: Any) -> None:
+        attempts.append(self)
+        raise AssertionError("a Redis connection was attempted")
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "connect", connect)
+    monkeypatch.setenv("THROTTLE_REDIS_URL", closed_url)
+    monkeypatch.delenv("THROTTLE_ENABLED", raising=False)
+    monkeypatch.setenv(WORKER_ENV, "")  # the worker steps write these: restored after
+    monkeypatch.setenv(POOL_ENV, "")
+    return attempts
+
+
+class DjangoTestSettings:
+    """What a Django project's test settings say (read with namespace="CELERY")."""
+
+    CELERY_TASK_ALWAYS_EAGER = True
+    CELERY_THROTTLE_REDIS_URL = "memory://"
+    CELERY_THROTTLE_CONFIG: ClassVar[dict[str, Any]] = {"limits": LIMITS}
+
+
+@pytest.fixture
+def app(closed_url: str, no_redis: list[Any]) -> Iterator[Celery]:
+    app = Celery("memory", set_as_current=False, task_cls=ThrottledTask)
+    app.config_from_object(DjangoTestSettings, namespace="CELERY")
+    app.conf.broker_url = closed_url
+    yield app
+    assert no_redis == []
+
+
+def test_eager_tasks_wait_for_their_slots_on_the_memory_limiter(app: Celery) -> None:
+    # Given a 5/s burst-1 limit on the in-memory limiter
+    @app.task(shared=False)
+    @throttled("five")
+    def ping(x: int) -> float | None:
+        return slot_time()
+
+    # When four eager tasks run back to back
+    slots: list[float] = [ping.delay(i).get() for i in range(4)]
+
+    # Then each ran on its own slot, 0.2 s apart on the limiter's clock
+    assert all(slot is not None for slot in slots)
+    gaps = [b - a for a, b in itertools.pairwise(slots)]
+    assert all(gap >= 0.2 - 1e-3 for gap in gaps), gaps
+    assert isinstance(memory_limiter(app), MemoryLimiter)
+
+
+def test_a_deadline_raises_throttle_timeout(app: Celery) -> None:
+    @app.task(shared=False)
+    @throttled("hourly")
+    def once(x: int) -> int:
+        return x
+
+    assert once.delay(1).get() == 1
+    with pytest.raises(ThrottleTimeout, match="hourly would admit the task in"):
+        once.delay(2).get()
+
+
+def test_reported_costs_settle_and_concurrency_units_come_back(app: Celery) -> None:
+    limiter = use_memory(app)
+    clock = limiter.server.clock_us
+    budget = Limit.parse("1000/d", name="budget")
+
+    @app.task(shared=False)
+    @throttled("budget")
+    def call(tenant: str, estimate: int, used: int) -> None:
+        report_cost(used)
+
+    started = clock()
+    call.delay("acme", 300, 120).get()
+    remaining = limiter.peek(budget, "acme").remaining
+    refilled = (clock() - started) / 1e6 * 1000 / 86400  # on the limiter's clock
+    assert 880 - 1e-6 <= remaining <= 880 + refilled + 1e-6
+
+    single = Limit.parse("1 concurrent", name="single")
+
+    @app.task(shared=False)
+    @throttled("single")
+    def inside() -> float:
+        return limiter.peek(single).remaining
+
+    assert inside.delay().get() == 0  # the task held the one unit while it ran
+    assert limiter.peek(single).remaining == 1  # and gave it back when it returned
+
+    # reset(): a new test starts with full buckets
+    reset(app)
+    assert memory_limiter(app).peek(budget, "acme").remaining == 1000
+
+
+def test_a_hold_on_the_memory_limiter_holds_eager_tasks(app: Celery) -> None:
+    @app.task(shared=False)
+    @throttled("hourly")
+    def once(x: int) -> int:
+        return x
+
+    memory_limiter(app).hold("hourly", None, 3600)
+    with pytest.raises(ThrottleTimeout):
+        once.delay(1).get()
+    assert memory_limiter(app).holds() == {("hourly", None): pytest.approx(3600, abs=1)}
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        pytest.param({"throttle_enabled": False}, id="app.conf"),
+        pytest.param({"CELERY_THROTTLE_ENABLED": False}, id="django-settings"),
+        pytest.param({"env": "0"}, id="THROTTLE_ENABLED=0"),
+    ],
+)
+def test_switched_off_tasks_run_unthrottled_without_redis(
+    switch: dict[str, Any], closed_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = Celery("off", set_as_current=False, task_cls=ThrottledTask)
+    settings: dict[str, Any] = {
+        "CELERY_TASK_ALWAYS_EAGER": True,
+        "CELERY_THROTTLE_REDIS_URL": closed_url,
+        "CELERY_THROTTLE_CONFIG": {"limits": LIMITS},
+    }
+    if "env" in switch:
+        monkeypatch.setenv("THROTTLE_ENABLED", switch["env"])
+    elif "CELERY_THROTTLE_ENABLED" in switch:
+        settings.update(switch)
+    app.config_from_object(SimpleNamespace(**settings), namespace="CELERY")
+    if "throttle_enabled" in switch:
+        app.conf.update(switch)
+    install(app)
+
+    @app.task(shared=False)
+    @throttled("hourly")
+    def once(x: int) -> tuple[int, float | None]:
+        report_cost(3)  # nothing to settle: a no-op
+        return x, slot_time()
+
+    # Ten calls of a 1/h limit with max_wait 1 s: all run, none has a slot
+    assert [once.delay(i).get() for i in range(10)] == [(i, None) for i in range(10)]
+    assert getattr(app, "_throttler", None) is None  # no limiter was built
+
+    # The worker's steps start and stop without Redis
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=2)
+    step = ThrottleStep(worker)
+    step.start(worker)
+    assert step.releaser is None
+    step.stop(worker)
+    LaneStep(SimpleNamespace(app=app)).start(SimpleNamespace(app=app))
+    metrics = MetricsStep(worker)
+    metrics.start(worker)
+    assert metrics.server is None
+    assert getattr(app, "_throttler", None) is None
+
+
+def test_a_worker_refuses_the_memory_limiter(app: Celery) -> None:
+    with pytest.raises(ConfigError, match="serves one process"):
+        ThrottleStep(SimpleNamespace(app=app, hostname="w@test", concurrency=2))
