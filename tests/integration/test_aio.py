@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -297,6 +298,7 @@ def test_a_refused_call_is_a_backend_error(
 
 
 def test_scripts_come_back_after_a_flush(private_redis: RedisServer) -> None:
+    # On a server of our own (SCRIPT FLUSH), under a prefix no other test of it uses.
     limit = Limit.parse("10/s", name="api")
 
     async def body(limiter: Limiter) -> None:
@@ -305,7 +307,7 @@ def test_scripts_come_back_after_a_flush(private_redis: RedisServer) -> None:
         assert (await limiter.acquire(limit)).allowed
         assert (await limiter.acquire_many([(limit, "a"), (limit, "b")])).allowed
 
-    run(private_redis.url, "flush", body)
+    run(private_redis.url, f"aio-flush-{uuid.uuid4().hex[:8]}", body)
 
 
 def test_from_url_refuses_what_it_does_not_support() -> None:

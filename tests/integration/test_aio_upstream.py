@@ -93,6 +93,7 @@ def test_retry_raises_throttled_with_the_hold_after_placing_it(
             with pytest.raises(Throttled) as info:
                 await http.get("https://api.test/a")
             assert info.value.retry_after_s == 3.0
+            assert info.value.denied_by == ("api",)
             # A 503 without Retry-After or a spent quota is not a refusal for the rate.
             assert (await http.get("https://api.test/b")).status_code == 503
         assert await limiter.holds() == {("api", "acct-1"): pytest.approx(3.0)}

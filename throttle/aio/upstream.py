@@ -100,7 +100,8 @@ def upstream_hook(
     or spent quota, and follows a slower stated policy.
 
     With ``retry=True`` a refused call (429; 403 or 503 with ``Retry-After`` or a spent
-    quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s``, out of
+    quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the
+    limit's name as ``denied_by``), out of
     the ``await client.get(...)``, after the hold is placed (the response is read and
     closed first): catch it to come back later. Without it, the response is returned as
     usual. Redis errors propagate (:class:`~throttle.BackendError`): unlike the Celery
@@ -112,6 +113,6 @@ def upstream_hook(
         signal = await apply_upstream(limiter, response, limit, key, rates=rates)
         if retry and signal is not None and signal.refused:
             await _release(response)
-            raise Throttled(signal.hold_s)
+            raise Throttled(signal.hold_s, [limit.name])
 
     return hook
