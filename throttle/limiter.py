@@ -224,7 +224,7 @@ class RequestBuilder(Generic[_S]):
         if self._clock_us is not None:
             args[0] = self._clock_us()
         # What settle needs: the state keys and the lease record, without the holds.
-        decode = functools.partial(_acquire_decision, pairs, costs, acquisition_id, tuple(keys[1:]))
+        decode = functools.partial(acquire_decision, pairs, costs, acquisition_id, tuple(keys[1:]))
         return self._scripts_for(codes)[0], keys, args, decode
 
     def _settle_request(
@@ -505,17 +505,6 @@ class Limiter(RequestBuilder[Script]):
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
         """One script call through :func:`run_script` (the one place bench/core.py taps)."""
         return run_script(self.client, script, keys, args)
-
-
-def _acquire_decision(
-    pairs: list[tuple[Limit, str | None]],
-    costs: list[float],
-    acquisition_id: str | None,
-    own_keys: tuple[str, ...],
-    raw: bytes,
-) -> Decision:
-    """:func:`acquire_decision`, with the reply last (the decoder of :meth:`_many_request`)."""
-    return acquire_decision(raw, pairs, costs, acquisition_id, own_keys)
 
 
 def _held_s(raw: Any) -> float:

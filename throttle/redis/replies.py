@@ -113,14 +113,15 @@ def one_limit_decision(limit: Limit, cost: float, raw: bytes) -> Decision:
 
 
 def acquire_decision(
-    raw: bytes,
     pairs: Sequence[tuple[Limit, str | None]],
     costs: Sequence[float],
     acquisition_id: str | None,
     own_keys: tuple[str, ...],
+    raw: bytes,
 ) -> Decision:
-    """The Decision of a reply of ``lua/acquire.lua`` on the targets ``pairs`` (their
-    ``costs``; ``own_keys``: the state keys and lease record an Acquisition settles).
+    """The Decision of a reply ``raw`` of ``lua/acquire.lua`` on the targets ``pairs`` (their
+    ``costs``; ``own_keys``: the state keys and lease record an Acquisition settles). The
+    reply comes last, so that a limiter binds the rest before the call.
 
     Raises :class:`CostExceedsCapacity` for OVER_CAPACITY, :class:`RequestError` for
     OTHER_LEASE."""
