@@ -33,10 +33,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from redis.commands.core import Script
 
@@ -57,7 +58,7 @@ from throttle.redis.wire import HOLD_FOREVER_US, limit_args
 from throttle.spec import Limit
 from throttle.units import real
 
-__all__ = ["DEFAULT_LEASE_S", "MAX_DURATION_S", "Limiter"]
+__all__ = ["DEFAULT_LEASE_S", "MAX_DURATION_S", "Limiter", "Request", "RequestBuilder"]
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
@@ -97,7 +98,231 @@ def _options(cost: object, max_wait_s: object, lease_s: object) -> tuple[float, 
     return checked_cost, max_wait_us, lease
 
 
-class Limiter:
+_S = TypeVar("_S")
+"""A registered script: redis-py's ``Script`` here, its ``AsyncScript`` in :mod:`throttle.aio`."""
+_R = TypeVar("_R")
+
+Request: TypeAlias = tuple[_S, Sequence[str], list[Any], Callable[[Any], _R]]
+"""One script call, built and not yet sent: (script, keys, args, the decoder of its reply)."""
+
+
+class RequestBuilder(Generic[_S]):
+    """The pure part of a limiter, shared by :class:`Limiter` and :class:`throttle.aio.Limiter`:
+    it checks a call's arguments, names its keys, builds its script arguments and picks the
+    script; the decoders of :mod:`throttle.redis.replies` read the reply. A subclass only
+    sends the call (one round trip, blocking or awaited), so the two limiters cannot drift.
+
+    Each ``_..._request`` method returns a :data:`Request` (the hot one-limit acquire: the
+    script, keys and args alone, decoded with :func:`one_limit_decision`) or raises
+    :class:`RequestError` before anything is sent.
+    """
+
+    def __init__(
+        self,
+        register: Callable[[str], _S],
+        prefix: str,
+        namespace: str,
+        clock_us: Callable[[], int] | None,
+    ) -> None:
+        self.keyspace = KeySpace(prefix, namespace)
+        self._clock_us = clock_us
+        # Registering computes the SHA locally; the script reaches Redis on its first NOSCRIPT.
+        self._register = register
+        # One (acquire, settle) pair per set of algorithm codes.
+        self._scripts: dict[frozenset[str], tuple[_S, _S]] = {}
+        # The one-limit acquire script (lua/acquire_one.lua) of each algorithm code.
+        self._one: dict[str, _S] = {}
+        self._peek: dict[str, _S] = {}
+        self._hold_script: _S | None = None
+        self._holds_script: _S | None = None
+
+    def _one_request(
+        self,
+        limit: Limit,
+        key: str | None,
+        cost: float,
+        max_wait_s: float,
+        acquisition_id: str | None,
+        lease_s: float,
+    ) -> tuple[_S, Sequence[str], list[Any]] | None:
+        """The call of lua/acquire_one.lua for an acquire of one limit, or None when the
+        acquire needs lua/acquire.lua (an acquisition id, a concurrency limit, not a Limit):
+        then :meth:`_many_request` of the one target."""
+        if acquisition_id is not None or type(limit) is not Limit or limit.code == "conc":
+            return None
+        # The same checks in the same order as _many_request; written out here, because
+        # every Python call on this path shows in the latency.
+        if (
+            type(cost) is float
+            and 0.0 <= cost < _INF
+            and max_wait_s is _NO_WAIT
+            and lease_s is DEFAULT_LEASE_S
+        ):
+            max_wait_us = 0
+        else:
+            cost, max_wait_us, _ = _options(cost, max_wait_s, lease_s)
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        if cost > limit.capacity:
+            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+        script = self._one.get(limit.code)
+        if script is None:
+            script = self._one[limit.code] = self._register(
+                script_source(ONE_LIMIT_OPERATION, limit.codes)
+            )
+        _, count, period_us, burst = limit_args(limit)
+        clock = self._clock_us
+        keys, whole, own = self.keyspace.one_limit(limit, key)
+        args = [
+            b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
+            whole, own,
+        ]  # fmt: skip
+        return script, keys, args
+
+    def _many_request(
+        self,
+        targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]],
+        cost: float,
+        max_wait_s: float,
+        acquisition_id: str | None,
+        lease_s: float,
+    ) -> Request[_S, Decision]:
+        """The call of an acquire of several targets (see :meth:`Limiter.acquire_many`)."""
+        n = len(targets)
+        checked = _options(cost, max_wait_s, lease_s)
+        if not targets:
+            raise RequestError("acquire needs at least one limit")
+        cost, max_wait_us, lease_s = checked
+        if n == 1 and acquisition_id is None:
+            # The common call: lua/acquire_one.lua (the options are checked already, and
+            # cost is a plain float now, so _one_request's checks pass at once).
+            target = targets[0]
+            limit = target[0]
+            if type(limit) is Limit and limit.code != "conc":
+                own = cost
+                if len(target) == 3:
+                    own = _number(target[2], f"cost of limit {limit.name!r}")
+                one = self._one_request(limit, target[1], own, max_wait_s, None, lease_s)
+                if one is not None:
+                    return (*one, functools.partial(one_limit_decision, limit, own))
+        keyspace = self.keyspace
+        keys: list[str] = [keyspace.holds_key()]
+        args: list[Any] = [b"", max_wait_us, n]
+        pairs, costs, fields = _encode_targets(keyspace, targets, cost, keys, args)
+        if n > 1 and len(set(keys)) != len(keys):
+            raise RequestError("the same limit and key appear twice in one acquisition")
+        codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
+        if acquisition_id is None and "conc" in codes:
+            acquisition_id = uuid.uuid4().hex  # a concurrency holder needs a name
+        if acquisition_id is not None:
+            if type(acquisition_id) is not str or not acquisition_id:
+                raise RequestError(
+                    f"acquisition_id must be a non-empty string (got {acquisition_id!r})"
+                )
+            keys.append(keyspace.lease_key(acquisition_id))
+        args.extend((acquisition_id or b"", max(round(lease_s * 1e6), 1), *fields))
+        if self._clock_us is not None:
+            args[0] = self._clock_us()
+        # What settle needs: the state keys and the lease record, without the holds.
+        decode = functools.partial(acquire_decision, pairs, costs, acquisition_id, tuple(keys[1:]))
+        return self._scripts_for(codes)[0], keys, args, decode
+
+    def _settle_request(
+        self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
+    ) -> Request[_S, Settlement]:
+        """The call of a settle (see :meth:`Limiter.settle`)."""
+        if not isinstance(acquisition, Acquisition):
+            raise RequestError(
+                f"settle needs the Acquisition of an allowed, recorded decision "
+                f"(got {acquisition!r})"
+            )
+        n = len(acquisition.targets)
+        actuals: Sequence[float | None]
+        if actual_cost is None or not isinstance(actual_cost, Sequence):
+            actuals = (actual_cost,) * n
+        else:
+            actuals = actual_cost
+            if len(actuals) != n:
+                raise RequestError(
+                    f"settle got {len(actuals)} actual costs for {n} limits: give one number, "
+                    "or one per limit"
+                )
+        args: list[Any] = [b"", acquisition.id, n]
+        for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
+            args.extend(limit_args(limit))
+            args.append(b"" if actual is None else _number(actual, "actual_cost"))
+        if self._clock_us is not None:
+            args[0] = self._clock_us()
+        codes = frozenset(limit.code for limit, _ in acquisition.targets)
+        return self._scripts_for(codes)[1], list(acquisition.keys), args, settlement
+
+    def _peek_request(self, limit: Limit, key: str | None, cost: float) -> Request[_S, LimitState]:
+        """The call of a peek (see :meth:`Limiter.peek`)."""
+        if not isinstance(limit, Limit):
+            raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        asked = min(_number(cost, "cost"), limit.capacity)
+        keyspace = self.keyspace
+        keys = [keyspace.holds_key(), *keyspace.state_keys(limit, key)]
+        args: list[Any] = [b"", 0, 1, *limit_args(limit), repr(asked), b"", 1]
+        args.extend(keyspace.hold_fields(limit.name, key))
+        if self._clock_us is not None:
+            args[0] = self._clock_us()
+        script = self._peek.get(limit.code)
+        if script is None:
+            script = self._peek[limit.code] = self._register(script_source("peek", limit.codes))
+        return script, keys, args, functools.partial(peek_state, limit.name)
+
+    def _hold_request(
+        self, limit: Limit | str, key: str | None, seconds: float | None
+    ) -> Request[_S, float]:
+        """The call of a hold (see :meth:`Limiter.hold`): its decoder gives the seconds the
+        hold now lasts."""
+        if seconds is None:
+            for_us = HOLD_FOREVER_US
+        else:
+            for_us = max(round(_number(seconds, "seconds", most=MAX_DURATION_S) * 1e6), 1)
+        return (*self._hold_call(limit, key, for_us), _held_s)
+
+    def _unhold_request(self, limit: Limit | str, key: str | None) -> Request[_S, None]:
+        """The call of an unhold (see :meth:`Limiter.unhold`)."""
+        return (*self._hold_call(limit, key, b""), _nothing)
+
+    def _hold_call(
+        self, limit: Limit | str, key: str | None, for_us: int | bytes
+    ) -> tuple[_S, Sequence[str], list[Any]]:
+        name = limit.name if isinstance(limit, Limit) else limit
+        if type(name) is not str or not name:
+            raise RequestError(f"hold needs a limit or a limit's name (got {limit!r})")
+        if key is not None and (type(key) is not str or not key):
+            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+        whole, own = self.keyspace.hold_fields(name, key)
+        if self._hold_script is None:
+            self._hold_script = self._register(operation_source("hold"))
+        now = b"" if self._clock_us is None else self._clock_us()
+        return self._hold_script, [self.keyspace.holds_key()], [now, own or whole, for_us]
+
+    def _holds_request(self) -> Request[_S, dict[tuple[str, str | None], float]]:
+        """The call of :meth:`Limiter.holds`."""
+        if self._holds_script is None:
+            self._holds_script = self._register(operation_source("holds"))
+        now = b"" if self._clock_us is None else self._clock_us()
+        return self._holds_script, [self.keyspace.holds_key()], [now], holds
+
+    def _scripts_for(self, codes: frozenset[str]) -> tuple[_S, _S]:
+        scripts = self._scripts.get(codes)
+        if scripts is None:
+            register = self._register
+            scripts = (
+                register(script_source("acquire", codes)),
+                register(script_source("settle", codes)),
+            )
+            self._scripts[codes] = scripts
+        return scripts
+
+
+class Limiter(RequestBuilder[Script]):
     """Acquires and settles tokens of limits kept in Redis.
 
     Parameters
@@ -113,6 +338,9 @@ class Limiter:
         Tests only: a callable returning "now" in microseconds, sent to the scripts
         instead of letting them read Redis ``TIME``. Production code never sets it, so
         the only clock is the Redis server's and worker clocks never enter the math.
+
+    For asyncio code (``redis.asyncio``), :class:`throttle.aio.Limiter` has the same
+    methods, awaited, and builds the same calls (:class:`RequestBuilder`).
     """
 
     def __init__(
@@ -123,17 +351,8 @@ class Limiter:
         namespace: str = "default",
         clock_us: Callable[[], int] | None = None,
     ) -> None:
+        super().__init__(client.register_script, prefix, namespace, clock_us)
         self.client = client
-        self.keyspace = KeySpace(prefix, namespace)
-        self._clock_us = clock_us
-        # One (acquire, settle) pair per set of algorithm codes; registering computes the
-        # SHA locally, the script reaches Redis on its first NOSCRIPT.
-        self._scripts: dict[frozenset[str], tuple[Script, Script]] = {}
-        # The one-limit acquire script (lua/acquire_one.lua) of each algorithm code.
-        self._one: dict[str, Script] = {}
-        self._peek: dict[str, Script] = {}
-        self._hold_script: Script | None = None
-        self._holds_script: Script | None = None
 
     @classmethod
     def from_url(
@@ -164,7 +383,8 @@ class Limiter:
         lease_s: float = DEFAULT_LEASE_S,
     ) -> Decision:
         """Take ``cost`` tokens from one limit for ``key``; see :meth:`acquire_many`."""
-        if acquisition_id is not None or type(limit) is not Limit or limit.code == "conc":
+        one = self._one_request(limit, key, cost, max_wait_s, acquisition_id, lease_s)
+        if one is None:
             return self.acquire_many(
                 ((limit, key),),
                 cost=cost,
@@ -172,39 +392,9 @@ class Limiter:
                 acquisition_id=acquisition_id,
                 lease_s=lease_s,
             )
-        # The common call, one limit and nothing to record, runs lua/acquire_one.lua. The
-        # same checks in the same order as acquire_many; written out here, because every
-        # Python call on this path shows in the latency.
-        if (
-            type(cost) is float
-            and 0.0 <= cost < _INF
-            and max_wait_s is _NO_WAIT
-            and lease_s is DEFAULT_LEASE_S
-        ):
-            max_wait_us = 0
-        else:
-            cost, max_wait_us, _ = _options(cost, max_wait_s, lease_s)
-        if key is not None and (type(key) is not str or not key):
-            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-        if cost > limit.capacity:
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        script = self._one.get(limit.code)
-        if script is None:
-            script = self._one[limit.code] = self.client.register_script(
-                script_source(ONE_LIMIT_OPERATION, limit.codes)
-            )
-        _, count, period_us, burst = limit_args(limit)
-        clock = self._clock_us
-        keys, whole, own = self.keyspace.one_limit(limit, key)
-        args = [
-            b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
-            whole, own,
-        ]  # fmt: skip
-        decision = one_limit_decision(limit.name, self._call(script, keys, args))
-        if decision is None:
-            # The script re-checks capacity; the check above normally fires first.
-            raise CostExceedsCapacity(limit.name, cost, limit.capacity)
-        return decision
+        # The common call, one limit and nothing to record: lua/acquire_one.lua.
+        script, keys, args = one
+        return one_limit_decision(limit, cost, self._call(script, keys, args))
 
     def acquire_many(
         self,
@@ -249,45 +439,10 @@ class Limiter:
         BackendUnavailable, BackendError
             When Redis cannot be reached or answers with an error.
         """
-        n = len(targets)
-        checked = _options(cost, max_wait_s, lease_s)
-        if not targets:
-            raise RequestError("acquire needs at least one limit")
-        cost, max_wait_us, lease_s = checked
-        if n == 1 and acquisition_id is None:
-            # The common call: lua/acquire_one.lua, through acquire (the options are checked
-            # already, and cost is a plain float now, so acquire's checks pass at once).
-            target = targets[0]
-            limit = target[0]
-            if type(limit) is Limit and limit.code != "conc":
-                if len(target) == 3:
-                    own = _number(target[2], f"cost of limit {limit.name!r}")
-                    return self.acquire(
-                        limit, target[1], cost=own, max_wait_s=max_wait_s, lease_s=lease_s
-                    )
-                _, key = target
-                return self.acquire(limit, key, cost=cost, max_wait_s=max_wait_s, lease_s=lease_s)
-        keyspace = self.keyspace
-        keys: list[str] = [keyspace.holds_key()]
-        args: list[Any] = [b"", max_wait_us, n]
-        pairs, costs, fields = _encode_targets(keyspace, targets, cost, keys, args)
-        if n > 1 and len(set(keys)) != len(keys):
-            raise RequestError("the same limit and key appear twice in one acquisition")
-        codes = pairs[0][0].codes if n == 1 else frozenset(lim.code for lim, _ in pairs)
-        if acquisition_id is None and "conc" in codes:
-            acquisition_id = uuid.uuid4().hex  # a concurrency holder needs a name
-        if acquisition_id is not None:
-            if type(acquisition_id) is not str or not acquisition_id:
-                raise RequestError(
-                    f"acquisition_id must be a non-empty string (got {acquisition_id!r})"
-                )
-            keys.append(keyspace.lease_key(acquisition_id))
-        args.extend((acquisition_id or b"", max(round(lease_s * 1e6), 1), *fields))
-        if self._clock_us is not None:
-            args[0] = self._clock_us()
-        raw = self._call(self._scripts_for(codes)[0], keys, args)
-        # What settle needs: the state keys and the lease record, without the holds.
-        return acquire_decision(raw, pairs, costs, acquisition_id, tuple(keys[1:]))
+        script, keys, args, decode = self._many_request(
+            targets, cost, max_wait_s, acquisition_id, lease_s
+        )
+        return decode(self._call(script, keys, args))
 
     def settle(
         self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
@@ -302,30 +457,8 @@ class Limiter:
         callers wait for it). Settling twice, or an acquisition whose record expired,
         changes nothing and says so in :attr:`Settlement.status`.
         """
-        if not isinstance(acquisition, Acquisition):
-            raise RequestError(
-                f"settle needs the Acquisition of an allowed, recorded decision "
-                f"(got {acquisition!r})"
-            )
-        n = len(acquisition.targets)
-        actuals: Sequence[float | None]
-        if actual_cost is None or not isinstance(actual_cost, Sequence):
-            actuals = (actual_cost,) * n
-        else:
-            actuals = actual_cost
-            if len(actuals) != n:
-                raise RequestError(
-                    f"settle got {len(actuals)} actual costs for {n} limits: give one number, "
-                    "or one per limit"
-                )
-        args: list[Any] = [b"", acquisition.id, n]
-        for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
-            args.extend(limit_args(limit))
-            args.append(b"" if actual is None else _number(actual, "actual_cost"))
-        if self._clock_us is not None:
-            args[0] = self._clock_us()
-        codes = frozenset(limit.code for limit, _ in acquisition.targets)
-        return settlement(self._call(self._scripts_for(codes)[1], list(acquisition.keys), args))
+        script, keys, args, decode = self._settle_request(acquisition, actual_cost)
+        return decode(self._call(script, keys, args))
 
     def release(self, acquisition: Acquisition) -> Settlement:
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
@@ -336,23 +469,8 @@ class Limiter:
         tokens now (units, for concurrency), ``retry_after_s`` until such a call could pass
         (the next free slot; ``inf`` while the limit is paused), ``reset_after_s`` until
         full. For status displays and gauges: one round trip, like an acquire."""
-        if not isinstance(limit, Limit):
-            raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
-        if key is not None and (type(key) is not str or not key):
-            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-        asked = min(_number(cost, "cost"), limit.capacity)
-        keyspace = self.keyspace
-        keys = [keyspace.holds_key(), *keyspace.state_keys(limit, key)]
-        args: list[Any] = [b"", 0, 1, *limit_args(limit), repr(asked), b"", 1]
-        args.extend(keyspace.hold_fields(limit.name, key))
-        if self._clock_us is not None:
-            args[0] = self._clock_us()
-        script = self._peek.get(limit.code)
-        if script is None:
-            script = self._peek[limit.code] = self.client.register_script(
-                script_source("peek", limit.codes)
-            )
-        return peek_state(limit.name, self._call(script, keys, args))
+        script, keys, args, decode = self._peek_request(limit, key, cost)
+        return decode(self._call(script, keys, args))
 
     def hold(
         self, limit: Limit | str, key: str | None = None, seconds: float | None = None
@@ -367,15 +485,13 @@ class Limiter:
         acquired again with its id (what a throttled task does at its slot). Returns the
         seconds the hold now lasts (``inf`` for a pause).
         """
-        if seconds is None:
-            for_us = HOLD_FOREVER_US
-        else:
-            for_us = max(round(_number(seconds, "seconds", most=MAX_DURATION_S) * 1e6), 1)
-        return held_s(float(self._hold(limit, key, for_us)) / 1e6)
+        script, keys, args, decode = self._hold_request(limit, key, seconds)
+        return decode(self._call(script, keys, args))
 
     def unhold(self, limit: Limit | str, key: str | None = None) -> None:
         """Lift the hold (or pause) of ``limit`` (of its ``key``, when given)."""
-        self._hold(limit, key, b"")
+        script, keys, args, _ = self._unhold_request(limit, key)
+        self._call(script, keys, args)
 
     def holds(self) -> dict[tuple[str, str | None], float]:
         """The live holds of the namespace: (limit, key or None) -> seconds left (``inf``:
@@ -383,39 +499,21 @@ class Limiter:
 
         One script (lua/holds.lua), so that "now" is the clock of the Redis that keeps the
         holds: in a Redis Cluster, the master of the namespace's slot."""
-        if self._holds_script is None:
-            self._holds_script = self.client.register_script(operation_source("holds"))
-        now = b"" if self._clock_us is None else self._clock_us()
-        return holds(self._call(self._holds_script, [self.keyspace.holds_key()], [now]))
-
-    def _hold(self, limit: Limit | str, key: str | None, for_us: int | bytes) -> Any:
-        name = limit.name if isinstance(limit, Limit) else limit
-        if type(name) is not str or not name:
-            raise RequestError(f"hold needs a limit or a limit's name (got {limit!r})")
-        if key is not None and (type(key) is not str or not key):
-            raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-        whole, own = self.keyspace.hold_fields(name, key)
-        if self._hold_script is None:
-            self._hold_script = self.client.register_script(operation_source("hold"))
-        now = b"" if self._clock_us is None else self._clock_us()
-        return self._call(
-            self._hold_script, [self.keyspace.holds_key()], [now, own or whole, for_us]
-        )
-
-    def _scripts_for(self, codes: frozenset[str]) -> tuple[Script, Script]:
-        scripts = self._scripts.get(codes)
-        if scripts is None:
-            register = self.client.register_script
-            scripts = (
-                register(script_source("acquire", codes)),
-                register(script_source("settle", codes)),
-            )
-            self._scripts[codes] = scripts
-        return scripts
+        script, keys, args, decode = self._holds_request()
+        return decode(self._call(script, keys, args))
 
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
         """One script call through :func:`run_script` (the one place bench/core.py taps)."""
         return run_script(self.client, script, keys, args)
+
+
+def _held_s(raw: Any) -> float:
+    """The reply of lua/hold.lua (us the hold now lasts) in s, ``inf`` for a pause."""
+    return held_s(float(raw) / 1e6)
+
+
+def _nothing(raw: Any) -> None:
+    """The decoder of a call whose reply says nothing (unhold)."""
 
 
 def _encode_targets(

@@ -416,29 +416,62 @@ class _Target:
     per_call: bool  # charged one unit per call: its units are the upstream's requests
 
 
+def _plan(
+    signal: UpstreamSignal, targets: Sequence[_Target], rates: bool
+) -> list[tuple[_Target, str | None]]:
+    """What ``signal`` asks of each target: the target, and the rate spec to store for it
+    (None: none; always None without a rate book). Whether to hold is ``signal.hold_s``.
+    The pure part of :func:`_apply` and of its awaited twin in :mod:`throttle.aio`."""
+    plan: list[tuple[_Target, str | None]] = []
+    for target in targets:
+        spec = None
+        # One rate per limit for all its keys: a keyed limit's key speaks for itself only.
+        if rates and target.key is None and target.per_call:
+            spec = _lowered(target.current, target.configured, signal)
+        plan.append((target, spec))
+    return plan
+
+
+def _log_hold(signal: UpstreamSignal, target: _Target) -> None:
+    logger.info(
+        "throttle: upstream %s: holding %s%s for %.3f s",
+        signal.source, target.current.name, f" key {target.key!r}" if target.key else "",
+        signal.hold_s,
+    )  # fmt: skip
+
+
+def _log_rate(signal: UpstreamSignal, target: _Target, spec: str) -> None:
+    name = target.current.name
+    logger.warning(
+        "throttle: upstream states %s; rate of %s lowered from %g/s to %s "
+        "(RateBook.clear(%r) goes back)",
+        f"{_rate_text(signal.quota or 0)} per {_rate_text(signal.window_s or 0)} s",
+        name, target.current.rate_per_s, spec, name,
+    )  # fmt: skip
+
+
 def _apply(
     limiter: Limiter, rates: RateBook | None, signal: UpstreamSignal, targets: Sequence[_Target]
 ) -> None:
-    for target in targets:
-        name = target.current.name
+    for target, spec in _plan(signal, targets, rates is not None):
         if signal.hold_s > 0:
-            limiter.hold(name, target.key, signal.hold_s)
-            logger.info(
-                "throttle: upstream %s: holding %s%s for %.3f s",
-                signal.source, name, f" key {target.key!r}" if target.key else "", signal.hold_s,
-            )  # fmt: skip
-        # One rate per limit for all its keys: a keyed limit's key speaks for itself only.
-        if rates is None or target.key is not None or not target.per_call:
-            continue
-        spec = _lowered(target.current, target.configured, signal)
-        if spec is not None:
+            limiter.hold(target.current.name, target.key, signal.hold_s)
+            _log_hold(signal, target)
+        if rates is not None and spec is not None:
             rates.set(target.configured, spec)
-            logger.warning(
-                "throttle: upstream states %s; rate of %s lowered from %g/s to %s "
-                "(RateBook.clear(%r) goes back)",
-                f"{_rate_text(signal.quota or 0)} per {_rate_text(signal.window_s or 0)} s",
-                name, target.current.rate_per_s, spec, name,
-            )  # fmt: skip
+            _log_rate(signal, target, spec)
+
+
+def _expect_limit(limit: object) -> None:
+    """The limit argument of :func:`apply_upstream` (and of its twins) checked."""
+    if not isinstance(limit, Limit):
+        raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
+
+
+def _read_for(limit: Limit, response: Any, now: float | None) -> UpstreamSignal | None:
+    """:func:`read_response`, after checking the limit of :func:`apply_upstream`."""
+    _expect_limit(limit)
+    return read_response(response, now=now)
 
 
 def apply_upstream(
@@ -456,11 +489,10 @@ def apply_upstream(
     ``limit`` is the configured limit; ``rates`` the book the fleet reads (the rate is
     lowered only for a limit without key, and never raised: ``rates.clear(limit.name)``
     goes back to the configured rate). Returns what the response said (None: nothing).
-    Raises :class:`BackendError` when Redis fails.
+    Raises :class:`BackendError` when Redis fails. For asyncio code:
+    :func:`throttle.aio.apply_upstream`.
     """
-    if not isinstance(limit, Limit):
-        raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
-    signal = read_response(response, now=now)
+    signal = _read_for(limit, response, now)
     if signal is None:
         return None
     current = limit if rates is None else rates.current(limit)
@@ -564,7 +596,7 @@ def upstream_hook(*, limit: str | Limit | None = None, retry: bool = False) -> C
     With ``retry=True`` a refused call never returns to the task body: the task is
     re-published for after the hold (see :func:`report_upstream`). The hook returns None,
     which requests needs (a value would replace the response). For ``httpx.AsyncClient``
-    wrap it in ``async def``.
+    outside Celery: :func:`throttle.aio.upstream_hook`.
     """
 
     def hook(response: Any, *args: Any, **kwargs: Any) -> None:

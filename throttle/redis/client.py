@@ -4,16 +4,19 @@ Every call the package makes to Redis goes through :func:`run_script` (a Lua scr
 :func:`wrap_errors` (any other command), so that a driver error always surfaces as
 :class:`~throttle.errors.BackendUnavailable` (Redis cannot serve now) or
 :class:`~throttle.errors.BackendError` (Redis refused the call), never as redis-py's own.
+Their asyncio twins, for ``redis.asyncio`` (:mod:`throttle.aio`): :func:`run_script_async`,
+:func:`wrap_errors_async` and :func:`async_client_from_url`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar, cast
 
 import redis
+import redis.asyncio
 from redis.cluster import RedisCluster
-from redis.commands.core import Script
+from redis.commands.core import AsyncScript, Script
 from redis.exceptions import (
     ClusterDownError,
     NoScriptError,
@@ -21,10 +24,29 @@ from redis.exceptions import (
     SlotNotCoveredError,
 )
 
-from throttle.errors import BackendError, BackendUnavailable
-from throttle.redis.urls import cluster_client, is_cluster_url, is_sentinel_url, sentinel_client
+from throttle.errors import BackendError, BackendUnavailable, ConfigError
+from throttle.redis.urls import (
+    async_sentinel_client,
+    cluster_client,
+    is_cluster_url,
+    is_sentinel_url,
+    parse_sentinel_url,
+    redact,
+    sentinel_client,
+)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RedisClient", "client_from_url", "run_script", "wrap_errors"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RedisClient",
+    "async_client_from_url",
+    "client_from_url",
+    "run_script",
+    "run_script_async",
+    "wrap_errors",
+    "wrap_errors_async",
+]
+
+_T = TypeVar("_T")
 
 RedisClient: TypeAlias = redis.Redis | RedisCluster
 """The clients a limiter works with: one Redis server, or a Redis Cluster."""
@@ -88,5 +110,59 @@ def wrap_errors(call: Callable[[], Any]) -> Any:
     """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
     try:
         return call()
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+
+
+# -- asyncio (redis.asyncio) ---------------------------------------------------------------
+
+
+def async_client_from_url(url: str, **options: Any) -> redis.asyncio.Redis:
+    """A ``redis.asyncio`` client of the Redis at ``url``: :func:`client_from_url`'s twin,
+    with the same default timeouts and no connection opened here.
+
+    ``redis://``, ``rediss://`` and ``unix://`` name one server, ``redis+sentinel://`` a
+    master behind Sentinel (without TLS). A Redis Cluster URL and ``rediss+sentinel://``
+    raise :class:`ConfigError`: the asyncio limiter does not support them (use the
+    blocking :class:`throttle.Limiter` there)."""
+    options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
+    if is_cluster_url(url):
+        raise ConfigError(
+            "the asyncio limiter (throttle.aio) does not support a Redis Cluster: use "
+            "throttle.Limiter, or a redis:// URL",
+            field="redis_url",
+            value=redact(url),
+        )
+    if is_sentinel_url(url):
+        if parse_sentinel_url(url).master_options.get("ssl"):
+            raise ConfigError(
+                "the asyncio limiter (throttle.aio) does not support Sentinel over TLS "
+                "(rediss+sentinel://): use throttle.Limiter, or a rediss:// URL of the master",
+                field="redis_url",
+                value=redact(url),
+            )
+        return async_sentinel_client(url, **options)
+    return redis.asyncio.Redis.from_url(url, **options)
+
+
+async def run_script_async(
+    client: redis.asyncio.Redis, script: AsyncScript, keys: Sequence[str], args: list[Any]
+) -> Any:
+    """:func:`run_script` awaited: EVALSHA (reloaded by redis-py on NOSCRIPT), the source
+    sent if flushed again in between, driver errors wrapped."""
+    try:
+        try:
+            return await script(keys, args, client=client)
+        except NoScriptError:
+            return await client.eval(cast(str, script.script), len(keys), *keys, *args)
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+
+
+async def wrap_errors_async(call: Callable[[], Awaitable[_T]]) -> _T:
+    """Await a plain Redis command, driver errors wrapped as in :func:`run_script`."""
+    try:
+        return await call()
     except _REFUSED as exc:
         raise _wrapped(exc) from exc

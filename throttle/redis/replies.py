@@ -90,11 +90,14 @@ def _unpack_doubles(raw: bytes, count: int) -> tuple[float, ...]:
     return unpack(raw)
 
 
-def one_limit_decision(name: str, raw: bytes) -> Decision | None:
-    """The Decision of a reply of ``lua/acquire_one.lua`` on limit ``name``, or None for
-    its only other reply, OVER_CAPACITY (``'2 1'``)."""
+def one_limit_decision(limit: Limit, cost: float, raw: bytes) -> Decision:
+    """The Decision of a reply of ``lua/acquire_one.lua`` on ``limit`` for ``cost``.
+
+    Raises :class:`CostExceedsCapacity` for its only other reply, OVER_CAPACITY (``'2 1'``):
+    the script re-checks the capacity, the limiter's own check normally fires first."""
     if len(raw) != _ONE_REPLY_SIZE:
-        return None
+        raise CostExceedsCapacity(limit.name, cost, limit.capacity)
+    name = limit.name
     admitted, wait_us, retry_us, remaining, reset_us = _unpack_one(raw)
     allowed = admitted == 1.0
     retry_after_s = retry_us / 1e6
@@ -110,14 +113,15 @@ def one_limit_decision(name: str, raw: bytes) -> Decision | None:
 
 
 def acquire_decision(
-    raw: bytes,
     pairs: Sequence[tuple[Limit, str | None]],
     costs: Sequence[float],
     acquisition_id: str | None,
     own_keys: tuple[str, ...],
+    raw: bytes,
 ) -> Decision:
-    """The Decision of a reply of ``lua/acquire.lua`` on the targets ``pairs`` (their
-    ``costs``; ``own_keys``: the state keys and lease record an Acquisition settles).
+    """The Decision of a reply ``raw`` of ``lua/acquire.lua`` on the targets ``pairs`` (their
+    ``costs``; ``own_keys``: the state keys and lease record an Acquisition settles). The
+    reply comes last, so that a limiter binds the rest before the call.
 
     Raises :class:`CostExceedsCapacity` for OVER_CAPACITY, :class:`RequestError` for
     OTHER_LEASE."""

@@ -51,6 +51,8 @@ from typing import Any, cast
 from urllib.parse import quote, unquote
 
 import redis
+import redis.asyncio
+import redis.asyncio.sentinel
 from redis._parsers.encoders import Encoder
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
@@ -67,6 +69,7 @@ __all__ = [
     "LazyCluster",
     "SentinelURL",
     "acl_rules",
+    "async_sentinel_client",
     "cluster_client",
     "describe",
     "is_cluster_url",
@@ -224,6 +227,21 @@ def sentinel_client(url: str, **options: Any) -> redis.Redis:
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
         parsed.service, db=parsed.db
     )
+    return client
+
+
+def async_sentinel_client(url: str, **options: Any) -> redis.asyncio.Redis:
+    """:func:`sentinel_client`'s twin for ``redis.asyncio`` (:mod:`throttle.aio`): a
+    ``redis.asyncio.Redis`` on the master of a ``redis+sentinel://`` URL, looked up on its
+    first command."""
+    parsed = parse_sentinel_url(url)
+    shared = {name: value for name, value in options.items() if _SHARED.match(name)}
+    sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels),
+        sentinel_kwargs={**shared, **parsed.sentinel_options},
+        **{**options, **parsed.master_options},
+    )
+    client: redis.asyncio.Redis = sentinel.master_for(parsed.service, db=parsed.db)
     return client
 
 

@@ -1,0 +1,320 @@
+"""The asyncio limiter (throttle.aio.Limiter) against a real Redis: the essential cases of
+test_limiter.py, awaited, and the two limiters sharing one set of limits.
+
+Each test runs its coroutine with ``asyncio.run``: a ``redis.asyncio`` client belongs to the
+event loop that made it, so each test makes its own (:func:`run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+
+from tests.support.clock import FakeClock
+from tests.support.servers import RedisServer, free_port
+from throttle import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    CostExceedsCapacity,
+    Decision,
+    Limit,
+    RequestError,
+)
+from throttle import Limiter as SyncLimiter
+from throttle.aio import Limiter
+
+Body = Callable[[Limiter], Awaitable[Any]]
+
+
+def run(url: str, prefix: str, body: Body, *, clock: FakeClock | None = None) -> Any:
+    """Run ``body`` with an asyncio limiter on ``url`` under ``prefix``, in a fresh loop."""
+
+    async def main() -> Any:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            return await body(Limiter(client, prefix=prefix, clock_us=clock))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def arun(redis_url: str, prefix: str, clock: FakeClock) -> Callable[[Body], Any]:
+    """``arun(body)``: ``body`` awaited with an asyncio limiter on the test clock."""
+    return lambda body: run(redis_url, prefix, body, clock=clock)
+
+
+def test_the_blocking_limiters_methods_all_have_an_awaited_twin() -> None:
+    public = {name for name in vars(SyncLimiter) if not name.startswith("_")}
+    twins = {name for name in vars(Limiter) if not name.startswith("_")}
+    assert public == twins
+    for name in public - {"from_url"}:
+        assert asyncio.iscoroutinefunction(getattr(Limiter, name)), name
+
+
+@pytest.mark.parametrize(
+    ("spec", "algorithm", "retry_after_s"),
+    [
+        ("5/s", "token_bucket", 0.2),
+        ("5/s burst 5", "gcra", 0.2),
+        ("5/m", "fixed_window", None),
+        ("5/m", "sliding_window", None),
+    ],
+    ids=lambda value: value if isinstance(value, str) and "/" not in value else None,
+)
+def test_each_algorithm_allows_then_denies(
+    arun: Callable[[Body], Any], spec: str, algorithm: str, retry_after_s: float | None
+) -> None:
+    limit = Limit.parse(spec, name="api", algorithm=algorithm)
+
+    async def body(limiter: Limiter) -> list[Decision]:
+        return [await limiter.acquire(limit, "k") for _ in range(6)]
+
+    decisions = arun(body)
+    assert [d.allowed for d in decisions] == [True] * 5 + [False]
+    assert all(isinstance(d, Decision) for d in decisions)
+    denied = decisions[-1]
+    assert denied.denied_by == ("api",)
+    assert denied.retry_after_s > 0
+    if retry_after_s is not None:
+        assert denied.retry_after_s == pytest.approx(retry_after_s)
+
+
+def test_the_test_clock_moves_the_limits(arun: Callable[[Body], Any], clock: FakeClock) -> None:
+    limit = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
+
+    async def body(limiter: Limiter) -> None:
+        assert (await limiter.acquire(limit)).allowed
+        denied = await limiter.acquire(limit)
+        assert not denied.allowed and denied.retry_after_s == pytest.approx(0.1)
+        clock.advance(0.099)
+        assert not (await limiter.acquire(limit)).allowed
+        clock.advance(0.001)
+        assert (await limiter.acquire(limit)).allowed
+
+    arun(body)
+
+
+def test_gcra_reserves_the_next_free_slots(arun: Callable[[Body], Any]) -> None:
+    limit = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
+
+    async def body(limiter: Limiter) -> None:
+        waits = [(await limiter.acquire(limit, max_wait_s=0.35)).wait_s for _ in range(4)]
+        assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3])
+        beyond = await limiter.acquire(limit, max_wait_s=0.35)
+        assert not beyond.allowed and beyond.retry_after_s == pytest.approx(0.4)
+
+    arun(body)
+
+
+def test_token_bucket_reservation_goes_into_debt(arun: Callable[[Body], Any]) -> None:
+    limit = Limit.parse("2/s burst 2", name="api")
+
+    async def body(limiter: Limiter) -> None:
+        assert (await limiter.acquire(limit, cost=2)).wait_s == 0
+        reserved = await limiter.acquire(limit, cost=1, max_wait_s=1.0)
+        assert reserved.allowed and reserved.wait_s == pytest.approx(0.5)
+
+    arun(body)
+
+
+def test_multi_limit_is_all_or_nothing(arun: Callable[[Body], Any]) -> None:
+    tenant = Limit.parse("2/s", name="per-tenant")
+    fleet = Limit.parse("100/s", name="fleet", algorithm="gcra")
+    daily = Limit.parse("50000/d", name="daily", algorithm="fixed_window")
+    targets = [(tenant, "acme"), (fleet, None), (daily, "acme")]
+
+    async def body(limiter: Limiter) -> None:
+        assert (await limiter.acquire_many(targets)).allowed
+        assert (await limiter.acquire_many(targets)).allowed
+        denied = await limiter.acquire_many(targets)
+        assert not denied.allowed and denied.denied_by == ("per-tenant",)
+        assert (await limiter.acquire(fleet, cost=0)).remaining == pytest.approx(98.0)
+        assert (await limiter.acquire(daily, "acme", cost=0)).remaining == pytest.approx(49998.0)
+        # One target with its own cost runs the one-limit script, as the blocking one does.
+        one = await limiter.acquire_many([(tenant, "other", 2)], cost=5)
+        assert one.allowed and one.remaining == 0
+        assert tenant.code in limiter._one
+        with pytest.raises(RequestError, match="appear twice"):
+            await limiter.acquire_many([(tenant, "acme"), (tenant, "acme")])
+        with pytest.raises(RequestError, match="at least one limit"):
+            await limiter.acquire_many([])
+
+    arun(body)
+
+
+def test_settle_refunds_and_charges(arun: Callable[[Body], Any]) -> None:
+    requests = Limit.parse("3/m", name="requests")
+    tokens = Limit.parse("5000/m", name="tokens")
+
+    async def body(limiter: Limiter) -> None:
+        first = await limiter.acquire_many(
+            [(requests, "acme", 1), (tokens, "acme", 2000)], acquisition_id="call-1"
+        )
+        assert first.allowed and first.acquisition is not None
+        settled = await limiter.settle(first.acquisition, [None, 1200])
+        assert (settled.status, settled.deltas) == ("settled", (0.0, -800.0))
+        assert (await limiter.acquire(tokens, "acme", cost=0)).remaining == pytest.approx(3800)
+        again = await limiter.settle(first.acquisition, 0)
+        assert again.status == "already_settled"
+        # A charge beyond the reservation is a debt.
+        second = await limiter.acquire(tokens, "acme", cost=100, acquisition_id="call-2")
+        assert second.acquisition is not None
+        assert (await limiter.settle(second.acquisition, 3900)).charged == 3800.0
+        assert not (await limiter.acquire(tokens, "acme")).allowed
+        # The same id does not pay twice.
+        await limiter.acquire(requests, "acme", acquisition_id="call-3")
+        held = await limiter.acquire(requests, "acme", acquisition_id="call-3")
+        assert held.allowed and held.held
+        assert (await limiter.peek(requests, "acme")).remaining == pytest.approx(1.0)
+        with pytest.raises(RequestError, match="1 actual costs for 2 limits"):
+            await limiter.settle(first.acquisition, [5])
+
+    arun(body)
+
+
+def test_concurrency_units_are_released(arun: Callable[[Body], Any]) -> None:
+    limit = Limit.parse("1 concurrent", name="streams")
+
+    async def body(limiter: Limiter) -> None:
+        first = await limiter.acquire(limit, lease_s=60)
+        assert first.allowed and first.acquisition is not None
+        assert not (await limiter.acquire(limit)).allowed
+        assert (await limiter.release(first.acquisition)).status == "settled"
+        assert (await limiter.acquire(limit)).allowed
+
+    arun(body)
+
+
+def test_peek_takes_nothing(arun: Callable[[Body], Any]) -> None:
+    limit = Limit.parse("3/m", name="api")
+
+    async def body(limiter: Limiter) -> None:
+        assert (await limiter.acquire(limit, "k", cost=2)).allowed
+        for _ in range(3):
+            state = await limiter.peek(limit, "k")
+            assert (state.limit, state.allowed, state.remaining) == ("api", True, 1.0)
+        state = await limiter.peek(limit, "k", cost=2)
+        assert not state.allowed and state.retry_after_s == pytest.approx(20.0)
+
+    arun(body)
+
+
+def test_hold_and_holds(arun: Callable[[Body], Any], clock: FakeClock) -> None:
+    limit = Limit.parse("100/s", name="api")
+
+    async def body(limiter: Limiter) -> None:
+        assert await limiter.hold(limit, "acme", 5) == pytest.approx(5.0)
+        assert await limiter.hold("api", None, None) == math.inf  # a pause
+        denied = await limiter.acquire(limit, "acme")
+        assert not denied.allowed and denied.retry_after_s == math.inf
+        clock.advance(1)
+        assert await limiter.holds() == {
+            ("api", "acme"): pytest.approx(4.0),
+            ("api", None): math.inf,
+        }
+        await limiter.unhold("api")
+        assert not (await limiter.acquire(limit, "acme")).allowed  # the key's hold stays
+        assert (await limiter.acquire(limit, "other")).allowed
+        await limiter.unhold(limit, "acme")
+        assert await limiter.holds() == {}
+        with pytest.raises(RequestError, match="hold needs a limit"):
+            await limiter.hold("", None, 1)
+
+    arun(body)
+
+
+def test_bad_arguments_raise_before_anything_is_sent(arun: Callable[[Body], Any]) -> None:
+    limit = Limit.parse("10/s", name="api")
+
+    async def body(limiter: Limiter) -> None:
+        with pytest.raises(RequestError, match="cost must be"):
+            await limiter.acquire(limit, cost=-1)
+        with pytest.raises(RequestError, match="key must be"):
+            await limiter.acquire(limit, "")
+        with pytest.raises(CostExceedsCapacity):
+            await limiter.acquire(limit, cost=11)
+        with pytest.raises(RequestError, match="max_wait_s"):
+            await limiter.acquire(limit, max_wait_s=math.nan)
+
+    arun(body)
+
+
+def test_both_limiters_share_the_limits(
+    arun: Callable[[Body], Any], client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    blocking = SyncLimiter(client, prefix=prefix, clock_us=clock)
+    limit = Limit.parse("2/m", name="shared")
+    assert blocking.acquire(limit, "k").allowed
+
+    async def body(limiter: Limiter) -> Decision:
+        assert (await limiter.acquire(limit, "k")).allowed
+        await limiter.hold(limit, "held", 30)
+        return await limiter.acquire(limit, "k")
+
+    assert not arun(body).allowed
+    assert not blocking.acquire(limit, "k").allowed
+    assert blocking.holds() == {("shared", "held"): pytest.approx(30.0)}
+
+
+def test_errors_are_wrapped_when_redis_is_down(prefix: str) -> None:
+    limit = Limit.parse("10/s", name="api")
+
+    async def body() -> None:
+        limiter = Limiter.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+        try:
+            with pytest.raises(BackendUnavailable, match="unreachable"):
+                await limiter.acquire(limit)
+            with pytest.raises(BackendUnavailable):
+                await limiter.holds()
+        finally:
+            await limiter.client.aclose()
+
+    asyncio.run(body())
+
+
+def test_a_refused_call_is_a_backend_error(
+    redis_url: str, prefix: str, client: redis.Redis
+) -> None:
+    limit = Limit.parse("10/s", name="api")
+    # A state key of the wrong type: Redis refuses the script's HMGET.
+    state_key = SyncLimiter(client, prefix=prefix).keyspace.state_keys(limit, None)[0]
+    client.set(state_key, "not a hash")
+
+    async def body(limiter: Limiter) -> None:
+        with pytest.raises(BackendError, match="refused"):
+            await limiter.acquire(limit)
+
+    run(redis_url, prefix, body)
+
+
+def test_scripts_come_back_after_a_flush(private_redis: RedisServer) -> None:
+    # On a server of our own (SCRIPT FLUSH), under a prefix no other test of it uses.
+    limit = Limit.parse("10/s", name="api")
+
+    async def body(limiter: Limiter) -> None:
+        assert (await limiter.acquire(limit)).allowed
+        await limiter.client.script_flush()
+        assert (await limiter.acquire(limit)).allowed
+        assert (await limiter.acquire_many([(limit, "a"), (limit, "b")])).allowed
+
+    run(private_redis.url, f"aio-flush-{uuid.uuid4().hex[:8]}", body)
+
+
+def test_from_url_refuses_what_it_does_not_support() -> None:
+    with pytest.raises(ConfigError, match="does not support a Redis Cluster"):
+        Limiter.from_url("redis+cluster://127.0.0.1:7000")
+    with pytest.raises(ConfigError, match="Sentinel over TLS"):
+        Limiter.from_url("rediss+sentinel://127.0.0.1:26379/svc")
+    limiter = Limiter.from_url("redis://:secret@127.0.0.1:1/3")
+    assert isinstance(limiter.client, redis.asyncio.Redis)
+    assert limiter.client.connection_pool.connection_kwargs["socket_timeout"] == 5.0

@@ -1,0 +1,210 @@
+"""The upstream's word in asyncio code: throttle.aio.upstream_hook on an httpx.AsyncClient
+(an httpx.MockTransport upstream), apply_upstream and the asyncio RateBook, against a real
+Redis, judged through both limiters."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio
+
+from tests.support.clock import FakeClock
+from throttle import ConfigError, Limit, RequestError, Throttled
+from throttle import Limiter as SyncLimiter
+from throttle.aio import Limiter, RateBook, apply_upstream, upstream_hook
+from throttle.rates import RateBook as SyncRateBook
+
+
+class Upstream:
+    """An API that answers each call with the next of ``replies`` (status, headers), then
+    200s; it records the calls."""
+
+    def __init__(self, *replies: tuple[int, dict[str, str]]) -> None:
+        self.replies = list(replies)
+        self.calls = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        status, headers = self.replies.pop(0) if self.replies else (200, {})
+        return httpx.Response(status, headers=headers, text="body")
+
+
+def run(redis_url: str, prefix: str, clock: FakeClock, body: Callable[..., Any]) -> Any:
+    """``body(limiter, rates)`` awaited in a fresh loop, with clients of that loop."""
+
+    async def main() -> Any:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        limiter = Limiter(client, prefix=prefix, clock_us=clock)
+        try:
+            return await body(limiter, RateBook(client, limiter.keyspace, refresh_s=0))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def arun(redis_url: str, prefix: str, clock: FakeClock) -> Callable[[Callable[..., Any]], Any]:
+    return lambda body: run(redis_url, prefix, clock, body)
+
+
+def test_a_429_through_the_hook_holds_the_limit_fleet_wide(
+    arun: Callable[[Callable[..., Any]], Any], clocked: SyncLimiter, clock: FakeClock
+) -> None:
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+    upstream = Upstream((200, {}), (429, {"Retry-After": "2"}))
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        hook = upstream_hook(limiter, limit)
+        transport = httpx.MockTransport(upstream)
+        async with httpx.AsyncClient(transport=transport, event_hooks={"response": [hook]}) as http:
+            assert (await http.get("https://api.test/a")).status_code == 200
+            assert await limiter.holds() == {}
+            refused = await http.get("https://api.test/b")
+            assert refused.status_code == 429  # returned as usual without retry
+        assert await limiter.holds() == {("api", None): pytest.approx(2.0)}
+        denied = await limiter.acquire(limit, "any-key")
+        assert not denied.allowed and denied.retry_after_s == pytest.approx(2.0)
+
+    arun(body)
+    # The blocking limiter (a Celery worker's) sees the same hold.
+    assert not clocked.acquire(limit).allowed
+    clock.advance(2.0)
+    assert clocked.acquire(limit).allowed
+
+
+def test_retry_raises_throttled_with_the_hold_after_placing_it(
+    arun: Callable[[Callable[..., Any]], Any],
+) -> None:
+    limit = Limit.parse("10/s", name="api")
+    upstream = Upstream((429, {"Retry-After": "3"}), (503, {}))
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        hook = upstream_hook(limiter, limit, "acct-1", retry=True)
+        transport = httpx.MockTransport(upstream)
+        async with httpx.AsyncClient(transport=transport, event_hooks={"response": [hook]}) as http:
+            with pytest.raises(Throttled) as info:
+                await http.get("https://api.test/a")
+            assert info.value.retry_after_s == 3.0
+            assert info.value.denied_by == ("api",)
+            # A 503 without Retry-After or a spent quota is not a refusal for the rate.
+            assert (await http.get("https://api.test/b")).status_code == 503
+        assert await limiter.holds() == {("api", "acct-1"): pytest.approx(3.0)}
+        assert (await limiter.acquire(limit, "acct-2")).allowed
+
+    arun(body)
+    assert upstream.calls == 2
+
+
+def test_a_keyed_limit_is_held_for_that_key_and_its_rate_left_alone(
+    arun: Callable[[Callable[..., Any]], Any],
+) -> None:
+    limit = Limit.parse("30/s burst 1", name="per-account", algorithm="gcra")
+    response = httpx.Response(429, headers={"Retry-After": "1", "RateLimit-Policy": "1;w=1"})
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        signal = await apply_upstream(limiter, response, limit, "acct-1", rates=rates)
+        assert signal is not None and signal.refused and signal.rate_per_s == 1
+        assert await limiter.holds() == {("per-account", "acct-1"): pytest.approx(1.0)}
+        assert await rates.overrides() == {}
+
+    arun(body)
+
+
+def test_a_slower_stated_policy_lowers_the_run_time_rate_never_raises_it(
+    arun: Callable[[Callable[..., Any]], Any], client: redis.Redis, clocked: SyncLimiter
+) -> None:
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+
+    def stated(quota: int, window: int) -> httpx.Response:
+        return httpx.Response(200, headers={"RateLimit-Policy": f'"p";q={quota};w={window}'})
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        await apply_upstream(limiter, stated(40, 1), limit, rates=rates)  # faster: nothing
+        assert await rates.overrides() == {}
+        await apply_upstream(limiter, stated(20, 1), limit, rates=rates)
+        assert await rates.overrides() == {"api": "20/1s burst 1"}
+        assert (await rates.current(limit)).rate_per_s == 20
+        await apply_upstream(limiter, stated(25, 1), limit, rates=rates)  # never raised
+        assert (await rates.current(limit)).rate_per_s == 20
+        assert await limiter.holds() == {}  # a policy alone holds nothing
+
+    arun(body)
+    # The blocking book (a Celery worker's) follows the same hash.
+    sync_rates = SyncRateBook(client, clocked.keyspace, refresh_s=0)
+    assert sync_rates.current(limit).rate_per_s == 20
+
+    async def clear(limiter: Limiter, rates: RateBook) -> None:
+        await rates.clear("api")
+        assert await rates.current(limit) == limit
+
+    arun(clear)
+    assert sync_rates.current(limit) == limit
+
+
+def test_a_spent_quota_on_a_success_holds_before_the_429(
+    arun: Callable[[Callable[..., Any]], Any], clock: FakeClock
+) -> None:
+    limit = Limit.parse("5000/h", name="github")
+    reset = str(int(time.time()) + 300)
+    upstream = Upstream((200, {"X-RateLimit-Remaining": "0", "X-RateLimit-Reset": reset}))
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        hook = upstream_hook(limiter, limit, retry=True)  # not a refusal: no Throttled
+        transport = httpx.MockTransport(upstream)
+        async with httpx.AsyncClient(transport=transport, event_hooks={"response": [hook]}) as http:
+            assert (await http.get("https://api.test/")).status_code == 200
+        held = (await limiter.holds())[("github", None)]
+        assert held == pytest.approx(300, abs=2)
+        assert not (await limiter.acquire(limit)).allowed
+        clock.advance(held)
+        assert (await limiter.acquire(limit)).allowed
+
+    arun(body)
+
+
+def test_the_rate_book_caches_for_refresh_s(
+    redis_url: str, prefix: str, client: redis.Redis
+) -> None:
+    limit = Limit.parse("30/s", name="api")
+    now = [0.0]
+
+    async def body() -> None:
+        aclient = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            keyspace = Limiter(aclient, prefix=prefix).keyspace
+            rates = RateBook(aclient, keyspace, refresh_s=2, monotonic=lambda: now[0])
+            assert await rates.current(limit) == limit
+            SyncRateBook(client, keyspace).set(limit, "5/s")  # another process
+            assert await rates.current(limit) == limit  # cached
+            now[0] = 2.0
+            assert (await rates.current(limit)).rate_per_s == 5
+            with pytest.raises(ConfigError):
+                await rates.set(limit, "fast please")
+            client.hset(keyspace.rates_key(), "api", "not a rate")  # by hand
+            now[0] = 4.0
+            assert await rates.current(limit) == limit  # ignored, not an error
+        finally:
+            await aclient.aclose()
+
+    asyncio.run(body())
+
+
+def test_bad_arguments_are_refused_at_once(arun: Callable[[Callable[..., Any]], Any]) -> None:
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        with pytest.raises(RequestError, match="expected a Limit"):
+            upstream_hook(limiter, "api")  # type: ignore[arg-type]
+        limit = Limit.parse("1/s", name="api")
+        with pytest.raises(RequestError, match="status_code and headers"):
+            await apply_upstream(limiter, "not a response", limit)
+        assert await apply_upstream(limiter, httpx.Response(200), limit) is None
+        assert math.isinf(await limiter.hold(limit))  # the limiter still works
+
+    arun(body)

@@ -1,0 +1,22 @@
+"""asyncio twins of the limiter, the rate book and the upstream helpers, on ``redis.asyncio``.
+
+For code that calls APIs with ``httpx.AsyncClient`` (or any asyncio client) outside Celery:
+
+- :class:`Limiter`: :class:`throttle.Limiter`'s methods, awaited; the same scripts, keys,
+  checks and :class:`~throttle.Decision` (both build their calls with
+  :class:`throttle.limiter.RequestBuilder`).
+- :class:`RateBook`: :class:`throttle.rates.RateBook`, awaited (the same Redis hash).
+- :func:`apply_upstream` and :func:`upstream_hook`: the upstream's 429 and RateLimit
+  headers applied to the limits (holds, lowered rates), as
+  :func:`throttle.upstream.apply_upstream` does; the hook for
+  ``httpx.AsyncClient(event_hooks={"response": [hook]})``.
+
+A blocking and an asyncio limiter on the same Redis, prefix and namespace share their
+limits, holds and rates. See ``docs/asyncio.md``.
+"""
+
+from throttle.aio.limiter import Limiter
+from throttle.aio.rates import RateBook
+from throttle.aio.upstream import apply_upstream, upstream_hook
+
+__all__ = ["Limiter", "RateBook", "apply_upstream", "upstream_hook"]

@@ -1,0 +1,166 @@
+"""The asyncio limiter: :class:`throttle.Limiter`'s methods, awaited, on ``redis.asyncio``.
+
+The same scripts, the same :class:`~throttle.Decision`: every call is built by
+:class:`throttle.limiter.RequestBuilder` (argument checks, key names, script arguments) and
+its reply read by the decoders of :mod:`throttle.redis.replies`, exactly as the blocking
+limiter's; only the round trip is awaited (:func:`throttle.redis.client.run_script_async`).
+Both limiters can share the limits of one Redis: a decision of one counts for the other.
+
+Example::
+
+    import httpx
+    from throttle import Limit
+    from throttle.aio import Limiter
+
+    limiter = Limiter.from_url("redis://localhost:6379/0")
+    github = Limit.parse("5000/h", name="github")
+
+    async def fetch(client: httpx.AsyncClient, url: str) -> httpx.Response:
+        decision = await limiter.acquire(github, max_wait_s=30)
+        if not decision:
+            raise RuntimeError(f"come back in {decision.retry_after_s:.1f} s")
+        await asyncio.sleep(decision.wait_s)  # a reserved slot: wait for it
+        return await client.get(url)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio
+from redis.commands.core import AsyncScript
+
+from throttle.decision import Acquisition, Decision, LimitState, Settlement
+from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, RequestBuilder
+from throttle.redis.client import async_client_from_url, run_script_async
+from throttle.redis.replies import one_limit_decision
+from throttle.spec import Limit
+
+__all__ = ["Limiter"]
+
+
+class Limiter(RequestBuilder[AsyncScript]):
+    """Acquires and settles tokens of limits kept in Redis, from asyncio code.
+
+    Every method of :class:`throttle.Limiter`, with the same arguments, raising the same
+    errors (:class:`~throttle.RequestError` before anything is sent,
+    :class:`~throttle.BackendUnavailable` and :class:`~throttle.BackendError` for Redis),
+    awaited. See there for what each does.
+
+    Parameters
+    ----------
+    client:
+        A ``redis.asyncio.Redis`` (one server, or a master behind Sentinel). A Redis Cluster
+        is not supported here. The limiter opens no connection itself, and does not close
+        the client: ``await limiter.client.aclose()`` when done.
+    prefix, namespace:
+        Where the keys live (see :class:`throttle.redis.keys.KeySpace`); a blocking and an
+        asyncio limiter with the same prefix and namespace share their limits.
+    clock_us:
+        Tests only: "now" in microseconds instead of Redis ``TIME`` (see
+        :class:`throttle.Limiter`).
+    """
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        *,
+        prefix: str = "throttle",
+        namespace: str = "default",
+        clock_us: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(client.register_script, prefix, namespace, clock_us)
+        self.client = client
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "throttle",
+        namespace: str = "default",
+        **client_options: Any,
+    ) -> Limiter:
+        """A limiter on the Redis at ``url`` (a client built by
+        :func:`throttle.redis.client.async_client_from_url`: ``redis://``, ``rediss://``,
+        ``unix://`` or ``redis+sentinel://``). No connection is opened here. A Redis Cluster
+        URL, or Sentinel over TLS, raises :class:`~throttle.ConfigError`."""
+        client = async_client_from_url(url, **client_options)
+        return cls(client, prefix=prefix, namespace=namespace)
+
+    async def acquire(
+        self,
+        limit: Limit,
+        key: str | None = None,
+        *,
+        cost: float = 1.0,
+        max_wait_s: float = _NO_WAIT,
+        acquisition_id: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> Decision:
+        """Take ``cost`` tokens from one limit for ``key``: :meth:`throttle.Limiter.acquire`."""
+        one = self._one_request(limit, key, cost, max_wait_s, acquisition_id, lease_s)
+        if one is None:
+            return await self.acquire_many(
+                ((limit, key),),
+                cost=cost,
+                max_wait_s=max_wait_s,
+                acquisition_id=acquisition_id,
+                lease_s=lease_s,
+            )
+        script, keys, args = one
+        return one_limit_decision(limit, cost, await self._call(script, keys, args))
+
+    async def acquire_many(
+        self,
+        targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]],
+        *,
+        cost: float = 1.0,
+        max_wait_s: float = _NO_WAIT,
+        acquisition_id: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> Decision:
+        """Take ``cost`` tokens from every target at once, or from none:
+        :meth:`throttle.Limiter.acquire_many`."""
+        script, keys, args, decode = self._many_request(
+            targets, cost, max_wait_s, acquisition_id, lease_s
+        )
+        return decode(await self._call(script, keys, args))
+
+    async def settle(
+        self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
+    ) -> Settlement:
+        """Finish an acquisition with what it really cost: :meth:`throttle.Limiter.settle`."""
+        script, keys, args, decode = self._settle_request(acquisition, actual_cost)
+        return decode(await self._call(script, keys, args))
+
+    async def release(self, acquisition: Acquisition) -> Settlement:
+        """Settle at the reserved cost: :meth:`throttle.Limiter.release`."""
+        return await self.settle(acquisition, None)
+
+    async def peek(self, limit: Limit, key: str | None = None, *, cost: float = 1.0) -> LimitState:
+        """What an acquire would be told now, taking nothing: :meth:`throttle.Limiter.peek`."""
+        script, keys, args, decode = self._peek_request(limit, key, cost)
+        return decode(await self._call(script, keys, args))
+
+    async def hold(
+        self, limit: Limit | str, key: str | None = None, seconds: float | None = None
+    ) -> float:
+        """Admit nothing of ``limit`` for ``seconds`` (None: a pause):
+        :meth:`throttle.Limiter.hold`. Returns the seconds the hold now lasts."""
+        script, keys, args, decode = self._hold_request(limit, key, seconds)
+        return decode(await self._call(script, keys, args))
+
+    async def unhold(self, limit: Limit | str, key: str | None = None) -> None:
+        """Lift the hold (or pause) of ``limit``: :meth:`throttle.Limiter.unhold`."""
+        script, keys, args, _ = self._unhold_request(limit, key)
+        await self._call(script, keys, args)
+
+    async def holds(self) -> dict[tuple[str, str | None], float]:
+        """The live holds of the namespace: :meth:`throttle.Limiter.holds`."""
+        script, keys, args, decode = self._holds_request()
+        return decode(await self._call(script, keys, args))
+
+    async def _call(self, script: AsyncScript, keys: Sequence[str], args: list[Any]) -> Any:
+        return await run_script_async(self.client, script, keys, args)
