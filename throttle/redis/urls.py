@@ -100,8 +100,10 @@ ACL_COMMANDS = (
     "time", "get", "set", "del", "pexpire", "hget", "hmget", "hset", "hdel", "hgetall",
     "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
     # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
-    # hgetall), parking counts (zcard), reset (scan, del)
-    "hincrby", "expire", "scan",
+    # hgetall), parking counts (zcard), reset (scan, del), the workers' clocks (hset,
+    # hgetall), a task's trail (multi, del, hset, pexpire, exec), `celery throttle parked`
+    # (hscan)
+    "hincrby", "expire", "scan", "multi", "exec", "hscan",
     # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
     # a refusal: add +client|setinfo there to keep it out of the ACL log)
     "ping",
