@@ -723,7 +723,7 @@ class MemoryRedis:
             "its caller (eager mode), never parked"
         )
 
-    _park = _claim_parked = _commit_parked = _unsupported
+    _park = _claim_parked = _commit_parked = _purge_parked = _unsupported
 
 
 class _Pipeline:
@@ -782,6 +782,7 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
         "claim_parked",
         "commit_parked",
         "accept_parked",
+        "purge_parked",
     ):
         known[operation_source(operation)] = (operation, None)
     return known
