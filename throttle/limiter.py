@@ -339,6 +339,8 @@ class Limiter(RequestBuilder[Script]):
         instead of letting them read Redis ``TIME``. Production code never sets it, so
         the only clock is the Redis server's and worker clocks never enter the math.
 
+    Notes
+    -----
     For asyncio code (``redis.asyncio``), :class:`throttle.aio.Limiter` has the same
     methods, awaited, and builds the same calls (:class:`RequestBuilder`).
     """
