@@ -44,14 +44,12 @@ import json
 import os
 import platform
 import random
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +58,7 @@ import psutil
 import redis
 from celery import Celery
 
+from bench.checkout import checkout
 from tests.support.servers import RedisServer
 from workers.harness import ROOT
 from workers.stack import worker_argv
@@ -102,20 +101,6 @@ def cpu_s(pid: int, tree: bool) -> float:
             times = p.cpu_times()
             total += times.user + times.system
     return total
-
-
-@contextlib.contextmanager
-def checkout(rev: str) -> Iterator[Path]:
-    """The tree of git revision ``rev`` in a temporary directory, with this benchmark's app."""
-    with tempfile.TemporaryDirectory(prefix="overhead-before-") as tmp:
-        tree = Path(tmp)
-        archive = subprocess.run(
-            ["git", "archive", rev], cwd=ROOT, check=True, capture_output=True, timeout=120
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
-        (tree / "bench").mkdir(exist_ok=True)
-        shutil.copy(ROOT / "bench" / "overhead_app.py", tree / "bench")
-        yield tree
 
 
 def start_worker(version: Version, concurrency: int, env: dict[str, str], log: Path) -> None:
@@ -246,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overhead-")))
         versions = [Version("this tree", ROOT, "overhead-this", "this@overhead")]
         if args.before:
-            tree = stack.enter_context(checkout(args.before))
+            tree = stack.enter_context(checkout(args.before, "bench/overhead_app.py"))
             versions.append(Version(f"before ({args.before})", tree, "overhead-before",
                                     "before@overhead"))  # fmt: skip
         env = {"OVERHEAD_BROKER_URL": server.url}

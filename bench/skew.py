@@ -44,6 +44,7 @@ import redis
 from celery import Celery
 
 from bench.celery_fleet import ApiProcess
+from bench.checkout import checkout
 from tests.support.servers import RedisServer
 from tests.support.skew import build_shim, skewed_env
 from workers.harness import ROOT
@@ -89,20 +90,6 @@ def rabbit_vhost() -> Iterator[str]:
         yield RABBIT.format(vhost=vhost)
     finally:
         subprocess.run([ctl, "delete_vhost", vhost], check=False, capture_output=True, timeout=60)
-
-
-@contextlib.contextmanager
-def checkout(rev: str) -> Iterator[Path]:
-    """The tree of git revision ``rev`` in a temporary directory, with the skew app."""
-    with tempfile.TemporaryDirectory(prefix="skew-before-") as tmp:
-        tree = Path(tmp)
-        archive = subprocess.run(
-            ["git", "archive", rev], cwd=ROOT, check=True, capture_output=True, timeout=120
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
-        (tree / "tests" / "apps").mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / "tests" / "apps" / "skew_app.py", tree / "tests" / "apps")
-        yield tree
 
 
 def start_worker(tree: Path, name: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -227,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shim = build_shim(logs)
         trees = {"ours": ROOT}
         if args.before:
-            trees[f"before ({args.before})"] = stack.enter_context(checkout(args.before))
+            trees[f"before ({args.before})"] = stack.enter_context(
+                checkout(args.before, "tests/apps/skew_app.py")
+            )
         api = ApiProcess(API_RATE, API_BURST, logs / "api.log")
         stack.callback(api.stop)
         for broker in brokers:
