@@ -75,6 +75,9 @@ _SETTINGS_FIELDS = {
     "metrics_dir": "str",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
+MIN_SLEEP_MAX_S = 0.05
+"""The shortest ``sleep_max``, in s: a rescheduled task arrives up to three quarters of it
+before its slot, the rest covers Redis round trips (see :mod:`throttle.celery.arrival`)."""
 
 
 # The loader raises the first error it meets; ThrottleConfig.check passes a list instead, and
@@ -183,7 +186,9 @@ class Settings:
         change within this time.
     sleep_max_s:
         A slot at most this far ahead is waited for in the worker (the pool slot sleeps);
-        beyond, the task is rescheduled. Short: a sleeping pool slot runs nothing else.
+        beyond, the task is rescheduled, to arrive shortly before its slot (at most three
+        quarters of ``sleep_max`` before it) and sleep the rest. Short: a sleeping pool slot
+        runs nothing else. At least :data:`MIN_SLEEP_MAX_S` (50 ms).
     park_after_s:
         A wait longer than this is parked in Redis and sent back on the Redis clock; a
         shorter one (beyond ``sleep_max``) is re-published as a Celery ETA message, which
@@ -282,6 +287,17 @@ class Settings:
         settings = cls(**values)
         if errors is not None and len(errors) > found:
             return settings  # park_lead against park_after only when both are valid
+        if settings.sleep_max_s < MIN_SLEEP_MAX_S:
+            _report(
+                errors,
+                ConfigError(
+                    f"sleep_max must be at least {MIN_SLEEP_MAX_S:g} s: a rescheduled task "
+                    f"arrives shortly before its slot and sleeps the rest, up to sleep_max; "
+                    f"with less, it would be sent back again and again until its slot",
+                    field="settings.sleep_max", value=config.get("sleep_max"), source=source,
+                ),
+            )  # fmt: skip
+            return settings
         if settings.park_lead_s >= settings.park_after_s:
             _report(
                 errors,

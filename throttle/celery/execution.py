@@ -39,7 +39,10 @@ class Execution:
     targets: list[Target] = field(default_factory=list)
     """Each rule's (limit in force, key, cost); empty until the gate evaluates them."""
     deadline: float | None = None
-    """Epoch s on the Redis clock: past it, ``on_timeout`` applies."""
+    """Epoch s on the Redis clock: past it, ``on_timeout`` applies (or the task expires,
+    when the deadline is its ``expires``)."""
+    expires: float | None = None
+    """The task's ``expires`` in epoch s on the Redis clock, or None."""
 
     @functools.cached_property
     def request(self) -> Any:

@@ -10,7 +10,12 @@
    (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
    up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
    back when the limit says it could admit, plus a random jitter.
-4. Past the task's deadline (``max_wait``, or its ``expires``): ``on_timeout``.
+4. Past the task's deadline: past its ``max_wait``, ``on_timeout``; past its ``expires``
+   (Celery's: the task must not start after it), the task is revoked as expired, as
+   Celery's worker does with a task received too late.
+
+A re-published task is shown the ETA its producer gave it as ``request.eta`` (None when it
+had none), not the throttler's own.
 
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
@@ -31,8 +36,15 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
+from throttle.celery.arrival import eta_lead_s
 from throttle.celery.execution import Execution, Ticket
-from throttle.celery.message import H_PARKED, H_PUBLISH, deadline_header, id_header
+from throttle.celery.message import (
+    H_PARKED,
+    H_PUBLISH,
+    deadline_header,
+    eta_header,
+    id_header,
+)
 from throttle.celery.outage import run_while_down
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
@@ -47,9 +59,6 @@ logger = logging.getLogger("throttle")
 MAX_RESERVE_S = 86400.0
 """The farthest ahead a slot is reserved, in s; a task that would wait longer is denied and
 comes back when the limit says (a rate changed at run time applies to it then)."""
-EARLY_S = 0.1
-"""A rescheduled task is published to arrive this long before its slot and sleeps the rest:
-the slot is kept to the millisecond, whatever the precision of ETA messages."""
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
@@ -84,7 +93,9 @@ class Gate:
                 execution.rules, execution.fn, execution.args, execution.kwargs,
                 execution.throttler.rates.current,
             )  # fmt: skip
+            restore_eta(execution)
             now = time.time()
+            execution.expires = expires_of(execution)
             execution.deadline = deadline_of(execution)
             if execution.eager:
                 return self._block()
@@ -186,8 +197,9 @@ class Gate:
                 self._come_back(decision)
             wait = decision.wait_s
             if wait > self.settings.sleep_max_s:
-                # A slot is reserved, further ahead: come back just before it.
-                defer(self.execution, wait - EARLY_S, wait, decision, slot=True)
+                # A slot is reserved, further ahead: come back just before it, never more
+                # than sleep_max before it (throttle.celery.arrival): once per slot.
+                defer(self.execution, wait - eta_lead_s(self.settings), wait, decision, slot=True)
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision)
                 if not decision.allowed:
@@ -258,29 +270,46 @@ class Gate:
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
 
 
+def restore_eta(execution: Execution) -> None:
+    """Show the task the ETA its producer gave it: a re-published copy carries the
+    throttler's own ETA (or none, once parked), and the original in ``throttle_eta``, which
+    is restored into ``request.eta`` (None: the producer gave none) unless a Celery
+    ``retry`` came since (its ETA is the one to show)."""
+    saved = eta_header(execution.message_headers)
+    if saved is not None and saved[1] == execution.request.retries:
+        execution.request.eta = saved[0]
+
+
 def deadline_of(execution: Execution) -> float | None:
     """The execution's deadline on the Redis clock (epoch s), which any worker reads the
     same whatever its own clock: its ``throttle_deadline`` header (set at its first
     deferral), else now + the shortest ``max_wait`` of its rules; and never past the task's
-    ``expires``. ``expires`` is Celery's: an absolute time on the producer's clock, which
-    Celery compares with the receiving worker's clock; the throttler reads it as Celery
-    does, on this worker's clock, converted to Redis time by its measured offset."""
+    ``expires`` (:func:`expires_of`)."""
     clock = execution.throttler.clock
     deadline = deadline_header(execution.message_headers)
     if deadline is None:
         waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
         deadline = clock.now() + min(waits) if waits else None
-    expires = execution.request.expires
-    if expires:
-        try:
-            stamp = (
-                datetime.fromisoformat(expires).timestamp()
-                if isinstance(expires, str)
-                else float(expires.timestamp())
-            )
-        except (TypeError, ValueError, AttributeError, OverflowError):
-            stamp = None
-        if stamp is not None:
-            stamp = clock.from_wall(stamp)
-            deadline = stamp if deadline is None else min(deadline, stamp)
+    expires = expires_of(execution)
+    if expires is not None:
+        deadline = expires if deadline is None else min(deadline, expires)
     return deadline
+
+
+def expires_of(execution: Execution) -> float | None:
+    """The task's ``expires`` on the Redis clock (epoch s), or None. ``expires`` is
+    Celery's: an absolute time on the producer's clock, which Celery compares with the
+    receiving worker's clock; the throttler reads it as Celery does, on this worker's clock,
+    converted to Redis time by its measured offset."""
+    expires = execution.request.expires
+    if not expires:
+        return None
+    try:
+        stamp = (
+            datetime.fromisoformat(expires).timestamp()
+            if isinstance(expires, str)
+            else float(expires.timestamp())
+        )
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return execution.throttler.clock.from_wall(stamp)

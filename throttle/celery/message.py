@@ -4,8 +4,9 @@ The ``throttle_*`` headers come with the message, and whoever can publish a task
 them. Each is read defensively: a value of the wrong type or out of range is absent (never
 an exception), and none of them can make a task skip the limiter or pay less: a deadline
 only shortens the wait a task accepts (it times out sooner, it never runs sooner), the
-parking ids only let a second copy of a parked task be dropped, and the dead-letter mark
-only keeps a timed-out task from being dead-lettered again.
+parking ids only let a second copy of a parked task be dropped, the dead-letter mark
+only keeps a timed-out task from being dead-lettered again, and the saved ETA is only
+shown to the task as ``request.eta``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ H_PUBLISH = "throttle_publish"
 """The publish id of that release."""
 H_DEAD = "throttle_dead_letter"
 """The dead-letter queue a timed-out task was sent to."""
+H_ETA = "throttle_eta"
+"""``[eta, retries]``: the ``eta`` the task had before throttling first re-published it (the
+producer's ISO 8601 string, or None) and its ``retries`` then. The re-published message has
+the throttler's own ETA (or none); the gate restores this one into ``request.eta`` while
+``retries`` is unchanged (a Celery ``retry`` since has an ETA of its own)."""
 
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
@@ -78,3 +84,31 @@ def id_header(headers: Mapping[str, Any], name: str) -> str | None:
     if isinstance(value, str) and 0 < len(value) <= 100 and value.isascii() and value.isprintable():
         return value
     return None
+
+
+MAX_ETA_CHARS = 64
+"""The longest ``eta`` string kept in the ``throttle_eta`` header (ISO 8601 needs 32)."""
+
+
+def eta_header(headers: Mapping[str, Any]) -> tuple[str | None, int] | None:
+    """The ``throttle_eta`` header as (eta, retries), or None when absent or corrupt."""
+    value = headers.get(H_ETA)
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return None
+    eta, retries = value
+    if eta is not None and not (isinstance(eta, str) and 0 < len(eta) <= MAX_ETA_CHARS):
+        return None
+    if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries < 2**31:
+        return None
+    return eta, retries
+
+
+def eta_value(eta: object) -> str | None:
+    """A request's ``eta`` as the ``throttle_eta`` header keeps it: Celery's ISO 8601
+    string (a ``datetime`` in older protocols: formatted), or None."""
+    if eta is None or eta == "":
+        return None
+    if isinstance(eta, str):
+        return eta[:MAX_ETA_CHARS]
+    isoformat = getattr(eta, "isoformat", None)
+    return str(isoformat()) if callable(isoformat) else None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from celery import Celery
 from kombu.serialization import loads
 
+from throttle.celery.arrival import POLL_S, release_poll_s
 from throttle.celery.message import H_PARKED, H_PUBLISH, LANE_SUFFIX
 from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import Throttler
@@ -29,10 +30,6 @@ logger = logging.getLogger("throttle")
 
 COLD_CHECK_S = 5.0
 """How often the releaser looks for the marker key of ``cold_start: empty``, in s."""
-POLL_S = 0.25
-"""How often the releaser looks for due tasks, in s (shorter when ``sleep_max`` is short)."""
-MIN_POLL_S = 0.01
-"""The shortest poll, in s (a sleep_max near 0 must not make the releaser spin)."""
 STREAK_REMINDER_S = 60.0
 """While a repeated operation keeps failing, how often (s) a warning says it still does."""
 
@@ -89,10 +86,8 @@ class Releaser(threading.Thread):
         self.worker = worker
         """The worker's name, under which it records its clock (None: not recorded)."""
         # A task must not arrive more than sleep_max before its slot (it would be
-        # deferred again): it is released up to park_lead (<= sleep_max / 2) plus one
-        # poll early.
-        sleep_max = Throttler.of(app).settings.sleep_max_s
-        self.poll_s = max(min(poll_s, sleep_max / 4), MIN_POLL_S)
+        # deferred again): see throttle.celery.arrival.
+        self.poll_s = release_poll_s(Throttler.of(app).settings, poll_s)
         self.batch = batch
         self._stop_event = threading.Event()
 

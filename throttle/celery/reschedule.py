@@ -14,8 +14,12 @@ does, but without spending ``max_retries``:
   wait while no releaser runs, without ``install()``, or while the limiter's Redis is
   away) are re-published as Celery ETA messages instead: those are due on the publishing
   worker's clock and held until then on the receiving worker's;
-- past the task's deadline, it fails with :class:`ThrottleTimeout` or goes to the
-  dead-letter queue of ``on_timeout``.
+- past the task's deadline: past its ``max_wait``, it fails with :class:`ThrottleTimeout`
+  or goes to the dead-letter queue of ``on_timeout``; past its ``expires``, it is revoked
+  as expired, as Celery does (:func:`expire`).
+
+A re-published copy keeps the ETA the producer gave the task in the ``throttle_eta``
+header; the gate shows it to the task as ``request.eta``.
 
 Every function here ends the execution by raising (celery's ``Retry`` or ``Ignore``, or
 ThrottleTimeout): none returns.
@@ -25,19 +29,24 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from celery import signals
 from celery.exceptions import Ignore, Retry
 from kombu.serialization import dumps
 
+from throttle.celery.arrival import park_lead_s
 from throttle.celery.execution import Execution
 from throttle.celery.message import (
     H_DEAD,
     H_DEADLINE,
     H_DEFERRALS,
+    H_ETA,
     H_PARKED,
     H_PUBLISH,
     count_header,
+    eta_value,
 )
 from throttle.celery.routing import lane_queue
 from throttle.decision import Decision
@@ -70,6 +79,7 @@ def defer(
     task, request, settings = execution.task, execution.request, execution.settings
     countdown_s = max(countdown_s, 0.0)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
+    headers[H_ETA] = saved_eta(execution)
     if execution.deadline is not None:
         headers[H_DEADLINE] = execution.deadline
     else:
@@ -85,7 +95,7 @@ def defer(
         payload = f"{content_type}\n{encoding}\n".encode() + (
             body if isinstance(body, bytes) else body.encode()
         )
-        lead_s = min(settings.park_lead_s, settings.sleep_max_s / 2) if slot else 0.0
+        lead_s = park_lead_s(settings) if slot else 0.0
         execution.throttler.parking.park(
             payload, (wait_s if slot else countdown_s) - lead_s, task_id=request.id
         )
@@ -118,12 +128,25 @@ def lane_of(execution: Execution) -> str | None:
     return lane_queue(execution.task.app, queue).name
 
 
+def saved_eta(execution: Execution) -> list[Any]:
+    """The ``throttle_eta`` header of a re-published copy: the ETA the task had before it
+    was first re-published (the gate restored it into ``request.eta``), and its retries."""
+    request = execution.request
+    retries = request.retries if isinstance(request.retries, int) else 0
+    return [eta_value(request.eta), retries]
+
+
 def time_out(execution: Execution, now: float, needed_s: float, decision: Decision) -> NoReturn:
-    """The task would wait past its deadline: fail it with ThrottleTimeout, or send it to
-    the dead-letter queue of its rule's ``on_timeout`` (once: never from that queue)."""
+    """The task would wait past its deadline. When that deadline is its ``expires``, the
+    task expired (:func:`expire`); else (``max_wait``) fail it with ThrottleTimeout, or send
+    it to the dead-letter queue of its rule's ``on_timeout`` (once: never from that
+    queue)."""
+    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    expires = execution.expires
+    if expires is not None and execution.deadline is not None and expires <= execution.deadline:
+        expire(execution, limits)
     left = max((execution.deadline or now) - now, 0.0)
     rules = [r for r in execution.rules if r.name in decision.denied_by] or list(execution.rules)
-    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
     queue = next((rule.dead_letter_queue for rule in rules if rule.dead_letter_queue), None)
     headers = execution.headers
     # Consumed from the dead-letter queue it was sent to: throttled as any task (it still
@@ -144,6 +167,33 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
     raise Ignore()
 
 
+def expire(execution: Execution, limits: Sequence[str]) -> NoReturn:
+    """The task cannot run before its ``expires``: it expires now, as Celery's worker expires
+    a task received too late (``celery/worker/request.py``, ``Request.revoked``): its state
+    becomes REVOKED (reason ``"expired"``; a chord it belongs to fails, as with Celery), the
+    ``task-revoked`` event is sent (when the worker sends task events, ``-E``) and the
+    ``task_revoked`` signal with ``expired=True``; its body never runs, its message is
+    acknowledged. Unlike Celery's, this happens in the pool child (``task_prerun`` and
+    ``task_postrun`` have fired, with state IGNORED), not in the worker's main process."""
+    task, request = execution.task, execution.request
+    logger.info("throttle: task %s[%s] expires before its slot: revoked", task.name, request.id)
+    if task.app.conf.worker_send_task_events and task.send_events:
+        task.send_event(
+            "task-revoked", retry=False, terminated=False, signum=None, expired=True
+        )  # fmt: skip
+    task.backend.mark_as_revoked(
+        request.id,
+        "expired",
+        request=request,
+        store_result=not task.ignore_result or task.store_errors_even_if_ignored,
+    )
+    signals.task_revoked.send(
+        sender=task, request=request, terminated=False, signum=None, expired=True
+    )
+    execution.throttler.observer.timed_out(execution, limits, "expired")
+    raise Ignore()
+
+
 def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> NoReturn:
     """Re-publish the task during an outage of the limiter's Redis (not parked: parking
     lives in Redis). Eager calls, which have no queue, get the error."""
@@ -151,8 +201,9 @@ def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> N
         raise exc
     # Jittered, so that the tasks deferred during an outage do not all come back at once.
     countdown_s += random.uniform(0.0, min(execution.settings.jitter_s, countdown_s))
+    headers = {**execution.headers, H_ETA: saved_eta(execution)}
     sig = execution.task.signature_from_request(
-        execution.request, countdown=countdown_s, headers=execution.headers, **route_of(execution)
+        execution.request, countdown=countdown_s, headers=headers, **route_of(execution)
     )
     publish(sig)
     raise Retry(exc=exc, when=countdown_s, sig=sig)

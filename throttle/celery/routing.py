@@ -24,9 +24,12 @@ into the request's ``delivery_info`` under ``"queue"``, which the pool child rea
 Lanes: the lane of queue Q is ``Q.throttled``, bound to a direct exchange of the same name
 (as Celery creates a missing queue) and declared with Q's arguments (``x-queue-type``,
 ``x-max-priority``, TTLs, ...), durability and auto-delete, so that a quorum queue's lane
-is a quorum queue. :func:`lane_queue` registers it in ``app.amqp.queues`` of the process
-that needs it (the consumer, the pool child re-publishing, the releaser), which is what
-Celery declares when it publishes there.
+is a quorum queue. :func:`declare_lanes` registers the lanes of the queues a worker
+consumes in ``app.amqp.queues`` of its main process before the pool forks, so that every
+process of the worker knows them (a pool child re-publishing, Celery's own ``retry`` of a
+task that came through a lane, the releaser, the consumer), under either setting of
+``task_create_missing_queues``: Celery looks a queue up by name when it publishes there,
+and declares it as registered.
 """
 
 from __future__ import annotations
@@ -251,3 +254,15 @@ def lane_queue(app: Celery, queue: Queue | str) -> Queue:
         )
     added: Queue = queues.add(lane)
     return added
+
+
+def declare_lanes(app: Celery) -> list[Queue]:
+    """Register the lane of every queue the worker consumes (``-Q``, else every queue of
+    ``task_queues``) in ``app.amqp.queues``. Called in the worker's main process before the
+    pool forks: a lane registered later (when the consumer starts) would be unknown to the
+    pool children, whose publishes to it then fail with ``QueueNotFound`` when
+    ``task_create_missing_queues`` is off, or declare it without the queue's arguments when
+    it is on. Returns the lanes."""
+    consumed = app.amqp.queues.consume_from
+    sources = [q for q in list(consumed.values()) if not q.name.endswith(LANE_SUFFIX)]
+    return [lane_queue(app, queue) for queue in sources]

@@ -1,7 +1,8 @@
 """The worker's bootsteps, and :func:`install`, which adds them to an app.
 
-- :class:`ThrottleStep` (worker): validates the limits file when the worker starts, and
-  runs the :class:`~throttle.celery.releaser.Releaser` of parked tasks.
+- :class:`ThrottleStep` (worker): validates the limits file when the worker starts,
+  registers the lanes of its queues before the pool forks, and runs the
+  :class:`~throttle.celery.releaser.Releaser` of parked tasks.
 - :class:`LaneStep` (consumer): every queue the worker consumes, it also consumes its lane.
 - :class:`MetricsStep` (worker): the worker's metrics directory and port.
 """
@@ -27,7 +28,7 @@ from throttle.celery.exporter import (
 from throttle.celery.message import LANE_SUFFIX
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
-from throttle.celery.routing import lane_queue
+from throttle.celery.routing import declare_lanes, lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.clock import record_clock
@@ -67,6 +68,9 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 field="redis_url", value=MEMORY_URL, source=throttler.config.source,
             )  # fmt: skip
         throttler.validate()
+        if throttler.settings.lanes:
+            # Before the pool forks: every process of the worker must know the lanes.
+            declare_lanes(self.app)
         if throttler.watch.file is not None:
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
