@@ -81,10 +81,8 @@ def canvas_fleet(
                 cached[1].limiter.client.close()
                 app._throttler = None
             # The app module is imported once per session: the next fleet gets its own
-            # broker connections and result backend.
-            if app._pool is not None:
-                app._pool.force_close_all()
-                app._pool = None
+            # broker connections (kombu's pools are per URL) and result backend.
+            app._pool = None
             app.amqp._producer_pool = None
             app._backend_cache = None
             vars(app._local).pop("backend", None)
