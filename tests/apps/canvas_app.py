@@ -132,8 +132,6 @@ def inline_errback(request: Any, exc: BaseException, traceback: Any) -> None:
 @signals.task_revoked.connect
 def _on_revoked(request: Any = None, expired: Any = None, terminated: Any = None, **_: Any) -> None:
     client = _ledger()
-    client.rpush(
-        REVOKED,
-        json.dumps({"id": getattr(request, "id", None), "expired": expired, "terminated": terminated}),
-    )
+    seen = {"id": getattr(request, "id", None), "expired": expired, "terminated": terminated}
+    client.rpush(REVOKED, json.dumps(seen))
     client.close()

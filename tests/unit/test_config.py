@@ -392,6 +392,22 @@ BAD_DOCUMENTS = [
         id="park-lead-above-park-after",
     ),
     pytest.param(
+        BASE + "settings:\n  sleep_max: 0\n",
+        None,
+        "settings.sleep_max",
+        0,
+        "sleep_max must be at least 0.05 s",
+        id="sleep-max-zero",
+    ),
+    pytest.param(
+        BASE + "settings:\n  sleep_max: 40ms\n",
+        None,
+        "settings.sleep_max",
+        "40ms",
+        "sleep_max must be at least 0.05 s",
+        id="sleep-max-below-the-floor",
+    ),
+    pytest.param(
         BASE + "settings:\n  refresh: soon\n",
         None,
         "settings.refresh",
