@@ -315,6 +315,19 @@ def test_a_task_past_max_wait_still_fails_with_throttle_timeout(fleet: CanvasFle
     assert late.state == "FAILURE"
 
 
+def test_a_task_that_could_never_run_before_it_expires_is_revoked(fleet: CanvasFleet) -> None:
+    # Given a key at 1/h whose slot is taken, max_wait 1 s, and a task that expires in 30 s
+    from tests.apps.canvas_app import waiting  # noqa: PLC0415
+
+    waiting.delay("both").get(timeout=TIMEOUT)
+    late = waiting.apply_async(("both",), expires=30)
+    # Then its slot, an hour away, is past its expires: revoked as expired (it could never
+    # run), not a ThrottleTimeout, though max_wait is shorter
+    with pytest.raises(TaskRevokedError):
+        late.get(timeout=TIMEOUT)
+    assert revoked_signal(fleet, late.id) == {"id": late.id, "expired": True, "terminated": False}
+
+
 def test_expiry_fails_a_chord_as_with_celery(fleet: CanvasFleet) -> None:
     # A chord whose header task expires before its slot: the chord fails (ChordError), as
     # when Celery's worker revokes an expired header task

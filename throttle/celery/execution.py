@@ -39,10 +39,13 @@ class Execution:
     targets: list[Target] = field(default_factory=list)
     """Each rule's (limit in force, key, cost); empty until the gate evaluates them."""
     deadline: float | None = None
-    """Epoch s on the Redis clock: past it, ``on_timeout`` applies (or the task expires,
-    when the deadline is its ``expires``)."""
+    """Epoch s on the Redis clock, the earlier of ``timeout_at`` and ``expires``: no slot
+    is reserved past it."""
+    timeout_at: float | None = None
+    """The ``max_wait`` deadline (epoch s, Redis clock): past it, ``on_timeout`` applies."""
     expires: float | None = None
-    """The task's ``expires`` in epoch s on the Redis clock, or None."""
+    """The task's ``expires`` (epoch s, Redis clock): a task that cannot run before it
+    expires (revoked, as Celery does)."""
 
     @functools.cached_property
     def request(self) -> Any:

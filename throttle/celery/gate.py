@@ -95,8 +95,7 @@ class Gate:
             )  # fmt: skip
             restore_eta(execution)
             now = time.time()
-            execution.expires = expires_of(execution)
-            execution.deadline = deadline_of(execution)
+            set_deadlines(execution)
             if execution.eager:
                 return self._block()
             ticket = self._decide(now)
@@ -280,19 +279,32 @@ def restore_eta(execution: Execution) -> None:
         execution.request.eta = saved[0]
 
 
+def set_deadlines(execution: Execution) -> None:
+    """Set the execution's ``timeout_at`` (:func:`timeout_of`), ``expires``
+    (:func:`expires_of`) and ``deadline``, the earlier of the two."""
+    execution.timeout_at = timeout_of(execution)
+    execution.expires = expires_of(execution)
+    execution.deadline = _earliest(execution.timeout_at, execution.expires)
+
+
 def deadline_of(execution: Execution) -> float | None:
-    """The execution's deadline on the Redis clock (epoch s), which any worker reads the
-    same whatever its own clock: its ``throttle_deadline`` header (set at its first
-    deferral), else now + the shortest ``max_wait`` of its rules; and never past the task's
-    ``expires`` (:func:`expires_of`)."""
-    clock = execution.throttler.clock
+    """The execution's deadline on the Redis clock (epoch s): the earlier of its
+    ``max_wait`` deadline and its ``expires``."""
+    return _earliest(timeout_of(execution), expires_of(execution))
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def timeout_of(execution: Execution) -> float | None:
+    """The execution's ``max_wait`` deadline on the Redis clock (epoch s), which any worker
+    reads the same whatever its own clock: its ``throttle_deadline`` header (set at its
+    first deferral), else now + the shortest ``max_wait`` of its rules; None without one."""
     deadline = deadline_header(execution.message_headers)
     if deadline is None:
         waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
-        deadline = clock.now() + min(waits) if waits else None
-    expires = expires_of(execution)
-    if expires is not None:
-        deadline = expires if deadline is None else min(deadline, expires)
+        deadline = execution.throttler.clock.now() + min(waits) if waits else None
     return deadline
 
 

@@ -17,7 +17,8 @@ from typing import Any
 from throttle.units import real
 
 H_DEADLINE = "throttle_deadline"
-"""Epoch s: past it, ``on_timeout`` applies."""
+"""Epoch s on the Redis clock, the task's ``max_wait`` deadline: past it, ``on_timeout``
+applies (its ``expires`` is read from the message itself)."""
 H_DEFERRALS = "throttle_deferrals"
 """How many times throttling re-published the task."""
 H_PARKED = "throttle_parked"

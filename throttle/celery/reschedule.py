@@ -80,8 +80,8 @@ def defer(
     countdown_s = max(countdown_s, 0.0)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
     headers[H_ETA] = saved_eta(execution)
-    if execution.deadline is not None:
-        headers[H_DEADLINE] = execution.deadline
+    if execution.timeout_at is not None:
+        headers[H_DEADLINE] = execution.timeout_at
     else:
         headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
     count = headers[H_DEFERRALS] = count_header(headers) + 1
@@ -137,13 +137,12 @@ def saved_eta(execution: Execution) -> list[Any]:
 
 
 def time_out(execution: Execution, now: float, needed_s: float, decision: Decision) -> NoReturn:
-    """The task would wait past its deadline. When that deadline is its ``expires``, the
-    task expired (:func:`expire`); else (``max_wait``) fail it with ThrottleTimeout, or send
-    it to the dead-letter queue of its rule's ``on_timeout`` (once: never from that
-    queue)."""
+    """The task would wait ``needed_s`` from ``now``, past its deadline. If that is past its
+    ``expires``, the task expires (:func:`expire`: it could never run); else (past
+    ``max_wait``) fail it with ThrottleTimeout, or send it to the dead-letter queue of its
+    rule's ``on_timeout`` (once: never from that queue)."""
     limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
-    expires = execution.expires
-    if expires is not None and execution.deadline is not None and expires <= execution.deadline:
+    if execution.expires is not None and now + needed_s > execution.expires:
         expire(execution, limits)
     left = max((execution.deadline or now) - now, 0.0)
     rules = [r for r in execution.rules if r.name in decision.denied_by] or list(execution.rules)

@@ -22,7 +22,7 @@ from throttle.celery.execution import (
     enter_ticket,
     leave_ticket,
 )
-from throttle.celery.gate import Gate, deadline_of, expires_of
+from throttle.celery.gate import Gate, set_deadlines
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler, throttling_enabled
 from throttle.celery.settle import settle
@@ -188,8 +188,7 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
     if task.request.is_eager or task.request.called_directly:
         raise Throttled(countdown_s, names)
     execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
-    execution.expires = expires_of(execution)
-    execution.deadline = deadline_of(execution)
+    set_deadlines(execution)
     states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
     denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
     if execution.deadline is not None:
