@@ -915,7 +915,7 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
         until = float(trail.get("until", "0"))
         out.update(limits=limits, at=float(trail.get("at", "0")), until=round(until, 3))
         how = trail.get("how")
-        if how in ("fail", "dead_letter"):
+        if how in ("fail", "dead_letter", "expired"):
             return {**out, "state": "timed_out", "action": how}
         holds = limiter.holds()
         for name in limits:

@@ -230,7 +230,7 @@ def _build() -> _Instruments:
         ),
         timeouts=counter(
             "throttle_timeouts",
-            "Tasks whose throttle deadline passed, by action: fail or dead_letter",
+            "Tasks whose throttle deadline passed, by action: fail, dead_letter or expired",
             "action",
         ),
         refunded=counter("throttle_refunded_tokens", "Reserved cost given back on settle"),

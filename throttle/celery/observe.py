@@ -46,7 +46,8 @@ class Observer:
         parked (``"park"``), for the ``count``-th time, held by ``limits``."""
 
     def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
-        """The task passed its deadline: ``action`` is ``"fail"`` or ``"dead_letter"``."""
+        """The task passed its deadline: ``action`` is ``"fail"``, ``"dead_letter"`` or
+        ``"expired"`` (its ``expires`` came before its slot: revoked)."""
 
     def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
         """An acquisition was settled: each limit's refund (< 0) or extra charge (> 0)."""
@@ -135,10 +136,10 @@ TRAIL_TIMEOUT_S = 86400.0
 
 class TaskTrailReporter(Observer):
     """Per task, the last deferral or time out: a small HASH (``KeySpace.task_key``) with
-    ``how`` (``republish``, ``park``, ``fail``, ``dead_letter``), ``limits`` (JSON list),
-    ``at`` and ``until`` (epoch s on the Redis clock, as :class:`RedisClock` estimates it)
-    and ``deferrals``. It expires :data:`TRAIL_AFTER_S` after ``until`` (a time out:
-    after :data:`TRAIL_TIMEOUT_S`), so the trail of a busy fleet stays bounded by its
+    ``how`` (``republish``, ``park``, ``fail``, ``dead_letter``, ``expired``), ``limits``
+    (JSON list), ``at`` and ``until`` (epoch s on the Redis clock, as :class:`RedisClock`
+    estimates it) and ``deferrals``. It expires :data:`TRAIL_AFTER_S` after ``until`` (a
+    time out: after :data:`TRAIL_TIMEOUT_S`), so the trail of a busy fleet stays bounded by its
     traffic of that long. One pipelined round trip per deferral; a failed write is lost
     (logged at debug level by :class:`Observers`), never the task."""
 
