@@ -85,6 +85,7 @@ class Gate:
 
     def enter(self) -> Ticket | None:
         execution = self.execution
+        restore_eta(execution)  # first: a copy re-published during an outage keeps it too
         if not execution.rules:
             return None
         try:
@@ -93,7 +94,6 @@ class Gate:
                 execution.rules, execution.fn, execution.args, execution.kwargs,
                 execution.throttler.rates.current,
             )  # fmt: skip
-            restore_eta(execution)
             now = time.time()
             set_deadlines(execution)
             if execution.eager:
