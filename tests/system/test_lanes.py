@@ -33,7 +33,7 @@ settings:
   park_lead: 0.2s
   late_tolerance: 5s
 limits:
-  celery: {algorithm: gcra, rate: 20/s, burst: 1}
+  celery: {algorithm: gcra, rate: 10/s, burst: 1}  # 20 runs of retry_once: 2 s of slots
   eta: {algorithm: gcra, rate: 2/s, burst: 1, key: "{k}"}
   fast: {algorithm: gcra, rate: 5/s, burst: 1, key: "{k}"}
   hourly: {algorithm: gcra, rate: 1/h, burst: 1, key: "{k}"}
