@@ -38,7 +38,15 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup
+# Celery's own sdist at the pinned version: tests/system/test_celery_suite.py runs a selection
+# of its integration tests (t/integration) under a binding limit.
+CELERY_VERSION := $(shell sed -n 's/^celery==//p' constraints.txt)
+CELERY_SDIST := $(VENV)/celery-$(CELERY_VERSION).tar.gz
+
+$(CELERY_SDIST): constraints.txt | $(STAMP)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV) celery==$(CELERY_VERSION)
+
+pytest: setup $(CELERY_SDIST)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck docs-check pytest
