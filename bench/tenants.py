@@ -32,9 +32,10 @@ from typing import Any
 import redis
 from celery import Celery
 
+from bench.celery_fleet import ApiProcess
 from bench.checkout import checkout
 from tests.support.servers import RedisServer
-from workers.harness import ROOT, start_api
+from workers.harness import ROOT
 from workers.stack import worker_argv
 
 APP = "tests.apps.tenants_app"
@@ -108,9 +109,9 @@ def allowed_calls(start: float, a_end: float, b_start: float, b_end: float) -> f
 
 
 def tenants_run(
-    producer: Celery, client: redis.Redis, api: Any, args: argparse.Namespace
+    producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
 ) -> dict[str, Any]:
-    api.api.reset()
+    api.reset()
     start = redis_now(client)
     flood = [producer.send_task(f"{APP}.call", args=("A", n)) for n in range(args.flood)]
     while redis_now(client) < start + args.after or client.llen(QUEUE):
@@ -125,18 +126,18 @@ def tenants_run(
     used = allowed_calls(a[0], a[-1], sent, b[-1])
     return {
         "b_p50": statistics.median(waits), "b_p95": p(waits, 0.95), "b_excess_p95": p(excess, 0.95),
-        "shared_use": len(a + b) / used, "refused": api.api.stats()["violations"],
+        "shared_use": len(a + b) / used, "refused": api.get("/stats")["violations"],
         "twice": sum(r["runs"] > 1 for r in done), "span": a[-1] - a[0],
     }  # fmt: skip
 
 
 def baseline_run(
-    producer: Celery, client: redis.Redis, api: Any, args: argparse.Namespace
+    producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
 ) -> dict[str, Any]:
-    api.api.reset()
+    api.reset()
     handles = [producer.send_task(f"{APP}.solo", args=(n,)) for n in range(args.baseline)]
     done = [h.get(timeout=args.timeout) for h in handles]
-    arrivals = api.api.arrivals_json()
+    arrivals = api.get("/arrivals")
     span = arrivals[-1]["at_s"] - arrivals[0]["at_s"]
     allowed = sum(x["allowed"] for x in arrivals)
     return {
@@ -168,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             trees[f"before ({args.before})"] = stack.enter_context(
                 checkout(args.before, "tests/apps/tenants_app.py")
             )
-        api = start_api(API_RATE, API_BURST)
+        # Its own process: the API stamps arrivals on time while this one waits for results.
+        api = ApiProcess(API_RATE, API_BURST, logs / "api.log")
         stack.callback(api.stop)
         for version, tree in trees.items():
             with RedisServer() as server:

@@ -253,7 +253,11 @@ class Gate:
             now = execution.throttler.clock.now()
             if now + wait > execution.deadline:
                 time_out(execution, now, wait, decision)
-        defer(execution, wait - EARLY_S, wait, decision, slot=True, planned=True)
+        # Back half a sleep early: it then reserves its real slots (within sleep_max) and
+        # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
+        # its keyed limit's slot unused.
+        defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
+              planned=True)  # fmt: skip
 
     def _plan_horizon(self) -> float:
         horizon = MAX_RESERVE_S
