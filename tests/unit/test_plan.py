@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from throttle import Limit
 from throttle.celery.plan import plan_limit, plan_of
+from throttle.rules import Rule
 
 TENANT = Limit.parse("15/s burst 1", name="tenant", algorithm="gcra")
 SHARED = Limit.parse("19.8/s burst 1", name="shared", algorithm="gcra")
@@ -34,3 +35,18 @@ def test_one_step_without_a_keyed_and_a_shared_limit_or_with_concurrency() -> No
     assert plan_of([(SHARED, None, 1.0), (WINDOW, None, 1.0)]) is None
     assert plan_of([(TENANT, "a", 1.0), (TENANT, "b", 1.0)]) is None
     assert plan_of([(TENANT, "a", 1.0), (SHARED, None, 1.0), (SLOTS, None, 1.0)]) is None
+
+
+def test_a_limit_keyed_by_fewer_arguments_is_shared() -> None:
+    org = Limit.parse("50/s burst 1", name="org", algorithm="gcra")
+    rules = [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{org}")]
+    targets = [(TENANT, "acme:ann", 1.0), (org, "acme", 1.0)]
+    plan = plan_of(targets, rules)
+    assert plan is not None
+    assert plan.plan == [(plan_limit(TENANT), "acme:ann", 1.0)]
+    assert plan.due == targets
+    # The same arguments, or a key from a callable: neither is coarser, one step.
+    same = [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{user}:{org}")]
+    assert plan_of(targets, same) is None
+    called = [Rule(TENANT, key=lambda org, user: f"{org}:{user}"), Rule(org, key="{org}")]
+    assert plan_of(targets, called) is None

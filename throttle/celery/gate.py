@@ -171,7 +171,7 @@ class Gate:
         task comes back later (raises)."""
         late_tolerance = self.settings.late_tolerance_s
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
-        self.plan = plan_of(self.execution.targets)
+        self.plan = plan_of(self.execution.targets, self.execution.rules)
         planned = False
         if self.plan is not None:
             planned = self.execution.message_headers.get(H_PLANNED) == 1

@@ -19,22 +19,23 @@ the shared rate goes unused. Instead:
 Only the near future is reserved on the real limits, so every limit keeps its own shape
 (the slot of several limits is the earliest at which all conform) and the shared limit is
 free for any key whose own limit lets it run. Applies when a task has at least one keyed
-token bucket or GCRA limit and one unkeyed limit, and no concurrency limit (a concurrency
-unit is never held while waiting, so nothing is reserved far ahead there). A limit keyed
-by a coarser key than another (per organisation above per user) is not recognised as
-shared: both reserve as before. Trade-offs: a plan is not refunded when a task settles
-for less, is revoked or times out (its tasks then come back a little late and acquire for
-real then); the tasks of one key are taken in plan order only approximately (one that
-comes back later than planned may be overtaken).
+token bucket or GCRA limit and one shared limit (unkeyed, or keyed by fewer of the task's
+arguments than another: ``{org}`` beside ``{org}:{user}``), and no concurrency limit (a
+concurrency unit is never held while waiting, so nothing is reserved far ahead there).
+Trade-offs: a plan is not refunded when a task settles for less, is revoked or times out
+(its tasks then come back a little late and acquire for real then); the tasks of one key
+are taken in plan order only approximately (one that comes back later than planned may be
+overtaken).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from throttle.rules import Target
+from throttle.rules import Rule, Target
 from throttle.spec import Algorithm, Limit
 
 PLAN_SUFFIX = ".plan"
@@ -61,13 +62,29 @@ def plan_limit(limit: Limit) -> Limit:
     return dataclasses.replace(limit, name=limit.name + PLAN_SUFFIX)
 
 
-def plan_of(targets: list[Target]) -> Plan | None:
-    """The plan of a task's targets, or None when it acquires in one step (one limit, no
-    keyed token bucket or GCRA limit, no unkeyed limit, or a concurrency limit)."""
+def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
+    """The plan of a task's targets (``rules``: the rules they were evaluated from, in the
+    same order), or None when it acquires in one step: no concurrency limit, and at least
+    one narrow keyed token bucket or GCRA limit and one shared limit.
+
+    Shared: unkeyed, or keyed by a template that reads a strict subset of the arguments
+    another limit's template reads (``{org}`` beside ``{org}:{user}``). A key from a
+    callable is compared with nothing: narrow."""
     if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in targets):
         return None
-    keyed = [t for t in targets if t[1] is not None and t[0].algorithm in _RESERVING]
-    if not keyed or not any(key is None for _, key, _ in targets):
+    fields: list[frozenset[str] | None] = [None] * len(targets)
+    if len(rules) == len(targets):
+        fields = [
+            frozenset(rule.key_fields) if rule.key_template is not None else None for rule in rules
+        ]
+    templated = [f for f in fields if f is not None]
+
+    def shared(i: int) -> bool:
+        mine = fields[i]
+        return targets[i][1] is None or (mine is not None and any(mine < f for f in templated))
+
+    narrow = [t for i, t in enumerate(targets) if not shared(i) and t[0].algorithm in _RESERVING]
+    if not narrow or not any(shared(i) for i in range(len(targets))):
         return None
-    plans = [(plan_limit(limit), key, cost) for limit, key, cost in keyed]
+    plans = [(plan_limit(limit), key, cost) for limit, key, cost in narrow]
     return Plan(admit=[*targets, *plans], plan=plans, due=list(targets))
