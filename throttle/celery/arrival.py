@@ -12,6 +12,8 @@ slots). So every lead is derived from ``sleep_max``:
 - an ETA message (waits up to ``park_after``) is due :func:`eta_lead_s` before the slot:
   :data:`EARLY_S`, at most half of ``sleep_max``; Celery's worker holds an ETA message until
   it is due on its clock, never before;
+- a task coming back for its plan (:mod:`throttle.celery.plan`) is due half of
+  ``sleep_max`` before the time its plan gave;
 - a parked task is due :func:`park_lead_s` before its slot (``park_lead``, at most half of
   ``sleep_max``) and the releaser publishes it up to one poll, :func:`release_poll_s` (at
   most a quarter of ``sleep_max``), earlier.

@@ -32,6 +32,10 @@ H_ETA = "throttle_eta"
 producer's ISO 8601 string, or None) and its ``retries`` then. The re-published message has
 the throttler's own ETA (or none); the gate restores this one into ``request.eta`` while
 ``retries`` is unchanged (a Celery ``retry`` since has an ETA of its own)."""
+H_PLANNED = "throttle_planned"
+"""1 when the task holds a plan on its keyed limits (see :mod:`throttle.celery.plan`): it
+acquires its limits for real when it comes back. Forged, it only skips the plan, which is
+advisory: the real acquisition still takes every limit."""
 
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
