@@ -725,6 +725,11 @@ class MemoryRedis:
 
     _park = _claim_parked = _commit_parked = _purge_parked = _unsupported
 
+    def _adapt(self, code: str | None, keys: list[str], args: list[Any]) -> Any:
+        # Nothing is learned in memory (no upstream answers an eager test): the limit's
+        # rate in force, no decrease, no persisting refusals.
+        return f"{float(args[2]):.6f} 0 0 0"
+
 
 class _Pipeline:
     """The pipelines of :class:`throttle.stats.StatsBook` and ``ParkingLot.counts``."""
@@ -783,6 +788,7 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
         "commit_parked",
         "accept_parked",
         "purge_parked",
+        "adapt",
     ):
         known[operation_source(operation)] = (operation, None)
     return known

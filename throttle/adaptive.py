@@ -1,0 +1,313 @@
+"""Adaptive limits: the rate of an upstream that does not announce it, learned from its
+answers; and refusals answered in proportion.
+
+Many APIs answer ``429 Retry-After: 1`` and nothing else. A limit with ``adaptive: true``
+keeps, fleet-wide in Redis, a *learned rate* between its ``floor`` and its configured rate
+(the ceiling), updated atomically (``lua/adapt.lua``, on the Redis clock) by the workers
+that see the answers:
+
+* a refusal lowers it by the factor ``decrease`` (default 0.7), once per refusal
+  *episode*: the refusals of the next :data:`EPISODE_S` after a decrease are of calls
+  scheduled at the old rate (already in flight, or sleeping to slots reserved before it)
+  and are no new evidence;
+* successes let it probe back up, CUBIC-style (RFC 9438): quickly at first, flat near the
+  rate that was refused (reached after ``recover``, default 10 s of successes), then ever
+  faster above it, in case the upstream raised its limit;
+* a rate the upstream states (``RateLimit-Policy``...) replaces it: stated headers win.
+
+The learned rate feeds the limiter as a run-time rate does (:mod:`throttle.rates`): the
+rate in force is the lower of the two, never above the configured rate, never below the
+floor. Each process caches it for ``settings.refresh``, and every answer it reports
+refreshes the cache with the fleet's current value (one round trip per call of an
+adaptive limit: the price of learning).
+
+Every refusal, adaptive or not, is counted per limit (and key), so that the upstream hook
+(:func:`throttle.upstream.report_upstream`) can tell a refusal that *persists* (at least
+:data:`PERSIST_COUNT` within :data:`PERSIST_S` on the Redis clock, fleet-wide) from one
+that jitter explains; see :func:`throttle.upstream.report_upstream` for what each gets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from throttle.errors import ConfigError
+from throttle.redis.client import RedisClient, run_script, wrap_errors
+from throttle.redis.keys import KeySpace, decode_hold_field
+from throttle.redis.scripts import operation_source
+from throttle.spec import Algorithm, Limit
+from throttle.units import parse_duration, real
+
+__all__ = [
+    "ADAPTIVE_FIELDS",
+    "EPISODE_S",
+    "PERSIST_COUNT",
+    "PERSIST_S",
+    "Adaptive",
+    "Learned",
+    "LearnedRates",
+    "learned_limit",
+    "parse_adaptive",
+]
+
+EPISODE_S = 1.0
+"""A refusal episode, in s: after a decrease, refusals this long are of the same episode
+(calls in flight when the first 429 came, and slots reserved within ``sleep_max`` at the
+old rate) and do not decrease the rate again."""
+PERSIST_COUNT = 3
+"""Refusals *persist* when at least this many of one limit (and key) come ...
+"""
+PERSIST_S = 1.0
+"""... within this many seconds (a window opened by the first refusal after the last
+window ended), fleet-wide on the Redis clock. Fewer are what scheduling jitter makes
+against a strict upstream: a call a few ms early, once in a while."""
+STATE_TTL_S = 86400.0
+"""A learned state is forgotten after a day without an answer (the rate starts again from
+the configured one)."""
+GAP_S = 1.0
+"""Probing time counts successes' gaps up to this long: an idle fleet learns nothing."""
+ADAPTIVE_FIELDS = ("adaptive", "floor", "decrease", "recover")
+"""The fields of a limits file's entry that make and tune an adaptive limit."""
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """How a limit learns its rate: the ``adaptive: true`` fields of a limits file.
+
+    Parameters
+    ----------
+    floor_per_s:
+        The learned rate never goes below this (per s). ``None``: a tenth of the limit's
+        configured rate.
+    decrease:
+        The factor a refusal episode multiplies the rate by (0 < f < 1). Lower reacts
+        faster to a drop and wastes more of the upstream's rate after each refusal.
+    recover_s:
+        Seconds of successes to climb back to the rate that was refused. Longer: fewer
+        refusals while the upstream is steady (about one per ``recover`` s), slower to
+        follow a rise.
+    """
+
+    floor_per_s: float | None = None
+    decrease: float = 0.7
+    recover_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.floor_per_s is not None and not (0 < self.floor_per_s < math.inf):
+            raise ConfigError("must be a rate > 0", field="floor", value=self.floor_per_s)
+        if not (0 < self.decrease < 1):
+            raise ConfigError(
+                "must be a number between 0 and 1 (exclusive)",
+                field="decrease", value=self.decrease,
+            )  # fmt: skip
+        if not (0 < self.recover_s < math.inf):
+            raise ConfigError("must be a duration > 0", field="recover", value=self.recover_s)
+
+    def floor_for(self, limit: Limit) -> float:
+        """The floor for ``limit`` (per s)."""
+        return limit.rate_per_s / 10 if self.floor_per_s is None else self.floor_per_s
+
+    def check(self, limit: Limit) -> None:
+        """This learning applied to ``limit``: a ConfigError for a concurrency limit (it
+        has no rate) or a floor above the configured rate."""
+        if limit.algorithm is Algorithm.CONCURRENCY:
+            raise ConfigError(
+                "a concurrency limit has no rate to learn", field="adaptive", value=True,
+                limit=limit.name,
+            )  # fmt: skip
+        if self.floor_per_s is not None and self.floor_per_s > limit.rate_per_s:
+            raise ConfigError(
+                f"the floor ({self.floor_per_s:g}/s) is above the limit's rate, its ceiling "
+                f"({limit.rate_per_s:g}/s)",
+                field="floor", value=self.floor_per_s, limit=limit.name,
+            )  # fmt: skip
+
+
+def parse_adaptive(
+    config: Mapping[str, Any], limit: Limit, *, source: str | None = None
+) -> Adaptive | None:
+    """The adaptive fields of a limits file's entry (:data:`ADAPTIVE_FIELDS`), validated
+    against ``limit``; None when the entry is not adaptive. ``floor`` is a rate (``"2/s"``),
+    ``decrease`` a number, ``recover`` a duration; any of them without ``adaptive: true``
+    is an error (it would silently do nothing)."""
+    name = limit.name
+
+    def bad(problem: str, field: str) -> ConfigError:
+        return ConfigError(problem, field=field, value=config[field], limit=name, source=source)
+
+    flag = config.get("adaptive", False)
+    if not isinstance(flag, bool):
+        raise bad("must be true or false", "adaptive")
+    if not flag:
+        for field in ADAPTIVE_FIELDS[1:]:
+            if field in config:
+                raise bad("applies only with adaptive: true", field)
+        return None
+    options: dict[str, float] = {}
+    if "floor" in config:
+        floor = config["floor"]
+        if not isinstance(floor, str):
+            raise bad("must be a rate such as '2/s'", "floor")
+        options["floor_per_s"] = Limit.parse(
+            floor, name=name, source=source, field="floor"
+        ).rate_per_s
+        if Limit.parse(floor, name=name).algorithm is Algorithm.CONCURRENCY:
+            raise bad("must be a rate such as '2/s'", "floor")
+    if "decrease" in config:
+        number = real(config["decrease"])
+        if number is None or not (0 < number < 1):
+            raise bad("must be a number between 0 and 1 (exclusive), such as 0.7", "decrease")
+        options["decrease"] = number
+    if "recover" in config:
+        seconds = parse_duration(config["recover"], field="recover", limit=name, source=source)
+        if seconds <= 0:
+            raise bad("must be a duration > 0, such as '10s'", "recover")
+        options["recover_s"] = seconds
+    adaptive = Adaptive(**options)
+    try:
+        adaptive.check(limit)
+    except ConfigError as exc:
+        raise ConfigError(
+            exc.problem, field=exc.field, value=config.get(exc.field or "", exc.value),
+            limit=name, source=source,
+        ) from None  # fmt: skip
+    return adaptive
+
+
+def learned_limit(limit: Limit, rate_per_s: float) -> Limit:
+    """``limit`` at ``rate_per_s`` when that is lower than its rate (same algorithm,
+    period and burst: the upstream's tolerance of bunched calls is not what was learned);
+    ``limit`` itself otherwise."""
+    if rate_per_s >= limit.rate_per_s * (1 - 1e-9):
+        return limit
+    return Limit(limit.name, limit.algorithm, rate_per_s * limit.period_s, limit.period_s,
+                 limit.burst)  # fmt: skip
+
+
+class Learned(NamedTuple):
+    """What :class:`LearnedRates` answered about one limit (and key)."""
+
+    rate_per_s: float
+    """The learned rate (the limit's rate in force, for a limit that is not adaptive)."""
+    decreased: bool
+    """This refusal started an episode: the rate was lowered."""
+    persist: bool
+    """The refusals persist (:data:`PERSIST_COUNT` within :data:`PERSIST_S`)."""
+    refusals: int
+    """Refusals counted in the current window."""
+
+
+def _learned(raw: Any) -> Learned:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    rate, decreased, persist, count = text.split()
+    return Learned(float(rate), decreased == "1", persist == "1", int(count))
+
+
+_MAX_CACHED = 4096
+
+
+class LearnedRates:
+    """The learned states of one namespace (``lua/adapt.lua``), and each process's cache of
+    the learned rates, refreshed every ``refresh_s`` and by every answer reported.
+
+    ``limit`` arguments are the limit in force before learning (the configured one, or a
+    rate set at run time): the ceiling. ``adaptive`` None counts refusals only.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        keyspace: KeySpace,
+        *,
+        refresh_s: float = 2.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        clock_us: Callable[[], int] | None = None,
+        episode_s: float = EPISODE_S,
+        persist_count: int = PERSIST_COUNT,
+        persist_s: float = PERSIST_S,
+    ) -> None:
+        self.client = client
+        self.keyspace = keyspace
+        self.refresh_s = refresh_s
+        self.episode_s = episode_s
+        self.persist_count = persist_count
+        self.persist_s = persist_s
+        self._monotonic = monotonic
+        self._clock_us = clock_us
+        self._script = client.register_script(operation_source("adapt"))
+        self._cache: dict[tuple[str, str | None], tuple[float, float]] = {}
+
+    def _call(
+        self,
+        event: str,
+        limit: Limit,
+        key: str | None,
+        adaptive: Adaptive | None,
+        stated: float | None = None,
+    ) -> Learned:
+        now = b"" if self._clock_us is None else self._clock_us()
+        learning = adaptive or Adaptive()
+        args = [
+            now, event, repr(limit.rate_per_s), "1" if adaptive else "0",
+            repr(learning.floor_for(limit)), repr(learning.decrease),
+            round(learning.recover_s * 1e6), round(self.episode_s * 1e6),
+            self.persist_count, round(self.persist_s * 1e6),
+            "" if stated is None else repr(stated), round(STATE_TTL_S * 1000),
+        ]  # fmt: skip
+        keys = [self.keyspace.learned_key(limit.name, key)]
+        learned = _learned(run_script(self.client, self._script, keys, args))
+        if adaptive is not None:
+            if len(self._cache) >= _MAX_CACHED:
+                self._cache.clear()
+            self._cache[(limit.name, key)] = (learned.rate_per_s, self._monotonic())
+        return learned
+
+    def refused(self, limit: Limit, key: str | None, adaptive: Adaptive | None) -> Learned:
+        """The upstream refused a call of ``limit`` (``key``): count it; an adaptive limit
+        lowers its rate when this starts an episode."""
+        return self._call("refuse", limit, key, adaptive)
+
+    def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
+        """The upstream served a call of an adaptive limit: probe up."""
+        return self._call("success", limit, key, adaptive)
+
+    def stated(
+        self, limit: Limit, key: str | None, adaptive: Adaptive, rate_per_s: float
+    ) -> Learned:
+        """The upstream stated its rate: the learned rate is that (within floor and
+        ceiling), and probing starts from it."""
+        return self._call("state", limit, key, adaptive, rate_per_s)
+
+    def read(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
+        """The learned rate, read afresh."""
+        return self._call("read", limit, key, adaptive)
+
+    def current(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Limit:
+        """``limit`` at its learned rate (re-read every ``refresh_s``)."""
+        cached = self._cache.get((limit.name, key))
+        if cached is None or self._monotonic() - cached[1] >= self.refresh_s:
+            rate = self.read(limit, key, adaptive).rate_per_s
+        else:
+            rate = max(cached[0], adaptive.floor_for(limit))
+        return learned_limit(limit, rate)
+
+    def states(self) -> dict[tuple[str, str | None], float]:
+        """The learned rates stored in the namespace: (limit, key or None) -> rate per s
+        (only states of adaptive limits that have learned something). For ``celery
+        throttle status`` and the metrics."""
+        found: dict[tuple[str, str | None], float] = {}
+        prefix = len(self.keyspace.base) + len("learned:")
+
+        def scan() -> None:
+            for name in self.client.scan_iter(match=self.keyspace.learned_pattern(), count=500):
+                text = name.decode() if isinstance(name, bytes) else str(name)
+                rate = self.client.hget(name, "r")
+                if rate is not None:
+                    found[decode_hold_field(text[prefix:])] = float(rate)
+
+        wrap_errors(scan)
+        return found
