@@ -1,0 +1,200 @@
+"""The learned state of adaptive limits (lua/adapt.lua) on a real Redis and the test clock:
+one decrease per refusal episode, probing up on successes, floor and ceiling, stated rates,
+persisting refusals, one state per limit and key."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from tests.support.clock import FakeClock
+from throttle import KeySpace, Limit
+from throttle.adaptive import EPISODE_S, PERSIST_COUNT, PERSIST_S, Adaptive, LearnedRates
+
+API = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
+LEARN = Adaptive(floor_per_s=2.0, decrease=0.5, recover_s=10.0)
+
+
+class FakeMonotonic:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def book(client: redis.Redis, prefix: str, clock: FakeClock) -> LearnedRates:
+    return LearnedRates(client, KeySpace(prefix, "ns"), clock_us=clock)
+
+
+def succeed_for(book: LearnedRates, clock: FakeClock, seconds: float, every_s: float = 0.1) -> float:
+    """Successes every ``every_s`` for ``seconds``; the learned rate after them."""
+    rate = 0.0
+    for _ in range(round(seconds / every_s)):
+        clock.advance(every_s)
+        rate = book.succeeded(API, None, LEARN).rate_per_s
+    return rate
+
+
+def test_a_fresh_limit_runs_at_its_ceiling(book: LearnedRates) -> None:
+    assert book.read(API, None, LEARN).rate_per_s == 20.0
+    assert book.succeeded(API, None, LEARN).rate_per_s == 20.0
+    assert book.current(API, None, LEARN) is API
+
+
+def test_the_refusals_of_one_episode_decrease_the_rate_once(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    # Given 12 tasks in flight at 20/s when the upstream starts refusing
+    first = book.refused(API, None, LEARN)
+    assert first.decreased and first.rate_per_s == pytest.approx(10.0)
+    # When the other refusals of the episode come in (within EPISODE_S)
+    answers = []
+    for _ in range(11):
+        clock.advance(EPISODE_S / 12)
+        answers.append(book.refused(API, None, LEARN))
+    # Then none decreases the rate again
+    assert not any(a.decreased for a in answers)
+    assert {round(a.rate_per_s, 6) for a in answers} == {10.0}
+    # and a refusal after the episode is new evidence: one more decrease
+    clock.advance(EPISODE_S)
+    again = book.refused(API, None, LEARN)
+    assert again.decreased and again.rate_per_s == pytest.approx(5.0)
+
+
+def test_successes_probe_back_up_to_the_refused_rate_in_recover_then_beyond(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    capped = Limit.parse("40/s burst 1", name="api", algorithm="gcra")
+    book.refused(capped, None, LEARN)  # refused at 40/s: 20/s now
+    clock.advance(EPISODE_S)
+    rates = []
+    for _ in range(20):  # 20 s of successes, 10 a second
+        rates.append(succeed_for_limit(book, clock, capped, 1.0))
+    # Quickly at first, flat near the refused rate after `recover` (10 s), then above it
+    assert rates[0] > 20.0 + 5.0
+    assert rates[8] == pytest.approx(40.0, abs=0.1)
+    assert all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+    assert rates[-1] == 40.0  # the ceiling, never above
+    assert book.current(capped, None, LEARN) is capped
+
+
+def succeed_for_limit(book: LearnedRates, clock: FakeClock, limit: Limit, seconds: float) -> float:
+    rate = 0.0
+    for _ in range(round(seconds / 0.1)):
+        clock.advance(0.1)
+        rate = book.succeeded(limit, None, LEARN).rate_per_s
+    return rate
+
+
+def test_successes_inside_the_episode_or_after_a_long_idle_gap_do_not_probe(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    book.refused(API, None, LEARN)
+    clock.advance(EPISODE_S / 2)
+    assert book.succeeded(API, None, LEARN).rate_per_s == pytest.approx(10.0)
+    clock.advance(EPISODE_S)  # half a second past the episode's end: probing since then
+    book.succeeded(API, None, LEARN)
+    # An hour idle counts as one second of probing (GAP_S), not an hour
+    clock.advance(3600.0)
+    after_idle = book.succeeded(API, None, LEARN).rate_per_s
+    assert after_idle == pytest.approx(20.0 - 10.0 * (1 - 1.5 / 10.0) ** 3, abs=1e-3)
+
+
+def test_the_rate_never_goes_below_the_floor(book: LearnedRates, clock: FakeClock) -> None:
+    rates = []
+    for _ in range(10):
+        rates.append(book.refused(API, None, LEARN).rate_per_s)
+        clock.advance(EPISODE_S)
+    assert min(rates) == 2.0
+    assert book.current(API, None, LEARN).rate_per_s == 2.0
+
+
+def test_the_default_floor_is_a_tenth_of_the_rate(book: LearnedRates, clock: FakeClock) -> None:
+    learn = Adaptive(decrease=0.1)
+    for _ in range(5):
+        book.refused(API, None, learn)
+        clock.advance(EPISODE_S)
+    assert book.read(API, None, learn).rate_per_s == pytest.approx(2.0)
+
+
+def test_a_stated_rate_wins_over_the_learned_one(book: LearnedRates, clock: FakeClock) -> None:
+    book.refused(API, None, LEARN)
+    # The upstream states 15/s: that is the rate, not the 10/s learned
+    assert book.stated(API, None, LEARN, 15.0).rate_per_s == 15.0
+    assert book.read(API, None, LEARN).rate_per_s == 15.0
+    # a stated rate above the ceiling is the ceiling, below the floor the floor
+    assert book.stated(API, None, LEARN, 99.0).rate_per_s == 20.0
+    assert book.stated(API, None, LEARN, 0.5).rate_per_s == 2.0
+    # and a refusal after it is a new episode (the statement ended the last one)
+    assert book.refused(API, None, LEARN).decreased
+
+
+def test_a_lower_ceiling_caps_the_learned_rate(book: LearnedRates) -> None:
+    book.refused(API, None, LEARN)  # 10/s learned under 20/s
+    operator = Limit.parse("8/s burst 1", name="api", algorithm="gcra")
+    assert book.read(operator, None, LEARN).rate_per_s == 8.0
+    assert book.current(operator, None, LEARN) is operator
+
+
+def test_each_key_learns_its_own_rate(book: LearnedRates, clock: FakeClock) -> None:
+    book.refused(API, "acme", LEARN)
+    assert book.read(API, "acme", LEARN).rate_per_s == pytest.approx(10.0)
+    assert book.read(API, "globex", LEARN).rate_per_s == 20.0
+    assert book.read(API, None, LEARN).rate_per_s == 20.0
+    assert book.states() == {("api", "acme"): pytest.approx(10.0)}
+
+
+def test_refusals_persist_at_the_count_within_the_window(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    # Refusals spread wider than the window never persist
+    for _ in range(10):
+        assert not book.refused(API, None, None).persist
+        clock.advance(PERSIST_S * 0.6)
+    clock.advance(PERSIST_S * 2)
+    # PERSIST_COUNT within the window do
+    answers = []
+    for _ in range(PERSIST_COUNT):
+        answers.append(book.refused(API, None, None))
+        clock.advance(PERSIST_S / (PERSIST_COUNT + 1))
+    assert [a.persist for a in answers] == [False] * (PERSIST_COUNT - 1) + [True]
+    assert [a.refusals for a in answers] == list(range(1, PERSIST_COUNT + 1))
+
+
+def test_a_limit_that_is_not_adaptive_counts_refusals_and_learns_nothing(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    answer = book.refused(API, None, None)
+    assert not answer.decreased and answer.rate_per_s == 20.0
+    assert book.states() == {}
+
+
+def test_the_cache_follows_the_fleet_within_refresh(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    monotonic = FakeMonotonic()
+    keyspace = KeySpace(prefix, "ns")
+    mine = LearnedRates(client, keyspace, clock_us=clock, monotonic=monotonic, refresh_s=2.0)
+    other = LearnedRates(client, keyspace, clock_us=clock)
+    assert mine.current(API, None, LEARN) is API
+    other.refused(API, None, LEARN)  # another worker saw the 429
+    assert mine.current(API, None, LEARN) is API  # cached
+    monotonic.now += 2.0
+    assert mine.current(API, None, LEARN).rate_per_s == pytest.approx(10.0)
+    # and a worker that reports an answer has the fleet's rate at once
+    other.refused(API, None, LEARN)  # same episode: unchanged
+    clock.advance(EPISODE_S)
+    other.refused(API, None, LEARN)
+    assert mine.succeeded(API, None, LEARN).rate_per_s == pytest.approx(5.0)
+    assert mine.current(API, None, LEARN).rate_per_s == pytest.approx(5.0)
+
+
+def test_the_learned_limit_keeps_algorithm_period_and_burst(book: LearnedRates) -> None:
+    hourly = Limit.parse("3600/h burst 5", name="api", algorithm="gcra")
+    learn = Adaptive(decrease=0.5)
+    book.refused(hourly, None, learn)
+    learned = book.current(hourly, None, learn)
+    assert (learned.algorithm, learned.period_s, learned.burst) == ("gcra", 3600.0, 5.0)
+    assert learned.rate_per_s == pytest.approx(0.5)
