@@ -8,8 +8,9 @@ import pytest
 import redis
 
 from tests.support.clock import FakeClock
-from throttle import KeySpace, Limit
+from throttle import KeySpace, Limit, Limiter
 from throttle.adaptive import EPISODE_S, PERSIST_COUNT, PERSIST_S, Adaptive, LearnedRates
+from throttle.upstream import UpstreamSignal, apply_upstream, parse_upstream, quota_spent
 
 API = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
 LEARN = Adaptive(floor_per_s=2.0, decrease=0.5, recover_s=10.0)
@@ -28,7 +29,9 @@ def book(client: redis.Redis, prefix: str, clock: FakeClock) -> LearnedRates:
     return LearnedRates(client, KeySpace(prefix, "ns"), clock_us=clock)
 
 
-def succeed_for(book: LearnedRates, clock: FakeClock, seconds: float, every_s: float = 0.1) -> float:
+def succeed_for(
+    book: LearnedRates, clock: FakeClock, seconds: float, every_s: float = 0.1
+) -> float:
     """Successes every ``every_s`` for ``seconds``; the learned rate after them."""
     rate = 0.0
     for _ in range(round(seconds / every_s)):
@@ -198,3 +201,102 @@ def test_the_learned_limit_keeps_algorithm_period_and_burst(book: LearnedRates) 
     learned = book.current(hourly, None, learn)
     assert (learned.algorithm, learned.period_s, learned.burst) == ("gcra", 3600.0, 5.0)
     assert learned.rate_per_s == pytest.approx(0.5)
+
+
+# -- the hook's answer to a refusal (apply_upstream with a learned book) ------------------
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        self.status_code, self.headers = status, headers
+
+
+JITTER = Response(429, {"Retry-After": "1"})
+"""What a strict upstream answers a call that came a few ms early: the rounded-up second."""
+
+
+def parse(status: int, headers: dict[str, str]) -> UpstreamSignal:
+    signal = parse_upstream(status, headers)
+    assert signal is not None
+    return signal
+
+
+@pytest.fixture
+def clocked_limiter(client: redis.Redis, prefix: str, clock: FakeClock) -> Limiter:
+    return Limiter(client, prefix=prefix, namespace="ns", clock_us=clock)
+
+
+def test_a_refusal_that_jitter_explains_holds_nothing(
+    clocked_limiter: Limiter, book: LearnedRates
+) -> None:
+    signal = apply_upstream(clocked_limiter, JITTER, API, learned=book)
+    assert signal is not None and signal.refused and signal.hold_s == 1.0
+    # The fleet goes on: no hold, the next slot is admitted
+    assert clocked_limiter.holds() == {}
+    assert clocked_limiter.acquire(API).allowed
+
+
+def test_persisting_refusals_hold_the_whole_limit(
+    clocked_limiter: Limiter, book: LearnedRates, clock: FakeClock
+) -> None:
+    for _ in range(PERSIST_COUNT - 1):
+        apply_upstream(clocked_limiter, JITTER, API, learned=book)
+        clock.advance(0.1)
+        assert clocked_limiter.holds() == {}
+    apply_upstream(clocked_limiter, JITTER, API, learned=book)
+    assert clocked_limiter.holds() == {("api", None): pytest.approx(1.0)}
+    assert not clocked_limiter.acquire(API).allowed
+
+
+def test_a_keyed_limit_persists_and_holds_per_key(
+    clocked_limiter: Limiter, book: LearnedRates
+) -> None:
+    for _ in range(PERSIST_COUNT - 1):
+        apply_upstream(clocked_limiter, JITTER, API, "acme", learned=book)
+    apply_upstream(clocked_limiter, JITTER, API, "globex", learned=book)
+    assert clocked_limiter.holds() == {}
+    apply_upstream(clocked_limiter, JITTER, API, "acme", learned=book)
+    assert set(clocked_limiter.holds()) == {("api", "acme")}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param({"Retry-After": "30"}, id="retry-after-far-beyond-the-spacing"),
+        pytest.param({"RateLimit-Remaining": "0", "RateLimit-Reset": "60"}, id="quota-spent"),
+        pytest.param({"X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "3600"}, id="hourly"),
+    ],
+)
+def test_a_refusal_that_says_the_quota_is_spent_holds_at_once(
+    clocked_limiter: Limiter, book: LearnedRates, headers: dict[str, str]
+) -> None:
+    signal = apply_upstream(clocked_limiter, Response(429, headers), API, learned=book)
+    assert signal is not None and signal.hold_s >= 30
+    assert clocked_limiter.holds() == {("api", None): pytest.approx(signal.hold_s)}
+
+
+def test_a_retry_after_within_a_slow_limits_spacing_is_not_a_spent_quota() -> None:
+    slow = Limit.parse("1/m burst 1", name="slow", algorithm="gcra")
+    assert not quota_spent(parse(429, {"Retry-After": "60"}), slow)
+    assert quota_spent(parse(429, {"Retry-After": "121"}), slow)
+    assert not quota_spent(parse(429, {"Retry-After": "2"}), API)
+    assert quota_spent(parse(429, {"Retry-After": "3"}), API)
+
+
+def test_an_adaptive_limit_learns_from_the_hook_and_a_stated_policy_wins(
+    clocked_limiter: Limiter, book: LearnedRates, clock: FakeClock
+) -> None:
+    apply_upstream(clocked_limiter, JITTER, API, learned=book, adaptive=LEARN)
+    assert book.read(API, None, LEARN).rate_per_s == pytest.approx(10.0)
+    assert clocked_limiter.holds() == {}
+    clock.advance(EPISODE_S + 1.0)
+    apply_upstream(clocked_limiter, Response(200, {}), API, learned=book, adaptive=LEARN)
+    assert book.read(API, None, LEARN).rate_per_s > 10.0
+    stated = Response(200, {"RateLimit-Policy": '"default";q=15;w=1'})
+    apply_upstream(clocked_limiter, stated, API, learned=book, adaptive=LEARN)
+    assert book.read(API, None, LEARN).rate_per_s == 15.0
+
+
+def test_without_a_learned_book_every_refusal_holds_as_before(clocked_limiter: Limiter) -> None:
+    apply_upstream(clocked_limiter, JITTER, API)
+    assert clocked_limiter.holds() == {("api", None): pytest.approx(1.0)}
