@@ -4,6 +4,8 @@ persisting refusals, one state per limit and key."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import redis
 
@@ -27,17 +29,6 @@ class FakeMonotonic:
 @pytest.fixture
 def book(client: redis.Redis, prefix: str, clock: FakeClock) -> LearnedRates:
     return LearnedRates(client, KeySpace(prefix, "ns"), clock_us=clock)
-
-
-def succeed_for(
-    book: LearnedRates, clock: FakeClock, seconds: float, every_s: float = 0.1
-) -> float:
-    """Successes every ``every_s`` for ``seconds``; the learned rate after them."""
-    rate = 0.0
-    for _ in range(round(seconds / every_s)):
-        clock.advance(every_s)
-        rate = book.succeeded(API, None, LEARN).rate_per_s
-    return rate
 
 
 def test_a_fresh_limit_runs_at_its_ceiling(book: LearnedRates) -> None:
@@ -78,7 +69,7 @@ def test_successes_probe_back_up_to_the_refused_rate_in_recover_then_beyond(
     # Quickly at first, flat near the refused rate after `recover` (10 s), then above it
     assert rates[0] > 20.0 + 5.0
     assert rates[8] == pytest.approx(40.0, abs=0.1)
-    assert all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(rates))
     assert rates[-1] == 40.0  # the ceiling, never above
     assert book.current(capped, None, LEARN) is capped
 
