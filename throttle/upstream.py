@@ -467,10 +467,11 @@ def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
 
 def _answer(learned: LearnedRates, signal: UpstreamSignal, target: _Target) -> bool:
     """Count a refusal of ``target`` fleet-wide (an adaptive limit learns from it), and
-    decide whether the whole limit (its key) is held: only when the refusals persist or
-    the quota is spent. Otherwise the refused call is one that the limiter's schedule
-    explains (early or late by jitter): the refused task alone comes back after the
-    upstream's time, and the fleet goes on (an adaptive limit at its lowered rate)."""
+    decide whether the whole limit (its key) is held: when the refusals persist, the quota
+    is spent, or the limit is faster than the upstream's stated policy. Otherwise the
+    refused call is one that the limiter's schedule explains (early or late by jitter):
+    the refused task alone comes back after the upstream's time, and the fleet goes on
+    (an adaptive limit at its lowered rate)."""
     ceiling = target.ceiling or target.configured
     answer = learned.refused(ceiling, target.key, target.adaptive)
     if answer.decreased:
@@ -479,6 +480,9 @@ def _answer(learned: LearnedRates, signal: UpstreamSignal, target: _Target) -> b
             target.current.name, f" key {target.key!r}" if target.key else "",
             answer.rate_per_s, ceiling.rate_per_s,
         )  # fmt: skip
+    stated = signal.rate_per_s
+    if stated is not None and target.current.rate_per_s > stated * (1 + 1e-9):
+        return True  # the limit is above the upstream's word: not jitter, a wrong rate
     if answer.persist or quota_spent(signal, target.current):
         return True
     logger.debug(
@@ -600,8 +604,9 @@ def report_upstream(
       key as a whole. Reserved slots that fall inside the hold are voided when their tasks
       reach them, so the fleet stops at once, not after the slots already handed out.
       A refusal holds only when the upstream says its quota is spent (a hold longer than
-      :data:`PREEMPT_MIN_S` and :data:`SPENT_SPACINGS` spacings: :func:`quota_spent`) or
-      when refusals *persist*: the count of refusals of the limit (and key), fleet-wide on
+      :data:`PREEMPT_MIN_S` and :data:`SPENT_SPACINGS` spacings: :func:`quota_spent`),
+      when the limit is faster than the policy the upstream states, or when refusals
+      *persist*: the count of refusals of the limit (and key), fleet-wide on
       the Redis clock, reaches :data:`throttle.adaptive.PERSIST_COUNT` within
       :data:`throttle.adaptive.PERSIST_S`. Any other refusal is one that the limiter's
       schedule explains (a call a few ms early or late: jitter): the refused task alone

@@ -291,3 +291,17 @@ def test_an_adaptive_limit_learns_from_the_hook_and_a_stated_policy_wins(
 def test_without_a_learned_book_every_refusal_holds_as_before(clocked_limiter: Limiter) -> None:
     apply_upstream(clocked_limiter, JITTER, API)
     assert clocked_limiter.holds() == {("api", None): pytest.approx(1.0)}
+
+
+def test_a_limit_faster_than_the_stated_policy_holds_at_the_first_refusal(
+    clocked_limiter: Limiter, book: LearnedRates
+) -> None:
+    # Stated 10/s, the limit at 20/s: the refusal is not jitter, the rate is wrong
+    stated = Response(429, {"Retry-After": "1", "RateLimit-Policy": '"default";q=10;w=1'})
+    apply_upstream(clocked_limiter, stated, API, learned=book)
+    assert clocked_limiter.holds() == {("api", None): pytest.approx(1.0)}
+    # while a limit within the stated policy is answered in proportion
+    within = Response(429, {"Retry-After": "1", "RateLimit-Policy": '"default";q=20;w=1'})
+    other = Limit.parse("20/s burst 1", name="other", algorithm="gcra")
+    apply_upstream(clocked_limiter, within, other, learned=book)
+    assert set(clocked_limiter.holds()) == {("api", None)}
