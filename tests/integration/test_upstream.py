@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from tests.support.clock import FakeClock
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, RequestError, Throttled
+from throttle.adaptive import LearnedRates
 from throttle.celery import ThrottledTask, throttled
 from throttle.rates import RateBook
 from throttle.upstream import (
@@ -479,6 +480,7 @@ limits:
   api: {algorithm: gcra, rate: 19.6/s, burst: 1}
   solo: {algorithm: gcra, rate: 19.6/s, burst: 1}
   hurry: {algorithm: gcra, rate: 19.6/s, burst: 1, key: "{account}", max_wait: 0.5s}
+  learn: {algorithm: gcra, rate: 19.6/s, burst: 1, adaptive: true, floor: 2/s}
 """
 
 
@@ -637,3 +639,41 @@ def test_a_hold_beyond_the_tasks_max_wait_ends_it_with_throttle_timeout(fleet: F
     assert set(fleet.limiter.holds()) == {("hurry", "acct")}
     assert fleet.rates.overrides() == {}
     fleet.limiter.unhold("hurry", "acct")
+
+
+def test_an_adaptive_limit_learns_a_silent_drop_and_every_task_runs_once(fleet: Fleet) -> None:
+    # Given an API that says only "429 Retry-After: 1" (no rate-limit headers), and the
+    # fleet calling it at 19.6/s through an adaptive limit
+    from tests.apps.upstream_app import fetch_adaptive  # noqa: PLC0415
+
+    api = fleet.api.api
+    api.set_limit(20.0, 2.0)
+    api.reset()
+    api.retry_after_only = True
+    learned = LearnedRates(fleet.client, fleet.limiter.keyspace)
+    try:
+        handles = [fetch_adaptive.delay(n) for n in range(120)]
+        # When the API silently lowers its limit to 10/s after 2 s
+        api.set_limit_later(2.0, 10.0, 2.0)
+        done = [handle.get(timeout=90) for handle in handles]
+        states = learned.states()
+    finally:
+        api.retry_after_only = False
+        for name in fleet.client.scan_iter(match=fleet.limiter.keyspace.learned_pattern()):
+            fleet.client.delete(name)
+    # Then every task completed once, under its own id, without spending a retry
+    assert sorted(r["n"] for r in done) == list(range(120)), log_tail(fleet)
+    assert all(r["status"] == 200 and r["retries"] == 0 for r in done)
+    arrivals = api.arrivals_json()
+    allowed = collections.Counter(a["task_id"] for a in arrivals if a["allowed"])
+    assert allowed == {h.id: 1 for h in handles}
+    refused = fleet.refused_by_id()
+    assert sum(refused.values()) >= 1, "the API never refused: the drop was not seen"
+    assert all(r["runs"] == 1 + refused[r["id"]] for r in done)
+    # and the fleet learned a rate below the one configured, never set as a run-time rate
+    assert states[("learn", None)] < 19.6 * 0.9, states
+    assert "learn" not in fleet.rates.overrides()
+    print(
+        f"\nadaptive fleet: {len(arrivals)} calls, {sum(refused.values())} refused, "
+        f"learned {states[('learn', None)]:.2f}/s"
+    )
