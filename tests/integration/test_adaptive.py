@@ -8,10 +8,13 @@ import itertools
 
 import pytest
 import redis
+from celery import Celery
 
 from tests.support.clock import FakeClock
-from throttle import KeySpace, Limit, Limiter
+from throttle import KeySpace, Limit, Limiter, metrics
 from throttle.adaptive import EPISODE_S, PERSIST_COUNT, PERSIST_S, Adaptive, LearnedRates
+from throttle.celery import Throttler
+from throttle.celery.exporter import fleet_state
 from throttle.upstream import UpstreamSignal, apply_upstream, parse_upstream, quota_spent
 
 API = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
@@ -305,3 +308,39 @@ def test_a_limit_faster_than_the_stated_policy_holds_at_the_first_refusal(
     other = Limit.parse("20/s burst 1", name="other", algorithm="gcra")
     apply_upstream(clocked_limiter, within, other, learned=book)
     assert set(clocked_limiter.holds()) == {("api", None)}
+
+
+# -- visible: the metrics ------------------------------------------------------------------
+
+
+def test_the_metrics_show_the_learned_rate_next_to_the_configured_one(
+    redis_url: str, prefix: str
+) -> None:
+    # Given a Celery app whose limits file has an adaptive limit, and one refusal of it
+    app = Celery("adaptive_metrics", set_as_current=False)
+    app.conf.throttle_config = {
+        "settings": {"prefix": prefix, "metrics": True},
+        "limits": {
+            "learner": {"algorithm": "gcra", "rate": "20/s", "burst": 1, "adaptive": True},
+            "plain": {"rate": "5/s"},
+        },
+    }
+    app.conf.throttle_redis_url = redis_url
+    throttler = Throttler.of(app)
+    try:
+        rule = throttler.config.rules["learner"]
+        assert rule.adaptive is not None
+        throttler.learned.refused(rule.limit, None, rule.adaptive)
+        # When the metrics are scraped
+        collector = metrics.ThrottleCollector(lambda: [], lambda: fleet_state(app))
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in collector.collect()
+            for sample in family.samples
+        }
+    finally:
+        throttler.limiter.client.close()
+    # Then the learned rate shows beside the configured one, for the adaptive limit only
+    assert samples[("throttle_configured_rate", (("limit", "learner"),))] == 20.0
+    assert samples[("throttle_learned_rate", (("limit", "learner"),))] == pytest.approx(14.0)
+    assert ("throttle_learned_rate", (("limit", "plain"),)) not in samples
