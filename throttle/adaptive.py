@@ -45,6 +45,7 @@ from throttle.units import parse_duration, real
 __all__ = [
     "ADAPTIVE_FIELDS",
     "EPISODE_S",
+    "MAX_EPISODE_S",
     "PERSIST_COUNT",
     "PERSIST_S",
     "Adaptive",
@@ -55,9 +56,14 @@ __all__ = [
 ]
 
 EPISODE_S = 1.0
-"""A refusal episode, in s: after a decrease, refusals this long are of the same episode
-(calls in flight when the first 429 came, and slots reserved within ``sleep_max`` at the
-old rate) and do not decrease the rate again."""
+"""The shortest refusal episode, in s: after a decrease, refusals this long are of the same
+episode and do not decrease the rate again. The hook makes it longer by the limit's
+reservation depth when the first 429 came (the slots already handed out at the old rate,
+up to :data:`MAX_EPISODE_S`): those calls were scheduled before the decrease, their
+refusals are no new evidence."""
+MAX_EPISODE_S = 10.0
+"""The longest refusal episode, in s: a backlog that reserved slots further ahead at the
+old rate meets its refusals while the rate stays put (and holds, when they persist)."""
 PERSIST_COUNT = 3
 """Refusals *persist* when at least this many of one limit (and key) come ...
 """
@@ -248,13 +254,15 @@ class LearnedRates:
         key: str | None,
         adaptive: Adaptive | None,
         stated: float | None = None,
+        episode_s: float | None = None,
     ) -> Learned:
         now = b"" if self._clock_us is None else self._clock_us()
+        episode = self.episode_s if episode_s is None else episode_s
         learning = adaptive or Adaptive()
         args = [
             now, event, repr(limit.rate_per_s), "1" if adaptive else "0",
             repr(learning.floor_for(limit)), repr(learning.decrease),
-            round(learning.recover_s * 1e6), round(self.episode_s * 1e6),
+            round(learning.recover_s * 1e6), round(episode * 1e6),
             self.persist_count, round(self.persist_s * 1e6),
             "" if stated is None else repr(stated), round(STATE_TTL_S * 1000),
         ]  # fmt: skip
@@ -266,10 +274,21 @@ class LearnedRates:
             self._cache[(limit.name, key)] = (learned.rate_per_s, self._monotonic())
         return learned
 
-    def refused(self, limit: Limit, key: str | None, adaptive: Adaptive | None) -> Learned:
+    def refused(
+        self,
+        limit: Limit,
+        key: str | None,
+        adaptive: Adaptive | None,
+        *,
+        reserved_s: float = 0.0,
+    ) -> Learned:
         """The upstream refused a call of ``limit`` (``key``): count it; an adaptive limit
-        lowers its rate when this starts an episode."""
-        return self._call("refuse", limit, key, adaptive)
+        lowers its rate when this starts an episode, which then lasts ``episode_s`` +
+        ``reserved_s`` (how far ahead slots are reserved now), at most
+        :data:`MAX_EPISODE_S`."""
+        reserved = reserved_s if math.isfinite(reserved_s) and reserved_s > 0 else 0.0
+        episode = min(self.episode_s + reserved, max(MAX_EPISODE_S, self.episode_s))
+        return self._call("refuse", limit, key, adaptive, episode_s=episode)
 
     def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
         """The upstream served a call of an adaptive limit: probe up."""

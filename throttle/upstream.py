@@ -465,7 +465,9 @@ def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
     return signal.hold_s > max(PREEMPT_MIN_S, SPENT_SPACINGS * spacing)
 
 
-def _answer(learned: LearnedRates, signal: UpstreamSignal, target: _Target) -> bool:
+def _answer(
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+) -> bool:
     """Count a refusal of ``target`` fleet-wide (an adaptive limit learns from it), and
     decide whether the whole limit (its key) is held: when the refusals persist, the quota
     is spent, or the limit is faster than the upstream's stated policy. Otherwise the
@@ -473,7 +475,12 @@ def _answer(learned: LearnedRates, signal: UpstreamSignal, target: _Target) -> b
     the refused task alone comes back after the upstream's time, and the fleet goes on
     (an adaptive limit at its lowered rate)."""
     ceiling = target.ceiling or target.configured
-    answer = learned.refused(ceiling, target.key, target.adaptive)
+    reserved_s = 0.0
+    if target.adaptive is not None:
+        # How far ahead slots are handed out at the rate before this refusal: their calls
+        # belong to this episode (one extra round trip, on refusals of adaptive limits).
+        reserved_s = limiter.peek(target.current, target.key).reset_after_s
+    answer = learned.refused(ceiling, target.key, target.adaptive, reserved_s=reserved_s)
     if answer.decreased:
         logger.info(
             "throttle: upstream refused %s%s: learned rate lowered to %.3f/s (ceiling %g/s)",
@@ -516,7 +523,7 @@ def _apply(
         hold = signal.hold_s > 0
         if learned is not None:
             if signal.refused:
-                hold = hold and _answer(learned, signal, target)
+                hold = _answer(limiter, learned, signal, target) and hold
             else:
                 _learn(learned, signal, target)
         if hold:

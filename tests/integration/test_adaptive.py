@@ -12,7 +12,14 @@ from celery import Celery
 
 from tests.support.clock import FakeClock
 from throttle import KeySpace, Limit, Limiter, metrics
-from throttle.adaptive import EPISODE_S, PERSIST_COUNT, PERSIST_S, Adaptive, LearnedRates
+from throttle.adaptive import (
+    EPISODE_S,
+    MAX_EPISODE_S,
+    PERSIST_COUNT,
+    PERSIST_S,
+    Adaptive,
+    LearnedRates,
+)
 from throttle.celery import Throttler
 from throttle.celery.exporter import fleet_state
 from throttle.upstream import UpstreamSignal, apply_upstream, parse_upstream, quota_spent
@@ -58,6 +65,23 @@ def test_the_refusals_of_one_episode_decrease_the_rate_once(
     clock.advance(EPISODE_S)
     again = book.refused(API, None, LEARN)
     assert again.decreased and again.rate_per_s == pytest.approx(5.0)
+
+
+def test_an_episode_lasts_as_long_as_the_slots_reserved_at_the_old_rate(
+    book: LearnedRates, clock: FakeClock
+) -> None:
+    # Given slots reserved 3 s ahead when the first 429 comes
+    assert book.refused(API, None, LEARN, reserved_s=3.0).decreased
+    # Then refusals of those calls (up to EPISODE_S + 3 s) are the same episode
+    clock.advance(EPISODE_S + 2.9)
+    assert not book.refused(API, None, LEARN).decreased
+    clock.advance(0.2)
+    assert book.refused(API, None, LEARN, reserved_s=3600.0).decreased
+    # and a backlog reserved an hour ahead makes an episode of MAX_EPISODE_S at most
+    clock.advance(MAX_EPISODE_S - 0.1)
+    assert not book.refused(API, None, LEARN).decreased
+    clock.advance(0.2)
+    assert book.refused(API, None, LEARN).decreased
 
 
 def test_successes_probe_back_up_to_the_refused_rate_in_recover_then_beyond(
