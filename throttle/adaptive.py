@@ -6,7 +6,7 @@ keeps, fleet-wide in Redis, a *learned rate* between its ``floor`` and its confi
 (the ceiling), updated atomically (``lua/adapt.lua``, on the Redis clock) by the workers
 that see the answers:
 
-* a refusal lowers it by the factor ``decrease`` (default 0.7), once per refusal
+* a refusal lowers it by the factor ``decrease`` (default 0.8), once per refusal
   *episode*: the refusals of the next :data:`EPISODE_S` after a decrease are of calls
   scheduled at the old rate (already in flight, or sleeping to slots reserved before it)
   and are no new evidence;
@@ -99,7 +99,7 @@ class Adaptive:
     """
 
     floor_per_s: float | None = None
-    decrease: float = 0.7
+    decrease: float = 0.8
     recover_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -166,7 +166,7 @@ def parse_adaptive(
     if "decrease" in config:
         number = real(config["decrease"])
         if number is None or not (0 < number < 1):
-            raise bad("must be a number between 0 and 1 (exclusive), such as 0.7", "decrease")
+            raise bad("must be a number between 0 and 1 (exclusive), such as 0.8", "decrease")
         options["decrease"] = number
     if "recover" in config:
         seconds = parse_duration(config["recover"], field="recover", limit=name, source=source)

@@ -19,7 +19,7 @@ objects; every error names the file, the limit and the field::
         cold_start: full       # Redis came back empty: full (a fresh burst) | empty
         adaptive: false        # learn the upstream's rate from its 429s (throttle.adaptive)
         floor: 100/m           # ... never below this (default: a tenth of the rate)
-        decrease: 0.7          # ... a refusal episode multiplies the rate by this
+        decrease: 0.8          # ... a refusal episode multiplies the rate by this
         recover: 10s           # ... successes climb back to the refused rate in this time
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"

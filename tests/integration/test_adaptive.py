@@ -366,5 +366,5 @@ def test_the_metrics_show_the_learned_rate_next_to_the_configured_one(
         throttler.limiter.client.close()
     # Then the learned rate shows beside the configured one, for the adaptive limit only
     assert samples[("throttle_configured_rate", (("limit", "learner"),))] == 20.0
-    assert samples[("throttle_learned_rate", (("limit", "learner"),))] == pytest.approx(14.0)
+    assert samples[("throttle_learned_rate", (("limit", "learner"),))] == pytest.approx(16.0)
     assert ("throttle_learned_rate", (("limit", "plain"),)) not in samples

@@ -247,14 +247,14 @@ def test_status_shows_the_learned_rate_next_to_the_configured_one(cli: Cli) -> N
     rows = _rows(_status(cli))
     # Then the JSON has the learned rate beside the configured one
     assert rows["learner"]["adaptive"] is True and rows["learner"]["rate"] == "20/s"
-    assert rows["learner"]["learned_per_s"] == pytest.approx(14.0)
+    assert rows["learner"]["learned_per_s"] == pytest.approx(16.0)
     assert rows["tenant-learner"]["learned_per_s"] is None
-    assert rows["tenant-learner"]["key_learned_per_s"] == {"acme": pytest.approx(14.0)}
+    assert rows["tenant-learner"]["key_learned_per_s"] == {"acme": pytest.approx(16.0)}
     assert rows["shaper"]["adaptive"] is False and rows["shaper"]["learned_per_s"] is None
     # and so does the table
     result = cli("status", "--timeout", "0")
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
-    assert "14/s learned (20/s)" in lines["learner"]
+    assert "16/s learned (20/s)" in lines["learner"]
     assert "20/s (1 keys learned)" in lines["tenant-learner"]
 
 

@@ -47,7 +47,7 @@ def test_limit_table_has_every_limit_and_rule_field() -> None:
     assert {"max_wait_s" if k == "max_wait" else k for k in config._RULE_FIELDS} | {
         "adaptive"
     } == init
-    assert "| `decrease` |" in table and "| `0.7` |" in table and "| 10 s |" in table
+    assert "| `decrease` |" in table and "| `0.8` |" in table and "| 10 s |" in table
 
 
 def test_configuration_page_markers_all_render() -> None:
