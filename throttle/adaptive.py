@@ -22,9 +22,10 @@ refreshes the cache with the fleet's current value (one round trip per call of a
 adaptive limit: the price of learning).
 
 Every refusal, adaptive or not, is counted per limit (and key), so that the upstream hook
-(:func:`throttle.upstream.report_upstream`) can tell a refusal that *persists* (at least
-:data:`PERSIST_COUNT` within :data:`PERSIST_S` on the Redis clock, fleet-wide) from one
-that jitter explains; see :func:`throttle.upstream.report_upstream` for what each gets.
+(:func:`throttle.upstream.report_upstream`) can tell refusals that *persist* (half of the
+calls the limit makes in a window of a second or ten spacings, at least three, on the
+Redis clock, fleet-wide: :meth:`LearnedRates.persist_for`) from those that jitter
+explains; see :func:`throttle.upstream.report_upstream` for what each gets.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = [
     "MAX_EPISODE_S",
     "PERSIST_COUNT",
     "PERSIST_S",
+    "PERSIST_SHARE",
+    "PERSIST_SPACINGS",
     "Adaptive",
     "Learned",
     "LearnedRates",
@@ -64,13 +67,20 @@ refusals are no new evidence."""
 MAX_EPISODE_S = 10.0
 """The longest refusal episode, in s: a backlog that reserved slots further ahead at the
 old rate meets its refusals while the rate stays put (and holds, when they persist)."""
+PERSIST_SHARE = 0.5
+"""Refusals *persist* when, within a window, they reach this share of the calls the limit
+makes in it at its rate in force (and at least :data:`PERSIST_COUNT`): the upstream
+refuses half of what the limit sends, the rate is wrong. Scheduling jitter against a
+strict upstream refuses calls a few ms early, a fifth of them at worst on a loaded host
+(measured: ``bench/adaptive.py``), and holding would only idle the fleet."""
 PERSIST_COUNT = 3
-"""Refusals *persist* when at least this many of one limit (and key) come ...
-"""
+"""The fewest refusals that persist (a slow limit makes few calls in a window)."""
 PERSIST_S = 1.0
-"""... within this many seconds (a window opened by the first refusal after the last
-window ended), fleet-wide on the Redis clock. Fewer are what scheduling jitter makes
-against a strict upstream: a call a few ms early, once in a while."""
+"""The shortest window, in s; it is :data:`PERSIST_SPACINGS` spacings of the limit when
+that is longer. A window opens at the first refusal after the last one ended, fleet-wide
+on the Redis clock."""
+PERSIST_SPACINGS = 10.0
+"""The window in spacings of the limit (1 / its rate), when longer than PERSIST_S."""
 STATE_TTL_S = 86400.0
 """A learned state is forgotten after a day without an answer (the rate starts again from
 the configured one)."""
@@ -255,15 +265,17 @@ class LearnedRates:
         adaptive: Adaptive | None,
         stated: float | None = None,
         episode_s: float | None = None,
+        persist: tuple[int, float] | None = None,
     ) -> Learned:
         now = b"" if self._clock_us is None else self._clock_us()
         episode = self.episode_s if episode_s is None else episode_s
+        persist_count, persist_s = persist or (self.persist_count, self.persist_s)
         learning = adaptive or Adaptive()
         args = [
             now, event, repr(limit.rate_per_s), "1" if adaptive else "0",
             repr(learning.floor_for(limit)), repr(learning.decrease),
             round(learning.recover_s * 1e6), round(episode * 1e6),
-            self.persist_count, round(self.persist_s * 1e6),
+            persist_count, round(persist_s * 1e6),
             "" if stated is None else repr(stated), round(STATE_TTL_S * 1000),
         ]  # fmt: skip
         keys = [self.keyspace.learned_key(limit.name, key)]
@@ -274,21 +286,30 @@ class LearnedRates:
             self._cache[(limit.name, key)] = (learned.rate_per_s, self._monotonic())
         return learned
 
+    def persist_for(self, rate_per_s: float) -> tuple[int, float]:
+        """When refusals of a limit at ``rate_per_s`` persist: (count, within s)."""
+        window = max(self.persist_s, PERSIST_SPACINGS / rate_per_s)
+        count = max(self.persist_count, math.ceil(PERSIST_SHARE * rate_per_s * window - 1e-9))
+        return count, window
+
     def refused(
         self,
         limit: Limit,
         key: str | None,
         adaptive: Adaptive | None,
         *,
+        rate_per_s: float | None = None,
         reserved_s: float = 0.0,
     ) -> Learned:
-        """The upstream refused a call of ``limit`` (``key``): count it; an adaptive limit
-        lowers its rate when this starts an episode, which then lasts ``episode_s`` +
-        ``reserved_s`` (how far ahead slots are reserved now), at most
+        """The upstream refused a call of ``limit`` (``key``): count it, against
+        :meth:`persist_for` the rate the call was made at (``rate_per_s``, default the
+        limit's); an adaptive limit lowers its rate when this starts an episode, which then
+        lasts ``episode_s`` + ``reserved_s`` (how far ahead slots are reserved now), at most
         :data:`MAX_EPISODE_S`."""
         reserved = reserved_s if math.isfinite(reserved_s) and reserved_s > 0 else 0.0
         episode = min(self.episode_s + reserved, max(MAX_EPISODE_S, self.episode_s))
-        return self._call("refuse", limit, key, adaptive, episode_s=episode)
+        persist = self.persist_for(limit.rate_per_s if rate_per_s is None else rate_per_s)
+        return self._call("refuse", limit, key, adaptive, episode_s=episode, persist=persist)
 
     def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
         """The upstream served a call of an adaptive limit: probe up."""

@@ -480,7 +480,10 @@ def _answer(
         # How far ahead slots are handed out at the rate before this refusal: their calls
         # belong to this episode (one extra round trip, on refusals of adaptive limits).
         reserved_s = limiter.peek(target.current, target.key).reset_after_s
-    answer = learned.refused(ceiling, target.key, target.adaptive, reserved_s=reserved_s)
+    answer = learned.refused(
+        ceiling, target.key, target.adaptive,
+        rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
+    )  # fmt: skip
     if answer.decreased:
         logger.info(
             "throttle: upstream refused %s%s: learned rate lowered to %.3f/s (ceiling %g/s)",
@@ -613,11 +616,13 @@ def report_upstream(
       A refusal holds only when the upstream says its quota is spent (a hold longer than
       :data:`PREEMPT_MIN_S` and :data:`SPENT_SPACINGS` spacings: :func:`quota_spent`),
       when the limit is faster than the policy the upstream states, or when refusals
-      *persist*: the count of refusals of the limit (and key), fleet-wide on
-      the Redis clock, reaches :data:`throttle.adaptive.PERSIST_COUNT` within
-      :data:`throttle.adaptive.PERSIST_S`. Any other refusal is one that the limiter's
-      schedule explains (a call a few ms early or late: jitter): the refused task alone
-      comes back after the upstream's time (with ``retry=True``) and the fleet goes on.
+      *persist*: the refusals of the limit (and key), counted fleet-wide on the
+      Redis clock, reach half of the calls the limit makes at its rate in a window of a
+      second (or ten spacings, when longer), and at least three
+      (:meth:`throttle.adaptive.LearnedRates.persist_for`). Any other refusal is one
+      that the limiter's schedule explains (a call a few ms early or late: jitter): the
+      refused task alone comes back after the upstream's time (with ``retry=True``) and
+      the fleet goes on.
       A response that is no refusal but says the quota is spent holds as before.
     * **Learn** (``adaptive: true`` limits, :mod:`throttle.adaptive`): a refusal lowers the
       limit's learned rate once per episode, every other answer lets it probe up, a stated

@@ -15,7 +15,6 @@ from throttle import KeySpace, Limit, Limiter, metrics
 from throttle.adaptive import (
     EPISODE_S,
     MAX_EPISODE_S,
-    PERSIST_COUNT,
     PERSIST_S,
     Adaptive,
     LearnedRates,
@@ -167,21 +166,38 @@ def test_each_key_learns_its_own_rate(book: LearnedRates, clock: FakeClock) -> N
     assert book.states() == {("api", "acme"): pytest.approx(10.0)}
 
 
-def test_refusals_persist_at_the_count_within_the_window(
+def test_refusals_persist_at_half_the_calls_of_a_window(
     book: LearnedRates, clock: FakeClock
 ) -> None:
-    # Refusals spread wider than the window never persist
-    for _ in range(10):
-        assert not book.refused(API, None, None).persist
-        clock.advance(PERSIST_S * 0.6)
-    clock.advance(PERSIST_S * 2)
-    # PERSIST_COUNT within the window do
+    # At 20/s, a window of 1 s: 10 refusals (half the calls of the window) persist
+    count, window = book.persist_for(20.0)
+    assert (count, window) == (10, PERSIST_S)
+    # Refusals spread wider than the window never persist: 9 in each, a fifth of the calls
+    # at most as scheduling jitter makes against a strict upstream
+    for _ in range(3):
+        answers = []
+        for _ in range(count - 1):
+            answers.append(book.refused(API, None, None))
+            clock.advance(window / count)
+        assert not any(a.persist for a in answers)
+        clock.advance(window)
+    # count within the window do
     answers = []
-    for _ in range(PERSIST_COUNT):
+    for _ in range(count):
         answers.append(book.refused(API, None, None))
-        clock.advance(PERSIST_S / (PERSIST_COUNT + 1))
-    assert [a.persist for a in answers] == [False] * (PERSIST_COUNT - 1) + [True]
-    assert [a.refusals for a in answers] == list(range(1, PERSIST_COUNT + 1))
+        clock.advance(window / (count + 1))
+    assert [a.persist for a in answers] == [False] * (count - 1) + [True]
+    assert [a.refusals for a in answers] == list(range(1, count + 1))
+
+
+def test_the_rate_of_the_call_sets_when_refusals_persist(book: LearnedRates) -> None:
+    # A slow limit: ten spacings make the window (half of its 10 calls: 5 refusals)
+    assert book.persist_for(1 / 60) == (5, 600.0)
+    assert book.persist_for(2.0) == (5, 5.0)
+    assert book.persist_for(100.0) == (50, 1.0)
+    # The rate the call was made at (a learned one, lower) counts, not the ceiling
+    answers = [book.refused(API, None, None, rate_per_s=2.0) for _ in range(5)]
+    assert [a.persist for a in answers] == [False] * 4 + [True]
 
 
 def test_a_limit_that_is_not_adaptive_counts_refusals_and_learns_nothing(
@@ -257,9 +273,10 @@ def test_a_refusal_that_jitter_explains_holds_nothing(
 def test_persisting_refusals_hold_the_whole_limit(
     clocked_limiter: Limiter, book: LearnedRates, clock: FakeClock
 ) -> None:
-    for _ in range(PERSIST_COUNT - 1):
+    count, window = book.persist_for(API.rate_per_s)
+    for _ in range(count - 1):
         apply_upstream(clocked_limiter, JITTER, API, learned=book)
-        clock.advance(0.1)
+        clock.advance(window / count)
         assert clocked_limiter.holds() == {}
     apply_upstream(clocked_limiter, JITTER, API, learned=book)
     assert clocked_limiter.holds() == {("api", None): pytest.approx(1.0)}
@@ -269,7 +286,8 @@ def test_persisting_refusals_hold_the_whole_limit(
 def test_a_keyed_limit_persists_and_holds_per_key(
     clocked_limiter: Limiter, book: LearnedRates
 ) -> None:
-    for _ in range(PERSIST_COUNT - 1):
+    count, _ = book.persist_for(API.rate_per_s)
+    for _ in range(count - 1):
         apply_upstream(clocked_limiter, JITTER, API, "acme", learned=book)
     apply_upstream(clocked_limiter, JITTER, API, "globex", learned=book)
     assert clocked_limiter.holds() == {}
