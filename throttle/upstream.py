@@ -573,8 +573,11 @@ def apply_upstream(
     fails. For asyncio code: :func:`throttle.aio.apply_upstream`.
     """
     _expect_limit(limit)
-    current = limit if rates is None else rates.current(limit)
-    target = _Target(current, limit, key, True, adaptive, current)
+    ceiling = limit if rates is None else rates.current(limit)
+    current = ceiling
+    if learned is not None and adaptive is not None:
+        current = learned.current(ceiling, key, adaptive)
+    target = _Target(current, limit, key, True, adaptive, ceiling)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:
