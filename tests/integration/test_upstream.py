@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.clock import FakeClock
+from tests.support.clock import FakeClock, redis_now_s
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, RequestError, Throttled
 from throttle.adaptive import LearnedRates
@@ -37,6 +38,7 @@ from throttle.upstream import (
     report_upstream,
     upstream_hook,
 )
+from workers import mock_api
 from workers.harness import Api, Worker, start_api, wait_ready
 
 NOW = 1_763_776_800.0  # epoch s, 2025-11-22 02:00 UTC
@@ -403,6 +405,9 @@ def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
                 "tokens": {"rate": "100000/m", "cost": "estimate"},
                 "per-account": {"algorithm": "gcra", "rate": "30/s", "burst": 1,
                                 "key": "{account}"},
+                "slow": {"algorithm": "gcra", "rate": "2/s", "burst": 1},
+                "slow-learner": {"algorithm": "gcra", "rate": "2/s", "burst": 1,
+                                 "adaptive": True},
             },
         },
     )  # fmt: skip
@@ -434,6 +439,43 @@ def test_report_upstream_holds_the_tasks_limits_and_lowers_the_request_rate(
     # The upstream stated 1/s: the request limit follows; the token budget (500 per call,
     # not the upstream's units) and the keyed limit (one account's word) keep their rates.
     assert RateBook(client, limiter.keyspace).overrides() == {"api": "1/1s burst 1"}
+
+
+def test_a_lone_refusal_holds_nothing_and_persisting_ones_hold_the_limit(
+    eager: Celery, api: Api, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an API that says only "429 Retry-After: 1" (no policy to compare the limit
+    # with), whose clock stands still: one call passes, then every call is refused
+    @eager.task(shared=False)
+    @throttled("slow", "slow-learner")
+    def call() -> int:
+        with requests.Session() as session:
+            session.hooks["response"].append(upstream_hook())
+            return session.post(f"{api.url}/call", timeout=5).status_code
+
+    api.api.retry_after_only = True
+    now = time.monotonic()
+    monkeypatch.setattr(mock_api, "time", SimpleNamespace(monotonic=lambda: now, time=time.time))
+    limiter = Limiter(client, prefix=prefix)
+    book = LearnedRates(client, limiter.keyspace)
+    try:
+        assert call.delay().get() == 200
+        # When one call is refused: the hook holds nothing (jitter explains one refusal)
+        assert call.delay().get() == 429
+        assert limiter.holds() == {}
+        # and the adaptive limit learned a lower rate; the other kept its own
+        assert book.states() == {("slow-learner", None): pytest.approx(2.0 * 0.8)}
+        # When the refusals persist: half of what the limits call in a window (2/s: 5
+        # within 5 s; 1.6/s learned: 5 within 6.25 s), the calls 0.625 s apart
+        assert book.persist_for(2.0) == (5, 5.0) and book.persist_for(1.6) == (5, 6.25)
+        started = redis_now_s(client)
+        for _ in range(4):
+            assert call.delay().get() == 429
+        assert redis_now_s(client) - started < 5.0
+    finally:
+        api.api.retry_after_only = False
+    # Then both limits are held for the upstream's time
+    assert set(limiter.holds()) == {("slow", None), ("slow-learner", None)}
 
 
 def test_report_upstream_of_one_named_limit(
