@@ -54,6 +54,7 @@ __all__ = [
     "Adaptive",
     "Learned",
     "LearnedRates",
+    "LearnedRatesBase",
     "learned_limit",
     "parse_adaptive",
 ]
@@ -226,17 +227,13 @@ def _learned(raw: Any) -> Learned:
 _MAX_CACHED = 4096
 
 
-class LearnedRates:
-    """The learned states of one namespace (``lua/adapt.lua``), and each process's cache of
-    the learned rates, refreshed every ``refresh_s`` and by every answer reported.
-
-    ``limit`` arguments are the limit in force before learning (the configured one, or a
-    rate set at run time): the ceiling. ``adaptive`` None counts refusals only.
-    """
+class LearnedRatesBase:
+    """The pure part of :class:`LearnedRates` and of :class:`throttle.aio.LearnedRates`:
+    the script's arguments and reply, the episode and persistence of a refusal, the cache;
+    the subclasses only send the calls (blocking or awaited)."""
 
     def __init__(
         self,
-        client: RedisClient,
         keyspace: KeySpace,
         *,
         refresh_s: float = 2.0,
@@ -246,7 +243,6 @@ class LearnedRates:
         persist_count: int = PERSIST_COUNT,
         persist_s: float = PERSIST_S,
     ) -> None:
-        self.client = client
         self.keyspace = keyspace
         self.refresh_s = refresh_s
         self.episode_s = episode_s
@@ -254,10 +250,9 @@ class LearnedRates:
         self.persist_s = persist_s
         self._monotonic = monotonic
         self._clock_us = clock_us
-        self._script = client.register_script(operation_source("adapt"))
         self._cache: dict[tuple[str, str | None], tuple[float, float]] = {}
 
-    def _call(
+    def _request(
         self,
         event: str,
         limit: Limit,
@@ -266,7 +261,8 @@ class LearnedRates:
         stated: float | None = None,
         episode_s: float | None = None,
         persist: tuple[int, float] | None = None,
-    ) -> Learned:
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of one call of lua/adapt.lua."""
         now = b"" if self._clock_us is None else self._clock_us()
         episode = self.episode_s if episode_s is None else episode_s
         persist_count, persist_s = persist or (self.persist_count, self.persist_s)
@@ -278,19 +274,64 @@ class LearnedRates:
             persist_count, round(persist_s * 1e6),
             "" if stated is None else repr(stated), round(STATE_TTL_S * 1000),
         ]  # fmt: skip
-        keys = [self.keyspace.learned_key(limit.name, key)]
-        learned = _learned(run_script(self.client, self._script, keys, args))
+        return [self.keyspace.learned_key(limit.name, key)], args
+
+    def _remember(
+        self, limit: Limit, key: str | None, adaptive: Adaptive | None, raw: Any
+    ) -> Learned:
+        """A reply of the script, cached for an adaptive limit."""
+        learned = _learned(raw)
         if adaptive is not None:
             if len(self._cache) >= _MAX_CACHED:
                 self._cache.clear()
             self._cache[(limit.name, key)] = (learned.rate_per_s, self._monotonic())
         return learned
 
+    def _cached(self, limit: Limit, key: str | None, adaptive: Adaptive) -> float | None:
+        """The cached learned rate, None when due for a re-read."""
+        cached = self._cache.get((limit.name, key))
+        if cached is None or self._monotonic() - cached[1] >= self.refresh_s:
+            return None
+        return max(cached[0], adaptive.floor_for(limit))
+
     def persist_for(self, rate_per_s: float) -> tuple[int, float]:
         """When refusals of a limit at ``rate_per_s`` persist: (count, within s)."""
         window = max(self.persist_s, PERSIST_SPACINGS / rate_per_s)
         count = max(self.persist_count, math.ceil(PERSIST_SHARE * rate_per_s * window - 1e-9))
         return count, window
+
+    def _refusal(self, limit: Limit, rate_per_s: float | None, reserved_s: float) -> dict[str, Any]:
+        """The episode and persistence of a refusal (see :meth:`LearnedRates.refused`)."""
+        reserved = reserved_s if math.isfinite(reserved_s) and reserved_s > 0 else 0.0
+        episode = min(self.episode_s + reserved, max(MAX_EPISODE_S, self.episode_s))
+        persist = self.persist_for(limit.rate_per_s if rate_per_s is None else rate_per_s)
+        return {"episode_s": episode, "persist": persist}
+
+    def _prefix_len(self) -> int:
+        return len(self.keyspace.base) + len("learned:")
+
+
+class LearnedRates(LearnedRatesBase):
+    """The learned states of one namespace (``lua/adapt.lua``), and each process's cache of
+    the learned rates, refreshed every ``refresh_s`` and by every answer reported.
+
+    ``limit`` arguments are the limit in force before learning (the configured one, or a
+    rate set at run time): the ceiling. ``adaptive`` None counts refusals only.
+    """
+
+    def __init__(self, client: RedisClient, keyspace: KeySpace, **options: Any) -> None:
+        super().__init__(keyspace, **options)
+        self.client = client
+        self._script = client.register_script(operation_source("adapt"))
+
+    def _call(
+        self, event: str, limit: Limit, key: str | None, adaptive: Adaptive | None,
+        stated: float | None = None, **options: Any,
+    ) -> Learned:  # fmt: skip
+        keys, args = self._request(event, limit, key, adaptive, stated, **options)
+        return self._remember(
+            limit, key, adaptive, run_script(self.client, self._script, keys, args)
+        )
 
     def refused(
         self,
@@ -306,10 +347,8 @@ class LearnedRates:
         limit's); an adaptive limit lowers its rate when this starts an episode, which then
         lasts ``episode_s`` + ``reserved_s`` (how far ahead slots are reserved now), at most
         :data:`MAX_EPISODE_S`."""
-        reserved = reserved_s if math.isfinite(reserved_s) and reserved_s > 0 else 0.0
-        episode = min(self.episode_s + reserved, max(MAX_EPISODE_S, self.episode_s))
-        persist = self.persist_for(limit.rate_per_s if rate_per_s is None else rate_per_s)
-        return self._call("refuse", limit, key, adaptive, episode_s=episode, persist=persist)
+        options = self._refusal(limit, rate_per_s, reserved_s)
+        return self._call("refuse", limit, key, adaptive, **options)
 
     def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
         """The upstream served a call of an adaptive limit: probe up."""
@@ -328,11 +367,9 @@ class LearnedRates:
 
     def current(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Limit:
         """``limit`` at its learned rate (re-read every ``refresh_s``)."""
-        cached = self._cache.get((limit.name, key))
-        if cached is None or self._monotonic() - cached[1] >= self.refresh_s:
+        rate = self._cached(limit, key, adaptive)
+        if rate is None:
             rate = self.read(limit, key, adaptive).rate_per_s
-        else:
-            rate = max(cached[0], adaptive.floor_for(limit))
         return learned_limit(limit, rate)
 
     def states(self) -> dict[tuple[str, str | None], float]:
@@ -340,7 +377,7 @@ class LearnedRates:
         (only states of adaptive limits that have learned something). For ``celery
         throttle status`` and the metrics."""
         found: dict[tuple[str, str | None], float] = {}
-        prefix = len(self.keyspace.base) + len("learned:")
+        prefix = self._prefix_len()
 
         def scan() -> None:
             for name in self.client.scan_iter(match=self.keyspace.learned_pattern(), count=500):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import timezone
 from typing import Any
 
-from throttle.adaptive import Adaptive, LearnedRates
+from throttle.adaptive import Adaptive, Learned, LearnedRates
 from throttle.errors import BackendError, RequestError, Throttled
 from throttle.limiter import Limiter
 from throttle.rates import RateBook
@@ -465,30 +465,25 @@ def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
     return signal.hold_s > max(PREEMPT_MIN_S, SPENT_SPACINGS * spacing)
 
 
-def _answer(
-    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
-) -> bool:
-    """Count a refusal of ``target`` fleet-wide (an adaptive limit learns from it), and
-    decide whether the whole limit (its key) is held: when the refusals persist, the quota
-    is spent, or the limit is faster than the upstream's stated policy. Otherwise the
-    refused call is one that the limiter's schedule explains (early or late by jitter):
-    the refused task alone comes back after the upstream's time, and the fleet goes on
-    (an adaptive limit at its lowered rate)."""
-    ceiling = target.ceiling or target.configured
-    reserved_s = 0.0
-    if target.adaptive is not None:
-        # How far ahead slots are handed out at the rate before this refusal: their calls
-        # belong to this episode (one extra round trip, on refusals of adaptive limits).
-        reserved_s = limiter.peek(target.current, target.key).reset_after_s
-    answer = learned.refused(
-        ceiling, target.key, target.adaptive,
-        rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
-    )  # fmt: skip
+def _reserved_s(target: _Target) -> bool:
+    """Whether a refusal of ``target`` asks how far ahead its slots are handed out (an
+    adaptive limit's episode lasts as long as them: one extra round trip, on refusals)."""
+    return target.adaptive is not None
+
+
+def _judge(signal: UpstreamSignal, target: _Target, answer: Learned) -> bool:
+    """Whether a refusal of ``target``, counted fleet-wide as ``answer``, holds the whole
+    limit (its key): when the refusals persist, the quota is spent, or the limit is faster
+    than the upstream's stated policy. Otherwise the refused call is one that the limiter's
+    schedule explains (early or late by jitter): the refused task alone comes back after
+    the upstream's time, and the fleet goes on (an adaptive limit at its lowered rate).
+    The pure part of :func:`_answer` and of its awaited twin in :mod:`throttle.aio`."""
+    where = f" key {target.key!r}" if target.key else ""
     if answer.decreased:
+        ceiling = target.ceiling or target.configured
         logger.info(
             "throttle: upstream refused %s%s: learned rate lowered to %.3f/s (ceiling %g/s)",
-            target.current.name, f" key {target.key!r}" if target.key else "",
-            answer.rate_per_s, ceiling.rate_per_s,
+            target.current.name, where, answer.rate_per_s, ceiling.rate_per_s,
         )  # fmt: skip
     stated = signal.rate_per_s
     if stated is not None and target.current.rate_per_s > stated * (1 + 1e-9):
@@ -497,9 +492,29 @@ def _answer(
         return True
     logger.debug(
         "throttle: upstream refused %s%s (%d in the window): no hold, the call comes back",
-        target.current.name, f" key {target.key!r}" if target.key else "", answer.refusals,
+        target.current.name, where, answer.refusals,
     )  # fmt: skip
     return False
+
+
+def _answer(
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+) -> bool:
+    """Count a refusal of ``target`` fleet-wide (an adaptive limit learns from it), and
+    decide whether it holds the whole limit (:func:`_judge`)."""
+    reserved_s = 0.0
+    if _reserved_s(target):
+        reserved_s = limiter.peek(target.current, target.key).reset_after_s
+    answer = learned.refused(
+        target.ceiling or target.configured, target.key, target.adaptive,
+        rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
+    )  # fmt: skip
+    return _judge(signal, target, answer)
+
+
+def _stated_for(signal: UpstreamSignal | None, target: _Target) -> float | None:
+    """The rate an answer that is no refusal states for ``target`` (None: a success)."""
+    return None if signal is None or not target.per_call else signal.rate_per_s
 
 
 def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target) -> None:
@@ -508,7 +523,7 @@ def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target
     if target.adaptive is None:
         return
     ceiling = target.ceiling or target.configured
-    stated = None if signal is None or not target.per_call else signal.rate_per_s
+    stated = _stated_for(signal, target)
     if stated is not None:
         learned.stated(ceiling, target.key, target.adaptive, stated)
     else:
@@ -541,12 +556,6 @@ def _expect_limit(limit: object) -> None:
     """The limit argument of :func:`apply_upstream` (and of its twins) checked."""
     if not isinstance(limit, Limit):
         raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
-
-
-def _read_for(limit: Limit, response: Any, now: float | None) -> UpstreamSignal | None:
-    """:func:`read_response`, after checking the limit of :func:`apply_upstream`."""
-    _expect_limit(limit)
-    return read_response(response, now=now)
 
 
 def apply_upstream(
