@@ -7,9 +7,10 @@ keeps, fleet-wide in Redis, a *learned rate* between its ``floor`` and its confi
 that see the answers:
 
 * a refusal lowers it by the factor ``decrease`` (default 0.8), once per refusal
-  *episode*: the refusals of the next :data:`EPISODE_S` after a decrease are of calls
-  scheduled at the old rate (already in flight, or sleeping to slots reserved before it)
-  and are no new evidence;
+  *episode*: the refusals that follow a decrease within :data:`EPISODE_S` plus how far
+  ahead the limit had handed out slots (at most :data:`MAX_EPISODE_S`) are of calls
+  scheduled at the old rate (in flight, or holding slots reserved before it) and are no
+  new evidence;
 * successes let it probe back up, CUBIC-style (RFC 9438): quickly at first, flat near the
   rate that was refused (reached after ``recover``, default 10 s of successes), then ever
   faster above it, in case the upstream raised its limit;
@@ -72,8 +73,9 @@ PERSIST_SHARE = 0.5
 """Refusals *persist* when, within a window, they reach this share of the calls the limit
 makes in it at its rate in force (and at least :data:`PERSIST_COUNT`): the upstream
 refuses half of what the limit sends, the rate is wrong. Scheduling jitter against a
-strict upstream refuses calls a few ms early, a fifth of them at worst on a loaded host
-(measured: ``bench/adaptive.py``), and holding would only idle the fleet."""
+strict upstream refuses calls a few ms early, 13-32 % of them on a loaded 2-core host
+(measured: ``bench/adaptive.py``, docs/benchmarks/adaptive.md), each alone, and holding
+for them would only idle the fleet."""
 PERSIST_COUNT = 3
 """The fewest refusals that persist (a slow limit makes few calls in a window)."""
 PERSIST_S = 1.0
@@ -86,7 +88,8 @@ STATE_TTL_S = 86400.0
 """A learned state is forgotten after a day without an answer (the rate starts again from
 the configured one)."""
 GAP_S = 1.0
-"""Probing time counts successes' gaps up to this long: an idle fleet learns nothing."""
+"""Probing time counts successes' gaps up to this long: an idle fleet learns nothing
+(``GAP_US`` in lua/adapt.lua)."""
 ADAPTIVE_FIELDS = ("adaptive", "floor", "decrease", "recover")
 """The fields of a limits file's entry that make and tune an adaptive limit."""
 
