@@ -42,7 +42,9 @@ def test_example_limits_file_loads() -> None:
         "stripe",
         "mail-daily",
         "llm-streams",
+        "partner",
     }
+    assert config.rules["partner"].adaptive == Adaptive(floor_per_s=2.0)
     github = config.rule("github").limit
     assert github.algorithm is Algorithm.GCRA
     assert github.rate_per_s == pytest.approx(5000 / 3600)
