@@ -381,6 +381,8 @@ class LearnedRates(LearnedRatesBase):
         throttle status`` and the metrics."""
         found: dict[tuple[str, str | None], float] = {}
         prefix = self._prefix_len()
+        if not hasattr(self.client, "scan_iter"):
+            return found  # the in-memory limiter (memory://) learns nothing
 
         def scan() -> None:
             for name in self.client.scan_iter(match=self.keyspace.learned_pattern(), count=500):
