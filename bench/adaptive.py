@@ -101,12 +101,14 @@ def set_limit(api: ApiProcess, rate: float, burst: float) -> None:
         response.read()
 
 
-def feed(producer: Celery, client: redis.Redis, stop_at: float, done: threading.Event) -> None:
-    """Keep OUTSTANDING tasks sent and not yet served until ``stop_at`` (monotonic)."""
+def feed(
+    producer: Celery, client: redis.Redis, stop_at: float, done: threading.Event, outstanding: int
+) -> None:
+    """Keep ``outstanding`` tasks sent and not yet served until ``stop_at`` (monotonic)."""
     sent = 0
     while time.monotonic() < stop_at and not done.is_set():
         served = int(client.get("bench:done") or 0)
-        while sent - served < OUTSTANDING:
+        while sent - served < outstanding:
             producer.send_task(f"{APP}.call", args=(sent,), queue="upstream")
             sent += 1
         time.sleep(0.02)
@@ -198,7 +200,9 @@ def one_run(
             api.reset()
             start = time.monotonic()
             feeder = threading.Thread(
-                target=feed, args=(producer, client, start + duration, done), daemon=True
+                target=feed,
+                args=(producer, client, start + duration, done, args.outstanding),
+                daemon=True,
             )
             feeder.start()
             if then is not None:
@@ -238,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--after-s", type=float, default=45.0, help="drop/rise: s after the change")
     parser.add_argument("--strict-s", type=float, default=20.0, help="strict: s per limit")
     parser.add_argument("--strict-limits", default="19.8,19.6,19")
+    parser.add_argument(
+        "--outstanding", type=int, default=OUTSTANDING,
+        help="tasks sent and not yet served (a large number: a dump)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--arrivals", type=Path, default=None, help="a directory: each run's calls")
     args = parser.parse_args(argv)
