@@ -20,7 +20,8 @@ The learned rate feeds the limiter as a run-time rate does (:mod:`throttle.rates
 rate in force is the lower of the two, never above the configured rate, never below the
 floor. Each process caches it for ``settings.refresh``, and every answer it reports
 refreshes the cache with the fleet's current value (one round trip per call of an
-adaptive limit: the price of learning).
+adaptive limit below its ceiling: the price of learning; none for a success while the
+rate is at its ceiling).
 
 Every refusal, adaptive or not, is counted per limit (and key), so that the upstream hook
 (:func:`throttle.upstream.report_upstream`) can tell refusals that *persist* (half of the
@@ -297,6 +298,17 @@ class LearnedRatesBase:
             return None
         return max(cached[0], adaptive.floor_for(limit))
 
+    def _idle_success(self, limit: Limit, key: str | None) -> Learned | None:
+        """A success need not be reported while this process knows, fresh, that the rate is
+        at its ceiling (the upstream has not refused, or the rate has climbed back): there
+        is nothing to probe, and the round trip is saved. None: report it."""
+        cached = self._cache.get((limit.name, key))
+        if cached is None or self._monotonic() - cached[1] >= self.refresh_s:
+            return None
+        if cached[0] < limit.rate_per_s * (1 - 1e-9):
+            return None
+        return Learned(cached[0], False, False, 0)
+
     def persist_for(self, rate_per_s: float) -> tuple[int, float]:
         """When refusals of a limit at ``rate_per_s`` persist: (count, within s)."""
         window = max(self.persist_s, PERSIST_SPACINGS / rate_per_s)
@@ -354,8 +366,10 @@ class LearnedRates(LearnedRatesBase):
         return self._call("refuse", limit, key, adaptive, **options)
 
     def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
-        """The upstream served a call of an adaptive limit: probe up."""
-        return self._call("success", limit, key, adaptive)
+        """The upstream served a call of an adaptive limit: probe up (no round trip while
+        this process knows the rate is at its ceiling, within ``refresh_s``)."""
+        idle = self._idle_success(limit, key)
+        return idle if idle is not None else self._call("success", limit, key, adaptive)
 
     def stated(
         self, limit: Limit, key: str | None, adaptive: Adaptive, rate_per_s: float

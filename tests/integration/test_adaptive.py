@@ -386,3 +386,22 @@ def test_the_metrics_show_the_learned_rate_next_to_the_configured_one(
     assert samples[("throttle_configured_rate", (("limit", "learner"),))] == 20.0
     assert samples[("throttle_learned_rate", (("limit", "learner"),))] == pytest.approx(16.0)
     assert ("throttle_learned_rate", (("limit", "plain"),)) not in samples
+
+
+def test_a_success_at_the_ceiling_is_not_reported_while_the_cache_is_fresh(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    monotonic = FakeMonotonic()
+    keyspace = KeySpace(prefix, "ns")
+    mine = LearnedRates(client, keyspace, clock_us=clock, monotonic=monotonic, refresh_s=2.0)
+    other = LearnedRates(client, keyspace, clock_us=clock)
+    assert mine.current(API, None, LEARN) is API  # read: at the ceiling, fresh
+    other.refused(API, None, LEARN)  # another worker lowers the fleet's rate
+    # A success at the ceiling costs no round trip: it does not see the change yet
+    assert mine.succeeded(API, None, LEARN).rate_per_s == 20.0
+    # once the cache is stale, it is reported, and answered with the fleet's rate
+    monotonic.now += 2.0
+    assert mine.succeeded(API, None, LEARN).rate_per_s == pytest.approx(10.0)
+    # and below the ceiling every success is reported (it probes)
+    clock.advance(EPISODE_S + 1.0)
+    assert mine.succeeded(API, None, LEARN).rate_per_s > 10.0

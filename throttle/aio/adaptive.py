@@ -51,7 +51,8 @@ class LearnedRates(LearnedRatesBase):
 
     async def succeeded(self, limit: Limit, key: str | None, adaptive: Adaptive) -> Learned:
         """:meth:`throttle.adaptive.LearnedRates.succeeded`, awaited."""
-        return await self._call("success", limit, key, adaptive)
+        idle = self._idle_success(limit, key)
+        return idle if idle is not None else await self._call("success", limit, key, adaptive)
 
     async def stated(
         self, limit: Limit, key: str | None, adaptive: Adaptive, rate_per_s: float
