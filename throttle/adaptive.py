@@ -396,7 +396,7 @@ class LearnedRates(LearnedRatesBase):
         found: dict[tuple[str, str | None], float] = {}
         prefix = self._prefix_len()
         if not hasattr(self.client, "scan_iter"):
-            return found  # the in-memory limiter (memory://) learns nothing
+            return found  # the in-memory limiter (memory://): not listed
 
         def scan() -> None:
             for name in self.client.scan_iter(match=self.keyspace.learned_pattern(), count=500):

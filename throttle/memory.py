@@ -10,8 +10,9 @@ does in Lua (a full bucket, an empty window); a state key's expiry is not modell
 a key only expires once its state reads like a missing key.
 
 :class:`MemoryRedis` stands in for the Redis server of a :class:`~throttle.limiter.Limiter`:
-it answers the limiter's script calls (acquire, settle, peek, hold, holds) with the replies
-the scripts would give, computed by the models, so that :class:`MemoryLimiter` is the
+it answers the limiter's script calls (acquire, settle, peek, hold, holds, and
+lua/adapt.lua's learned states: :func:`adapt`) with the replies the scripts would give,
+computed by the models, so that :class:`MemoryLimiter` is the
 :class:`~throttle.limiter.Limiter` itself (its checks, keys and decoding) over memory. It
 serves one process: nothing is shared with another process, and the parking lot's scripts
 are refused (an eager task never parks). Users' tests reach it through
