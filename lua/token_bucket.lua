@@ -3,14 +3,16 @@
 -- State: one STRING per (limit, key): tokens at time ts (us), packed as two doubles
 -- (struct '<dd': exact, and one SET ... PX writes the state and its TTL together). Tokens
 -- may be negative: a debt left by a reservation or a charge. A missing key reads as a full
--- bucket; the key expires once the bucket would be full again.
+-- bucket; the key expires once the bucket would be full again. After a restart's fence
+-- (FENCE, prelude.lua), a missing key reads as a bucket that was empty at the fence's end
+-- (in debt before it), refilling from there.
 -- Rate = count / period_us tokens per us; capacity = burst.
 -- Reservation: with max_wait_us > 0 a request that must wait at most max_wait_us is admitted,
 -- the bucket goes into debt and `wait` says how long until the tokens really exist.
 -- check hands commit the level it read: s1 = tokens, s2 = ts.
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
-  local tokens, ts = burst, now
+  local tokens, ts = math.min(burst, (now - FENCE) * count / period_us), now
   local s = redis.call('GET', KEYS[k])
   if s then
     tokens, ts = struct.unpack('<dd', s)

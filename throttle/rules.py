@@ -192,6 +192,16 @@ class Rule:
         whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
         drains the limit (takes its whole capacity once), so that it starts at its rate.
         Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
+        Either way, a restart's fence keeps every new slot of a token bucket or GCRA
+        limit after the slots the lost state may have granted (``sleep_max``).
+    spacing_guard:
+        The call-time spacing guard (:meth:`throttle.Limiter.space`): just before the call,
+        after the task slept to its slot, one more round trip stamps the call on the Redis
+        clock and waits, if the limit's (and key's) previous call was closer than the
+        limit's spacing (period / count x cost), for the difference; so calls that
+        started late cannot bunch. ``None`` (the default): on for GCRA and token bucket
+        limits of burst 1, off otherwise; ``True``/``False``: on/off. On a limit of burst
+        above 1 it spaces every call (no burst). Not for concurrency limits.
     """
 
     limit: Limit
@@ -202,6 +212,7 @@ class Rule:
     on_error: OnError = "keep"
     on_redis_down: OnRedisDown = "defer"
     cold_start: ColdStart = "full"
+    spacing_guard: bool | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -293,9 +304,32 @@ class Rule:
                 field="cold_start", value=self.cold_start, limit=name,
             )  # fmt: skip
 
+        if self.spacing_guard is not None and not isinstance(self.spacing_guard, bool):
+            raise ConfigError(
+                "must be true or false (or left out: on for burst-1 GCRA and token bucket "
+                "limits)",
+                field="spacing_guard", value=self.spacing_guard, limit=name,
+            )  # fmt: skip
+        if self.spacing_guard and self.limit.algorithm is Algorithm.CONCURRENCY:
+            raise ConfigError(
+                "a concurrency limit has no spacing to guard",
+                field="spacing_guard", value=self.spacing_guard, limit=name,
+            )  # fmt: skip
+
     @property
     def name(self) -> str:
         return self.limit.name
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the call-time spacing guard applies (``spacing_guard``, or its
+        default: GCRA and token bucket limits of burst 1)."""
+        if self.spacing_guard is not None:
+            return self.spacing_guard
+        return self.limit.capacity == 1 and self.limit.algorithm in (
+            Algorithm.GCRA,
+            Algorithm.TOKEN_BUCKET,
+        )
 
     @property
     def estimated(self) -> bool:

@@ -70,6 +70,9 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if throttler.watch.file is not None:
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
+            # A new deployment: no task of this worker sleeps to a slot yet, so a Redis
+            # without the restart fence's marker gets one that has ended (no stall).
+            throttler.limiter.client.set(throttler.limiter.keyspace.fence_key(), 0, nx=True)
             throttler.check_cold_start()
             check_clock(throttler, worker.hostname)
         except BackendError as exc:  # a worker starts while Redis is down: it may

@@ -1,0 +1,173 @@
+"""A fleet whose limiter Redis is killed and restarted empty mid-run, judged at a strict API.
+
+Shared by tests/system/test_restart.py (one run) and bench/restart.py (many runs): a
+private broker and a separate limiter ``redis-server``, the mock API of
+``workers/mock_api.py`` at 20/s **burst 1** (one call every 50 ms, judged on arrival), and
+``celery worker`` processes of ``workers.demo_app`` calling it through a GCRA limit at
+98 % of its rate. While tasks sleep to their reserved slots, the limiter's Redis is
+SIGKILLed and started again, empty, on the same port; several times per run.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from tests.support.servers import RedisServer
+from workers.harness import Api, Worker, demo_env, running, start_api
+
+API_RATE = 20.0
+LIMIT_RATE = 19.6  # 98 % of the API's
+CONFIG = f"""
+settings:
+  sleep_max: 1s
+limits:
+  upstream: {{algorithm: gcra, rate: {LIMIT_RATE}/s, burst: 1, max_wait: 1h}}
+  tokens: {{rate: 20000/m, key: "{{tenant}}", cost: max_tokens}}  # the demo app's other task
+queues:
+  upstream: [upstream]
+"""
+
+
+def respawn(server: RedisServer) -> None:
+    """Start ``server`` again on the same port, without its data (no persistence): what a
+    restarted Redis looks like to clients that keep their URL."""
+    server.process = subprocess.Popen(
+        [
+            server.executable, "--port", str(server.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--logfile", "", *server.args,
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = server.client(socket_timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                return
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    raise RuntimeError(f"redis-server did not come back on port {server.port}")
+
+
+def kill(server: RedisServer) -> None:
+    """SIGKILL: a crash, nothing written on the way out."""
+    assert server.process is not None
+    server.process.kill()
+    server.process.wait(10)
+
+
+@dataclass
+class Outcome:
+    """What one run did: at the API and in the result backend."""
+
+    tasks: int
+    calls: int
+    refused: int
+    once: int
+    """Tasks whose id reached the API exactly once."""
+    twice: int
+    """Tasks whose id reached the API more than once."""
+    completed: int
+    kills: list[float]
+    """When each kill happened, s since the API's start."""
+    refused_at: list[float]
+    """When each refused call arrived, s since the API's start."""
+
+    @property
+    def good(self) -> bool:
+        return self.refused == 0 and self.once == self.tasks == self.completed
+
+    def line(self) -> str:
+        kills = ", ".join(f"{k:.2f}" for k in self.kills)
+        refused = ", ".join(f"{r:.2f}" for r in self.refused_at)
+        return (
+            f"{self.tasks} tasks, {self.calls} calls, {self.refused} refused [{refused}], "
+            f"{self.once} once, {self.twice} more than once, {self.completed} completed; "
+            f"kills at [{kills}] s"
+        )
+
+
+class RestartFleet:
+    """The pieces of the run; :meth:`run` may be called many times on one fleet."""
+
+    def __init__(self, broker: RedisServer, limiter: RedisServer, api: Api, tmp: Path) -> None:
+        self.broker, self.limiter, self.api = broker, limiter, api
+        config = tmp / "limits.yaml"
+        config.write_text(CONFIG)
+        env = demo_env(
+            broker.url, api.url, THROTTLE_REDIS_URL=limiter.url, THROTTLE_CONFIG=str(config)
+        )
+        self.workers = [
+            Worker(f"restart{i}", env, concurrency=2, log=tmp / f"restart{i}.log") for i in (1, 2)
+        ]
+
+    def run(
+        self, tasks: int = 100, kill_at: Sequence[float] = (1.5, 4.0), down_s: float = 0.3,
+        timeout_s: float = 90.0,
+    ) -> Outcome:  # fmt: skip
+        """Send ``tasks`` calls at once; kill the limiter's Redis ``kill_at`` s after the
+        first call reached the API (tasks are then sleeping to their slots: 2 x 2 children
+        at 19.6/s) and start it again, empty, ``down_s`` later; wait for every task."""
+        from workers.demo_app import app, call_api  # noqa: PLC0415 (the env must be set)
+
+        self.api.api.reset()
+        sent = [call_api.delay(n) for n in range(tasks)]
+        api = self.api.api
+        deadline = time.monotonic() + 30
+        while not api.arrivals and time.monotonic() < deadline:
+            time.sleep(0.005)
+        first = time.monotonic()
+        kills = []
+        for at in kill_at:
+            time.sleep(max(first + at - time.monotonic(), 0.0))
+            kills.append(time.monotonic() - api.started)
+            kill(self.limiter)
+            time.sleep(down_s)
+            respawn(self.limiter)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(r.ready() for r in sent):
+            time.sleep(0.2)
+        completed = sum(r.successful() for r in sent)
+        time.sleep(0.2)  # a straggler's call reaching the API
+        arrivals = api.arrivals_json()
+        seen = collections.Counter(a["task_id"] for a in arrivals)
+        ids = [r.id for r in sent]
+        del app
+        return Outcome(
+            tasks=tasks,
+            calls=len(arrivals),
+            refused=sum(not a["allowed"] for a in arrivals),
+            once=sum(seen[i] == 1 for i in ids),
+            twice=sum(seen[i] > 1 for i in ids),
+            completed=completed,
+            kills=kills,
+            refused_at=[a["at_s"] for a in arrivals if not a["allowed"]],
+        )
+
+
+@contextmanager
+def restart_fleet(tmp: Path) -> Iterator[RestartFleet]:
+    """A broker, a limiter Redis, the strict API and 2 workers x 2 children, all private."""
+    api = start_api(API_RATE, 1.0)
+    try:
+        with RedisServer() as broker, RedisServer() as limiter:
+            fleet = RestartFleet(broker, limiter, api, tmp)
+            import os  # noqa: PLC0415
+
+            os.environ["DEMO_BROKER_URL"] = broker.url  # this process's producer
+            from workers.demo_app import app  # noqa: PLC0415
+
+            app.conf.broker_url = broker.url
+            app.conf.result_backend = broker.url
+            with running(app, fleet.workers, kill=True):
+                yield fleet
+    finally:
+        api.stop()
