@@ -187,13 +187,17 @@ class Rule:
         Fail open trades the upstream's limit for availability; ``local`` keeps it roughly
         (exactly only while the count of processes is right), not for concurrency limits.
     cold_start:
-        What a Redis that restarted empty (its data lost) hands out: ``"full"`` (the
-        default: the state is gone, so a bucket is full again and every limit may admit a
-        whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
-        drains the limit (takes its whole capacity once), so that it starts at its rate.
-        Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
-        Either way, a restart's fence keeps every new slot of a token bucket or GCRA
-        limit after the slots the lost state may have granted (``sleep_max``).
+        What a limit starts from when the limiter's Redis lost its data (a restart without
+        persistence, a flush, a failover to an empty replica). Either way, the first
+        script that misses the restart fence's marker starts a fence of ``sleep_max`` +
+        ``late_tolerance`` (the latest a task may still call on a slot the lost state
+        granted): token bucket and GCRA limits, of every key, read as empty at its end,
+        so the first new slot comes a spacing after it and they refill from there.
+        ``"full"`` (the default): nothing more; windows start from zero (a quota may be
+        spent twice). ``"empty"``: the throttler also finds its marker key missing and
+        drains the limit (takes its whole capacity once): a window counts as spent until
+        it ends (a daily quota: the rest of the day). Unkeyed rate limits only: per-key
+        states cannot be listed once Redis lost them.
     spacing_guard:
         The call-time spacing guard (:meth:`throttle.Limiter.space`): just before the call,
         after the task slept to its slot, one more round trip stamps the call on the Redis

@@ -1,0 +1,37 @@
+"""The limiter's Redis loses its data mid-run, with tasks sleeping to their slots (issue 17).
+
+A fleet (2 ``celery worker`` x 2 children of ``workers/demo_app.py``, GCRA 15/s burst 1)
+calls the mock API at 20/s **burst 1**, judged on each call's arrival; its limiter Redis is
+SIGKILLed and started again empty twice, and flushed twice (a failover to an empty
+replica), while tasks sleep to slots it granted. Without the restart fence the fresh state
+admits calls at once, next to the calls and slots of the lost one, and the API refuses
+them; with it, nothing is refused and every task calls once. ``make bench-restart`` runs
+the same 20 times (bench/restart.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.restart import LOSSES, RestartFleet, restart_fleet
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartFleet]:
+    with restart_fleet(tmp_path_factory.mktemp("restart")) as fleet:
+        yield fleet
+
+
+def test_a_limiter_redis_that_loses_its_data_refuses_nothing(fleet: RestartFleet) -> None:
+    """Given 80 tasks shaped at 15/s, when the limiter's Redis is killed and restarted
+    empty at 1 s and 3 s and flushed at 2 s and 4 s, then the strict API refused no call,
+    and every task completed, its id reaching the API exactly once."""
+    outcome = fleet.run(tasks=80, losses=LOSSES, down_s=0.0)
+    print(outcome.line())
+    assert outcome.refused == 0, outcome.line()
+    assert outcome.once == outcome.tasks == outcome.completed, outcome.line()
+    # The fence marker is back (written by the first script after the last loss).
+    assert fleet.limiter.client().exists("throttle:{default}:fence")
