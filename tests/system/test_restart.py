@@ -12,7 +12,6 @@ the same 20 times (bench/restart.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
