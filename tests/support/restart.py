@@ -17,13 +17,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from tests.support.servers import RedisServer
 from workers.harness import Api, Worker, demo_env, running, start_api
 
-LOSSES = ((1.0, "kill"), (2.0, "flush"), (3.0, "kill"), (4.0, "flush"))
+LOSSES = ((1.0, "flush"), (3.0, "kill"), (5.0, "flush"), (7.0, "flush"))
 """When (s after the first call) and how the limiter's Redis loses its data in a run."""
 API_RATE = 20.0
 LIMIT_RATE = 15.0
@@ -88,16 +89,22 @@ class Outcome:
     """When each loss happened, s since the API's start."""
     refused_at: list[float]
     """When each refused call arrived, s since the API's start."""
+    unexplained: list[float]
+    """The refused calls (s since the API's start) that lateness cannot explain: two calls
+    whose slots were closer than the API allows (see :func:`unexplained_refusals`)."""
 
     @property
     def good(self) -> bool:
-        return self.refused == 0 and self.once == self.tasks == self.completed
+        """Every task called once, and the schedule was right: no refusal but of a call
+        that a late predecessor explains."""
+        return not self.unexplained and self.once == self.tasks == self.completed
 
     def line(self) -> str:
         kills = ", ".join(f"{k:.2f}" for k in self.kills)
         refused = ", ".join(f"{r:.2f}" for r in self.refused_at)
         return (
             f"{self.tasks} tasks, {self.calls} calls, {self.refused} refused [{refused}], "
+            f"{len(self.unexplained)} not explained by lateness, "
             f"{self.once} once, {self.twice} more than once, {self.completed} completed; "
             f"losses at [{kills}] s"
         )
@@ -120,7 +127,7 @@ class RestartFleet:
         ]
 
     def run(
-        self, tasks: int = 80, losses: Sequence[tuple[float, str]] = LOSSES,
+        self, tasks: int = 120, losses: Sequence[tuple[float, str]] = LOSSES,
         down_s: float = 0.0, timeout_s: float = 90.0,
     ) -> Outcome:  # fmt: skip
         """Send ``tasks`` calls at once; at each ``(s, how)`` of ``losses``, counted from
@@ -153,6 +160,7 @@ class RestartFleet:
         completed = sum(r.successful() for r in sent)
         time.sleep(0.2)  # a straggler's call reaching the API
         arrivals = api.arrivals_json()
+        slot_of = {r.id: r.result["slot"] for r in sent if r.successful() and r.result.get("slot")}
         seen = collections.Counter(a["task_id"] for a in arrivals)
         ids = [r.id for r in sent]
         del app
@@ -165,7 +173,36 @@ class RestartFleet:
             completed=completed,
             kills=kills,
             refused_at=[a["at_s"] for a in arrivals if not a["allowed"]],
+            unexplained=unexplained_refusals(self.api, arrivals, slot_of),
         )
+
+
+def unexplained_refusals(
+    api: Api, arrivals: list[dict[str, Any]], slot_of: dict[str, float]
+) -> list[float]:
+    """The refused arrivals (s since the API's start) that lateness does not explain.
+
+    The API refuses a call that comes less than 1/20 s after the last one it allowed; the
+    limit's slots are 1/15 s apart when the schedule is right. If arrival i (allowed) and
+    arrival j (refused) came less than 50 ms apart while their slots were 66.7 ms or more
+    apart, call i was late behind its slot by more than call j, by over 16.7 ms: a loaded
+    host's doing, not the schedule's. A refusal without such a late predecessor means two
+    slots closer than the limit allows (or a call without a slot): the schedule's fault."""
+    margin = 1 / LIMIT_RATE - 1 / API_RATE
+    # Slots are this host's wall clock (Redis runs here too), arrivals its monotonic clock.
+    epoch_of_api = time.time() - time.monotonic() + api.api.started
+    late = [
+        epoch_of_api + a["at_s"] - slot_of[a["task_id"]] if a["task_id"] in slot_of else 0.0
+        for a in arrivals
+    ]
+    found: list[float] = []
+    last_allowed = None
+    for j, arrival in enumerate(arrivals):
+        if arrival["allowed"]:
+            last_allowed = j
+        elif last_allowed is None or late[last_allowed] - late[j] <= margin:
+            found.append(arrival["at_s"])
+    return found
 
 
 @contextmanager
