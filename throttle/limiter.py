@@ -130,10 +130,11 @@ class RequestBuilder(Generic[_S]):
         """The restart fence, in s (0: none). Set it to the longest a caller may still
         sleep to a reserved slot (the Celery layer: ``sleep_max``): then the first script
         that finds the namespace's marker missing (a Redis that is new or lost its data)
-        writes it with a fence of this length, and until it ends token bucket and GCRA
-        limits read a missing state as a full one at the fence's end, so that no new slot
-        comes before a slot the lost state may have granted. The cost: one GET per call, and
-        after each loss of the data no slot for ``fence_s`` (see ``lua/prelude.lua``)."""
+        writes it with a fence of this length, and token bucket and GCRA limits read a
+        missing state as one that was empty at the fence's end: no new slot comes within a
+        spacing of a slot (or call) the lost state may have granted, and they refill from
+        there. The cost: one GET per call, and after each loss of the data no slot for
+        ``fence_s`` and no burst until refilled (see ``lua/prelude.lua``)."""
         self._space_script: _S | None = None
         # Registering computes the SHA locally; the script reaches Redis on its first NOSCRIPT.
         self._register = register
