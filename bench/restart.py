@@ -9,8 +9,9 @@ spacing, judged on arrival). 1, 3, 5 and 7 s after the first call reached the AP
 tasks sleep to their reserved slots, the limiter's Redis loses its data: flushed (at 1, 5
 and 7 s: a failover to an empty replica), SIGKILLed and started again empty ``--down`` s
 later (at 3 s). A run is good when every task completed and reached the API exactly once,
-and the API refused no call but those that a late predecessor explains (a loaded host;
-``tests/support/restart.py``, ``unexplained_refusals``). ``--control``: the same runs
+and the API refused no call whose slot was too close to the last allowed call's (refusals
+of calls that a loaded host made late are counted apart; ``tests/support/restart.py``,
+``unexplained_refusals``). ``--control``: the same runs
 without any loss. Prints one line per run and the count of good runs; exits 1
 unless every run was good.
 """
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             good += outcome.good
             print(f"run {run}: {'good' if outcome.good else 'BAD '} {outcome.line()}", flush=True)
     print(
-        f"{good} of {args.runs} runs good (no refusal but of late calls, every task once) "
+        f"{good} of {args.runs} runs good (no refusal of slots too close, every task once) "
         f"in {time.monotonic() - started:.0f} s"
     )
     return 0 if good == args.runs else 1

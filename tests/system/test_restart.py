@@ -27,8 +27,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartFleet]:
 def test_a_limiter_redis_that_loses_its_data_refuses_nothing(fleet: RestartFleet) -> None:
     """Given 120 tasks shaped at 15/s, when the limiter's Redis is flushed at 1, 5 and 7 s
     and killed and restarted empty at 3 s, then the strict API refused no call
-    but those a late call explains (a loaded host: see unexplained_refusals), and every
-    task completed, its id reaching the API exactly once."""
+    whose slot was too close to the last allowed one (refusals of calls a loaded host made
+    late are not the schedule's: see unexplained_refusals), and every task completed, its
+    id reaching the API exactly once."""
     outcome = fleet.run(tasks=120, losses=LOSSES, down_s=0.0)
     print(outcome.line())
     assert outcome.unexplained == [], outcome.line()
