@@ -18,9 +18,11 @@
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   local interval = period_us / count
-  local tat = math.max(now, FENCE + burst * interval)
+  local tat = now
   local s = redis.call('GET', KEYS[k])
-  if s then
+  if not s and FENCE > 0 then
+    tat = math.max(now, FENCE + burst * interval)
+  elseif s then
     tat = math.max(struct.unpack('<d', s), now)
   end
   local new_tat = tat + cost * interval

@@ -16,9 +16,11 @@
 -- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
-  local tokens, ts = math.min(burst, (now - FENCE) * count / period_us), now
+  local tokens, ts = burst, now
   local s = redis.call('GET', KEYS[k])
-  if s then
+  if not s and FENCE > 0 then
+    tokens = math.min(burst, (now - FENCE) * count / period_us)
+  elseif s then
     tokens, ts = struct.unpack('<dd', s)
     -- ts is never moved backwards: a clock step back must not refill the same time twice.
     if now > ts then
