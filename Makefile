@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-restart bench-strict
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict
 
 setup: system-deps $(STAMP)
 
@@ -121,3 +121,11 @@ bench-tenants: setup
 # revision's worker beside this one. A few minutes.
 bench-overhead: setup
 	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
+
+# An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
+# 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the
+# proportional answer) beside BEFORE_ADAPTIVE (a git revision, default the code before
+# them), real worker fleets. About 12 minutes.
+BEFORE_ADAPTIVE ?= f0eea23
+bench-adaptive: setup
+	$(PY) -m bench.adaptive --before $(BEFORE_ADAPTIVE) $(ADAPTIVE_ARGS)

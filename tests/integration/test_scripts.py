@@ -87,6 +87,7 @@ def test_lua_dir_is_the_repository_copy() -> None:
             "hold.lua",
             "holds.lua",
             "space.lua",
+            "adapt.lua",
             *PARKING_OPERATIONS,
         ]
     )
