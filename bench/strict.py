@@ -46,6 +46,7 @@ limits:
   api: {{algorithm: gcra, rate: 19.6/s, burst: 1, spacing_guard: {guard}}}
   solo: {{algorithm: gcra, rate: 19.6/s, burst: 1}}
   hurry: {{rate: 5/s, key: "{{account}}", max_wait: 2s}}
+  learn: {{algorithm: gcra, rate: 19.6/s, burst: 1, adaptive: true, floor: 2/s}}
 """
 
 
