@@ -6,7 +6,7 @@
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
 -- ARGV[3]      n             number of limits
--- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'), count, period_us, burst,
+-- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair'), count, period_us, burst,
 --              cost (burst = the capacity: bucket size, or count for windows and
 --              concurrency; cost = tokens taken from this limit, >= 0, fractions allowed:
 --              one call may cost 1 request and 2000 tokens)
@@ -31,7 +31,7 @@
 --              with i the first held limit and retry the us until the hold ends; the lease
 --              is left for the caller to settle (give up).
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
---   sweep of expired leases), and retry_after_us is the largest wait among the limits that
+--   sweep of expired leases, and a fair limit's deny: its key is active, its plan moves), and retry_after_us is the largest wait among the limits that
 --   could not admit the cost now. A held limit (hold.lua) denies with allowed 0,
 --   remaining 0, retry_after_us = the time until its hold ends, reset 0, without reading
 --   its state.
@@ -152,6 +152,13 @@ if allowed == 1 then
   end
 else
   wait = 0
+  -- An algorithm that remembers denials (fair.lua: who is active, where its plan stands).
+  for i = 1, n do
+    local l = limits[i]
+    if l[OK] == 0 and l[S1] and l[ALG].deny then
+      l[ALG].deny(l[K], l[COUNT], l[PERIOD], l[BURST], now, l[COST], l[S1])
+    end
+  end
 end
 local pack = struct.pack
 local out = {pack('<dddd', 0, allowed, wait, allowed == 1 and 0 or retry)}

@@ -35,6 +35,8 @@
 --     [, reset: when committing changes it]
 --   adjust(k, count, period_us, burst, now, delta, mark, holder)
 --     charge (delta > 0) or refund (delta < 0)
+--   deny(k, count, period_us, burst, now, cost, s1)   optional (fair.lua only): called by
+--     acquire.lua for a limit whose check denied, when the acquisition is denied
 
 -- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
 local function clock_us(explicit)
