@@ -17,6 +17,8 @@ objects; every error names the file, the limit and the field::
         on_error: keep         # the body raised: keep the reserved cost | refund it
         on_redis_down: defer   # defer (fail closed) | allow[:60s] (fail open, bounded) | local
         cold_start: full       # Redis came back empty: full (a fresh burst) | empty
+        fair: false            # true: share the rate fairly among the keys active at once
+        weights: {acme: 4}     # a fair limit's weight per key value (default 1)
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -52,7 +54,7 @@ CONFIG_ENV = "THROTTLE_CONFIG"
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
-_LIMIT_FIELDS = ("rate", "algorithm", "burst")
+_LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
 )  # fmt: skip

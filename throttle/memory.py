@@ -396,7 +396,7 @@ class Fair:
         tk, mark = r["tk"], ""
         if r["mode"] == 1:
             tk = max(tk, r["slot"]) + cost * r["key_interval"]
-            mark = "%.17g" % r["key_interval"]
+            mark = f"{r['key_interval']:.17g}"
         self._write(key, p.count, now, total, r, tk, r["plan"])
         return mark
 

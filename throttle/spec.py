@@ -163,8 +163,9 @@ def _weights(
 ) -> tuple[tuple[str, float], ...]:
     """A fair limit's weights as sorted (key, weight) pairs, checked with ``fair`` itself."""
     if not isinstance(fair, bool):
-        raise ConfigError("must be true or false", field="fair", value=fair, limit=limit,
-                          source=source)
+        raise ConfigError(
+            "must be true or false", field="fair", value=fair, limit=limit, source=source
+        )
     if fair and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
         raise ConfigError(
             f"fair applies to token_bucket and gcra limits only, not {algorithm.value}",
