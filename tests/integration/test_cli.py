@@ -411,7 +411,8 @@ def test_check_prints_every_error_with_its_place(tmp_path: Path) -> None:
     f = str(path)
     duration = "must be a duration >= 0: seconds, or a string such as '250ms', '30s', '10m', "
     duration += "'2h', '1d'"
-    fields = "rate, algorithm, burst, key, cost, max_wait, on_timeout, on_error, on_redis_down, "
+    fields = "rate, algorithm, burst, fair, weights, key, cost, max_wait, on_timeout, on_error, "
+    fields += "on_redis_down, "
     fields += "cold_start"
     settings = ", ".join(SETTINGS_FIELDS)  # other settings come and go: not this test's point
     assert result.stdout.splitlines() == [

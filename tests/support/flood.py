@@ -29,7 +29,9 @@ def flood(
     seed: int = 1,
 ) -> dict[str, list[float]]:
     """Run every task of ``arrivals`` (key -> arrival times in s from now) to its slot;
-    returns key -> the slots its tasks got, in s from the start, sorted."""
+    returns key -> the slots its tasks got, in s from the start, sorted. A limit that is
+    not fair is acquired without a key: one state shared by every key, first come first
+    served (today's shared limit)."""
     rng = random.Random(seed)
     start_us = clock.now_us
     events: list[tuple[int, int, str]] = []
@@ -42,7 +44,7 @@ def flood(
     while events:
         at_us, _, key = heapq.heappop(events)
         clock.now_us = max(clock.now_us, at_us)
-        decision = limiter.acquire(limit, key, max_wait_s=DAY_S)
+        decision = limiter.acquire(limit, key if limit.fair else None, max_wait_s=DAY_S)
         if decision.allowed:
             slots[key].append((clock.now_us - start_us) / 1e6 + decision.wait_s)
             continue
