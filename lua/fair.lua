@@ -30,7 +30,7 @@
 
 local ACTIVE_US = 2000000
 local function horizon_us(interval, burst)
-  return math.max(1000000, (burst + 1) * interval)
+  return math.max(250000, (burst + 1) * interval)
 end
 local function plan_us(key_interval, cost)
   return math.max(10000000, 4 * cost * key_interval)

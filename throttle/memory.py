@@ -354,7 +354,7 @@ class Fair:
         key_interval = interval * total / w
         slot = max(now, t + (cost - burst) * interval)
         due = max(tk, now) + (cost - 1) * key_interval - burst * interval
-        horizon = min(max_wait, max(1000000.0, (burst + 1) * interval))
+        horizon = min(max_wait, max(250000.0, (burst + 1) * interval))
         mode, allowed, wait, retry, after, start = 3, 0, 0, 0, t, plan
         if due <= slot:
             need = ceil_us(slot - now)
