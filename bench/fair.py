@@ -61,9 +61,7 @@ VARIANTS = {
 }
 
 
-def run_variant(
-    app: Any, api: Any, name: str, seconds: float, timeout_s: float
-) -> dict[str, Any]:
+def run_variant(app: Any, api: Any, name: str, seconds: float, timeout_s: float) -> dict[str, Any]:
     task_name, weights = VARIANTS[name]
     api.api.reset()
     plan = sorted(
