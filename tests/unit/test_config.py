@@ -40,8 +40,11 @@ def test_example_limits_file_loads() -> None:
         "openai-tokens",
         "stripe",
         "mail-daily",
+        "llm-shared",
         "llm-streams",
     }
+    shared = config.rule("llm-shared").limit
+    assert shared.fair and shared.weight("enterprise") == 4.0 and shared.weight("acme") == 1.0
     github = config.rule("github").limit
     assert github.algorithm is Algorithm.GCRA
     assert github.rate_per_s == pytest.approx(5000 / 3600)
