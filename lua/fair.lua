@@ -148,7 +148,12 @@ ALGO.fair = {
     local shared = KEYS[k + 1]
     local t = tonumber(redis.call('HGET', shared, 't'))
     if t then
-      redis.call('HSET', shared, 't', math.max(now, math.max(t, now) + delta * period_us / count))
+      t = math.max(now, math.max(t, now) + delta * period_us / count)
+      redis.call('HSET', shared, 't', t)
+      -- A charge may push the total past the limit's keys' lifetime: they live until it.
+      local ttl = math.max(redis.call('PTTL', shared), ttl_ms(t - now))
+      redis.call('PEXPIRE', shared, ttl)
+      redis.call('PEXPIRE', KEYS[k + 2], ttl)
     end
     local s = redis.call('GET', KEYS[k])
     if s and mark ~= '' then
