@@ -481,9 +481,23 @@ def test_a_hold_stops_tasks_already_sleeping_to_their_slots(fleet: Fleet) -> Non
     assert sum(r["deferrals"] for r in asleep) >= len(asleep)
 
 
-def test_a_bad_limits_file_stops_the_worker_with_its_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("{rate: 10/fortnight}", "field 'rate': unknown time unit 'fortnight'"),
+        ("{rate: 10/s, fair: true}", "field 'fair': a fair limit shares its rate among"),
+        (
+            "{rate: 10/s, key: '{t}', fair: true, weights: {free: 0}}",
+            "field 'weights.free': must be a finite number > 0 (got 0)",
+        ),
+    ],
+    ids=["rate", "fair-without-key", "weight"],
+)
+def test_a_bad_limits_file_stops_the_worker_with_its_place(
+    tmp_path: Path, entry: str, message: str
+) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("limits:\n  github:\n    rate: 10/fortnight\n")
+    bad.write_text(f"limits:\n  github: {entry}\n")
     with RedisServer() as server:
         env = {"DEMO_BROKER_URL": server.url, "THROTTLE_CONFIG": str(bad)}
         proc = subprocess.run(
@@ -493,4 +507,4 @@ def test_a_bad_limits_file_stops_the_worker_with_its_place(tmp_path: Path) -> No
         )  # fmt: skip
     output = proc.stdout.decode() + proc.stderr.decode()
     assert proc.returncode != 0
-    assert f"{bad}: limit 'github': field 'rate': unknown time unit 'fortnight'" in output
+    assert f"{bad}: limit 'github': {message}" in output
