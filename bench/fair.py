@@ -26,8 +26,9 @@ first call), and its rate while all three are active at the API: from 1 s after 
 tenant's first call to the first tenant's last call. Beside it, its share of the limit's
 rate (19.6/s x weight / sum of weights) and the deviation from it; the total rate over
 that window, the API's refusals (429) over the whole variant, and how long the variant
-took from the first to the last call. Target (issue 12): every tenant within +-10 % of its
-share under ``fair``.
+took from the first to the last call. Before the fleet: the Redis time of one acquisition
+of a fair limit with ten active keys, beside a plain GCRA limit's. Target (issue 12):
+every tenant within +-10 % of its share under ``fair``.
 
 """
 
@@ -44,7 +45,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from tests.support.servers import RedisServer
+from throttle import Limit, Limiter
 from workers.harness import Worker, running, start_api
 
 API_RATE, API_BURST = 20.0, 2.0
@@ -162,6 +166,29 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines).replace(" n/a %", " n/a")
 
 
+def script_cost(url: str, calls: int = 3000) -> dict[str, float]:
+    """Redis time per acquisition (INFO commandstats, us per EVALSHA) of a fair limit with
+    ten active keys, beside a plain GCRA limit of one key per call: what fairness costs the
+    server. A rate no call can exhaust: every call is admitted (and commits)."""
+    client = redis.Redis.from_url(url)
+    limiter = Limiter(client, prefix="cost")
+    keys = [f"k{i}" for i in range(10)]
+    cases = {
+        "gcra": Limit.parse("1000000/s", name="plain", algorithm="gcra"),
+        "fair": Limit.parse("1000000/s", name="shared", algorithm="gcra", fair=True),
+    }
+    out = {}
+    for name, limit in cases.items():
+        for i in range(200):  # warm: scripts loaded, every key active
+            limiter.acquire(limit, keys[i % 10], max_wait_s=1)
+        client.config_resetstat()
+        for i in range(calls):
+            limiter.acquire(limit, keys[i % 10], max_wait_s=1)
+        out[name] = float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    client.close()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -183,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i in (1, 2)
         ]
         load = os.getloadavg()
+        cost = script_cost(server.url)
         results = []
         try:
             with running(app, workers):
@@ -200,8 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{platform.python_version()}, load {load[0]:.2f} at the start"
     )
     print(report)
+    print(
+        f"\nRedis time per acquisition (10 active keys): fair {cost['fair']:.0f} us, "
+        f"gcra {cost['gcra']:.0f} us"
+    )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"variants": results, "script_us": cost}, indent=2))
     return 0
 
 
