@@ -7,7 +7,8 @@
 -- ("on schedule"), or at once when the total has capacity at once (spare capacity: work
 -- conserving, the key's schedule is not charged). Otherwise the key has had its share:
 -- denied, and told to come back at its planned time. Reservations (max_wait_us) reach at
--- most HORIZON ahead, so no key books the future first come first served.
+-- most horizon_us ahead (0.25 s, or two intervals of a slow limit), so no key books the
+-- future first come first served.
 --
 -- KEYS (nkeys = 3, from k):
 --   KEYS[k]     the key's state: STRING, two doubles '<dd': tk = the key's TAT on its own
@@ -24,8 +25,11 @@
 --
 -- A key is active from its first call until ACTIVE_US after the later of its schedule and
 -- its plan (a key with tasks told to come back stays active while they wait).
--- The key's schedule tolerates one unit beyond the limit's burst: a task that comes back
--- a little late does not lose its turn.
+-- The key's schedule tolerates the limit's burst (at the total's pace) plus one call (at
+-- the key's): a task that comes back a little late does not lose its turn.
+-- The plan reaches at most plan_us ahead (10 s, or four of the key's intervals), then
+-- starts over among the earlier times: a waiting task looks again at least that often.
+-- Replies: as every algorithm's (prelude.lua); nothing of this file reaches the caller.
 -- check hands commit and deny s1 = a table of what it read and decided.
 
 local ACTIVE_US = 2000000
