@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-fair
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-fair
 
 setup: system-deps $(STAMP)
 
@@ -99,6 +99,13 @@ clean:
 BEFORE ?= e1bee06
 bench-skew: setup
 	$(PY) -m bench.skew --before $(BEFORE) $(SKEW_ARGS)
+
+# One tenant floods, another trickles, under a per-tenant and a shared limit: the trickle's
+# wait and the shared limit's use, and the single-limit baseline, ours beside BEFORE_TENANTS
+# (the code before shared limits were taken when due). About 4 minutes.
+BEFORE_TENANTS ?= f0eea23
+bench-tenants: setup
+	$(PY) -m bench.tenants --before $(BEFORE_TENANTS)
 
 # What throttling costs a worker per task: one `celery worker -c 4`, 2,000 no-op tasks per
 # block, plain vs throttled (limits that never bind), medians of interleaved rounds, script

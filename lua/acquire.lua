@@ -30,9 +30,14 @@
 --          4 = as 1, but a hold placed after the reservation covers its slot: '4 i retry'
 --              with i the first held limit and retry the us until the hold ends; the lease
 --              is left for the caller to settle (give up).
+--   When admitted, the slot (now + wait_us) is the earliest time at which every limit
+--   conforms, and every limit is charged as of that slot (see commit in prelude.lua).
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
---   sweep of expired leases, and a fair limit's deny: its key is active, its plan moves), and retry_after_us is the largest wait among the limits that
---   could not admit the cost now. A held limit (hold.lua) denies with allowed 0,
+--   sweep of expired leases, and a fair limit's deny: its key is active, its plan moves),
+--   and retry_after_us is the largest wait among the limits that
+--   could not admit the cost now, or the slot when a window limit (fixed or sliding) was
+--   denied because the slot falls in a later window than the current one (its per-limit
+--   allowed 0, retry_after_us = that slot). A held limit (hold.lua) denies with allowed 0,
 --   remaining 0, retry_after_us = the time until its hold ends, reset 0, without reading
 --   its state.
 
@@ -93,8 +98,8 @@ end
 
 -- Each limit's values in one array built by a constructor (one allocation of its exact
 -- size; a record with named fields costs a hash insert per field, on every call):
-local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3 =
-  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
+local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3, WAIT =
+  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 local limits = {}
 local allowed, wait, retry = 1, 0, 0
 local k = 2
@@ -114,7 +119,7 @@ for i = 1, n do
     ok, w, r, remaining, reset, s1, s2, s3 =
       algo.check(k, count, period_us, burst, now, cost, max_wait)
   end
-  limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3}
+  limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, w}
   k = k + algo.nkeys
   if ok == 0 then
     allowed = 0
@@ -123,8 +128,22 @@ for i = 1, n do
   retry = math.max(retry, r, w)
 end
 
+-- The slot is the earliest time at which every limit conforms: the latest of their own
+-- slots (token bucket and GCRA conformance only grows with time). Every limit is committed
+-- as of that slot. A window counts the call in its current window: a slot in a later one
+-- is denied, and the caller comes back at that slot (nothing taken).
+local slot = now + wait
+if allowed == 1 and wait > 0 then
+  for i = 1, n do
+    local l = limits[i]
+    local ends = l[ALG].ends
+    if ends and slot >= ends(l[PERIOD], l[S1], l[S2], l[S3]) then
+      allowed, l[OK], l[RETRY] = 0, 0, wait
+    end
+  end
+end
+
 if allowed == 1 then
-  local slot = now + wait
   local expiry, record
   if acq then
     expiry = slot + tonumber(ARGV[5 + 5 * n])
@@ -132,8 +151,9 @@ if allowed == 1 then
   end
   for i = 1, n do
     local l = limits[i]
+    local at = slot > now + l[WAIT] and slot
     local mark, reset = l[ALG].commit(l[K], l[COUNT], l[PERIOD], l[BURST], now, l[COST], acq,
-                                      expiry, l[S1], l[S2], l[S3])
+                                      expiry, at, l[S1], l[S2], l[S3])
     if reset then
       l[RESET] = reset
     end

@@ -40,6 +40,6 @@ local count, period_us = tonumber(ARGV[3]), tonumber(ARGV[4])
 local allowed, wait, retry, remaining, reset, s1, s2, s3 =
   check(2, count, period_us, burst, now, cost, tonumber(ARGV[2]))
 if allowed == 1 then
-  commit(2, count, period_us, burst, now, cost, nil, nil, s1, s2, s3)
+  commit(2, count, period_us, burst, now, cost, nil, nil, false, s1, s2, s3)
 end
 return struct.pack('<ddddd', allowed, wait, retry, remaining, reset)

@@ -72,7 +72,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
 end
 
 -- A holder of 0 units is not recorded: it holds nothing, and must not crowd the set.
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, total)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, total)
   if cost > 0 then
     redis.call('ZADD', KEYS[k], expiry, holder)
     redis.call('HSET', KEYS[k + 1], 'h:' .. holder, cost, 't', total + cost)

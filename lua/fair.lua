@@ -117,12 +117,18 @@ local function fair_write(k, w, now, total, r, tk, plan)
   redis.call('PEXPIRE', active, ttl)
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, r)
+-- Committed as of a later time `at` (several limits: the slot another limit set), the
+-- total and the key's schedule take the cost at `at`, as gcra.lua does: the slots before it
+-- that nobody took stay unused.
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, r)
   local interval = period_us / count
   local total = math.max(r[2], now) + cost * interval
+  if at and at > r[2] then
+    total = at + cost * interval
+  end
   local tk, mark = r[6], ''
   if r[1] == 1 then
-    tk = math.max(tk, r[10]) + cost * r[8]
+    tk = math.max(tk, at or r[10]) + cost * r[8]
     mark = string.format('%.17g', r[8])
   end
   fair_write(k, count, now, total, r, tk, r[7])

@@ -33,7 +33,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   return allowed, 0, retry, math.max(count - after, 0), window_end, w, n
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, n)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n)
   redis.call('SET', KEYS[k], struct.pack('<dd', w, n + cost),
              'PX', ttl_ms((w + 1) * period_us - now))
   return w
@@ -45,12 +45,16 @@ ALGO.fw = {
   nkeys = 1,
   check = check,
   commit = commit,
+  -- A call is counted in window w (s1): its admission holds until that window ends.
+  ends = function(period_us, w)
+    return (w + 1) * period_us
+  end,
   -- A charge lands in the current window; a refund only in the window that paid, if current.
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
     local _, _, _, _, _, w, n = check(k, count, period_us, burst, now, 0, 0)
     if delta < 0 and tonumber(mark) ~= w then
       return
     end
-    commit(k, count, period_us, burst, now, 0, holder, nil, w, math.max(n + delta, 0))
+    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, math.max(n + delta, 0))
   end,
 }

@@ -9,7 +9,10 @@
 -- max_wait_us > 0 a request that conforms within max_wait_us takes the next free slot now;
 -- `wait` is how long until that slot.
 -- A missing key reads as TAT = now (a full bucket); the key expires when TAT has passed.
--- check hands commit s1 = the TAT to store if admitted (with cost 0: the TAT it read).
+-- check hands commit s1 = the TAT to store if admitted (with cost 0: the TAT it read) and
+-- s2 = the TAT it read (max(stored, now)). Committed as of a later time `at` (several
+-- limits: the slot another limit set), the cost is taken at max(TAT, at): the slots before
+-- `at` that nobody took stay unused, exactly as if the request had arrived at `at`.
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   local interval = period_us / count
@@ -32,10 +35,13 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
     end
   end
   return allowed, wait, retry, math.max(burst - (after - now) / interval, 0),
-         ceil_us(after - now), new_tat
+         ceil_us(after - now), new_tat, tat
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, tat)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tat, read)
+  if at and at > read then
+    tat = at + cost * period_us / count
+  end
   redis.call('SET', KEYS[k], struct.pack('<d', tat), 'PX', ttl_ms(tat - now))
   return ''
 end
@@ -49,7 +55,7 @@ ALGO.gcra = {
   -- delta > 0 pushes TAT later; delta < 0 pulls it back, never earlier than now.
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
     local _, _, _, _, _, tat = check(k, count, period_us, burst, now, 0, 0)
-    commit(k, count, period_us, burst, now, 0, holder, nil,
+    commit(k, count, period_us, burst, now, 0, holder, nil, false,
            math.max(now, tat + delta * period_us / count))
   end,
 }

@@ -17,7 +17,7 @@
 -- Each algorithm file defines local functions check and commit that take plain values (no
 -- per-call table: this runs on every acquire), then, after the line
 --   -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
--- registers them with its adjust in ALGO[code] = {nkeys, check, commit, adjust} for the
+-- registers them with its adjust in ALGO[code] = {nkeys, check, commit, adjust[, ends]} for the
 -- drivers of several limits (acquire.lua, settle.lua). In a script of several algorithms
 -- each file's check and commit shadow the previous file's, after that file registered its
 -- own. The one-limit script (acquire_one.lua) is this file and one algorithm's, each up to
@@ -30,9 +30,21 @@
 --     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
 --        remaining (tokens), reset (us until full), then up to three values of the state it
 --        read (s1, s2, s3), handed to commit; reads only
---   commit(k, count, period_us, burst, now, cost, holder, expiry, s1, s2, s3)
+--   commit(k, count, period_us, burst, now, cost, holder, expiry, at, s1, s2, s3)
 --     writes the state check read with cost taken; -> mark (text kept in the lease record)
---     [, reset: when committing changes it]
+--     [, reset: when committing changes it]. at (us) = false: the cost is taken at this
+--     limit's own slot (now + wait); or a later time, the slot of several limits (the
+--     latest of their slots): the cost is taken as of at, as if the call came then (a
+--     token bucket or GCRA does not bank the capacity before at that nobody used). Never
+--     earlier than the limit's own slot. The state is still written as of now (never a
+--     state dated in the future, which a call before at would misread).
+--   ends(period_us, s1, s2, s3) (windows only; nil for the others)
+--     -> the time (us) from which check's admission no longer holds: the end of the window
+--     it counted in. Several limits whose slot falls there or later are denied (a window
+--     counts a call in the window it is made in; it keeps one window's count), and come
+--     back at that slot. Token bucket and GCRA admissions hold at any later time
+--     (conformance is monotone in time); a concurrency unit is held from now (check) to
+--     the lease's end, however late the slot.
 --   adjust(k, count, period_us, burst, now, delta, mark, holder)
 --     charge (delta > 0) or refund (delta < 0)
 --   deny(k, count, period_us, burst, now, cost, s1)   optional (fair.lua only): called by

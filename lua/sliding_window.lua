@@ -51,7 +51,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   return allowed, 0, retry, math.max(count - est, 0), reset, w, cur, prev
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, w, cur, prev)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, cur, prev)
   redis.call('SET', KEYS[k], struct.pack('<ddd', w, cur + cost, prev),
              'PX', ttl_ms((w + 2) * period_us - now))
   return w
@@ -63,6 +63,10 @@ ALGO.sw = {
   nkeys = 1,
   check = check,
   commit = commit,
+  -- A call is counted in window w (s1): its admission holds until that window ends.
+  ends = function(period_us, w)
+    return (w + 1) * period_us
+  end,
   -- A charge lands in the current window; a refund goes back to the window that paid while
   -- that window still weighs on the estimate (the current or the previous one).
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
@@ -75,6 +79,6 @@ ALGO.sw = {
     else
       return
     end
-    commit(k, count, period_us, burst, now, 0, holder, nil, w, cur, prev)
+    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, cur, prev)
   end,
 }

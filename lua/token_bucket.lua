@@ -7,7 +7,11 @@
 -- Rate = count / period_us tokens per us; capacity = burst.
 -- Reservation: with max_wait_us > 0 a request that must wait at most max_wait_us is admitted,
 -- the bucket goes into debt and `wait` says how long until the tokens really exist.
--- check hands commit the level it read: s1 = tokens, s2 = ts.
+-- check hands commit the level it read: s1 = tokens, s2 = ts. Committed as of a later time
+-- `at` (several limits: the slot another limit set), the cost is taken from the level at
+-- `at`, capped at the burst there: the refill of the time before `at` that nobody used is
+-- not banked for later. The state stays at ts (never in the future, where a call made
+-- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   local tokens, ts = burst, now
@@ -37,7 +41,10 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
          ceil_us((burst - after) * period_us / count), tokens, ts
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, tokens, ts)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tokens, ts)
+  if at and at > ts then
+    tokens = math.min(tokens, burst - (at - ts) * count / period_us)
+  end
   tokens = tokens - cost
   local to_full = (burst - tokens) * period_us / count
   redis.call('SET', KEYS[k], struct.pack('<dd', tokens, ts),
@@ -54,6 +61,7 @@ ALGO.tb = {
   -- delta > 0 charges extra tokens (may leave a debt), delta < 0 refunds (never above burst).
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
     local _, _, _, _, _, tokens, ts = check(k, count, period_us, burst, now, 0, 0)
-    commit(k, count, period_us, burst, now, 0, holder, nil, math.min(burst, tokens - delta), ts)
+    commit(k, count, period_us, burst, now, 0, holder, nil, false,
+           math.min(burst, tokens - delta), ts)
   end,
 }

@@ -82,8 +82,19 @@ class Algorithm(Protocol):
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check: ...
 
     def commit(
-        self, key: str, p: Params, now: float, cost: float, r: Check, *, holder: str, expiry: float
-    ) -> str: ...
+        self,
+        key: str,
+        p: Params,
+        now: float,
+        cost: float,
+        r: Check,
+        *,
+        holder: str,
+        expiry: float,
+        at: float | None = None,
+    ) -> str:
+        """``at``: None = at the limit's own slot; a later time (us): as of that time."""
+        ...
 
     def adjust(
         self, key: str, p: Params, now: float, delta: float, mark: str, holder: str
@@ -119,8 +130,14 @@ class TokenBucket:
         r["reset"] = ceil_us((p.burst - after) * p.period_us / p.count)
         return r
 
-    def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
-        self.state[key] = (r["tokens"] - cost, r["ts"])
+    def commit(
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, at: float | None = None,
+        **_: Any,
+    ) -> str:  # fmt: skip
+        tokens, ts = r["tokens"], r["ts"]
+        if at is not None and at > ts:
+            tokens = min(tokens, p.burst - (at - ts) * p.count / p.period_us)
+        self.state[key] = (tokens - cost, ts)
         return ""
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
@@ -141,7 +158,7 @@ class Gcra:
         tat = self.tat(key, now)
         new_tat = tat + cost * interval
         conform_at = new_tat - p.burst * interval
-        r: Check = {"new_tat": new_tat, "allowed": 0, "wait": 0, "retry": 0}
+        r: Check = {"new_tat": new_tat, "tat": tat, "allowed": 0, "wait": 0, "retry": 0}
         after = tat
         if conform_at <= now:
             r["allowed"], after = 1, new_tat
@@ -155,8 +172,14 @@ class Gcra:
         r["reset"] = ceil_us(after - now)
         return r
 
-    def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
-        self.state[key] = r["new_tat"]
+    def commit(
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, at: float | None = None,
+        **_: Any,
+    ) -> str:  # fmt: skip
+        new_tat = r["new_tat"]
+        if at is not None and at > r["tat"]:
+            new_tat = at + cost * p.period_us / p.count
+        self.state[key] = new_tat
         return ""
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
@@ -191,6 +214,10 @@ class FixedWindow:
     def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
         self.state[key] = (r["w"], r["n"] + cost)
         return repr(r["w"])
+
+    def ends(self, p: Params, r: Check) -> float:
+        """When the admission of ``r`` stops holding: the end of its window (us)."""
+        return float((r["w"] + 1) * p.period_us)
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
         w, n = self.read(key, p, now)
@@ -238,6 +265,10 @@ class SlidingWindow:
     def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
         self.state[key] = (r["w"], r["cur"] + cost, r["prev"])
         return repr(r["w"])
+
+    def ends(self, p: Params, r: Check) -> float:
+        """When the admission of ``r`` stops holding: the end of its window (us)."""
+        return float((r["w"] + 1) * p.period_us)
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
         w, cur, prev = self.read(key, p, now)
@@ -289,7 +320,16 @@ class Concurrency:
         return r
 
     def commit(
-        self, key: str, p: Params, now: float, cost: float, r: Check, *, holder: str, expiry: float
+        self,
+        key: str,
+        p: Params,
+        now: float,
+        cost: float,
+        r: Check,
+        *,
+        holder: str,
+        expiry: float,
+        at: float | None = None,
     ) -> str:
         h = self.state.setdefault(key, _Holders())
         if cost > 0:
@@ -390,12 +430,17 @@ class Fair:
         shared.update({"t": t, "W": r["sum"], key: w})
         self.keys[key] = (tk, plan)
 
-    def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
+    def commit(
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, at: float | None = None,
+        **_: Any,
+    ) -> str:  # fmt: skip
         interval = p.period_us / p.count
         total = max(r["t"], now) + cost * interval
+        if at is not None and at > r["t"]:
+            total = at + cost * interval
         tk, mark = r["tk"], ""
         if r["mode"] == 1:
-            tk = max(tk, r["slot"]) + cost * r["key_interval"]
+            tk = max(tk, r["slot"] if at is None else at) + cost * r["key_interval"]
             mark = f"{r['key_interval']:.17g}"
         self._write(key, p.count, now, total, r, tk, r["plan"])
         return mark
@@ -522,10 +567,25 @@ class ModelLimiter:
         allowed = all(r["allowed"] for *_, r in checks)
         wait = max(r["wait"] for *_, r in checks)
         retry = max(max(r["retry"], r["wait"]) for *_, r in checks)
+        # The earliest time every limit conforms; a window denies a slot past its window.
+        slot = now + wait
+        if allowed and wait > 0:
+            for algo, _, p, r in checks:
+                ends = getattr(algo, "ends", None)
+                if ends is not None and slot >= ends(p, r):
+                    allowed, r["allowed"], r["retry"] = False, 0, wait
         if allowed:
-            slot = now + wait
             marks = tuple(
-                algo.commit(key, p, now, c, r, holder=acq or "", expiry=slot + lease_us)
+                algo.commit(
+                    key,
+                    p,
+                    now,
+                    c,
+                    r,
+                    holder=acq or "",
+                    expiry=slot + lease_us,
+                    at=slot if slot > now + r["wait"] else None,
+                )
                 for (algo, key, p, r), c in zip(checks, costs, strict=True)
             )
             if record is not None:

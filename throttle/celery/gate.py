@@ -32,14 +32,15 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from throttle.celery.execution import Execution, Ticket
-from throttle.celery.message import H_PARKED, H_PUBLISH, deadline_header, id_header
+from throttle.celery.message import H_PARKED, H_PLANNED, H_PUBLISH, deadline_header, id_header
 from throttle.celery.outage import run_while_down
+from throttle.celery.plan import Plan, plan_of
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.limiter import DEFAULT_LEASE_S
-from throttle.rules import Declared, targets
+from throttle.rules import Declared, Target, targets
 from throttle.spec import Algorithm
 
 logger = logging.getLogger("throttle")
@@ -73,6 +74,9 @@ class Gate:
         execution.rules = throttler.rules(task, declared, execution.queue)
         self.settings = throttler.settings
         self.limiter = throttler.limiter
+        self.acquiring: list[Target] | None = None
+        """What :meth:`_acquire` takes when not the task's targets (a task with a plan)."""
+        self.plan: Plan | None = None
 
     def enter(self) -> Ticket | None:
         execution = self.execution
@@ -121,6 +125,9 @@ class Gate:
             horizon = self.settings.sleep_max_s
         else:
             horizon = MAX_RESERVE_S
+        if self.plan is not None:
+            # A task with a plan reserves real slots within a sleep only (see plan.py).
+            horizon = self.settings.sleep_max_s
         if execution.deadline is not None:
             left = execution.deadline - execution.throttler.clock.now()
             horizon = min(horizon, max(left, 0.0))
@@ -141,7 +148,7 @@ class Gate:
         reads as a denial until the hold ends."""
         execution = self.execution
         decision = self.limiter.acquire_many(
-            execution.targets,
+            execution.targets if self.acquiring is None else self.acquiring,
             max_wait_s=max_wait_s,
             acquisition_id=execution.request.id,
             lease_s=self._lease_s(),
@@ -164,6 +171,11 @@ class Gate:
         task comes back later (raises)."""
         late_tolerance = self.settings.late_tolerance_s
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
+        self.plan = plan_of(self.execution.targets, self.execution.rules)
+        planned = False
+        if self.plan is not None:
+            planned = self.execution.message_headers.get(H_PLANNED) == 1
+            self.acquiring = self.plan.due if planned else self.plan.admit
         while True:
             decision = self._acquire(self._horizon())
             if (
@@ -183,7 +195,9 @@ class Gate:
                 decision = self._acquire(self._horizon())
             self.execution.throttler.outage(None)
             if not decision.allowed:
-                self._come_back(decision)
+                if self.plan is not None and not planned:
+                    self._make_plan(decision)
+                self._come_back(decision, planned=planned)
             wait = decision.wait_s
             if wait > self.settings.sleep_max_s:
                 # A slot is reserved, further ahead: come back just before it.
@@ -191,7 +205,7 @@ class Gate:
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision)
                 if not decision.allowed:
-                    self._come_back(decision)
+                    self._come_back(decision, planned=planned)
                 if not on_time:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self._give_up(decision)
@@ -221,22 +235,53 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
-    def _come_back(self, decision: Decision) -> NoReturn:
+    def _make_plan(self, decision: Decision) -> None:
+        """An arriving task with a plan could not be admitted within a sleep: reserve its
+        place on the plans of its keyed limits, and come back for it (raises); or, when
+        the plans deny (a wait beyond the horizon), return to come back as they say."""
+        assert self.plan is not None
+        execution = self.execution
+        plan = self.limiter.acquire_many(self.plan.plan, max_wait_s=self._plan_horizon())
+        if not plan.allowed:
+            return
+        # The plan says when the task's own limits let it run; the limits of the admit
+        # step (the shared one too) when it could at the earliest.
+        wait = max(plan.wait_s, decision.retry_after_s)
+        if math.isinf(wait):
+            return
+        if execution.deadline is not None:
+            now = execution.throttler.clock.now()
+            if now + wait > execution.deadline:
+                time_out(execution, now, wait, decision)
+        # Back half a sleep early: it then reserves its real slots (within sleep_max) and
+        # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
+        # its keyed limit's slot unused.
+        defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
+              planned=True)  # fmt: skip
+
+    def _plan_horizon(self) -> float:
+        horizon = MAX_RESERVE_S
+        if self.execution.deadline is not None:
+            left = self.execution.deadline - self.execution.throttler.clock.now()
+            horizon = min(horizon, max(left, 0.0))
+        return horizon
+
+    def _come_back(self, decision: Decision, *, planned: bool = False) -> NoReturn:
         """A denial: come back when the limits say, plus a jitter; or time out (the
-        deadline is on the Redis clock)."""
+        deadline is on the Redis clock). ``planned``: the task keeps its plan."""
         execution, settings = self.execution, self.settings
         retry = decision.retry_after_s
         if math.isinf(retry):
             # Paused (celery throttle pause): look again now and then; nothing is lost.
             recheck = settings.pause_recheck_s
             retry = recheck + random.uniform(0.0, recheck / 2)
-            defer(execution, retry, retry, decision)
+            defer(execution, retry, retry, decision, planned=planned)
         if execution.deadline is not None:
             now = execution.throttler.clock.now()
             if now + retry > execution.deadline:
                 time_out(execution, now, retry, decision)
         jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
-        defer(execution, retry + jitter, retry, decision)
+        defer(execution, retry + jitter, retry, decision, planned=planned)
 
     # -- eager mode and direct calls
 

@@ -25,6 +25,10 @@ H_PUBLISH = "throttle_publish"
 """The publish id of that release."""
 H_DEAD = "throttle_dead_letter"
 """The dead-letter queue a timed-out task was sent to."""
+H_PLANNED = "throttle_planned"
+"""1 when the task holds a plan on its keyed limits (see :mod:`throttle.celery.plan`): it
+acquires its limits for real when it comes back. Forged, it only skips the plan, which is
+advisory: the real acquisition still takes every limit."""
 
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""

@@ -1,0 +1,209 @@
+"""Tenants: a flood of one tenant and a trickle of another under a shared limit, and the
+single-limit baseline, with a real Celery fleet, this tree beside an older revision.
+
+Limits (``tests/apps/tenants_app.py``): ``tenant`` 15/s burst 1 per tenant (GCRA),
+``shared`` 19.8/s burst 1 (GCRA, 99 % of the API). The mock API allows 20/s burst 2.
+
+* Tenants: tenant A sends ``--flood`` tasks at once; ``--after`` s later (and once A's
+  tasks have all left the queue) tenant B sends ``--trickle``. Reported: B's waits (Redis
+  time, from its send to its granted slot) and their excess over B's own spacing (task i in
+  slot order may wait i/15 s), the shared limit's use against what the keyed limits allowed
+  (min(19.8, 15 x active tenants) integrated over the run, + its burst), API refusals.
+* Baseline: ``--baseline`` tasks under ``shared`` alone: the share of the API's rate
+  (allowed calls / (burst + rate x span)) and refusals.
+
+Run: ``.venv/bin/python -m bench.tenants --before f0eea23`` (2 workers x 4 children).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from bench.celery_fleet import ApiProcess
+from bench.checkout import checkout
+from tests.support.servers import RedisServer
+from workers.harness import ROOT
+from workers.stack import worker_argv
+
+APP = "tests.apps.tenants_app"
+QUEUE = "upstream"
+TENANT_RATE, SHARED_RATE = 15.0, 19.8
+API_RATE, API_BURST = 20.0, 2.0
+CONFIG = """
+settings:
+  refresh: 0.5s
+  sleep_max: 0.5s
+  park_after: 3s
+  park_lead: 1s
+limits:
+  tenant: {algorithm: gcra, rate: 15/s, burst: 1, key: "{tenant}"}
+  shared: {algorithm: gcra, rate: 19.8/s, burst: 1}
+"""
+
+
+def redis_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1e6
+
+
+@contextlib.contextmanager
+def fleet(tree: Path, env: dict[str, str], logs: Path, tag: str) -> Iterator[Celery]:
+    """Two workers of 4 prefork children running ``tree``'s code, and a producer."""
+    procs = []
+    for name in ("w1", "w2"):
+        argv = worker_argv(name, app=APP, concurrency=4, queues=QUEUE)
+        argv[0] = sys.executable
+        full = {**os.environ, **env, "PYTHONPATH": str(tree)}
+        with open(logs / f"{tag}-{name}.log", "wb") as out:
+            procs.append(
+                subprocess.Popen(argv, cwd=tree, env=full, stdout=out, stderr=subprocess.STDOUT)
+            )
+    producer = Celery(
+        "tenants", broker=env["TENANTS_BROKER_URL"], backend=env["TENANTS_BROKER_URL"]
+    )
+    producer.conf.update(task_default_queue=QUEUE, broker_connection_retry_on_startup=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len({n for r in producer.control.ping(timeout=1.0) or [] for n in r}) < 2:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"workers of {tag} did not start (see {logs})")
+        yield producer
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        producer.close()
+
+
+def p(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def allowed_calls(start: float, a_end: float, b_start: float, b_end: float) -> float:
+    """What the keyed limits allowed the shared one over [start, end]: min(19.8, 15 x active
+    tenants) integrated (10 ms steps), + the shared limit's burst."""
+    total, t, step = 1.0, start, 0.01
+    while t < max(a_end, b_end):
+        active = (start <= t <= a_end) + (b_start <= t <= b_end)
+        total += min(SHARED_RATE, TENANT_RATE * active) * step
+        t += step
+    return total
+
+
+def tenants_run(
+    producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
+) -> dict[str, Any]:
+    api.reset()
+    start = redis_now(client)
+    flood = [producer.send_task(f"{APP}.call", args=("A", n)) for n in range(args.flood)]
+    while redis_now(client) < start + args.after or client.llen(QUEUE):
+        time.sleep(0.05)
+    sent = redis_now(client)
+    trickle = [producer.send_task(f"{APP}.call", args=("B", n)) for n in range(args.trickle)]
+    done = [h.get(timeout=args.timeout) for h in flood + trickle]
+    a = sorted(r["slot"] for r in done if r["tenant"] == "A")
+    b = sorted(r["slot"] for r in done if r["tenant"] == "B")
+    waits = [s - sent for s in b]
+    excess = [w - i / TENANT_RATE for i, w in enumerate(waits)]
+    used = allowed_calls(a[0], a[-1], sent, b[-1])
+    return {
+        "b_p50": statistics.median(waits), "b_p95": p(waits, 0.95), "b_excess_p95": p(excess, 0.95),
+        "shared_use": len(a + b) / used, "refused": api.get("/stats")["violations"],
+        "twice": sum(r["runs"] > 1 for r in done), "span": a[-1] - a[0],
+    }  # fmt: skip
+
+
+def baseline_run(
+    producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
+) -> dict[str, Any]:
+    api.reset()
+    handles = [producer.send_task(f"{APP}.solo", args=(n,)) for n in range(args.baseline)]
+    done = [h.get(timeout=args.timeout) for h in handles]
+    arrivals = api.get("/arrivals")
+    span = arrivals[-1]["at_s"] - arrivals[0]["at_s"]
+    allowed = sum(x["allowed"] for x in arrivals)
+    return {
+        "share": allowed / (API_BURST + API_RATE * span), "refused": len(arrivals) - allowed,
+        "twice": sum(r["runs"] > 1 for r in done),
+    }  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--flood", type=int, default=300)
+    parser.add_argument("--trickle", type=int, default=10)
+    parser.add_argument("--after", type=float, default=5.0)
+    parser.add_argument("--baseline", type=int, default=300)
+    parser.add_argument("--before", default=None, help="a git revision to run beside this tree")
+    parser.add_argument("--timeout", type=float, default=240.0)
+    args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-tenants-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        logs = Path(tmp)
+        config = logs / "limits.yaml"
+        config.write_text(CONFIG)
+        trees = {"ours": ROOT}
+        if args.before:
+            trees[f"before ({args.before})"] = stack.enter_context(
+                checkout(args.before, "tests/apps/tenants_app.py")
+            )
+        # Its own process: the API stamps arrivals on time while this one waits for results.
+        api = ApiProcess(API_RATE, API_BURST, logs / "api.log")
+        stack.callback(api.stop)
+        for version, tree in trees.items():
+            with RedisServer() as server:
+                env = {
+                    "TENANTS_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config),
+                    "MOCK_API_URL": api.url,
+                }  # fmt: skip
+                client = redis.Redis.from_url(server.url)
+                with fleet(tree, env, logs, version.split()[0]) as producer:
+                    tenants = tenants_run(producer, client, api, args)
+                    print(version, "tenants", tenants)
+                    base = baseline_run(producer, client, api, args)
+                    print(version, "baseline", base)
+                client.close()
+            rows.append((version, tenants, base))
+    print()
+    print(
+        f"Tenants: A floods {args.flood} tasks (tenant 15/s burst 1), B sends {args.trickle} "
+        f"{args.after:g} s later; shared 19.8/s burst 1; API 20/s burst 2. Baseline: "
+        f"{args.baseline} tasks under the shared limit alone."
+    )
+    print()
+    print("| version | B wait p50 | B wait p95 | B p95 beyond its spacing | shared used / allowed "
+          "| refused | baseline share of API | baseline refused |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for version, t, b in rows:
+        print(
+            f"| {version} | {t['b_p50']:.2f} s | {t['b_p95']:.2f} s | {t['b_excess_p95']:.2f} s "
+            f"| {100 * t['shared_use']:.1f} % | {t['refused']} | {100 * b['share']:.1f} % "
+            f"| {b['refused']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Which tasks acquire through a plan (throttle/celery/plan.py), and what each step takes."""
+
+from __future__ import annotations
+
+from throttle import Limit
+from throttle.celery.plan import plan_limit, plan_of
+from throttle.rules import Rule
+
+TENANT = Limit.parse("15/s burst 1", name="tenant", algorithm="gcra")
+SHARED = Limit.parse("19.8/s burst 1", name="shared", algorithm="gcra")
+WINDOW = Limit.parse("100/h", name="quota", algorithm="fixed_window")
+SLOTS = Limit("slots", "concurrency", 4)  # type: ignore[arg-type]
+
+
+def test_a_keyed_limit_and_a_shared_one_go_through_a_plan() -> None:
+    plan = plan_of([(TENANT, "a", 1.0), (SHARED, None, 1.0)])
+    assert plan is not None
+    twin = plan_limit(TENANT)
+    assert (twin.name, twin.algorithm, twin.count, twin.period_s, twin.burst) == (
+        "tenant.plan", TENANT.algorithm, TENANT.count, TENANT.period_s, TENANT.burst,
+    )  # fmt: skip
+    assert plan.admit == [(TENANT, "a", 1.0), (SHARED, None, 1.0), (twin, "a", 1.0)]
+    assert plan.plan == [(twin, "a", 1.0)]
+    assert plan.due == [(TENANT, "a", 1.0), (SHARED, None, 1.0)]
+
+
+def test_a_shared_window_is_taken_when_due_a_keyed_window_has_no_plan() -> None:
+    plan = plan_of([(TENANT, "a", 2.0), (WINDOW, None, 1.0)])
+    assert plan is not None and plan.plan == [(plan_limit(TENANT), "a", 2.0)]
+    assert plan_of([(WINDOW, "a", 1.0), (SHARED, None, 1.0)]) is None
+
+
+def test_one_step_without_a_keyed_and_a_shared_limit_or_with_concurrency() -> None:
+    assert plan_of([(TENANT, "a", 1.0)]) is None
+    assert plan_of([(SHARED, None, 1.0), (WINDOW, None, 1.0)]) is None
+    assert plan_of([(TENANT, "a", 1.0), (TENANT, "b", 1.0)]) is None
+    assert plan_of([(TENANT, "a", 1.0), (SHARED, None, 1.0), (SLOTS, None, 1.0)]) is None
+
+
+def test_a_limit_keyed_by_fewer_arguments_is_shared() -> None:
+    org = Limit.parse("50/s burst 1", name="org", algorithm="gcra")
+    rules = [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{org}")]
+    targets = [(TENANT, "acme:ann", 1.0), (org, "acme", 1.0)]
+    plan = plan_of(targets, rules)
+    assert plan is not None
+    assert plan.plan == [(plan_limit(TENANT), "acme:ann", 1.0)]
+    assert plan.due == targets
+    # The same arguments, or a key from a callable: neither is coarser, one step.
+    same = [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{user}:{org}")]
+    assert plan_of(targets, same) is None
+    called = [Rule(TENANT, key=lambda org, user: f"{org}:{user}"), Rule(org, key="{org}")]
+    assert plan_of(targets, called) is None

@@ -1,0 +1,94 @@
+"""Plans: shared capacity is taken when a task can run, not while it waits for its own key.
+
+A task throttled by a keyed limit (per tenant, say) and a shared one (unkeyed: the whole
+API) would otherwise reserve a slot on both as soon as it arrives. A flood of one tenant
+then reserves the shared limit far ahead (its slots there are set by the tenant's limit),
+and another tenant's task, which its own limit would let run now, waits behind them while
+the shared rate goes unused. Instead:
+
+- **Admit** (a task arriving): one acquisition of every limit, and of the *plan* of its
+  keyed limits, within ``sleep_max``. Admitted: it runs as any task (one round trip).
+- **Plan** (denied): the task reserves only on the plan of its keyed limits, as far ahead
+  as needed (one more round trip), and comes back for that time. A plan is a twin limit
+  (the same numbers under the name ``NAME.plan``, its own state per key): it orders the
+  key's tasks and says when each should come back; it never takes real capacity.
+- **Due** (a task back with a plan, header ``throttle_planned``): one acquisition of every
+  real limit within ``sleep_max`` (one round trip, as the look-again of a reserved task
+  costs); denied, it comes back when that acquisition says, without reserving.
+
+Only the near future is reserved on the real limits, so every limit keeps its own shape
+(the slot of several limits is the earliest at which all conform) and the shared limit is
+free for any key whose own limit lets it run. Applies when a task has at least one keyed
+token bucket or GCRA limit and one shared limit (unkeyed, a fair limit, or keyed by fewer
+of the task's arguments than another: ``{org}`` beside ``{org}:{user}``), and no
+concurrency limit (a
+concurrency unit is never held while waiting, so nothing is reserved far ahead there).
+Trade-offs: a plan is not refunded when a task settles for less, is revoked or times out
+(its tasks then come back a little late and acquire for real then); the tasks of one key
+are taken in plan order only approximately (one that comes back later than planned may be
+overtaken).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from throttle.rules import Rule, Target
+from throttle.spec import Algorithm, Limit
+
+PLAN_SUFFIX = ".plan"
+"""A keyed limit's plan is the limit of the same numbers under this suffix."""
+
+_RESERVING = (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The targets of a task whose acquisition goes through a plan."""
+
+    admit: list[Target]
+    """Every limit, and the plan of its keyed ones: the acquisition of an arriving task."""
+    plan: list[Target]
+    """The plans of the keyed limits alone: reserved as far ahead as needed."""
+    due: list[Target]
+    """Every real limit: the acquisition of a task back with a plan."""
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_limit(limit: Limit) -> Limit:
+    """The plan twin of ``limit``: the same algorithm and numbers, its own state."""
+    return dataclasses.replace(limit, name=limit.name + PLAN_SUFFIX)
+
+
+def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
+    """The plan of a task's targets (``rules``: the rules they were evaluated from, in the
+    same order), or None when it acquires in one step: no concurrency limit, and at least
+    one narrow keyed token bucket or GCRA limit and one shared limit.
+
+    Shared: unkeyed, fair (its rate is every key's), or keyed by a template that reads a
+    strict subset of the arguments another limit's template reads (``{org}`` beside
+    ``{org}:{user}``). A key from a
+    callable is compared with nothing: narrow."""
+    if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in targets):
+        return None
+    fields: list[frozenset[str] | None] = [None] * len(targets)
+    if len(rules) == len(targets):
+        fields = [
+            frozenset(rule.key_fields) if rule.key_template is not None else None for rule in rules
+        ]
+    templated = [f for f in fields if f is not None]
+
+    def shared(i: int) -> bool:
+        mine = fields[i]
+        if targets[i][0].fair:
+            return True  # its rate is every key's: taken when due, as an unkeyed limit
+        return targets[i][1] is None or (mine is not None and any(mine < f for f in templated))
+
+    narrow = [t for i, t in enumerate(targets) if not shared(i) and t[0].algorithm in _RESERVING]
+    if not narrow or not any(shared(i) for i in range(len(targets))):
+        return None
+    plans = [(plan_limit(limit), key, cost) for limit, key, cost in narrow]
+    return Plan(admit=[*targets, *plans], plan=plans, due=list(targets))
