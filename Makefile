@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-fair
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-fair
 
 setup: system-deps $(STAMP)
 
@@ -118,3 +118,11 @@ bench-overhead: setup
 # the mock API: first come first served, fair, fair with weights. About two minutes.
 bench-fair: setup
 	$(PY) -m bench.fair $(FAIR_ARGS)
+
+# An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
+# 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the
+# proportional answer) beside BEFORE_ADAPTIVE (a git revision, default the code before
+# them), real worker fleets. About 12 minutes.
+BEFORE_ADAPTIVE ?= f0eea23
+bench-adaptive: setup
+	$(PY) -m bench.adaptive --before $(BEFORE_ADAPTIVE) $(ADAPTIVE_ARGS)

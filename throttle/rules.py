@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
 from throttle.spec import Algorithm, Limit
@@ -192,6 +193,12 @@ class Rule:
         whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
         drains the limit (takes its whole capacity once), so that it starts at its rate.
         Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
+    adaptive:
+        Learn the upstream's rate from its answers (:class:`throttle.adaptive.Adaptive`):
+        the rate in force goes down on refusals and probes back up on successes, between
+        a floor and the limit's rate. Needs the upstream hook
+        (:func:`throttle.upstream.upstream_hook`) on the task's calls; not for
+        concurrency limits.
     """
 
     limit: Limit
@@ -202,6 +209,7 @@ class Rule:
     on_error: OnError = "keep"
     on_redis_down: OnRedisDown = "defer"
     cold_start: ColdStart = "full"
+    adaptive: Adaptive | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -285,6 +293,13 @@ class Rule:
                 "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
                 field="on_redis_down", value=self.on_redis_down, limit=name,
             )  # fmt: skip
+        if self.adaptive is not None:
+            if not isinstance(self.adaptive, Adaptive):
+                raise ConfigError(
+                    "must be an Adaptive (or, in a limits file, true)", field="adaptive",
+                    value=self.adaptive, limit=name,
+                )  # fmt: skip
+            self.adaptive.check(self.limit)
         if self.cold_start not in ("full", "empty"):
             raise ConfigError(
                 "must be 'full' (a fresh burst) or 'empty' (start at the rate)",

@@ -88,6 +88,7 @@ class Gate:
                 execution.rules, execution.fn, execution.args, execution.kwargs,
                 execution.throttler.rates.current,
             )  # fmt: skip
+            self._learn()
             now = time.time()
             execution.deadline = deadline_of(execution)
             if execution.eager:
@@ -98,6 +99,18 @@ class Gate:
             return None
         execution.throttler.observer.allowed(execution, ticket.slot_at - now)
         return ticket
+
+    def _learn(self) -> None:
+        """Adaptive limits at their learned rate (:mod:`throttle.adaptive`): never above
+        the rate in force, per key for a keyed limit."""
+        execution = self.execution
+        if not any(rule.adaptive for rule in execution.rules):
+            return
+        learned = execution.throttler.learned
+        execution.targets = [
+            (learned.current(limit, key, rule.adaptive) if rule.adaptive else limit, key, cost)
+            for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True)
+        ]
 
     def _drop_second_copy(self) -> None:
         """A parked task released twice (a releaser died between publishing and committing)

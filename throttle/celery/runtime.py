@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import Celery, Task
 
+from throttle.adaptive import LearnedRates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
 from throttle.celery.outage import OutageWatch, check_cold_start, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
@@ -82,6 +83,7 @@ class Throttler:
         self.limiter = limiter
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        self.learned = LearnedRates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)

@@ -219,6 +219,16 @@ class KeySpace:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""
         return f"{self.base}lease:{encode(acquisition_id)}"
 
+    def learned_key(self, limit_name: str, key: str | None) -> str:
+        """The HASH of what the upstream's answers taught about ``(limit, key)``
+        (lua/adapt.lua): the learned rate of an adaptive limit, the recent refusals."""
+        whole, own = self.hold_fields(limit_name, key)
+        return f"{self.base}learned:{own or whole}"
+
+    def learned_pattern(self) -> str:
+        """A SCAN pattern of every learned state of the namespace."""
+        return f"{_glob_escape(self.base)}learned:*"
+
     def rates_key(self) -> str:
         """The HASH of rates changed at run time: limit name -> rate spec."""
         return f"{self.base}rates"
