@@ -108,3 +108,12 @@ def test_fair_is_for_token_bucket_and_gcra() -> None:
     with pytest.raises(ConfigError, match="token_bucket and gcra") as caught:
         Limit.parse("20/s", name="llm", algorithm="sliding_window", fair=True)
     assert caught.value.field == "fair"
+
+
+def test_a_learned_rate_keeps_a_limit_fair() -> None:
+    from throttle.adaptive import learned_limit  # noqa: PLC0415
+
+    limit = Limit.parse("20/s burst 1", name="llm", algorithm="gcra", fair=True,
+                        weights={"a": 3})  # fmt: skip
+    learned = learned_limit(limit, 10.0)
+    assert (learned.fair, learned.weights, learned.rate_per_s) == (True, limit.weights, 10.0)
