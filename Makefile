@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-fair
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair
 
 setup: system-deps $(STAMP)
 
@@ -78,6 +78,14 @@ bench: setup
 # A Celery fleet against a 20/s burst-1 API: ours vs Celery's rate_limit vs a naive retry.
 bench-celery: setup
 	$(PY) -m bench.celery_fleet
+
+# The limiter's Redis losing its data mid-run, 20 runs (issue 17).
+bench-restart: setup
+	$(PY) -m bench.restart $(RESTART_ARGS)
+
+# A strict (burst-1) API with the upstream hook, the call-time spacing guard off vs on.
+bench-strict: setup
+	$(PY) -m bench.strict $(STRICT_ARGS)
 
 # 100,000 tasks through two workers at the limit's rate: lost, twice, Redis keys and memory
 # back to baseline, worker memory flat. Several minutes: not part of `make test`.

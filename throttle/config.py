@@ -19,6 +19,7 @@ objects; every error names the file, the limit and the field::
         cold_start: full       # Redis came back empty: full (a fresh burst) | empty
         fair: false            # true: share the rate fairly among the keys active at once
         weights: {acme: 4}     # a fair limit's weight per key value (default 1)
+        spacing_guard: true    # space actual calls (default: on for burst-1 gcra/token_bucket)
         adaptive: false        # learn the upstream's rate from its 429s (throttle.adaptive)
         floor: 100/m           # ... never below this (default: a tenth of the rate)
         decrease: 0.8          # ... a refusal episode multiplies the rate by this
@@ -62,6 +63,7 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
+    "spacing_guard",
 )  # fmt: skip
 _SETTINGS_FIELDS = {
     "redis_url": "str",

@@ -755,6 +755,7 @@ class MemoryRedis:
         self.model = ModelLimiter()
         self.holds: dict[str, dict[str, float]] = {}  # holds key -> field -> until (us)
         self.hashes: dict[str, dict[bytes, bytes]] = {}  # plain HASHes (rates, stats, clocks)
+        self.spaced: dict[str, float] = {}  # spacing guard key -> next call at (us)
         self.learned: dict[str, dict[str, float]] = {}  # lua/adapt.lua's states
 
     # -- what redis-py's client offers, as far as the package uses it
@@ -804,6 +805,7 @@ class MemoryRedis:
             self.model = ModelLimiter()
             self.holds.clear()
             self.hashes.clear()
+            self.spaced.clear()
 
     # -- the scripts
 
@@ -947,6 +949,16 @@ class MemoryRedis:
                 out.extend((name.encode(), b"%d" % int(until)))
         return out
 
+    def _space(self, code: str | None, keys: list[str], args: list[Any]) -> int:
+        """lua/space.lua: stamp the call at the latest next-call time of its keys (or now),
+        and move each key's next call a spacing past the stamp. (No restart fence: this
+        server's state cannot be lost while the limiter that uses it lives.)"""
+        now = self._now(args[0])
+        at = max([now, *(self.spaced.get(key, now) for key in keys)])
+        for key, spacing in zip(keys, args[2:], strict=False):
+            self.spaced[key] = at + float(_text(spacing))
+        return ceil_us(at - now)
+
     def _accept_parked(self, code: str | None, keys: list[str], args: list[Any]) -> int:
         # SET NX, or the same publish id again: a copy released once runs (never parked
         # here, so never asked outside tests of the layer).
@@ -1023,6 +1035,7 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
         "commit_parked",
         "accept_parked",
         "purge_parked",
+        "space",
         "adapt",
     ):
         known[operation_source(operation)] = (operation, None)

@@ -287,3 +287,13 @@ def test_a_fair_limit_with_another_limit_matches_in_memory(
         real = clocked.acquire_many(targets, max_wait_s=0.5)
         assert memory.acquire_many(targets, max_wait_s=0.5) == real, f"call {i}"
         clock.now_us += 7_000 * (i % 5)
+
+
+def test_the_spacing_guard_spaces_a_fair_limits_calls_as_one(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    # Two tenants calling at the same instant on a burst-1 fair limit: the second waits a
+    # spacing of the total (50 ms), not of its own key.
+    limit = fair()
+    assert clocked.space([(limit, "a", 1.0)]) == 0
+    assert clocked.space([(limit, "b", 1.0)]) == pytest.approx(1 / RATE)

@@ -406,6 +406,22 @@ BAD_DOCUMENTS = [
         id="settings-bad-duration",
     ),
     pytest.param(
+        "limits:\n  api: {rate: 10/s, burst: 1, spacing_guard: sometimes}\n",
+        "api",
+        "spacing_guard",
+        "sometimes",
+        "must be true or false",
+        id="spacing-guard-not-a-bool",
+    ),
+    pytest.param(
+        "limits:\n  slots: {rate: 3 concurrent, spacing_guard: true}\n",
+        "slots",
+        "spacing_guard",
+        True,
+        "no spacing to guard",
+        id="spacing-guard-on-concurrency",
+    ),
+    pytest.param(
         "limits:\n  api: {rate: 20/s, adaptive: true, floor: 30/s}\n",
         "api", "floor", "30/s", "the floor (30/s) is above the limit's rate, its ceiling (20/s)",
         id="adaptive-floor-above-ceiling",
@@ -473,6 +489,24 @@ def test_an_adaptive_limit_maps_its_fields(tmp_path: Path) -> None:
     learning = default.rules["api"].adaptive
     assert learning == Adaptive()
     assert learning.floor_for(default.rules["api"].limit) == 2.0
+
+
+def test_the_spacing_guard_is_on_for_burst_1_rate_limits_by_default() -> None:
+    config = ThrottleConfig.from_mapping(
+        {
+            "limits": {
+                "strict": {"algorithm": "gcra", "rate": "20/s", "burst": 1},
+                "bucket": {"rate": "20/s", "burst": 1},
+                "bursty": {"algorithm": "gcra", "rate": "20/s", "burst": 2},
+                "off": {"algorithm": "gcra", "rate": "20/s", "burst": 1, "spacing_guard": False},
+                "on": {"rate": "20/s", "spacing_guard": True},
+                "daily": {"algorithm": "fixed_window", "rate": "1/d"},
+                "slots": {"rate": "1 concurrent"},
+            }
+        }
+    )
+    guarded = {name for name, rule in config.rules.items() if rule.guarded}
+    assert guarded == {"strict", "bucket", "on"}
 
 
 @pytest.mark.parametrize(("document", "limit", "field", "value", "problem"), BAD_DOCUMENTS)

@@ -260,6 +260,18 @@ class KeySpace:
         a worker that Redis is new or restarted empty (the ``cold_start`` setting)."""
         return f"{self.base}alive"
 
+    def fence_key(self) -> str:
+        """The restart fence's marker (no TTL; a number: the fence's end, us of the Redis
+        clock), written by the first script that finds it missing: its absence tells that
+        Redis is new or lost its data, states included (see ``lua/prelude.lua``)."""
+        return f"{self.base}fence"
+
+    def space_key(self, limit: Limit, key: str | None) -> str:
+        """When the next call of ``limit`` (for ``key``) may come, stamped by the call-time
+        spacing guard (``lua/space.lua``)."""
+        name = f"{self.base}space:{encode(limit.name)}:"
+        return name if key is None else name + encode(key)
+
     def clocks_key(self) -> str:
         """The HASH of the workers' clocks: worker name -> its offset to the Redis clock,
         the round trip that bounds it, and when it was measured (see
