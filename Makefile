@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair
 
 setup: system-deps $(STAMP)
 
@@ -129,6 +129,11 @@ bench-tenants: setup
 # revision's worker beside this one. A few minutes.
 bench-overhead: setup
 	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
+
+# Fair share: three tenants flood one shared limit through 2 workers x 4 children against
+# the mock API: first come first served, fair, fair with weights. About two minutes.
+bench-fair: setup
+	$(PY) -m bench.fair $(FAIR_ARGS)
 
 # An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
 # 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the

@@ -7,7 +7,7 @@
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
 -- ARGV[3]      n             number of limits
--- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'), count, period_us, burst,
+-- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair'), count, period_us, burst,
 --              cost (burst = the capacity: bucket size, or count for windows and
 --              concurrency; cost = tokens taken from this limit, >= 0, fractions allowed:
 --              one call may cost 1 request and 2000 tokens)
@@ -35,7 +35,8 @@
 --   When admitted, the slot (now + wait_us) is the earliest time at which every limit
 --   conforms, and every limit is charged as of that slot (see commit in prelude.lua).
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
---   sweep of expired leases), and retry_after_us is the largest wait among the limits that
+--   sweep of expired leases, and a fair limit's deny: its key is active, its plan moves),
+--   and retry_after_us is the largest wait among the limits that
 --   could not admit the cost now, or the slot when a window limit (fixed or sliding) was
 --   denied because the slot falls in a later window than the current one (its per-limit
 --   allowed 0, retry_after_us = that slot). A held limit (hold.lua) denies with allowed 0,
@@ -176,6 +177,13 @@ if allowed == 1 then
   end
 else
   wait = 0
+  -- An algorithm that remembers denials (fair.lua: who is active, where its plan stands).
+  for i = 1, n do
+    local l = limits[i]
+    if l[OK] == 0 and l[S1] and l[ALG].deny then
+      l[ALG].deny(l[K], l[COUNT], l[PERIOD], l[BURST], now, l[COST], l[S1])
+    end
+  end
 end
 local pack = struct.pack
 local out = {pack('<dddd', 0, allowed, wait, allowed == 1 and 0 or retry)}

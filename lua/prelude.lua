@@ -47,6 +47,8 @@
 --     the lease's end, however late the slot.
 --   adjust(k, count, period_us, burst, now, delta, mark, holder)
 --     charge (delta > 0) or refund (delta < 0)
+--   deny(k, count, period_us, burst, now, cost, s1)   optional (fair.lua only): called by
+--     acquire.lua for a limit whose check denied, when the acquisition is denied
 
 -- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
 local function clock_us(explicit)

@@ -32,6 +32,7 @@ explains; see :func:`throttle.upstream.report_upstream` for what each gets.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -205,8 +206,8 @@ def learned_limit(limit: Limit, rate_per_s: float) -> Limit:
     ``limit`` itself otherwise."""
     if rate_per_s >= limit.rate_per_s * (1 - 1e-9):
         return limit
-    return Limit(limit.name, limit.algorithm, rate_per_s * limit.period_s, limit.period_s,
-                 limit.burst)  # fmt: skip
+    # replace(): a fair limit stays fair, with its weights.
+    return dataclasses.replace(limit, count=rate_per_s * limit.period_s)
 
 
 class Learned(NamedTuple):

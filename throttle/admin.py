@@ -21,7 +21,8 @@ def _probes(name: str) -> list[Limit]:
     """A stand-in limit of this name for every algorithm. The state of a limit lives under
     its algorithm's code, and a limit whose algorithm was changed in the file leaves the
     old algorithm's state behind: a reset deletes the state under every code."""
-    return [Limit(name, algorithm, 1.0) for algorithm in Algorithm]
+    probes = [Limit(name, algorithm, 1.0) for algorithm in Algorithm]
+    return [*probes, Limit(name, Algorithm.TOKEN_BUCKET, 1.0, fair=True)]
 
 
 def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None = None) -> int:
@@ -35,7 +36,13 @@ def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None =
     after a reset a limit can admit up to its burst on top of the slots reserved before.
     """
     if key is not None:
-        names = [name for probe in _probes(limit) for name in keyspace.state_keys(probe, key)]
+        # A fair limit's key: its own schedule only (the shared total and the active keys
+        # are every key's).
+        names = [
+            name
+            for probe in _probes(limit)
+            for name in keyspace.state_keys(probe, key)[: 1 if probe.fair else None]
+        ]
         deleted: int = wrap_errors(lambda: client.delete(*names))
         return deleted
     patterns = [keyspace.state_pattern(probe) for probe in _probes(limit)]

@@ -242,6 +242,7 @@ def collect_status(
                 "name": name,
                 "task": entry.task,
                 "algorithm": configured.algorithm.value,
+                "fair": configured.fair,
                 "rate": rate_spec(configured),
                 "burst": configured.capacity,
                 "override": override,
@@ -351,7 +352,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
     if per_minute["timeout"]:
         denied += f" ({_rate_of(per_minute['timeout'])} timed out)"
     return [
-        row["name"], row["algorithm"], rate, burst, tokens, slot, ", ".join(state) or "-",
+        row["name"], row["algorithm"] + (", fair" if row["fair"] else ""), rate, burst, tokens,
+        slot, ", ".join(state) or "-",
         flight, denied,
     ]  # fmt: skip
 

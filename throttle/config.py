@@ -17,6 +17,8 @@ objects; every error names the file, the limit and the field::
         on_error: keep         # the body raised: keep the reserved cost | refund it
         on_redis_down: defer   # defer (fail closed) | allow[:60s] (fail open, bounded) | local
         cold_start: full       # Redis came back empty: full (a fresh burst) | empty
+        fair: false            # true: share the rate fairly among the keys active at once
+        weights: {acme: 4}     # a fair limit's weight per key value (default 1)
         spacing_guard: true    # space actual calls (default: on for burst-1 gcra/token_bucket)
         adaptive: false        # learn the upstream's rate from its 429s (throttle.adaptive)
         floor: 100/m           # ... never below this (default: a tenth of the rate)
@@ -58,7 +60,7 @@ CONFIG_ENV = "THROTTLE_CONFIG"
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
-_LIMIT_FIELDS = ("rate", "algorithm", "burst")
+_LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
     "spacing_guard",

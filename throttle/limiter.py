@@ -54,7 +54,7 @@ from throttle.redis.replies import (
     settlement,
 )
 from throttle.redis.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
-from throttle.redis.wire import HOLD_FOREVER_US, limit_args
+from throttle.redis.wire import HOLD_FOREVER_US, limit_args, target_args
 from throttle.spec import Limit
 from throttle.units import real
 
@@ -66,6 +66,7 @@ MAX_DURATION_S = 10 * 365 * 86400.0
 """The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
 
 _INF = math.inf
+_SEVERAL = ("conc", "fair")  # codes only lua/acquire.lua runs (not acquire_one.lua)
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
 
 
@@ -156,9 +157,9 @@ class RequestBuilder(Generic[_S]):
         lease_s: float,
     ) -> tuple[_S, Sequence[str], list[Any]] | None:
         """The call of lua/acquire_one.lua for an acquire of one limit, or None when the
-        acquire needs lua/acquire.lua (an acquisition id, a concurrency limit, not a Limit):
-        then :meth:`_many_request` of the one target."""
-        if acquisition_id is not None or type(limit) is not Limit or limit.code == "conc":
+        acquire needs lua/acquire.lua (an acquisition id, a concurrency or fair limit, not a
+        Limit): then :meth:`_many_request` of the one target."""
+        if acquisition_id is not None or type(limit) is not Limit or limit.code in _SEVERAL:
             return None
         # The same checks in the same order as _many_request; written out here, because
         # every Python call on this path shows in the latency.
@@ -212,7 +213,7 @@ class RequestBuilder(Generic[_S]):
             # cost is a plain float now, so _one_request's checks pass at once).
             target = targets[0]
             limit = target[0]
-            if type(limit) is Limit and limit.code != "conc":
+            if type(limit) is Limit and limit.code not in _SEVERAL:
                 own = cost
                 if len(target) == 3:
                     own = _number(target[2], f"cost of limit {limit.name!r}")
@@ -265,8 +266,8 @@ class RequestBuilder(Generic[_S]):
                     "or one per limit"
                 )
         args: list[Any] = [b"", acquisition.id, n]
-        for (limit, _), actual in zip(acquisition.targets, actuals, strict=True):
-            args.extend(limit_args(limit))
+        for (limit, key), actual in zip(acquisition.targets, actuals, strict=True):
+            args.extend(target_args(limit, key))
             args.append(b"" if actual is None else _number(actual, "actual_cost"))
         if self._clock_us is not None:
             args[0] = self._clock_us()
@@ -282,7 +283,7 @@ class RequestBuilder(Generic[_S]):
         asked = min(_number(cost, "cost"), limit.capacity)
         keyspace = self.keyspace
         keys = [keyspace.holds_key(), *keyspace.state_keys(limit, key)]
-        args: list[Any] = [b"", 0, 1, *limit_args(limit), repr(asked), b"", 1]
+        args: list[Any] = [b"", 0, 1, *target_args(limit, key), repr(asked), b"", 1]
         args.extend(keyspace.hold_fields(limit.name, key))
         if self._clock_us is not None:
             args[0] = self._clock_us()
@@ -340,7 +341,8 @@ class RequestBuilder(Generic[_S]):
             if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
             spacing_us = limit.period_s * 1e6 / limit.count * _number(cost, "cost")
-            keys.append(self.keyspace.space_key(limit, key))
+            # A fair limit's rate is its keys' total: its calls are spaced as one.
+            keys.append(self.keyspace.space_key(limit, None if limit.fair else key))
             args.append(repr(spacing_us))
         if not keys:
             raise RequestError("the spacing guard needs at least one limit")
@@ -555,7 +557,8 @@ class Limiter(RequestBuilder[Script]):
         (a busy host) and one on time would otherwise call closer than the limit's spacing,
         which a strict upstream (burst 1) refuses. One round trip per call; calls of one
         target are then at least a spacing apart as stamped, so the guard suits limits of
-        burst 1 (it takes away a burst). Rate limits only (not concurrency)."""
+        burst 1 (it takes away a burst). Rate limits only (not concurrency). A fair limit
+        is guarded as one, whatever the key: its rate is the total of its keys'."""
         script, keys, args, decode = self._space_request(targets)
         return decode(self._call(script, keys, args))
 
@@ -607,7 +610,7 @@ def _encode_targets(
         if limit_cost > limit.capacity:
             raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
         keys.extend(keyspace.state_keys(limit, key))
-        args.extend(limit_args(limit))
+        args.extend(target_args(limit, key))
         args.append(encoded)
         pairs.append((limit, key))
         costs.append(limit_cost)

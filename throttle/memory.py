@@ -34,11 +34,12 @@ from throttle.errors import BackendError
 from throttle.limiter import Limiter
 from throttle.redis.client import RedisClient
 from throttle.redis.scripts import ALGORITHM_FILES, operation_source, script_source
-from throttle.redis.wire import limit_args
+from throttle.redis.wire import target_args
 from throttle.spec import Limit
 
 __all__ = [
     "Concurrency",
+    "Fair",
     "FixedWindow",
     "Gcra",
     "MemoryLimiter",
@@ -68,7 +69,8 @@ class Params:
 
     @classmethod
     def of(cls, limit: Limit) -> Params:
-        _, count, period_us, burst = limit_args(limit)  # exactly what the script receives
+        # Exactly what the script receives (a fair limit: for a key of weight 1).
+        _, count, period_us, burst = target_args(limit, None)
         return cls(float(count), float(period_us), float(burst))
 
 
@@ -350,6 +352,116 @@ class Concurrency:
             h.total = 0.0
 
 
+class Fair:
+    """lua/fair.lua. ``key`` is the key's state key; the limit's shared HASH and its ZSET
+    of active keys are named after it as the key space names them (the name up to its
+    last ``:``, and that + ``:a``)."""
+
+    ACTIVE_US = 2000000.0
+
+    def __init__(self) -> None:
+        self.keys: dict[str, tuple[float, float]] = {}  # key -> (tk, plan)
+        self.shared: dict[str, dict[str, float]] = {}  # 't', 'W', member -> weight
+        self.active: dict[str, dict[str, float]] = {}  # member -> active until (us)
+
+    @staticmethod
+    def names(key: str) -> tuple[str, str]:
+        shared = key[: key.rindex(":") + 1]
+        return shared, shared + ":a"
+
+    def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
+        w, interval = p.count, p.period_us / p.count
+        burst = p.burst
+        shared_name, active_name = self.names(key)
+        shared = self.shared.get(shared_name, {})
+        active = self.active.get(active_name, {})
+        t = max(shared.get("t", now), now)
+        total = shared.get("W", 0.0)
+        known = shared.get(key)
+        gone = sorted(
+            (m for m, until in active.items() if until <= now),
+            key=lambda m: (active[m], m.encode()),
+        )[:100]
+        if gone and len(gone) == len(active):
+            total, known = 0.0, None
+        elif gone:
+            for m in gone:
+                total = total - shared.get(m, 0.0)
+                if m == key:
+                    known = None
+        if known is not None:
+            total = total - known
+        total = max(total, 0.0) + w
+        tk, plan = self.keys.get(key, (now, now))
+        key_interval = interval * total / w
+        slot = max(now, t + (cost - burst) * interval)
+        due = max(tk, now) + (cost - 1) * key_interval - burst * interval
+        horizon = min(max_wait, max(250000.0, (burst + 1) * interval))
+        mode, allowed, wait, retry, after, start = 3, 0, 0, 0, t, plan
+        if due <= slot:
+            need = ceil_us(slot - now)
+            if need <= horizon:
+                mode, allowed, wait, after = 1, 1, need, t + cost * interval
+            else:
+                retry = need
+        elif slot <= now:
+            mode, allowed, after = 2, 1, t + cost * interval
+        else:
+            mode, start = 4, max(plan, due)
+            if start > now + max(10000000.0, 4 * cost * key_interval):
+                start = due
+            retry = ceil_us(start - now)
+        return {
+            "allowed": allowed, "wait": wait, "retry": retry,
+            "remaining": max(burst - (after - now) / interval, 0.0),
+            "reset": ceil_us(after - now),
+            "mode": mode, "t": t, "sum": total, "gone": gone, "tk": tk, "plan": plan,
+            "key_interval": key_interval, "start": start, "slot": slot,
+        }  # fmt: skip
+
+    def _write(
+        self, key: str, w: float, now: float, t: float, r: Check, tk: float, plan: float
+    ) -> None:
+        shared_name, active_name = self.names(key)
+        shared = self.shared.setdefault(shared_name, {})
+        active = self.active.setdefault(active_name, {})
+        for m in r["gone"]:
+            active.pop(m, None)
+            shared.pop(m, None)
+        active[key] = max(tk, plan, now) + self.ACTIVE_US
+        shared.update({"t": t, "W": r["sum"], key: w})
+        self.keys[key] = (tk, plan)
+
+    def commit(
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, at: float | None = None,
+        **_: Any,
+    ) -> str:  # fmt: skip
+        interval = p.period_us / p.count
+        total = max(r["t"], now) + cost * interval
+        if at is not None and at > r["t"]:
+            total = at + cost * interval
+        tk, mark = r["tk"], ""
+        if r["mode"] == 1:
+            tk = max(tk, r["slot"] if at is None else at) + cost * r["key_interval"]
+            mark = f"{r['key_interval']:.17g}"
+        self._write(key, p.count, now, total, r, tk, r["plan"])
+        return mark
+
+    def deny(self, key: str, p: Params, now: float, cost: float, r: Check) -> None:
+        plan = r["plan"]
+        if r["mode"] == 4:
+            plan = r["start"] + cost * r["key_interval"]
+        self._write(key, p.count, now, r["t"], r, r["tk"], plan)
+
+    def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
+        shared = self.shared.get(self.names(key)[0], {})
+        if "t" in shared:
+            shared["t"] = max(now, max(shared["t"], now) + delta * p.period_us / p.count)
+        if key in self.keys and mark != "":
+            tk, plan = self.keys[key]
+            self.keys[key] = (max(now, max(tk, now) + delta * float(mark)), plan)
+
+
 @dataclass
 class Record:
     """A lease record of acquire.lua: what an acquisition took, for settle and redelivery."""
@@ -369,6 +481,7 @@ Spec = tuple[str, Params, str]
 
 
 def _specs(targets: Sequence[tuple[Limit, str]]) -> list[Spec]:
+    # The keys here are state keys, not key values: a fair limit's keys all weigh 1.
     return [(limit.code, Params.of(limit), key) for limit, key in targets]
 
 
@@ -385,6 +498,7 @@ class ModelLimiter:
             "fw": FixedWindow(),
             "sw": SlidingWindow(),
             "conc": Concurrency(),
+            "fair": Fair(),
         }
         self.records: dict[str, Record] = {}
 
@@ -482,6 +596,9 @@ class ModelLimiter:
             retry = 0
         else:
             wait = 0
+            for (algo, key, p, r), c in zip(checks, costs, strict=True):
+                if not r["allowed"] and "mode" in r and isinstance(algo, Fair):
+                    algo.deny(key, p, now, c, r)
         per_limit = tuple(
             (bool(r["allowed"]), r["remaining"], r["retry"], r["reset"]) for *_, r in checks
         )
@@ -527,7 +644,7 @@ class ModelLimiter:
 
 
 _SETTLE_CODES = {"settled": b"0", "already_settled": b"1", "unknown": b"2", "mismatch": b"3"}
-_NKEYS = {"conc": 2}  # state keys per limit (ALGO[code].nkeys): 1 but for concurrency
+_NKEYS = {"conc": 2, "fair": 3}  # state keys per limit (ALGO[code].nkeys): 1 for the others
 
 
 _GAP_US = 1_000_000.0
@@ -903,7 +1020,7 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
     known: dict[str, tuple[str, str | None]] = {}
     codes = sorted(ALGORITHM_FILES)
     for code in codes:
-        if code != "conc":
+        if code not in ("conc", "fair"):
             known[script_source("acquire_one", frozenset((code,)))] = ("acquire_one", code)
         known[script_source("peek", frozenset((code,)))] = ("peek", None)
     for mask in range(1, 2 ** len(codes)):

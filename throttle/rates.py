@@ -81,7 +81,13 @@ class RateBookBase:
         built = self._built.get((limit, spec))
         if built is None:
             try:
-                built = Limit.parse(spec, name=limit.name, algorithm=limit.algorithm)
+                built = Limit.parse(
+                    spec,
+                    name=limit.name,
+                    algorithm=limit.algorithm,
+                    fair=limit.fair,
+                    weights=dict(limit.weights),
+                )
             except ValueError:  # ConfigError: a bad rate written by hand
                 return limit
             self._built[(limit, spec)] = built

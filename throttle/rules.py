@@ -251,6 +251,12 @@ class Rule:
                 "must be a template string such as '{tenant_id}' or a callable",
                 field="key", value=self.key, limit=name,
             )  # fmt: skip
+        if self.limit.fair and self.key is None:
+            raise ConfigError(
+                "a fair limit shares its rate among the values of its key: give it a key, "
+                "such as '{tenant_id}'",
+                field="fair", value=True, limit=name,
+            )  # fmt: skip
         object.__setattr__(self, "key_template", template)
         object.__setattr__(self, "key_fields", () if template is None else template.heads)
         cost, number = self.cost, real(self.cost)

@@ -9,6 +9,7 @@ of Lua or of Celery. Strings read like the rate limits of public APIs::
     Limit.parse("10000/d", algorithm="fixed_window")      # a daily quota (UTC days)
     Limit.parse("8 concurrent")                           # at most 8 in flight
     Limit.from_mapping({"algorithm": "gcra", "rate": "20/s", "burst": 1}, name="github")
+    Limit.parse("20/s", name="llm", fair=True, weights={"acme": 4})  # shared fairly by key
 
 The burst defaults to the count of the rate ("50/s" may take 50 at once after an idle
 second); write ``burst 1`` for strict spacing.
@@ -26,7 +27,7 @@ from typing import Any
 from throttle.errors import ConfigError
 from throttle.units import real
 
-__all__ = ["Algorithm", "Limit", "check_fields", "check_name"]
+__all__ = ["FAIR_CODE", "Algorithm", "Limit", "check_fields", "check_name"]
 
 
 class Algorithm(str, Enum):
@@ -68,7 +69,9 @@ _RATE_RE = re.compile(
     re.IGNORECASE,
 )
 _CONCURRENT_RE = re.compile(rf"(?P<count>{_NUMBER})\s+concurrent", re.IGNORECASE)
-_MAPPING_FIELDS = ("algorithm", "rate", "burst")
+_MAPPING_FIELDS = ("algorithm", "rate", "burst", "fair", "weights")
+FAIR_CODE = "fair"
+"""The code of every fair limit, whatever its algorithm (lua/fair.lua)."""
 
 
 def check_fields(config: object, known: tuple[str, ...], *, limit: str, source: str | None) -> None:
@@ -155,6 +158,44 @@ def check_name(name: object, *, field: str = "name", source: str | None = None) 
     return name
 
 
+def _weights(
+    fair: object, weights: object, algorithm: Algorithm, limit: str | None, source: str | None
+) -> tuple[tuple[str, float], ...]:
+    """A fair limit's weights as sorted (key, weight) pairs, checked with ``fair`` itself."""
+    if not isinstance(fair, bool):
+        raise ConfigError(
+            "must be true or false", field="fair", value=fair, limit=limit, source=source
+        )
+    if fair and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+        raise ConfigError(
+            f"fair applies to token_bucket and gcra limits only, not {algorithm.value}",
+            field="fair", value=fair, limit=limit, source=source,
+        )  # fmt: skip
+    if isinstance(weights, tuple) and all(
+        isinstance(pair, tuple) and len(pair) == 2 for pair in weights
+    ):
+        weights = dict(weights)  # the pairs this class keeps (dataclasses.replace)
+    if not isinstance(weights, Mapping):
+        raise ConfigError(
+            "must be a mapping of key values to weights, such as {enterprise: 4, free: 1}",
+            field="weights", value=weights, limit=limit, source=source,
+        )  # fmt: skip
+    if weights and not fair:
+        raise ConfigError(
+            "weights apply to a fair limit only: add 'fair: true'",
+            field="weights", value=dict(weights), limit=limit, source=source,
+        )  # fmt: skip
+    pairs = []
+    for key, value in weights.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(
+                "a weight's key must be a non-empty string (a value of the limit's key)",
+                field="weights", value=key, limit=limit, source=source,
+            )  # fmt: skip
+        pairs.append((key, _positive(value, f"weights.{key}", limit, source, high=MAX_AMOUNT)))
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True)
 class Limit:
     """One limit: ``count`` per ``period_s`` seconds with a capacity of ``burst``.
@@ -173,6 +214,17 @@ class Limit:
         Capacity in tokens: the most one instant may take. Defaults to ``count``. Only
         token bucket and GCRA accept another value; for windows and concurrency the
         capacity is ``count``.
+    fair:
+        Share the rate fairly among the keys active at the same time (``lua/fair.lua``):
+        N keys that all want more than their share get about 1/N of the rate each (or
+        their weight's share), one key alone gets all of it, and the total never exceeds
+        the rate. Token bucket and GCRA limits only; acquired with a key (the key names
+        what the shares are of). A fair limit is a GCRA shaper whatever its algorithm:
+        ``burst`` calls may come at once.
+    weights:
+        A fair limit's weight per key value (a mapping; finite numbers > 0); a key not
+        listed weighs 1. A key of weight 4 among keys of weight 1 gets four times their
+        share. Kept as sorted (key, weight) pairs.
     """
 
     name: str
@@ -180,6 +232,8 @@ class Limit:
     count: float
     period_s: float = 1.0
     burst: float | None = None
+    fair: bool = False
+    weights: Any = ()
     code: str = field(init=False, repr=False, compare=False)
     """The algorithm's short name (``tb``, ``gcra``, ``fw``, ``sw``, ``conc``), as Redis key
     names and the scripts spell it."""
@@ -220,8 +274,16 @@ class Limit:
         object.__setattr__(self, "count", count)
         object.__setattr__(self, "period_s", period_s)
         object.__setattr__(self, "burst", burst)
-        object.__setattr__(self, "code", _CODES[algorithm])
+        weights = _weights(self.fair, self.weights, algorithm, name, None)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "_weight_of", dict(weights))
+        object.__setattr__(self, "code", FAIR_CODE if self.fair else _CODES[algorithm])
         object.__setattr__(self, "codes", frozenset((self.code,)))
+
+    def weight(self, key: str) -> float:
+        """The weight of ``key`` in a fair limit: as listed in :attr:`weights`, else 1."""
+        weight: float = self.__dict__["_weight_of"].get(key, 1.0)
+        return weight
 
     @property
     def capacity(self) -> float:
@@ -243,8 +305,11 @@ class Limit:
         algorithm: Algorithm | str | None = None,
         source: str | None = None,
         field: str = "rate",
+        fair: bool = False,
+        weights: Mapping[str, float] | None = None,
     ) -> Limit:
-        """Build a limit from a string such as ``"50/s"`` or ``"3500/m burst 100"``.
+        """Build a limit from a string such as ``"50/s"`` or ``"3500/m burst 100"``
+        (``fair`` and ``weights``: see :class:`Limit`).
 
         Grammar: ``COUNT "/" [N] UNIT ["burst" B]`` with UNIT one of ms, s, m, h, d (or
         their long forms: sec, minute, hours, day...), or ``COUNT "concurrent"``.
@@ -295,13 +360,14 @@ class Limit:
             burst = float(match["burst"]) if match["burst"] else None
             algo = algo or Algorithm.TOKEN_BUCKET
         try:
-            return cls(limit or spec, algo, count, period_s, burst)
+            return cls(limit or spec, algo, count, period_s, burst, fair, weights or {})
         except ConfigError as exc:
             # Re-raise with the place the value came from.
+            own = exc.field in ("name", "fair") or (exc.field or "").startswith("weights")
             raise ConfigError(
                 exc.problem,
-                field="name" if exc.field == "name" else field,
-                value=exc.value if exc.field == "name" else spec,
+                field=exc.field if own else field,
+                value=exc.value if own else spec,
                 limit=limit if exc.field != "name" else None,
                 source=source,
             ) from None
@@ -314,8 +380,9 @@ class Limit:
 
         Fields: ``rate`` (required; a rate string, which may carry ``burst``),
         ``algorithm`` (default ``token_bucket``, or ``concurrency`` for ``N concurrent``),
-        ``burst`` (a number, overrides the one in ``rate``). Unknown fields are errors, so
-        that a typo never goes unnoticed.
+        ``burst`` (a number, overrides the one in ``rate``), ``fair`` (true or false) and
+        ``weights`` (a mapping of key values to numbers > 0). Unknown fields are errors,
+        so that a typo never goes unnoticed.
         """
         check_fields(config, _MAPPING_FIELDS, limit=name, source=source)
         if "rate" not in config:
@@ -326,11 +393,18 @@ class Limit:
         limit = cls.parse(
             config["rate"], name=name, algorithm=algorithm, source=source, field="rate"
         )
-        if "burst" not in config:
-            return limit
-        burst = _positive(config["burst"], "burst", name, source, high=MAX_AMOUNT)
+        fair = config.get("fair", False)
+        weights = config.get("weights", {})
+        if weights is None:
+            weights = {}
+        _weights(fair, weights, limit.algorithm, name, source)  # errors name the file
+        burst = limit.burst
+        if "burst" in config:
+            burst = _positive(config["burst"], "burst", name, source, high=MAX_AMOUNT)
         try:
-            return cls(limit.name, limit.algorithm, limit.count, limit.period_s, burst)
+            return cls(
+                limit.name, limit.algorithm, limit.count, limit.period_s, burst, fair, weights
+            )
         except ConfigError as exc:
             raise ConfigError(
                 exc.problem, field="burst", value=config["burst"], limit=name, source=source

@@ -132,6 +132,8 @@ def limit_table() -> str:
             f"`{spec.Algorithm.TOKEN_BUCKET.value}`",
         ),
         "burst": (limit_doc["burst"], "the count"),
+        "fair": (limit_doc["fair"] + " See [fair limits](concepts.md#fair-limits).", "`false`"),
+        "weights": (limit_doc["weights"], "none: every key weighs 1"),
     }
     rule_doc = parameters(rules.Rule)
     defaults = {f.name: f.default for f in dataclasses.fields(rules.Rule)}

@@ -102,6 +102,13 @@ def spend(self: Any, tenant: str, estimate: int, used: int | None, fail: bool = 
     return estimate
 
 
+@app.task(bind=True)
+@throttled("fair")
+def fair_call(self: Any, tenant: str, n: int) -> dict[str, Any]:
+    """A tenant's call under a limit shared fairly among tenants."""
+    return {**_record(self, "fair_call"), "tenant": tenant, "n": n}
+
+
 @app.task
 @throttled("1000/s")
 def roomy(x: int) -> int:

@@ -318,3 +318,33 @@ def test_from_url_refuses_what_it_does_not_support() -> None:
     limiter = Limiter.from_url("redis://:secret@127.0.0.1:1/3")
     assert isinstance(limiter.client, redis.asyncio.Redis)
     assert limiter.client.connection_pool.connection_kwargs["socket_timeout"] == 5.0
+
+
+def test_a_fair_limit_decides_as_the_blocking_limiter(
+    arun: Callable[[Body], Any], clocked: SyncLimiter, clock: FakeClock
+) -> None:
+    # The same calls on two limits of the same definition (two names: two states), one
+    # through each limiter: the same decisions.
+    def limit(name: str) -> Limit:
+        return Limit.parse("20/s burst 1", name=name, algorithm="gcra", fair=True,
+                           weights={"b": 2})  # fmt: skip
+
+    calls = [("a", 0), ("b", 0), ("a", 0), ("c", 10_000), ("b", 0), ("a", 200_000)] * 5
+
+    async def body(limiter: Limiter) -> list[Decision]:
+        out = []
+        for key, step_us in calls:
+            clock.now_us += step_us
+            out.append(await limiter.acquire(limit("async"), key, max_wait_s=0.2))
+        return out
+
+    start = clock.now_us
+    awaited = arun(body)
+    clock.now_us = start
+    blocking = []
+    for key, step_us in calls:
+        clock.now_us += step_us
+        blocking.append(clocked.acquire(limit("blocking"), key, max_wait_s=0.2))
+    strip = [(d.allowed, d.wait_s, d.retry_after_s, d.remaining) for d in awaited]
+    assert strip == [(d.allowed, d.wait_s, d.retry_after_s, d.remaining) for d in blocking]
+    assert {d.allowed for d in blocking} == {True, False}

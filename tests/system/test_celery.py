@@ -43,6 +43,7 @@ limits:
   live: {algorithm: gcra, rate: 10/s, burst: 1}
   strict: {algorithm: gcra, rate: 10/s, burst: 1}
   held: {algorithm: gcra, rate: 4/s, burst: 1}
+  fair: {algorithm: gcra, rate: 10/s, burst: 1, key: "{tenant}", fair: true}
 queues:
   upstream: [upstream]
   shaped: [shaped]
@@ -157,6 +158,32 @@ def api_violations_explained(arrivals: list[dict[str, Any]], late: list[float]) 
     """The refused arrivals that calls on time cannot explain, at this fleet's API (see
     :func:`tests.support.upstream.violations_explained`)."""
     return violations_explained(arrivals, late, API_RATE, API_BURST)
+
+
+def test_a_fair_limit_serves_tenants_that_came_later_beside_the_first(fleet: Fleet) -> None:
+    # Given tenant a's 60 tasks queued before b's 20 and c's 20, on a fair 10/s burst-1 limit
+    from tests.apps.celery_app import fair_call  # noqa: PLC0415
+
+    handles = [fair_call.delay("a", n) for n in range(60)]
+    handles += [fair_call.delay(tenant, n) for tenant in "bc" for n in range(20)]
+    done = results(handles, timeout=180)
+    slots = {t: sorted(r["slot"] for r in done if r["tenant"] == t) for t in "abc"}
+    # Then every task ran once
+    assert all(r["runs"] == 1 for r in done)
+    assert [len(slots[t]) for t in "abc"] == [60, 20, 20]
+    # on slots 1/10 s apart (the total, on Redis time, from the leases)
+    every = sorted(s for t in "abc" for s in slots[t])
+    assert min(b - a for a, b in itertools.pairwise(every)) >= 0.1 - SLOT_ROUNDING_S
+    # and b and c did not wait behind a's backlog, as first come first served would make
+    # them (a's 60 slots first, 6 s): they finished before a, sharing the rate with it.
+    assert slots["b"][-1] < slots["a"][-1]
+    assert slots["c"][-1] < slots["a"][-1]
+    # While all three were active, a had no more than about a third of the slots.
+    both = max(slots["b"][0], slots["c"][0])
+    window = [s for s in every if both <= s <= slots["c"][-1] and s <= slots["b"][-1]]
+    mine = [s for s in slots["a"] if s in window]
+    assert len(window) >= 10, (both, slots)
+    assert len(mine) <= 0.5 * len(window), (len(mine), len(window))
 
 
 def test_throttled_tasks_keep_their_id_and_result_and_retry_budget(fleet: Fleet) -> None:
@@ -456,9 +483,23 @@ def test_a_hold_stops_tasks_already_sleeping_to_their_slots(fleet: Fleet) -> Non
     assert sum(r["deferrals"] for r in asleep) >= len(asleep)
 
 
-def test_a_bad_limits_file_stops_the_worker_with_its_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("{rate: 10/fortnight}", "field 'rate': unknown time unit 'fortnight'"),
+        ("{rate: 10/s, fair: true}", "field 'fair': a fair limit shares its rate among"),
+        (
+            "{rate: 10/s, key: '{t}', fair: true, weights: {free: 0}}",
+            "field 'weights.free': must be a finite number > 0 (got 0)",
+        ),
+    ],
+    ids=["rate", "fair-without-key", "weight"],
+)
+def test_a_bad_limits_file_stops_the_worker_with_its_place(
+    tmp_path: Path, entry: str, message: str
+) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("limits:\n  github:\n    rate: 10/fortnight\n")
+    bad.write_text(f"limits:\n  github: {entry}\n")
     with RedisServer() as server:
         env = {"DEMO_BROKER_URL": server.url, "THROTTLE_CONFIG": str(bad)}
         proc = subprocess.run(
@@ -468,4 +509,4 @@ def test_a_bad_limits_file_stops_the_worker_with_its_place(tmp_path: Path) -> No
         )  # fmt: skip
     output = proc.stdout.decode() + proc.stderr.decode()
     assert proc.returncode != 0
-    assert f"{bad}: limit 'github': field 'rate': unknown time unit 'fortnight'" in output
+    assert f"{bad}: limit 'github': {message}" in output

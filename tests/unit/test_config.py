@@ -41,9 +41,12 @@ def test_example_limits_file_loads() -> None:
         "openai-tokens",
         "stripe",
         "mail-daily",
+        "llm-shared",
         "llm-streams",
         "partner",
     }
+    shared = config.rule("llm-shared").limit
+    assert shared.fair and shared.weight("enterprise") == 4.0 and shared.weight("acme") == 1.0
     assert config.rules["partner"].adaptive == Adaptive(floor_per_s=2.0)
     github = config.rule("github").limit
     assert github.algorithm is Algorithm.GCRA

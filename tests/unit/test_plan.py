@@ -50,3 +50,16 @@ def test_a_limit_keyed_by_fewer_arguments_is_shared() -> None:
     assert plan_of(targets, same) is None
     called = [Rule(TENANT, key=lambda org, user: f"{org}:{user}"), Rule(org, key="{org}")]
     assert plan_of(targets, called) is None
+
+
+def test_a_fair_limit_is_shared() -> None:
+    # Its rate is every key's: a tenant's own limit is planned, the fair one taken when due.
+    fair = Limit.parse("20/s burst 1", name="llm", algorithm="gcra", fair=True)
+    rules = [Rule(TENANT, key="{tenant}"), Rule(fair, key="{tenant}")]
+    targets = [(TENANT, "a", 1.0), (fair, "a", 1.0)]
+    plan = plan_of(targets, rules)
+    assert plan is not None
+    assert plan.plan == [(plan_limit(TENANT), "a", 1.0)]
+    assert plan.due == targets
+    # A fair limit alone (or two) has nothing narrow to plan on: one step.
+    assert plan_of([(fair, "a", 1.0)], [rules[1]]) is None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from throttle import Algorithm, Limit
+from throttle import Algorithm, ConfigError, Limit
 
 
 @pytest.mark.parametrize(
@@ -61,3 +63,57 @@ def test_limits_are_immutable_and_hashable() -> None:
     with pytest.raises(AttributeError):
         limit.count = 5  # type: ignore[misc]
     assert {limit: 1}[Limit.parse("10/s", name="api")] == 1
+
+
+def test_a_fair_limit_and_its_weights() -> None:
+    limit = Limit.parse("20/s burst 1", name="llm", algorithm="gcra", fair=True,
+                        weights={"enterprise": 4, "free": 0.5})  # fmt: skip
+    assert (limit.fair, limit.code, limit.codes) == (True, "fair", frozenset({"fair"}))
+    assert limit.weights == (("enterprise", 4.0), ("free", 0.5))
+    assert (limit.weight("enterprise"), limit.weight("free"), limit.weight("x")) == (4, 0.5, 1)
+    assert {limit: 1}[dataclasses.replace(limit)] == 1  # hashable, and replace keeps weights
+    assert (
+        Limit.from_mapping({"rate": "20/s", "fair": True, "weights": {"a": 2}}, name="llm").weight(
+            "a"
+        )
+        == 2
+    )
+    assert Limit.parse("20/s", name="plain").code == "tb"
+
+
+@pytest.mark.parametrize(
+    ("options", "field", "value"),
+    [
+        ({"fair": "yes"}, "fair", "yes"),
+        ({"fair": True, "weights": {"a": 0}}, "weights.a", 0),
+        ({"fair": True, "weights": {"a": -2}}, "weights.a", -2),
+        ({"fair": True, "weights": {"a": "many"}}, "weights.a", "many"),
+        ({"fair": True, "weights": {"a": float("nan")}}, "weights.a", None),
+        ({"fair": True, "weights": [1]}, "weights", [1]),
+        ({"fair": True, "weights": {"": 2}}, "weights", ""),
+        ({"weights": {"a": 2}}, "weights", {"a": 2}),
+    ],
+)
+def test_fair_errors_name_the_field_and_value(
+    options: dict[str, object], field: str, value: object
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Limit.parse("20/s", name="llm", **options)  # type: ignore[arg-type]
+    assert (caught.value.field, caught.value.limit) == (field, "llm")
+    if value is not None:
+        assert caught.value.value == value
+
+
+def test_fair_is_for_token_bucket_and_gcra() -> None:
+    with pytest.raises(ConfigError, match="token_bucket and gcra") as caught:
+        Limit.parse("20/s", name="llm", algorithm="sliding_window", fair=True)
+    assert caught.value.field == "fair"
+
+
+def test_a_learned_rate_keeps_a_limit_fair() -> None:
+    from throttle.adaptive import learned_limit  # noqa: PLC0415
+
+    limit = Limit.parse("20/s burst 1", name="llm", algorithm="gcra", fair=True,
+                        weights={"a": 3})  # fmt: skip
+    learned = learned_limit(limit, 10.0)
+    assert (learned.fair, learned.weights, learned.rate_per_s) == (True, limit.weights, 10.0)

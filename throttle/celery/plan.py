@@ -19,8 +19,9 @@ the shared rate goes unused. Instead:
 Only the near future is reserved on the real limits, so every limit keeps its own shape
 (the slot of several limits is the earliest at which all conform) and the shared limit is
 free for any key whose own limit lets it run. Applies when a task has at least one keyed
-token bucket or GCRA limit and one shared limit (unkeyed, or keyed by fewer of the task's
-arguments than another: ``{org}`` beside ``{org}:{user}``), and no concurrency limit (a
+token bucket or GCRA limit and one shared limit (unkeyed, a fair limit, or keyed by fewer
+of the task's arguments than another: ``{org}`` beside ``{org}:{user}``), and no
+concurrency limit (a
 concurrency unit is never held while waiting, so nothing is reserved far ahead there).
 Trade-offs: a plan is not refunded when a task settles for less, is revoked or times out
 (its tasks then come back a little late and acquire for real then); the tasks of one key
@@ -67,8 +68,9 @@ def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
     same order), or None when it acquires in one step: no concurrency limit, and at least
     one narrow keyed token bucket or GCRA limit and one shared limit.
 
-    Shared: unkeyed, or keyed by a template that reads a strict subset of the arguments
-    another limit's template reads (``{org}`` beside ``{org}:{user}``). A key from a
+    Shared: unkeyed, fair (its rate is every key's), or keyed by a template that reads a
+    strict subset of the arguments another limit's template reads (``{org}`` beside
+    ``{org}:{user}``). A key from a
     callable is compared with nothing: narrow."""
     if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in targets):
         return None
@@ -81,6 +83,8 @@ def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
 
     def shared(i: int) -> bool:
         mine = fields[i]
+        if targets[i][0].fair:
+            return True  # its rate is every key's: taken when due, as an unkeyed limit
         return targets[i][1] is None or (mine is not None and any(mine < f for f in templated))
 
     narrow = [t for i, t in enumerate(targets) if not shared(i) and t[0].algorithm in _RESERVING]

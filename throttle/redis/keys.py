@@ -102,6 +102,16 @@ def _state_keys_of(base: str, code: str, limit: str, key: str | None) -> tuple[s
         name += encode(key)
     if code == "conc":
         return (name, name + ":h")
+    if code == "fair":
+        # The key's schedule, then the limit's shared HASH and its ZSET of active keys:
+        # an encoded key never contains ':' and is never empty, so neither shared name
+        # can be a key's.
+        if key is None:
+            raise RequestError(
+                f"limit {limit!r} is fair: it shares its rate among keys, and needs one"
+            )
+        shared = name[: -len(encode(key))]
+        return (name, shared, shared + ":a")
     return (name,)
 
 
@@ -172,7 +182,8 @@ class KeySpace:
     def state_keys(self, limit: Limit, key: str | None) -> tuple[str, ...]:
         """The Redis keys holding ``limit``'s state for ``key`` (None: one global state).
 
-        Concurrency limits use two keys (holders and their units); others one.
+        Concurrency limits use two keys (holders and their units), fair limits three (the
+        key's schedule, the limit's shared HASH and its active keys); others one.
         """
         if key is None or len(key) <= _MAX_ENCODED:
             return _state_keys(self.base, limit.code, limit.name, key)

@@ -41,6 +41,7 @@ ALGORITHM_FILES = {
     "fw": "fixed_window.lua",
     "sw": "sliding_window.lua",
     "conc": "concurrency.lua",
+    "fair": "fair.lua",
 }
 ONE_LIMIT_OPERATION = "acquire_one"
 """The operation of one limit without an acquisition id (not for concurrency limits)."""
@@ -86,8 +87,10 @@ def script_source(operation: str, codes: frozenset[str]) -> str:
     exactly one algorithm) over the algorithms named by ``codes`` (``{"tb"}``,
     ``{"tb", "gcra", "fw"}``...)."""
     if operation == ONE_LIMIT_OPERATION:
-        if len(codes) != 1 or "conc" in codes:
-            raise ValueError(f"{operation} takes one algorithm other than conc (got {codes})")
+        if len(codes) != 1 or codes & {"conc", "fair"}:
+            raise ValueError(
+                f"{operation} takes one algorithm other than conc and fair (got {codes})"
+            )
         (code,) = codes
         parts = [
             _one_limit_part("prelude.lua"),

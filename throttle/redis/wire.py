@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 from throttle.spec import Limit
 
-__all__ = ["HOLD_FOREVER_US", "LimitArgs", "limit_args"]
+__all__ = ["HOLD_FOREVER_US", "LimitArgs", "limit_args", "target_args"]
 
 HOLD_FOREVER_US = 10**18
 """A hold until lifted (a pause) is sent to ``lua/hold.lua`` as a hold of this many us
@@ -39,3 +39,15 @@ def limit_args(limit: Limit) -> LimitArgs:
         # Limit is frozen; this slot is the one it keeps for this module (see spec.py).
         object.__setattr__(limit, "_wire", args)
     return args
+
+
+def target_args(limit: Limit, key: str | None) -> LimitArgs:
+    """``limit``'s ARGV values for ``key``: :func:`limit_args`, but for a fair limit, whose
+    count is the key's weight ``w`` and period ``w / rate`` (lua/fair.lua): count / period
+    stays the limit's rate, and the weight of the key rides in the pair."""
+    if not limit.fair:
+        return limit_args(limit)
+    code, _, _, burst = limit_args(limit)
+    weight = limit.weight(key) if key is not None else 1.0
+    period_us = limit.period_s * 1e6 * weight / limit.count
+    return code, repr(weight).encode(), repr(period_us).encode(), burst
