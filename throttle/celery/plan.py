@@ -36,10 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from throttle.rules import Rule, Target
-from throttle.spec import Algorithm, Limit
-
-PLAN_SUFFIX = ".plan"
-"""A keyed limit's plan is the limit of the same numbers under this suffix."""
+from throttle.spec import PLAN_SUFFIX, Algorithm, Limit
 
 _RESERVING = (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
 
