@@ -34,7 +34,7 @@ from celery.exceptions import Ignore
 from throttle.celery.execution import Execution, Ticket
 from throttle.celery.message import H_PARKED, H_PLANNED, H_PUBLISH, deadline_header, id_header
 from throttle.celery.outage import run_while_down
-from throttle.celery.plan import Plan, plan_of
+from throttle.celery.plan import Plan, hand_back, plan_id, plan_of
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
@@ -211,7 +211,8 @@ class Gate:
                     self._give_up(decision)
                     now = time.time()
                     continue
-            return Ticket(decision.acquisition, self.execution.rules, now + wait)
+            plan = self.plan.plan if planned and self.plan is not None else None
+            return Ticket(decision.acquisition, self.execution.rules, now + wait, plan=plan)
 
     def _sleep_to_slot(self, decision: Decision) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
@@ -241,7 +242,12 @@ class Gate:
         the plans deny (a wait beyond the horizon), return to come back as they say."""
         assert self.plan is not None
         execution = self.execution
-        plan = self.limiter.acquire_many(self.plan.plan, max_wait_s=self._plan_horizon())
+        # Recorded under the plan's id: a copy redelivered after this worker died before
+        # re-publishing finds this plan (held, wait_s: until its slot) and takes no other.
+        plan = self.limiter.acquire_many(
+            self.plan.plan, max_wait_s=self._plan_horizon(),
+            acquisition_id=plan_id(execution.request.id), lease_s=self._lease_s(),
+        )  # fmt: skip
         if not plan.allowed:
             return
         # The plan says when the task's own limits let it run; the limits of the admit
@@ -252,6 +258,8 @@ class Gate:
         if execution.deadline is not None:
             now = execution.throttler.clock.now()
             if now + wait > execution.deadline:
+                assert plan.acquisition is not None
+                self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
                 time_out(execution, now, wait, decision)
         # Back half a sleep early: it then reserves its real slots (within sleep_max) and
         # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
@@ -279,6 +287,10 @@ class Gate:
         if execution.deadline is not None:
             now = execution.throttler.clock.now()
             if now + retry > execution.deadline:
+                if planned and self.plan is not None:
+                    # Its plan slot is handed back: the key's next tasks need not wait for it.
+                    hand_back(self.limiter, self.plan.plan, execution.request.id,
+                              [0.0] * len(self.plan.plan), self._lease_s())  # fmt: skip
                 time_out(execution, now, retry, decision)
         jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
         defer(execution, retry + jitter, retry, decision, planned=planned)
