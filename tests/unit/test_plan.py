@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from throttle import Limit
+from throttle.celery.message import H_PLANNED, planned_header
 from throttle.celery.plan import plan_limit, plan_of
 from throttle.rules import Rule
 
@@ -50,3 +51,12 @@ def test_a_limit_keyed_by_fewer_arguments_is_shared() -> None:
     assert plan_of(targets, same) is None
     called = [Rule(TENANT, key=lambda org, user: f"{org}:{user}"), Rule(org, key="{org}")]
     assert plan_of(targets, called) is None
+
+
+def test_the_planned_header_carries_the_plan_slot() -> None:
+    # The planned slot (epoch s, Redis clock); 1 from an older worker: a plan, time unknown
+    assert planned_header({H_PLANNED: 1_790_000_000.25}) == 1_790_000_000.25
+    assert planned_header({H_PLANNED: 1}) == 1.0
+    # Absent, or not a time: no plan (the task is taken as arriving)
+    for headers in ({}, {H_PLANNED: 0}, {H_PLANNED: "soon"}, {H_PLANNED: float("nan")}):
+        assert planned_header(headers) is None
