@@ -12,7 +12,8 @@ the shared rate goes unused. Instead:
   as needed (one more round trip), and comes back for that time. A plan is a twin limit
   (the same numbers under the name ``NAME.plan``, its own state per key): it orders the
   key's tasks and says when each should come back; it never takes real capacity.
-- **Due** (a task back with a plan, header ``throttle_planned``): one acquisition of every
+- **Due** (a task back with a plan, header ``throttle_planned`` = the planned time): it
+  sleeps to that time (it came back half a sleep early), then one acquisition of every
   real limit within ``sleep_max`` (one round trip, as the look-again of a reserved task
   costs); denied, it comes back when that acquisition says, without reserving.
 
