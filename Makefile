@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict
 
 setup: system-deps $(STAMP)
 
@@ -79,6 +79,14 @@ bench: setup
 bench-celery: setup
 	$(PY) -m bench.celery_fleet
 
+# The limiter's Redis losing its data mid-run, 20 runs (issue 17).
+bench-restart: setup
+	$(PY) -m bench.restart $(RESTART_ARGS)
+
+# A strict (burst-1) API with the upstream hook, the call-time spacing guard off vs on.
+bench-strict: setup
+	$(PY) -m bench.strict $(STRICT_ARGS)
+
 # 100,000 tasks through two workers at the limit's rate: lost, twice, Redis keys and memory
 # back to baseline, worker memory flat. Several minutes: not part of `make test`.
 soak: setup
@@ -113,3 +121,11 @@ bench-tenants: setup
 # revision's worker beside this one. A few minutes.
 bench-overhead: setup
 	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
+
+# An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
+# 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the
+# proportional answer) beside BEFORE_ADAPTIVE (a git revision, default the code before
+# them), real worker fleets. About 12 minutes.
+BEFORE_ADAPTIVE ?= f0eea23
+bench-adaptive: setup
+	$(PY) -m bench.adaptive --before $(BEFORE_ADAPTIVE) $(ADAPTIVE_ARGS)

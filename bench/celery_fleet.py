@@ -122,13 +122,16 @@ VARIANTS = {
 class ApiProcess:
     """``python -m workers.mock_api`` on a free port, read through its HTTP endpoints."""
 
-    def __init__(self, rate: float, burst: float, log: Path) -> None:
+    def __init__(
+        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = ["--retry-after-only"] if retry_after_only else []
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "workers.mock_api", "--port", str(self.port),
-                 "--rate", str(rate), "--burst", str(burst)],
+                 "--rate", str(rate), "--burst", str(burst), *extra],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + 10

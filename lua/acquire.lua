@@ -1,8 +1,9 @@
 -- acquire.lua: take `cost` from one or more limits, all or nothing.
 --
 -- KEYS[1]      the namespace's holds (HASH, see hold.lua)
--- KEYS[2..]    the state keys of each limit in order (ALGO[code].nkeys each), then, when
---              an acquisition id is given, its lease record (a HASH)
+-- KEYS[2..]    the state keys of each limit in order (ALGO[code].nkeys each), then the
+--              fence marker when ARGV[6+7n] is given, then, when an acquisition id is
+--              given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
 -- ARGV[3]      n             number of limits
@@ -13,6 +14,7 @@
 -- ARGV[4+5n]   acquisition   id of the lease record, also the concurrency holder; '' = none
 -- ARGV[5+5n]   lease_us      how long the record and concurrency units live after the slot
 -- ARGV[6+5n..] 2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
+-- ARGV[6+7n]   fence_us      optional: the restart fence (prelude.lua); absent: none
 --
 -- Returns one string (one bulk reply is cheaper to parse than many). Status 0, the
 -- common one, is packed doubles (struct '<d', 8 bytes each: exact, and nothing formatted
@@ -48,6 +50,9 @@ local n = tonumber(ARGV[3])
 local acq = ARGV[4 + 5 * n]
 if acq == '' then
   acq = nil
+end
+if ARGV[6 + 7 * n] then
+  FENCE = fence_of(acq and #KEYS - 1 or #KEYS, now, tonumber(ARGV[6 + 7 * n]))
 end
 
 -- The holds of every limit, in one call: until (us) of the limit's and of its key's.

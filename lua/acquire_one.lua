@@ -13,6 +13,8 @@
 -- ARGV[3..6]   count, period_us, burst, cost of the limit: acquire.lua's 5 values of one
 --              limit without the code (cost = tokens taken from this limit, >= 0)
 -- ARGV[7..8]   the two hold fields of the limit: the whole limit's, this key's ('' if none)
+-- ARGV[9]      fence_us      optional: the restart fence (prelude.lua), with its marker
+--                            in KEYS[3]; absent: no fence
 -- Not for concurrency limits: a holder always has an acquisition id (acquire.lua).
 --
 -- Returns, when decided, five doubles packed '<ddddd' (40 bytes): allowed (1/0), wait_us,
@@ -23,6 +25,9 @@
 --   is denied with retry_after_us = the time until the hold ends, remaining 0, reset 0.
 
 local now = clock_us(ARGV[1])
+if ARGV[9] then
+  FENCE = fence_of(3, now, tonumber(ARGV[9]))
+end
 local cost = tonumber(ARGV[6])
 local burst = tonumber(ARGV[5])
 if cost > burst then

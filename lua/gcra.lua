@@ -9,6 +9,8 @@
 -- max_wait_us > 0 a request that conforms within max_wait_us takes the next free slot now;
 -- `wait` is how long until that slot.
 -- A missing key reads as TAT = now (a full bucket); the key expires when TAT has passed.
+-- After a restart's fence (FENCE, prelude.lua), a missing key reads as a bucket that was
+-- empty at the fence's end (TAT = FENCE + burst * T), refilling from there.
 -- check hands commit s1 = the TAT to store if admitted (with cost 0: the TAT it read) and
 -- s2 = the TAT it read (max(stored, now)). Committed as of a later time `at` (several
 -- limits: the slot another limit set), the cost is taken at max(TAT, at): the slots before
@@ -18,7 +20,9 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   local interval = period_us / count
   local tat = now
   local s = redis.call('GET', KEYS[k])
-  if s then
+  if not s and FENCE > 0 then
+    tat = math.max(now, FENCE + burst * interval)
+  elseif s then
     tat = math.max(struct.unpack('<d', s), now)
   end
   local new_tat = tat + cost * interval

@@ -73,6 +73,28 @@ local function ttl_ms(idle_us)
   return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
 end
 
+-- The end of a restart's fence, us on the Redis clock (0: none), set by the acquire and
+-- space scripts from the fence marker (fence_of) before any check. A Redis that lost the
+-- marker (new, restarted without its data, flushed, an empty replica promoted) may have lost
+-- every limit's state with it while tasks still sleep to slots that state granted, up to
+-- fence_us ahead, and the lost state may have spent its whole burst up to there; so a
+-- reserving algorithm (token bucket, GCRA) reads a missing state as one that was empty at
+-- the fence's end and refills from there: its first slot comes a spacing (period / count x
+-- cost) after the latest slot the lost state may have granted.
+local FENCE = 0
+
+-- The fence marker KEYS[k] (a number: the fence's end, us): the first script that finds it
+-- missing writes now + fence_us. No TTL: the marker is this Redis's memory of having been
+-- seen, and its loss the sign that states may be gone.
+local function fence_of(k, now, fence_us)
+  local marker = redis.call('GET', KEYS[k])
+  if marker then
+    return tonumber(marker)
+  end
+  redis.call('SET', KEYS[k], now + fence_us)
+  return now + fence_us
+end
+
 -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
 
 -- A number as text, exactly (peek.lua and settle.lua's replies). Past the cut: the scripts

@@ -3,7 +3,9 @@
 -- State: one STRING per (limit, key): tokens at time ts (us), packed as two doubles
 -- (struct '<dd': exact, and one SET ... PX writes the state and its TTL together). Tokens
 -- may be negative: a debt left by a reservation or a charge. A missing key reads as a full
--- bucket; the key expires once the bucket would be full again.
+-- bucket; the key expires once the bucket would be full again. After a restart's fence
+-- (FENCE, prelude.lua), a missing key reads as a bucket that was empty at the fence's end
+-- (in debt before it), refilling from there.
 -- Rate = count / period_us tokens per us; capacity = burst.
 -- Reservation: with max_wait_us > 0 a request that must wait at most max_wait_us is admitted,
 -- the bucket goes into debt and `wait` says how long until the tokens really exist.
@@ -17,7 +19,9 @@
 local function check(k, count, period_us, burst, now, cost, max_wait)
   local tokens, ts = burst, now
   local s = redis.call('GET', KEYS[k])
-  if s then
+  if not s and FENCE > 0 then
+    tokens = math.min(burst, (now - FENCE) * count / period_us)
+  elseif s then
     tokens, ts = struct.unpack('<dd', s)
     -- ts is never moved backwards: a clock step back must not refill the same time twice.
     if now > ts then

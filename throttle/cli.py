@@ -212,6 +212,7 @@ def collect_status(
     limiter = throttler.limiter
     known = _known(app, throttler)
     overrides = throttler.rates.overrides()
+    learned = throttler.learned.states()
     holds = limiter.holds()
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
         minutes
@@ -247,6 +248,13 @@ def collect_status(
                 "override_ignored": ignored,
                 "effective_rate": rate_spec(effective),
                 "effective_burst": effective.capacity,
+                "adaptive": entry.rule.adaptive is not None,
+                "learned_per_s": _learned(learned.get((name, None)), effective),
+                "key_learned_per_s": {
+                    key: _learned(rate, effective)
+                    for (limit, key), rate in sorted(learned.items(), key=str)
+                    if limit == name and key is not None
+                },
                 "key": _key_label(entry.rule),
                 "tokens": None if state is None else round(state.remaining, 3),
                 "next_slot_s": next_slot,
@@ -284,6 +292,11 @@ def collect_status(
     }
 
 
+def _learned(rate: float | None, effective: Limit) -> float | None:
+    """A learned rate as the workers use it (never above the rate in force), rounded."""
+    return None if rate is None else round(min(rate, effective.rate_per_s), 3)
+
+
 def _parked(throttler: Throttler) -> tuple[int, int]:
     """(parked, being released) of the parking lot, Redis errors wrapped."""
     counts: tuple[int, int] = wrap_errors(throttler.parking.counts)
@@ -302,6 +315,11 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         rate = f"{row['rate']} (set {row['override']!r} ignored: bad rate)"
     elif row["override"] is not None:
         rate = f"{rate} (set; file {row['rate']})"
+    learned = row["learned_per_s"]
+    if learned is not None:
+        rate = f"{_amount(learned)}/s learned ({rate})"
+    elif row["key_learned_per_s"]:
+        rate = f"{rate} ({len(row['key_learned_per_s'])} keys learned)"
     burst = _amount(row["burst"] if row["override_ignored"] else row["effective_burst"])
     hold = row["hold"]
     next_slot = row["next_slot_s"]
@@ -424,7 +442,8 @@ def status(
     """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight, denials.
 
     The limits are the limits file's and the tasks' inline ones. RATE is the one in force:
-    a rate set at run time (`set`) shows with the file's. TOKENS and NEXT SLOT are read
+    a rate set at run time (`set`) shows with the file's, and the rate an adaptive limit
+    learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
     from Redis without taking anything; a limit with a key template has a state per key
     ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
     the limit. DENIED/MIN is how many of its tasks the fleet deferred per minute (and timed

@@ -17,6 +17,11 @@ objects; every error names the file, the limit and the field::
         on_error: keep         # the body raised: keep the reserved cost | refund it
         on_redis_down: defer   # defer (fail closed) | allow[:60s] (fail open, bounded) | local
         cold_start: full       # Redis came back empty: full (a fresh burst) | empty
+        spacing_guard: true    # space actual calls (default: on for burst-1 gcra/token_bucket)
+        adaptive: false        # learn the upstream's rate from its 429s (throttle.adaptive)
+        floor: 100/m           # ... never below this (default: a tenth of the rate)
+        decrease: 0.8          # ... a refusal episode multiplies the rate by this
+        recover: 10s           # ... successes climb back to the refused rate in this time
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -34,6 +39,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from throttle.adaptive import ADAPTIVE_FIELDS, parse_adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import KeySpace, text_error
 from throttle.rules import Rule
@@ -55,6 +61,7 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
+    "spacing_guard",
 )  # fmt: skip
 _SETTINGS_FIELDS = {
     "redis_url": "str",
@@ -102,7 +109,7 @@ def _noted(errors: Errors) -> Iterator[None]:
 def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule | None:
     """One entry of ``limits:`` as a Rule. With ``errors``, every error of the entry is noted
     (each field is checked on its own) and None returned if there was any."""
-    known = (*_LIMIT_FIELDS, *_RULE_FIELDS)
+    known = (*_LIMIT_FIELDS, *_RULE_FIELDS, *ADAPTIVE_FIELDS)
     if not isinstance(config, Mapping):
         with _noted(errors):
             check_fields(config, known, limit=name, source=source)  # raises: not a mapping
@@ -120,6 +127,10 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
         if key in config:
             with _noted(errors):
                 options.update(_rule_option(probe, key, config[key], source))
+    learning = {k: config[k] for k in ADAPTIVE_FIELDS if k in config}
+    if learning and limit is not None:
+        with _noted(errors):
+            options["adaptive"] = parse_adaptive(learning, limit, source=source)
     if limit is None or (errors is not None and len(errors) > found):
         return None
     with _noted(errors):

@@ -126,6 +126,16 @@ class RequestBuilder(Generic[_S]):
     ) -> None:
         self.keyspace = KeySpace(prefix, namespace)
         self._clock_us = clock_us
+        self.fence_s = 0.0
+        """The restart fence, in s (0: none). Set it to the longest a caller may still
+        sleep to a reserved slot (the Celery layer: ``sleep_max``): then the first script
+        that finds the namespace's marker missing (a Redis that is new or lost its data)
+        writes it with a fence of this length, and token bucket and GCRA limits read a
+        missing state as one that was empty at the fence's end: no new slot comes within a
+        spacing of a slot (or call) the lost state may have granted, and they refill from
+        there. The cost: one GET per call, and after each loss of the data no slot for
+        ``fence_s`` and no burst until refilled (see ``lua/prelude.lua``)."""
+        self._space_script: _S | None = None
         # Registering computes the SHA locally; the script reaches Redis on its first NOSCRIPT.
         self._register = register
         # One (acquire, settle) pair per set of algorithm codes.
@@ -172,11 +182,15 @@ class RequestBuilder(Generic[_S]):
             )
         _, count, period_us, burst = limit_args(limit)
         clock = self._clock_us
-        keys, whole, own = self.keyspace.one_limit(limit, key)
+        pair, whole, own = self.keyspace.one_limit(limit, key)
+        keys: Sequence[str] = pair
         args = [
             b"" if clock is None else clock(), max_wait_us, count, period_us, burst, cost,
             whole, own,
         ]  # fmt: skip
+        if self.fence_s:
+            keys = (*keys, self.keyspace.fence_key())
+            args.append(round(self.fence_s * 1e6))
         return script, keys, args
 
     def _many_request(
@@ -225,6 +239,9 @@ class RequestBuilder(Generic[_S]):
             args[0] = self._clock_us()
         # What settle needs: the state keys and the lease record, without the holds.
         decode = functools.partial(acquire_decision, pairs, costs, acquisition_id, tuple(keys[1:]))
+        if self.fence_s:  # the marker goes before the lease record, which stays last
+            keys.insert(len(keys) - (acquisition_id is not None), self.keyspace.fence_key())
+            args.append(round(self.fence_s * 1e6))
         return self._scripts_for(codes)[0], keys, args, decode
 
     def _settle_request(
@@ -309,6 +326,30 @@ class RequestBuilder(Generic[_S]):
             self._holds_script = self._register(operation_source("holds"))
         now = b"" if self._clock_us is None else self._clock_us()
         return self._holds_script, [self.keyspace.holds_key()], [now], holds
+
+    def _space_request(
+        self, targets: Sequence[tuple[Limit, str | None, float]]
+    ) -> Request[_S, float]:
+        """The call of the spacing guard (see :meth:`Limiter.space`): its decoder gives the
+        seconds to wait before the call."""
+        keys: list[str] = []
+        args: list[Any] = [b"" if self._clock_us is None else self._clock_us(), b""]
+        for limit, key, cost in targets:
+            if not isinstance(limit, Limit) or limit.code == "conc":
+                raise RequestError(f"the spacing guard needs a rate limit (got {limit!r})")
+            if key is not None and (type(key) is not str or not key):
+                raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+            spacing_us = limit.period_s * 1e6 / limit.count * _number(cost, "cost")
+            keys.append(self.keyspace.space_key(limit, key))
+            args.append(repr(spacing_us))
+        if not keys:
+            raise RequestError("the spacing guard needs at least one limit")
+        if self.fence_s:
+            keys.append(self.keyspace.fence_key())
+            args[1] = round(self.fence_s * 1e6)
+        if self._space_script is None:
+            self._space_script = self._register(operation_source("space"))
+        return self._space_script, keys, args, _space_s
 
     def _scripts_for(self, codes: frozenset[str]) -> tuple[_S, _S]:
         scripts = self._scripts.get(codes)
@@ -504,6 +545,20 @@ class Limiter(RequestBuilder[Script]):
         script, keys, args, decode = self._holds_request()
         return decode(self._call(script, keys, args))
 
+    def space(self, targets: Sequence[tuple[Limit, str | None, float]]) -> float:
+        """The call-time spacing guard: stamp a call that is about to be made, on the Redis
+        clock, and return how long to wait first (s; 0 when every ``(limit, key, cost)``
+        target's previous call is at least its spacing ago: ``period / count * cost`` of
+        the previous call).
+
+        For callers that sleep to reserved slots: a caller that reached its slot late
+        (a busy host) and one on time would otherwise call closer than the limit's spacing,
+        which a strict upstream (burst 1) refuses. One round trip per call; calls of one
+        target are then at least a spacing apart as stamped, so the guard suits limits of
+        burst 1 (it takes away a burst). Rate limits only (not concurrency)."""
+        script, keys, args, decode = self._space_request(targets)
+        return decode(self._call(script, keys, args))
+
     def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
         """One script call through :func:`run_script` (the one place bench/core.py taps)."""
         return run_script(self.client, script, keys, args)
@@ -512,6 +567,11 @@ class Limiter(RequestBuilder[Script]):
 def _held_s(raw: Any) -> float:
     """The reply of lua/hold.lua (us the hold now lasts) in s, ``inf`` for a pause."""
     return held_s(float(raw) / 1e6)
+
+
+def _space_s(raw: Any) -> float:
+    """The reply of lua/space.lua (us to wait) in s."""
+    return int(raw) / 1e6
 
 
 def _nothing(raw: Any) -> None:

@@ -10,8 +10,9 @@ does in Lua (a full bucket, an empty window); a state key's expiry is not modell
 a key only expires once its state reads like a missing key.
 
 :class:`MemoryRedis` stands in for the Redis server of a :class:`~throttle.limiter.Limiter`:
-it answers the limiter's script calls (acquire, settle, peek, hold, holds) with the replies
-the scripts would give, computed by the models, so that :class:`MemoryLimiter` is the
+it answers the limiter's script calls (acquire, settle, peek, hold, holds, and
+lua/adapt.lua's learned states: :func:`adapt`) with the replies the scripts would give,
+computed by the models, so that :class:`MemoryLimiter` is the
 :class:`~throttle.limiter.Limiter` itself (its checks, keys and decoding) over memory. It
 serves one process: nothing is shared with another process, and the parking lot's scripts
 are refused (an eager task never parks). Users' tests reach it through
@@ -47,6 +48,7 @@ __all__ = [
     "Record",
     "SlidingWindow",
     "TokenBucket",
+    "adapt",
     "ceil_us",
 ]
 
@@ -537,6 +539,67 @@ _SETTLE_CODES = {"settled": b"0", "already_settled": b"1", "unknown": b"2", "mis
 _NKEYS = {"conc": 2}  # state keys per limit (ALGO[code].nkeys): 1 but for concurrency
 
 
+_GAP_US = 1_000_000.0
+
+
+def adapt(state: dict[str, float], now: float, argv: Sequence[str]) -> str:
+    """The model of lua/adapt.lua: ``state`` (its HASH's fields as numbers, changed in
+    place), ``now`` in us, ``argv`` its ARGV from the event on (ARGV[2:]). Returns its
+    reply. The same operations in the same order as the script."""
+    event = argv[0]
+    ceiling = float(argv[1])
+    adaptive = argv[2] == "1"
+    floor = min(float(argv[3]), ceiling)
+    decrease, recover_us = float(argv[4]), float(argv[5])
+    episode_us, persist_count, persist_us = float(argv[6]), float(argv[7]), float(argv[8])
+    m, p, s, e = state.get("m"), state.get("p", 0.0), state.get("s"), state.get("e")
+    w, c = state.get("w"), state.get("c", 0.0)
+
+    def clamp(rate: float) -> float:
+        return max(floor, min(ceiling, rate))
+
+    def learned() -> float:
+        if not adaptive or m is None:
+            return ceiling
+        x = 1 - p / recover_us
+        return clamp(m * (1 - (1 - decrease) * x * x * x))
+
+    decreased = persist = 0
+    rate = learned()
+    writes: dict[str, float] | None = None
+    if event == "refuse":
+        if w is None or now - w > persist_us:
+            w, c = now, 0.0
+        c = c + 1
+        if c >= persist_count:
+            persist = 1
+        writes = {"w": w, "c": c}
+        if adaptive and (e is None or now >= e):
+            m, p, e = rate, 0.0, now + episode_us
+            s = e
+            rate = clamp(m * decrease)
+            decreased = 1
+            writes.update(m=m, p=p, e=e, s=s)
+    elif event == "success" and adaptive and m is not None:
+        if now >= (e or 0):
+            gap = now - (now if s is None else s)
+            if gap > 0:
+                p = p + min(gap, _GAP_US)
+                rate = learned()
+            s = now
+            writes = {"p": p, "s": s}
+    elif event == "state" and adaptive:
+        m = clamp(float(argv[9]))
+        p, s, e = recover_us, now, now
+        rate = m
+        writes = {"m": m, "p": p, "s": s, "e": e}
+    if writes is not None:
+        if adaptive:
+            writes["r"] = rate
+        state.update(writes)
+    return f"{rate:.6f} {decreased} {persist} {int(c)}"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -584,6 +647,8 @@ class MemoryRedis:
         self.model = ModelLimiter()
         self.holds: dict[str, dict[str, float]] = {}  # holds key -> field -> until (us)
         self.hashes: dict[str, dict[bytes, bytes]] = {}  # plain HASHes (rates, stats, clocks)
+        self.spaced: dict[str, float] = {}  # spacing guard key -> next call at (us)
+        self.learned: dict[str, dict[str, float]] = {}  # lua/adapt.lua's states
 
     # -- what redis-py's client offers, as far as the package uses it
 
@@ -632,6 +697,7 @@ class MemoryRedis:
             self.model = ModelLimiter()
             self.holds.clear()
             self.hashes.clear()
+            self.spaced.clear()
 
     # -- the scripts
 
@@ -775,6 +841,16 @@ class MemoryRedis:
                 out.extend((name.encode(), b"%d" % int(until)))
         return out
 
+    def _space(self, code: str | None, keys: list[str], args: list[Any]) -> int:
+        """lua/space.lua: stamp the call at the latest next-call time of its keys (or now),
+        and move each key's next call a spacing past the stamp. (No restart fence: this
+        server's state cannot be lost while the limiter that uses it lives.)"""
+        now = self._now(args[0])
+        at = max([now, *(self.spaced.get(key, now) for key in keys)])
+        for key, spacing in zip(keys, args[2:], strict=False):
+            self.spaced[key] = at + float(_text(spacing))
+        return ceil_us(at - now)
+
     def _accept_parked(self, code: str | None, keys: list[str], args: list[Any]) -> int:
         # SET NX, or the same publish id again: a copy released once runs (never parked
         # here, so never asked outside tests of the layer).
@@ -788,6 +864,10 @@ class MemoryRedis:
         )
 
     _park = _claim_parked = _commit_parked = _purge_parked = _unsupported
+
+    def _adapt(self, code: str | None, keys: list[str], args: list[Any]) -> bytes:
+        state = self.learned.setdefault(keys[0], {})
+        return adapt(state, self._now(args[0]), [_text(a) for a in args[1:]]).encode()
 
 
 class _Pipeline:
@@ -847,6 +927,8 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
         "commit_parked",
         "accept_parked",
         "purge_parked",
+        "space",
+        "adapt",
     ):
         known[operation_source(operation)] = (operation, None)
     return known

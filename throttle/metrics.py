@@ -23,7 +23,9 @@ Two kinds of numbers, from two places:
 * **Gauges read from Redis at scrape time** (fleet-wide, the same wherever scraped):
   ``throttle_parked_tasks{state=waiting|releasing}``, and for limits without a key
   template ``throttle_tokens_remaining{limit}`` and ``throttle_next_slot_seconds{limit}``
-  (+Inf while a limit is paused), and ``throttle_redis_up`` (0 when the read failed).
+  (+Inf while a limit is paused), for adaptive limits without a key template
+  ``throttle_learned_rate{limit}`` beside ``throttle_configured_rate{limit}`` (per s),
+  and ``throttle_redis_up`` (0 when the read failed).
 
 Multiprocess mode. ``prometheus_client`` picks its value class when it is imported: in
 multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set by then. A Celery worker
@@ -321,6 +323,9 @@ class FleetState:
     releasing: int
     limits: Sequence[LimitState]
     """One peek per limit without a key template."""
+    learned: Sequence[tuple[str, float, float]] = ()
+    """Each adaptive limit without a key template: (limit, the rate in force before
+    learning, the learned rate), per s."""
 
 
 def worker_dirs(base: Path) -> list[tuple[str, Path]]:
@@ -447,6 +452,23 @@ class ThrottleCollector:
             slot.add_metric([limit.limit], limit.retry_after_s)
         yield tokens
         yield slot
+        if not state.learned:
+            return
+        ceiling = GaugeMetricFamily(
+            "throttle_configured_rate",
+            "An adaptive limit's rate before learning (configured, or set at run time), per s",
+            labels=["limit"],
+        )
+        learned = GaugeMetricFamily(
+            "throttle_learned_rate",
+            "The rate an adaptive limit learned from the upstream's answers, per s",
+            labels=["limit"],
+        )
+        for name, configured, rate in state.learned:
+            ceiling.add_metric([name], configured)
+            learned.add_metric([name], rate)
+        yield ceiling
+        yield learned
 
 
 def serve(port: int, collector: ThrottleCollector, *, source: str | None = None) -> Any:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
 from throttle.spec import Algorithm, Limit
@@ -187,11 +188,31 @@ class Rule:
         Fail open trades the upstream's limit for availability; ``local`` keeps it roughly
         (exactly only while the count of processes is right), not for concurrency limits.
     cold_start:
-        What a Redis that restarted empty (its data lost) hands out: ``"full"`` (the
-        default: the state is gone, so a bucket is full again and every limit may admit a
-        whole burst at once) or ``"empty"``: the throttler finds its marker key missing and
-        drains the limit (takes its whole capacity once), so that it starts at its rate.
-        Unkeyed rate limits only: per-key states cannot be listed once Redis lost them.
+        What a limit starts from when the limiter's Redis lost its data (a restart without
+        persistence, a flush, a failover to an empty replica). Either way, the first
+        script that misses the restart fence's marker starts a fence of ``sleep_max`` +
+        ``late_tolerance`` (the latest a task may still call on a slot the lost state
+        granted): token bucket and GCRA limits, of every key, read as empty at its end,
+        so the first new slot comes a spacing after it and they refill from there.
+        ``"full"`` (the default): nothing more; windows start from zero (a quota may be
+        spent twice). ``"empty"``: the throttler also finds its marker key missing and
+        drains the limit (takes its whole capacity once): a window counts as spent until
+        it ends (a daily quota: the rest of the day). Unkeyed rate limits only: per-key
+        states cannot be listed once Redis lost them.
+    spacing_guard:
+        The call-time spacing guard (:meth:`throttle.Limiter.space`): just before the call,
+        after the task slept to its slot, one more round trip stamps the call on the Redis
+        clock and waits, if the limit's (and key's) previous call was closer than the
+        limit's spacing (period / count x cost), for the difference; so calls that
+        started late cannot bunch. ``None`` (the default): on for GCRA and token bucket
+        limits of burst 1, off otherwise; ``True``/``False``: on/off. On a limit of burst
+        above 1 it spaces every call (no burst). Not for concurrency limits.
+    adaptive:
+        Learn the upstream's rate from its answers (:class:`throttle.adaptive.Adaptive`):
+        the rate in force goes down on refusals and probes back up on successes, between
+        a floor and the limit's rate. Needs the upstream hook
+        (:func:`throttle.upstream.upstream_hook`) on the task's calls; not for
+        concurrency limits.
     """
 
     limit: Limit
@@ -202,6 +223,8 @@ class Rule:
     on_error: OnError = "keep"
     on_redis_down: OnRedisDown = "defer"
     cold_start: ColdStart = "full"
+    spacing_guard: bool | None = None
+    adaptive: Adaptive | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -279,6 +302,13 @@ class Rule:
                 "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
                 field="on_redis_down", value=self.on_redis_down, limit=name,
             )  # fmt: skip
+        if self.adaptive is not None:
+            if not isinstance(self.adaptive, Adaptive):
+                raise ConfigError(
+                    "must be an Adaptive (or, in a limits file, true)", field="adaptive",
+                    value=self.adaptive, limit=name,
+                )  # fmt: skip
+            self.adaptive.check(self.limit)
         if self.cold_start not in ("full", "empty"):
             raise ConfigError(
                 "must be 'full' (a fresh burst) or 'empty' (start at the rate)",
@@ -293,9 +323,32 @@ class Rule:
                 field="cold_start", value=self.cold_start, limit=name,
             )  # fmt: skip
 
+        if self.spacing_guard is not None and not isinstance(self.spacing_guard, bool):
+            raise ConfigError(
+                "must be true or false (or left out: on for burst-1 GCRA and token bucket "
+                "limits)",
+                field="spacing_guard", value=self.spacing_guard, limit=name,
+            )  # fmt: skip
+        if self.spacing_guard and self.limit.algorithm is Algorithm.CONCURRENCY:
+            raise ConfigError(
+                "a concurrency limit has no spacing to guard",
+                field="spacing_guard", value=self.spacing_guard, limit=name,
+            )  # fmt: skip
+
     @property
     def name(self) -> str:
         return self.limit.name
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the call-time spacing guard applies (``spacing_guard``, or its
+        default: GCRA and token bucket limits of burst 1)."""
+        if self.spacing_guard is not None:
+            return self.spacing_guard
+        return self.limit.capacity == 1 and self.limit.algorithm in (
+            Algorithm.GCRA,
+            Algorithm.TOKEN_BUCKET,
+        )
 
     @property
     def estimated(self) -> bool:

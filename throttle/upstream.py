@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import timezone
 from typing import Any
 
+from throttle.adaptive import Adaptive, Learned, LearnedRates
 from throttle.errors import BackendError, RequestError, Throttled
 from throttle.limiter import Limiter
 from throttle.rates import RateBook
@@ -77,6 +78,9 @@ says no more than "the next call is within rounding": the limit's own shaping ha
 that, and a hold there would void the reserved slots of the next calls. Beyond it (a
 minute, an hour, a daily quota spent by another client of the same key), holding before
 the 429 is what the headers are for."""
+SPENT_SPACINGS = 2.0
+"""A refusal whose hold is longer than this many spacings of the limit (and than
+:data:`PREEMPT_MIN_S`) says the upstream's quota is spent (:func:`quota_spent`)."""
 MAX_WINDOW_S = 31 * 86400.0
 """The longest policy window taken from the headers, in s (a monthly quota); a longer one
 is ignored rather than lowering a rate for ever on a typo."""
@@ -410,10 +414,12 @@ def _lowered(current: Limit, configured: Limit, signal: UpstreamSignal) -> str |
 
 @dataclass(frozen=True)
 class _Target:
-    current: Limit  # the limit as acquired (with its run-time rate)
+    current: Limit  # the limit as acquired (with its run-time or learned rate)
     configured: Limit
     key: str | None
     per_call: bool  # charged one unit per call: its units are the upstream's requests
+    adaptive: Adaptive | None = None
+    ceiling: Limit | None = None  # the rate in force before learning (default: configured)
 
 
 def _plan(
@@ -450,11 +456,95 @@ def _log_rate(signal: UpstreamSignal, target: _Target, spec: str) -> None:
     )  # fmt: skip
 
 
+def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
+    """Whether a refusal says the upstream's quota is spent, rather than that one call
+    came early: its hold is longer than :data:`PREEMPT_MIN_S` (integer-second headers are
+    that much off: a shorter one says "the next call is within rounding") and than
+    :data:`SPENT_SPACINGS` spacings of ``limit`` (a slow limit's next slot is far anyway)."""
+    spacing = 1.0 / limit.rate_per_s
+    return signal.hold_s > max(PREEMPT_MIN_S, SPENT_SPACINGS * spacing)
+
+
+def _reserved_s(target: _Target) -> bool:
+    """Whether a refusal of ``target`` asks how far ahead its slots are handed out (an
+    adaptive limit's episode lasts as long as them: one extra round trip, on refusals)."""
+    return target.adaptive is not None
+
+
+def _judge(signal: UpstreamSignal, target: _Target, answer: Learned) -> bool:
+    """Whether a refusal of ``target``, counted fleet-wide as ``answer``, holds the whole
+    limit (its key): when the refusals persist, the quota is spent, or the limit is faster
+    than the upstream's stated policy. Otherwise the refused call is one that the limiter's
+    schedule explains (early or late by jitter): the refused task alone comes back after
+    the upstream's time, and the fleet goes on (an adaptive limit at its lowered rate).
+    The pure part of :func:`_answer` and of its awaited twin in :mod:`throttle.aio`."""
+    where = f" key {target.key!r}" if target.key else ""
+    if answer.decreased:
+        ceiling = target.ceiling or target.configured
+        logger.info(
+            "throttle: upstream refused %s%s: learned rate lowered to %.3f/s (ceiling %g/s)",
+            target.current.name, where, answer.rate_per_s, ceiling.rate_per_s,
+        )  # fmt: skip
+    stated = signal.rate_per_s
+    if stated is not None and target.current.rate_per_s > stated * (1 + 1e-9):
+        return True  # the limit is above the upstream's word: not jitter, a wrong rate
+    if answer.persist or quota_spent(signal, target.current):
+        return True
+    logger.debug(
+        "throttle: upstream refused %s%s (%d in the window): no hold, the call comes back",
+        target.current.name, where, answer.refusals,
+    )  # fmt: skip
+    return False
+
+
+def _answer(
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+) -> bool:
+    """Count a refusal of ``target`` fleet-wide (an adaptive limit learns from it), and
+    decide whether it holds the whole limit (:func:`_judge`)."""
+    reserved_s = 0.0
+    if _reserved_s(target):
+        reserved_s = limiter.peek(target.current, target.key).reset_after_s
+    answer = learned.refused(
+        target.ceiling or target.configured, target.key, target.adaptive,
+        rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
+    )  # fmt: skip
+    return _judge(signal, target, answer)
+
+
+def _stated_for(signal: UpstreamSignal | None, target: _Target) -> float | None:
+    """The rate an answer that is no refusal states for ``target`` (None: a success)."""
+    return None if signal is None or not target.per_call else signal.rate_per_s
+
+
+def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target) -> None:
+    """An answer that is not a refusal, for an adaptive target: a stated rate replaces
+    the learned one; otherwise a success lets it probe up."""
+    if target.adaptive is None:
+        return
+    ceiling = target.ceiling or target.configured
+    stated = _stated_for(signal, target)
+    if stated is not None:
+        learned.stated(ceiling, target.key, target.adaptive, stated)
+    else:
+        learned.succeeded(ceiling, target.key, target.adaptive)
+
+
 def _apply(
-    limiter: Limiter, rates: RateBook | None, signal: UpstreamSignal, targets: Sequence[_Target]
+    limiter: Limiter,
+    rates: RateBook | None,
+    signal: UpstreamSignal,
+    targets: Sequence[_Target],
+    learned: LearnedRates | None = None,
 ) -> None:
     for target, spec in _plan(signal, targets, rates is not None):
-        if signal.hold_s > 0:
+        hold = signal.hold_s > 0
+        if learned is not None:
+            if signal.refused:
+                hold = _answer(limiter, learned, signal, target) and hold
+            else:
+                _learn(learned, signal, target)
+        if hold:
             limiter.hold(target.current.name, target.key, signal.hold_s)
             _log_hold(signal, target)
         if rates is not None and spec is not None:
@@ -468,12 +558,6 @@ def _expect_limit(limit: object) -> None:
         raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
 
 
-def _read_for(limit: Limit, response: Any, now: float | None) -> UpstreamSignal | None:
-    """:func:`read_response`, after checking the limit of :func:`apply_upstream`."""
-    _expect_limit(limit)
-    return read_response(response, now=now)
-
-
 def apply_upstream(
     limiter: Limiter,
     response: Any,
@@ -481,6 +565,8 @@ def apply_upstream(
     key: str | None = None,
     *,
     rates: RateBook | None = None,
+    learned: LearnedRates | None = None,
+    adaptive: Adaptive | None = None,
     now: float | None = None,
 ) -> UpstreamSignal | None:
     """Without Celery: hold ``limit`` (of ``key`` only, when given) for the upstream's time,
@@ -488,15 +574,25 @@ def apply_upstream(
 
     ``limit`` is the configured limit; ``rates`` the book the fleet reads (the rate is
     lowered only for a limit without key, and never raised: ``rates.clear(limit.name)``
-    goes back to the configured rate). Returns what the response said (None: nothing).
-    Raises :class:`BackendError` when Redis fails. For asyncio code:
-    :func:`throttle.aio.apply_upstream`.
+    goes back to the configured rate). With ``learned``, a refusal is answered in
+    proportion, as by :func:`report_upstream` (a hold only when refusals persist or the
+    quota is spent), and with ``adaptive`` the limit learns its rate
+    (``learned.current(limit, key, adaptive)`` is then the limit to acquire). Returns
+    what the response said (None: nothing). Raises :class:`BackendError` when Redis
+    fails. For asyncio code: :func:`throttle.aio.apply_upstream`.
     """
-    signal = _read_for(limit, response, now)
+    _expect_limit(limit)
+    ceiling = limit if rates is None else rates.current(limit)
+    current = ceiling
+    if learned is not None and adaptive is not None:
+        current = learned.current(ceiling, key, adaptive)
+    target = _Target(current, limit, key, True, adaptive, ceiling)
+    signal = read_response(response, now=now)
     if signal is None:
+        if learned is not None:
+            _learn(learned, None, target)
         return None
-    current = limit if rates is None else rates.current(limit)
-    _apply(limiter, rates, signal, [_Target(current, limit, key, True)])
+    _apply(limiter, rates, signal, [target], learned)
     return signal
 
 
@@ -529,6 +625,20 @@ def report_upstream(
       upstream's time, fleet-wide: a keyed limit for the task's key only, a limit without
       key as a whole. Reserved slots that fall inside the hold are voided when their tasks
       reach them, so the fleet stops at once, not after the slots already handed out.
+      A refusal holds only when the upstream says its quota is spent (a hold longer than
+      :data:`PREEMPT_MIN_S` and :data:`SPENT_SPACINGS` spacings: :func:`quota_spent`),
+      when the limit is faster than the policy the upstream states, or when refusals
+      *persist*: the refusals of the limit (and key), counted fleet-wide on the
+      Redis clock, reach half of the calls the limit makes at its rate in a window of a
+      second (or ten spacings, when longer), and at least three
+      (:meth:`throttle.adaptive.LearnedRates.persist_for`). Any other refusal is one
+      that the limiter's schedule explains (a call a few ms early or late: jitter): the
+      refused task alone comes back after the upstream's time (with ``retry=True``) and
+      the fleet goes on.
+      A response that is no refusal but says the quota is spent holds as before.
+    * **Learn** (``adaptive: true`` limits, :mod:`throttle.adaptive`): a refusal lowers the
+      limit's learned rate once per episode, every other answer lets it probe up, a stated
+      policy replaces it.
     * **Rate**: when the upstream states a policy slower than a held limit's rate, the
       limit's run-time rate is lowered to it, fleet-wide, within ``settings.refresh``
       (``RateBook.set``). Only for limits without key that charge one unit per call (a
@@ -562,25 +672,38 @@ def report_upstream(
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
     acquisition = ticket.acquisition
-    configured = {rule.name: rule.limit for rule in ticket.rules}
-    targets = [
-        _Target(current, configured.get(current.name, current), key, cost == 1.0)
+    rules = {rule.name: rule for rule in ticket.rules}
+    picked = [
+        (current, key, cost, rules.get(current.name))
         for (current, key), cost in zip(acquisition.targets, acquisition.costs, strict=True)
         if name is None or current.name == name
     ]
-    if not targets:  # checked on every response: a misspelt name fails on the first call
+    if not picked:  # checked on every response: a misspelt name fails on the first call
         held = ", ".join(repr(current.name) for current, _ in acquisition.targets)
         raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {held})")
-    if signal is None:
+    adaptive = any(rule is not None and rule.adaptive for *_, rule in picked)
+    if signal is None and not adaptive:
         return None
     from celery._state import get_current_task  # noqa: PLC0415
 
     task = get_current_task()
     throttler = Throttler.of(task.app)
     try:
-        _apply(throttler.limiter, throttler.rates, signal, targets)
+        targets = []
+        for current, key, cost, rule in picked:
+            configured = current if rule is None else rule.limit
+            ceiling = throttler.rates.current(configured)
+            learning = None if rule is None else rule.adaptive
+            targets.append(_Target(current, configured, key, cost == 1.0, learning, ceiling))
+        if signal is None:
+            for target in targets:
+                _learn(throttler.learned, None, target)
+        else:
+            _apply(throttler.limiter, throttler.rates, signal, targets, throttler.learned)
     except BackendError as exc:
         throttler.outage(exc)
+    if signal is None:
+        return None
     if retry and signal.refused:
         _release(response)
         defer_task(signal.hold_s, [target.current.name for target in targets])

@@ -67,7 +67,7 @@ def call_api(self, n: int) -> dict[str, object]:
     status = _post("/call", self.request.id)
     return {
         "n": n, "status": status, "id": self.request.id, "deferrals": _deferrals(self),
-        "late_s": late_s,
+        "late_s": late_s, "slot": slot_time(),
     }  # fmt: skip
 
 

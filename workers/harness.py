@@ -61,8 +61,8 @@ class Api:
         self.server.server_close()
 
 
-def start_api(rate: float, burst: float = 1.0) -> Api:
-    api = MockApi(rate, burst)
+def start_api(rate: float, burst: float = 1.0, *, retry_after_only: bool = False) -> Api:
+    api = MockApi(rate, burst, retry_after_only=retry_after_only)
     server = serve(api)
     threading.Thread(target=server.serve_forever, name="mock-api", daemon=True).start()
     host, port = server.server_address[:2]

@@ -21,6 +21,9 @@ worked.
   lowering its limit); ``POST /reset``: forget the arrivals and refill the bucket. From the
   command line, ``--lower-to 10 --lower-after 30`` does the same 30 s after the start.
 
+With ``--retry-after-only`` (``MockApi(..., retry_after_only=True)``) it answers as many
+real APIs do: no rate-limit header at all, and a 429 with nothing but ``Retry-After``.
+
 The limit is a token bucket of ``burst`` tokens refilled at ``rate`` per second; with
 ``burst`` 1 that is strict spacing (one call every 1/rate s), the strictest upstream.
 """
@@ -93,7 +96,9 @@ class Arrival:
 class MockApi:
     """The state of the mock API: its limit and every arrival, behind one lock."""
 
-    def __init__(self, rate: float, burst: float = 1.0) -> None:
+    def __init__(self, rate: float, burst: float = 1.0, *, retry_after_only: bool = False) -> None:
+        self.retry_after_only = retry_after_only
+        """Send no rate-limit header: a 429 says only ``Retry-After``."""
         self.lock = threading.Lock()
         self.limit = UpstreamLimit(rate, burst)
         self.started = time.monotonic()
@@ -181,6 +186,8 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
                 "X-RateLimit-Remaining": remaining,
                 "X-RateLimit-Reset": str(math.ceil(time.time() + full_in_s)),
             }
+            if api.retry_after_only:
+                headers = {}
             if allowed:
                 self._reply(200, {"ok": True}, headers)
             else:
@@ -247,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         "--lower-after", type=float, default=30.0, metavar="S",
         help="... this many seconds after the start (default 30)",
     )  # fmt: skip
+    parser.add_argument(
+        "--retry-after-only", action="store_true",
+        help="no rate-limit headers: a 429 says only Retry-After",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    api = MockApi(args.rate, args.burst)
+    api = MockApi(args.rate, args.burst, retry_after_only=args.retry_after_only)
     server = serve(api, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"mock API on http://{host!s}:{port} ({args.rate:g}/s burst {args.burst:g})", flush=True)

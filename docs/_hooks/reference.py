@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from throttle import config, rules, spec
+from throttle import adaptive, config, rules, spec
 
 MARKER = re.compile(r"<!-- throttle-reference: (\w+) -->")
 
@@ -145,6 +145,16 @@ def limit_table() -> str:
             raise ValueError(f"limit field {key!r}: no Rule docstring entry {attr!r}")
         kind = "duration" if attr.endswith("_s") else ""
         rows.append((f"`{key}`", rule_doc[attr], _default(defaults[attr], kind)))
+    learning_doc = parameters(adaptive.Adaptive)
+    learning = {f.name: f.default for f in dataclasses.fields(adaptive.Adaptive)}
+    rows.append(("`adaptive`", rule_doc["adaptive"], "`false`"))
+    rows.append(
+        ("`floor`", learning_doc["floor_per_s"] + " A rate (`2/s`).", "a tenth of the rate")
+    )
+    rows.append(("`decrease`", learning_doc["decrease"], _default(learning["decrease"], "")))
+    rows.append(
+        ("`recover`", learning_doc["recover_s"], _default(learning["recover_s"], "duration"))
+    )
     note = (
         "In a file, `max_wait` is a duration: seconds, or a string such as `30s`, `10m`, "
         "`2h`. In Python these are the fields of `throttle.Limit` and `throttle.rules.Rule` "

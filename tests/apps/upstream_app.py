@@ -100,3 +100,14 @@ def fetch_keyed(self: Any, account: str, n: int) -> dict[str, Any]:
         f"{API_URL}/call", headers={"X-Task-Id": self.request.id}, timeout=10
     )
     return _result(self, n, response.status_code)
+
+
+@app.task(bind=True, max_retries=0)
+@throttled("learn")
+def fetch_adaptive(self: Any, n: int) -> dict[str, Any]:
+    """An adaptive limit: the API's 429s (Retry-After only) teach the fleet its rate."""
+    _run(self)
+    response = _session().post(
+        f"{API_URL}/call", headers={"X-Task-Id": self.request.id}, timeout=10
+    )
+    return _result(self, n, response.status_code)

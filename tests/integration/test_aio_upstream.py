@@ -18,7 +18,9 @@ import redis.asyncio
 from tests.support.clock import FakeClock
 from throttle import ConfigError, Limit, RequestError, Throttled
 from throttle import Limiter as SyncLimiter
-from throttle.aio import Limiter, RateBook, apply_upstream, upstream_hook
+from throttle.adaptive import Adaptive
+from throttle.adaptive import LearnedRates as SyncLearnedRates
+from throttle.aio import LearnedRates, Limiter, RateBook, apply_upstream, upstream_hook
 from throttle.rates import RateBook as SyncRateBook
 
 
@@ -208,3 +210,40 @@ def test_bad_arguments_are_refused_at_once(arun: Callable[[Callable[..., Any]], 
         assert math.isinf(await limiter.hold(limit))  # the limiter still works
 
     arun(body)
+
+
+def test_with_a_learned_book_the_hook_answers_in_proportion_and_learns(
+    arun: Callable[[Callable[..., Any]], Any], clocked: SyncLimiter, clock: FakeClock
+) -> None:
+    # Given an adaptive limit and an upstream that refuses with only Retry-After: 1
+    limit = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
+    learning = Adaptive(decrease=0.5)
+    refusals = [(429, {"Retry-After": "1"})] * 10
+    upstream = Upstream((200, {}), *refusals)
+
+    async def body(limiter: Limiter, rates: RateBook) -> tuple[float, float]:
+        book = LearnedRates(limiter.client, limiter.keyspace, clock_us=clock)
+        hook = upstream_hook(limiter, limit, learned=book, adaptive=learning, retry=True)
+        transport = httpx.MockTransport(upstream)
+        async with httpx.AsyncClient(transport=transport, event_hooks={"response": [hook]}) as http:
+            assert (await http.get("https://api.test/a")).status_code == 200
+            # When one call is refused: Throttled for the task, no hold for the limit
+            with pytest.raises(Throttled):
+                await http.get("https://api.test/b")
+            assert await limiter.holds() == {}
+            lowered = (await book.current(limit, None, learning)).rate_per_s
+            # When refusals persist (half of what 10/s calls in a second: 5)
+            count, _ = book.persist_for(lowered)
+            for _ in range(count - 1):
+                with pytest.raises(Throttled):
+                    await http.get("https://api.test/c")
+            held = (await limiter.holds())[("api", None)]
+        return lowered, held
+
+    lowered, held = arun(body)
+    # Then the rate was halved once (one episode), and the limit is held now
+    assert lowered == pytest.approx(10.0)
+    assert held == pytest.approx(1.0)
+    # and a blocking book reads the same learned state
+    sync = SyncLearnedRates(clocked.client, clocked.keyspace, clock_us=clock)
+    assert sync.read(limit, None, learning).rate_per_s == pytest.approx(10.0)

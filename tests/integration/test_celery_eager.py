@@ -287,7 +287,13 @@ def counted(private_redis: RedisServer, prefix: str) -> Iterator[Celery]:
             "settings": {"prefix": prefix},
             "limits": {
                 "loose": {"rate": "1000/s"},
-                "spaced": {"algorithm": "gcra", "rate": "1000/s", "burst": 1},
+                "spaced": {
+                    "algorithm": "gcra",
+                    "rate": "1000/s",
+                    "burst": 1,
+                    "spacing_guard": False,
+                },
+                "guarded": {"algorithm": "gcra", "rate": "1000/s", "burst": 1},
                 "budget": {"rate": "100000/d", "key": "{tenant}", "cost": "estimate"},
                 "refunded": {"rate": "1000/s", "on_error": "refund"},
                 "slots": {"algorithm": "concurrency", "rate": "4 concurrent"},
@@ -336,6 +342,35 @@ def test_a_fixed_cost_task_makes_one_round_trip(
         redis_client.close()
     lease_s = DEFAULT_LEASE_S + 60  # Gate._lease_s without a time limit
     assert lease_s - 5 < ttl_s <= lease_s
+
+
+def test_the_spacing_guard_costs_one_round_trip(
+    counted: Celery, private_redis: RedisServer
+) -> None:
+    """A burst-1 limit has the call-time spacing guard by default: the acquire, then the
+    stamp (lua/space.lua) just before the call; a second such limit adds nothing."""
+
+    @counted.task(shared=False)
+    @throttled("guarded")
+    def guarded(x: int) -> int:
+        return x
+
+    @counted.task(shared=False)
+    @throttled("guarded", "spaced", "loose")
+    def two(x: int) -> int:
+        return x
+
+    assert calls_of_one_run(private_redis, guarded, 1) == 2
+    assert calls_of_one_run(private_redis, two, 1) == 2
+    stamp = Throttler.of(counted).limiter.keyspace.space_key(
+        Throttler.of(counted).config.rules["guarded"].limit, None
+    )
+    redis_client = private_redis.client()
+    try:
+        assert redis_client.exists(stamp)
+        assert not redis_client.exists(stamp.replace(":guarded:", ":spaced:"))
+    finally:
+        redis_client.close()
 
 
 def test_a_reported_cost_a_refund_or_a_concurrency_unit_is_settled_in_one_more(

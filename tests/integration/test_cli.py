@@ -26,7 +26,8 @@ from click.testing import CliRunner, Result
 
 from tests.apps.cli_app import app as cli_app
 from tests.support.servers import RedisServer
-from throttle import Limit, Limiter
+from throttle import Limit, Limiter, config
+from throttle.adaptive import ADAPTIVE_FIELDS, LearnedRates
 from throttle.celery.plan import plan_limit
 from throttle.cli import rate_spec, throttle
 from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
@@ -53,11 +54,16 @@ limits:
   daily: {algorithm: fixed_window, rate: 1000/d}
   gate: {algorithm: gcra, rate: 20/s, burst: 1}
   busy: {rate: 100/s}
+  learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true}
+  tenant-learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true, key: "{tenant}"}
   nowhere: {rate: 1/s}
 queues:
   cli: [daily]
 """
-FILE_LIMITS = ["api", "shaper", "tenant", "tenant-eu", "pool", "tokens", "daily", "gate", "busy"]
+FILE_LIMITS = [
+    "api", "shaper", "tenant", "tenant-eu", "pool", "tokens", "daily", "gate", "busy", "learner",
+    "tenant-learner",
+]  # fmt: skip
 KNOWN = [*FILE_LIMITS, "nowhere", "tests.apps.cli_app.inline"]
 
 
@@ -229,6 +235,29 @@ def test_status_table_shows_holds_overrides_keys_and_denials(cli: Cli) -> None:
     assert "per key" in lines["tenant"] and "acme: held" in lines["tenant"]
     assert "1/s (set; file 2/s)" in lines["shaper"]
     assert "workers  not asked" in result.output
+
+
+def test_status_shows_the_learned_rate_next_to_the_configured_one(cli: Cli) -> None:
+    # Given the upstream refused a call of each adaptive limit (one key of the keyed one)
+    learned = LearnedRates(cli.limiter.client, cli.limiter.keyspace)
+    learner = cli.config.rules["learner"]
+    assert learner.adaptive is not None
+    learned.refused(learner.limit, None, learner.adaptive)
+    tenant = cli.config.rules["tenant-learner"]
+    assert tenant.adaptive is not None
+    learned.refused(tenant.limit, "acme", tenant.adaptive)
+    rows = _rows(_status(cli))
+    # Then the JSON has the learned rate beside the configured one
+    assert rows["learner"]["adaptive"] is True and rows["learner"]["rate"] == "20/s"
+    assert rows["learner"]["learned_per_s"] == pytest.approx(16.0)
+    assert rows["tenant-learner"]["learned_per_s"] is None
+    assert rows["tenant-learner"]["key_learned_per_s"] == {"acme": pytest.approx(16.0)}
+    assert rows["shaper"]["adaptive"] is False and rows["shaper"]["learned_per_s"] is None
+    # and so does the table
+    result = cli("status", "--timeout", "0")
+    lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
+    assert "16/s learned (20/s)" in lines["learner"]
+    assert "20/s (1 keys learned)" in lines["tenant-learner"]
 
 
 def test_status_names_an_unreachable_redis_without_its_password(cli: Cli) -> None:
@@ -439,8 +468,8 @@ def test_check_prints_every_error_with_its_place(tmp_path: Path) -> None:
     f = str(path)
     duration = "must be a duration >= 0: seconds, or a string such as '250ms', '30s', '10m', "
     duration += "'2h', '1d'"
-    fields = "rate, algorithm, burst, key, cost, max_wait, on_timeout, on_error, on_redis_down, "
-    fields += "cold_start"
+    # the fields a limit may have (other fields come and go: not this test's point)
+    fields = ", ".join((*config._LIMIT_FIELDS, *config._RULE_FIELDS, *ADAPTIVE_FIELDS))
     settings = ", ".join(SETTINGS_FIELDS)  # other settings come and go: not this test's point
     assert result.stdout.splitlines() == [
         f"{f}: field 'extra': unknown section; expected one of settings, limits, queues, "
@@ -484,7 +513,10 @@ def test_check_with_an_app_names_its_tasks_limits_the_file_lacks(cli: Cli) -> No
         ]
 
     complete = cli("check", str(cli.config_path))
-    assert ours(complete) in ([], [f"{cli.config_path}: OK: 10 limits, 1 queue, 0 tasks"])
+    assert ours(complete) in (
+        [],
+        [f"{cli.config_path}: OK: {len(KNOWN) - 1} limits, 1 queue, 0 tasks"],
+    )
     partial = cli.config_path.with_name("partial.yaml")
     partial.write_text("limits:\n  gate: {rate: 1/s}\n")
     result = cli("check", str(partial))

@@ -164,3 +164,17 @@ def test_the_limit_can_be_lowered_later_from_the_command_line() -> None:
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_in_retry_after_only_mode_a_429_says_only_retry_after(
+    api: tuple[MockApi, int], still: None
+) -> None:
+    # Given the API of many real upstreams: no rate-limit headers
+    state, port = api
+    state.retry_after_only = True
+    answers = [request(port, "GET", "/call") for _ in range(3)]
+    # Then the calls it serves carry none, and its 429 carries only Retry-After
+    assert [status for status, _, _ in answers] == [200, 200, 429]
+    for _, headers, _ in answers:
+        assert not [name for name in headers if "ratelimit" in name.lower()], headers
+    assert answers[2][1]["Retry-After"] == "1"

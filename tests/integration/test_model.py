@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from tests.support.clock import EPOCH_US, FakeClock
 from tests.support.model import ModelLimiter
-from throttle import Decision, Limit, Limiter, RequestError
+from throttle import Decision, KeySpace, Limit, Limiter, RequestError
+from throttle.adaptive import Adaptive, LearnedRates
 from throttle.memory import MemoryLimiter
 
 ALGORITHMS = ("token_bucket", "gcra", "sliding_window", "fixed_window", "concurrency")
@@ -182,3 +183,57 @@ def multi_case(draw: st.DrawFn) -> tuple[list[tuple[Limit, str | None]], list[tu
 def test_multi_limit_matches_model(client: redis.Redis, case: Any) -> None:
     targets, sequence = case
     run_against_model(client, targets, sequence)
+
+
+# -- lua/adapt.lua: the learned state of adaptive limits ---------------------------------
+
+
+@given(data=st.data())
+def test_the_adapt_script_matches_its_model(client: redis.Redis, data: st.DataObject) -> None:
+    # One limit and key, two books (the script in Redis, the model in memory) on one clock
+    rate = data.draw(st.sampled_from([0.5, 3.0, 20.0, 1000.0]), label="ceiling")
+    limit = Limit.parse(f"{rate}/s burst 1", name="api", algorithm="gcra")
+    learning = (
+        None
+        if data.draw(st.booleans(), label="not adaptive")
+        else Adaptive(
+            floor_per_s=data.draw(st.sampled_from([None, rate / 3, rate])),
+            decrease=data.draw(st.sampled_from([0.5, 0.7, 0.8, 0.99])),
+            recover_s=data.draw(st.sampled_from([0.5, 10.0, 60.0])),
+        )
+    )
+    clock = FakeClock(EPOCH_US)
+    keyspace = KeySpace(f"t-{uuid.uuid4().hex[:12]}", "ns")
+    books = [
+        LearnedRates(client, keyspace, clock_us=clock),
+        LearnedRates(MemoryLimiter().client, keyspace, clock_us=clock),
+    ]
+    event = st.sampled_from(["refuse", "refuse", "success", "success", "success", "state", "read"])
+    steps = st.tuples(
+        event,
+        st.one_of(st.just(0), st.integers(0, 300_000), st.integers(0, 20_000_000)),
+        st.floats(0.0, 5.0, allow_nan=False),  # reserved s, for refusals
+        st.sampled_from([None, rate / 4, rate / 2, rate * 2]),  # the rate of the call
+        st.floats(0.01, 2 * rate, allow_nan=False),  # a stated rate
+    )
+    try:
+        for kind, dt, reserved, at, stated in data.draw(st.lists(steps, max_size=40)):
+            clock.now_us += dt
+            answers = []
+            for book in books:
+                if kind == "refuse":
+                    answers.append(
+                        book.refused(limit, None, learning, rate_per_s=at, reserved_s=reserved)
+                    )
+                elif learning is None:
+                    answers.append(book.refused(limit, None, None))  # counts only
+                elif kind == "success":
+                    answers.append(book._call("success", limit, None, learning))
+                elif kind == "state":
+                    answers.append(book.stated(limit, None, learning, stated))
+                else:
+                    answers.append(book.read(limit, None, learning))
+            assert answers[0] == answers[1], (kind, answers)
+    finally:
+        for name in client.scan_iter(match=keyspace.learned_pattern()):
+            client.delete(name)

@@ -86,6 +86,8 @@ def test_lua_dir_is_the_repository_copy() -> None:
             "peek.lua",
             "hold.lua",
             "holds.lua",
+            "space.lua",
+            "adapt.lua",
             *PARKING_OPERATIONS,
         ]
     )

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,9 +22,10 @@ from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.clock import FakeClock
+from tests.support.clock import FakeClock, redis_now_s
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, RequestError, Throttled
+from throttle.adaptive import LearnedRates
 from throttle.celery import ThrottledTask, throttled
 from throttle.rates import RateBook
 from throttle.upstream import (
@@ -36,6 +38,7 @@ from throttle.upstream import (
     report_upstream,
     upstream_hook,
 )
+from workers import mock_api
 from workers.harness import Api, Worker, start_api, wait_ready
 
 NOW = 1_763_776_800.0  # epoch s, 2025-11-22 02:00 UTC
@@ -402,6 +405,9 @@ def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
                 "tokens": {"rate": "100000/m", "cost": "estimate"},
                 "per-account": {"algorithm": "gcra", "rate": "30/s", "burst": 1,
                                 "key": "{account}"},
+                "slow": {"algorithm": "gcra", "rate": "2/s", "burst": 1},
+                "slow-learner": {"algorithm": "gcra", "rate": "2/s", "burst": 1,
+                                 "adaptive": True},
             },
         },
     )  # fmt: skip
@@ -424,12 +430,52 @@ def test_report_upstream_holds_the_tasks_limits_and_lowers_the_request_rate(
     assert call.delay("acct-1", 500).get() == 429
     limiter = Limiter(client, prefix=prefix)
     holds = limiter.holds()
-    # Every limit of the task: the unkeyed ones whole, the keyed one for the task's key.
-    assert set(holds) == {("api", None), ("tokens", None), ("per-account", "acct-1")}
+    # Every limit of the task faster than the upstream's stated 1/s: the unkeyed ones
+    # whole, the keyed one for the task's key. Not "api": the first answer (200, stating
+    # 1/s) lowered it to the stated rate, so one refusal of it is answered in proportion
+    # (the task comes back; a hold when refusals persist).
+    assert set(holds) == {("tokens", None), ("per-account", "acct-1")}
     assert all(0.5 < left <= 1.0 for left in holds.values())
     # The upstream stated 1/s: the request limit follows; the token budget (500 per call,
     # not the upstream's units) and the keyed limit (one account's word) keep their rates.
     assert RateBook(client, limiter.keyspace).overrides() == {"api": "1/1s burst 1"}
+
+
+def test_a_lone_refusal_holds_nothing_and_persisting_ones_hold_the_limit(
+    eager: Celery, api: Api, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an API that says only "429 Retry-After: 1" (no policy to compare the limit
+    # with), whose clock stands still: one call passes, then every call is refused
+    @eager.task(shared=False)
+    @throttled("slow", "slow-learner")
+    def call() -> int:
+        with requests.Session() as session:
+            session.hooks["response"].append(upstream_hook())
+            return session.post(f"{api.url}/call", timeout=5).status_code
+
+    api.api.retry_after_only = True
+    now = time.monotonic()
+    monkeypatch.setattr(mock_api, "time", SimpleNamespace(monotonic=lambda: now, time=time.time))
+    limiter = Limiter(client, prefix=prefix)
+    book = LearnedRates(client, limiter.keyspace)
+    try:
+        assert call.delay().get() == 200
+        # When one call is refused: the hook holds nothing (jitter explains one refusal)
+        assert call.delay().get() == 429
+        assert limiter.holds() == {}
+        # and the adaptive limit learned a lower rate; the other kept its own
+        assert book.states() == {("slow-learner", None): pytest.approx(2.0 * 0.8)}
+        # When the refusals persist: half of what the limits call in a window (2/s: 5
+        # within 5 s; 1.6/s learned: 5 within 6.25 s), the calls 0.625 s apart
+        assert book.persist_for(2.0) == (5, 5.0) and book.persist_for(1.6) == (5, 6.25)
+        started = redis_now_s(client)
+        for _ in range(4):
+            assert call.delay().get() == 429
+        assert redis_now_s(client) - started < 5.0
+    finally:
+        api.api.retry_after_only = False
+    # Then both limits are held for the upstream's time
+    assert set(limiter.holds()) == {("slow", None), ("slow-learner", None)}
 
 
 def test_report_upstream_of_one_named_limit(
@@ -476,6 +522,7 @@ limits:
   api: {algorithm: gcra, rate: 19.6/s, burst: 1}
   solo: {algorithm: gcra, rate: 19.6/s, burst: 1}
   hurry: {algorithm: gcra, rate: 19.6/s, burst: 1, key: "{account}", max_wait: 0.5s}
+  learn: {algorithm: gcra, rate: 19.6/s, burst: 1, adaptive: true, floor: 2/s}
 """
 
 
@@ -634,3 +681,41 @@ def test_a_hold_beyond_the_tasks_max_wait_ends_it_with_throttle_timeout(fleet: F
     assert set(fleet.limiter.holds()) == {("hurry", "acct")}
     assert fleet.rates.overrides() == {}
     fleet.limiter.unhold("hurry", "acct")
+
+
+def test_an_adaptive_limit_learns_a_silent_drop_and_every_task_runs_once(fleet: Fleet) -> None:
+    # Given an API that says only "429 Retry-After: 1" (no rate-limit headers), and the
+    # fleet calling it at 19.6/s through an adaptive limit
+    from tests.apps.upstream_app import fetch_adaptive  # noqa: PLC0415
+
+    api = fleet.api.api
+    api.set_limit(20.0, 2.0)
+    api.reset()
+    api.retry_after_only = True
+    learned = LearnedRates(fleet.client, fleet.limiter.keyspace)
+    try:
+        handles = [fetch_adaptive.delay(n) for n in range(120)]
+        # When the API silently lowers its limit to 10/s after 2 s
+        api.set_limit_later(2.0, 10.0, 2.0)
+        done = [handle.get(timeout=90) for handle in handles]
+        states = learned.states()
+    finally:
+        api.retry_after_only = False
+        for name in fleet.client.scan_iter(match=fleet.limiter.keyspace.learned_pattern()):
+            fleet.client.delete(name)
+    # Then every task completed once, under its own id, without spending a retry
+    assert sorted(r["n"] for r in done) == list(range(120)), log_tail(fleet)
+    assert all(r["status"] == 200 and r["retries"] == 0 for r in done)
+    arrivals = api.arrivals_json()
+    allowed = collections.Counter(a["task_id"] for a in arrivals if a["allowed"])
+    assert allowed == {h.id: 1 for h in handles}
+    refused = fleet.refused_by_id()
+    assert sum(refused.values()) >= 1, "the API never refused: the drop was not seen"
+    assert all(r["runs"] == 1 + refused[r["id"]] for r in done)
+    # and the fleet learned a rate below the one configured, never set as a run-time rate
+    assert states[("learn", None)] < 19.6 * 0.9, states
+    assert "learn" not in fleet.rates.overrides()
+    print(
+        f"\nadaptive fleet: {len(arrivals)} calls, {sum(refused.values())} refused, "
+        f"learned {states[('learn', None)]:.2f}/s"
+    )

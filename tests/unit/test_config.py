@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from throttle import Algorithm, ConfigError
+from throttle.adaptive import Adaptive
 from throttle.config import CONFIG_ENV, Settings, ThrottleConfig
 from throttle.rules import Rule
 from throttle.units import parse_duration
@@ -41,7 +42,9 @@ def test_example_limits_file_loads() -> None:
         "stripe",
         "mail-daily",
         "llm-streams",
+        "partner",
     }
+    assert config.rules["partner"].adaptive == Adaptive(floor_per_s=2.0)
     github = config.rule("github").limit
     assert github.algorithm is Algorithm.GCRA
     assert github.rate_per_s == pytest.approx(5000 / 3600)
@@ -399,7 +402,108 @@ BAD_DOCUMENTS = [
         "must be a duration",
         id="settings-bad-duration",
     ),
-]
+    pytest.param(
+        "limits:\n  api: {rate: 10/s, burst: 1, spacing_guard: sometimes}\n",
+        "api",
+        "spacing_guard",
+        "sometimes",
+        "must be true or false",
+        id="spacing-guard-not-a-bool",
+    ),
+    pytest.param(
+        "limits:\n  slots: {rate: 3 concurrent, spacing_guard: true}\n",
+        "slots",
+        "spacing_guard",
+        True,
+        "no spacing to guard",
+        id="spacing-guard-on-concurrency",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, floor: 30/s}\n",
+        "api", "floor", "30/s", "the floor (30/s) is above the limit's rate, its ceiling (20/s)",
+        id="adaptive-floor-above-ceiling",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 8 concurrent, adaptive: true}\n",
+        "api", "adaptive", True, "a concurrency limit has no rate to learn",
+        id="adaptive-on-concurrency",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: yes please}\n",
+        "api", "adaptive", "yes please", "must be true or false",
+        id="adaptive-not-a-bool",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, decrease: 1.5}\n",
+        "api", "decrease", 1.5, "must be a number between 0 and 1",
+        id="adaptive-decrease-above-one",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, decrease: half}\n",
+        "api", "decrease", "half", "must be a number between 0 and 1",
+        id="adaptive-decrease-not-a-number",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, recover: 0s}\n",
+        "api", "recover", "0s", "must be a duration > 0",
+        id="adaptive-recover-zero",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, recover: soon}\n",
+        "api", "recover", "soon", "must be a duration",
+        id="adaptive-recover-not-a-duration",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, floor: 2}\n",
+        "api", "floor", 2, "must be a rate such as '2/s'",
+        id="adaptive-floor-a-number",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, adaptive: true, floor: fast}\n",
+        "api", "floor", "fast", "malformed rate",
+        id="adaptive-floor-malformed",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, floor: 2/s}\n",
+        "api", "floor", "2/s", "applies only with adaptive: true",
+        id="floor-without-adaptive",
+    ),
+]  # fmt: skip
+
+
+def test_an_adaptive_limit_maps_its_fields(tmp_path: Path) -> None:
+    config = ThrottleConfig.load(
+        write(
+            tmp_path,
+            "limits:\n  api: {rate: 20/s, burst: 1, algorithm: gcra, adaptive: true,\n"
+            "        floor: 2/s, decrease: 0.8, recover: 5s}\n"
+            "  plain: {rate: 20/s, adaptive: false}\n",
+        )
+    )
+    assert config.rules["api"].adaptive == Adaptive(floor_per_s=2.0, decrease=0.8, recover_s=5.0)
+    assert config.rules["plain"].adaptive is None
+    default = ThrottleConfig.from_mapping({"limits": {"api": {"rate": "20/s", "adaptive": True}}})
+    learning = default.rules["api"].adaptive
+    assert learning == Adaptive()
+    assert learning.floor_for(default.rules["api"].limit) == 2.0
+
+
+def test_the_spacing_guard_is_on_for_burst_1_rate_limits_by_default() -> None:
+    config = ThrottleConfig.from_mapping(
+        {
+            "limits": {
+                "strict": {"algorithm": "gcra", "rate": "20/s", "burst": 1},
+                "bucket": {"rate": "20/s", "burst": 1},
+                "bursty": {"algorithm": "gcra", "rate": "20/s", "burst": 2},
+                "off": {"algorithm": "gcra", "rate": "20/s", "burst": 1, "spacing_guard": False},
+                "on": {"rate": "20/s", "spacing_guard": True},
+                "daily": {"algorithm": "fixed_window", "rate": "1/d"},
+                "slots": {"rate": "1 concurrent"},
+            }
+        }
+    )
+    guarded = {name for name, rule in config.rules.items() if rule.guarded}
+    assert guarded == {"strict", "bucket", "on"}
 
 
 @pytest.mark.parametrize(("document", "limit", "field", "value", "problem"), BAD_DOCUMENTS)

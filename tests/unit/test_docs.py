@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from throttle import config, rules
+from throttle.adaptive import ADAPTIVE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,10 +41,13 @@ def test_settings_table_has_every_setting_with_its_default() -> None:
 
 def test_limit_table_has_every_limit_and_rule_field() -> None:
     table = _hook().limit_table()
-    assert _cells(table) == [*config._LIMIT_FIELDS, *config._RULE_FIELDS]
+    assert _cells(table) == [*config._LIMIT_FIELDS, *config._RULE_FIELDS, *ADAPTIVE_FIELDS]
     assert "| `on_redis_down` |" in table and "| `cold_start` |" in table
     init = {f.name for f in dataclasses.fields(rules.Rule) if f.init} - {"limit"}
-    assert {"max_wait_s" if k == "max_wait" else k for k in config._RULE_FIELDS} == init
+    assert {"max_wait_s" if k == "max_wait" else k for k in config._RULE_FIELDS} | {
+        "adaptive"
+    } == init
+    assert "| `decrease` |" in table and "| `0.8` |" in table and "| 10 s |" in table
 
 
 def test_configuration_page_markers_all_render() -> None:

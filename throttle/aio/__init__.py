@@ -6,6 +6,8 @@ For code that calls APIs with ``httpx.AsyncClient`` (or any asyncio client) outs
   checks and :class:`~throttle.Decision` (both build their calls with
   :class:`throttle.limiter.RequestBuilder`).
 - :class:`RateBook`: :class:`throttle.rates.RateBook`, awaited (the same Redis hash).
+- :class:`LearnedRates`: :class:`throttle.adaptive.LearnedRates`, awaited (the same
+  learned states).
 - :func:`apply_upstream` and :func:`upstream_hook`: the upstream's 429 and RateLimit
   headers applied to the limits (holds, lowered rates), as
   :func:`throttle.upstream.apply_upstream` does; the hook for
@@ -15,8 +17,9 @@ A blocking and an asyncio limiter on the same Redis, prefix and namespace share 
 limits, holds and rates. See ``docs/asyncio.md``.
 """
 
+from throttle.aio.adaptive import LearnedRates
 from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.aio.upstream import apply_upstream, upstream_hook
 
-__all__ = ["Limiter", "RateBook", "apply_upstream", "upstream_hook"]
+__all__ = ["LearnedRates", "Limiter", "RateBook", "apply_upstream", "upstream_hook"]

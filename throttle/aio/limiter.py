@@ -162,5 +162,11 @@ class Limiter(RequestBuilder[AsyncScript]):
         script, keys, args, decode = self._holds_request()
         return decode(await self._call(script, keys, args))
 
+    async def space(self, targets: Sequence[tuple[Limit, str | None, float]]) -> float:
+        """The call-time spacing guard: :meth:`throttle.Limiter.space`. Returns the
+        seconds to wait before the call."""
+        script, keys, args, decode = self._space_request(targets)
+        return decode(await self._call(script, keys, args))
+
     async def _call(self, script: AsyncScript, keys: Sequence[str], args: list[Any]) -> Any:
         return await run_script_async(self.client, script, keys, args)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from throttle.adaptive import Adaptive
+from throttle.aio.adaptive import LearnedRates
 from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.errors import Throttled
@@ -20,22 +22,59 @@ from throttle.spec import Limit
 from throttle.upstream import (
     UpstreamSignal,
     _expect_limit,
+    _judge,
     _log_hold,
     _log_rate,
     _plan,
-    _read_for,
+    _reserved_s,
+    _stated_for,
     _Target,
     logger,
+    read_response,
 )
 
 __all__ = ["apply_upstream", "upstream_hook"]
 
 
+async def _answer(
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+) -> bool:
+    reserved_s = 0.0
+    if _reserved_s(target):
+        reserved_s = (await limiter.peek(target.current, target.key)).reset_after_s
+    answer = await learned.refused(
+        target.ceiling or target.configured, target.key, target.adaptive,
+        rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
+    )  # fmt: skip
+    return _judge(signal, target, answer)
+
+
+async def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target) -> None:
+    if target.adaptive is None:
+        return
+    ceiling = target.ceiling or target.configured
+    stated = _stated_for(signal, target)
+    if stated is not None:
+        await learned.stated(ceiling, target.key, target.adaptive, stated)
+    else:
+        await learned.succeeded(ceiling, target.key, target.adaptive)
+
+
 async def _apply(
-    limiter: Limiter, rates: RateBook | None, signal: UpstreamSignal, targets: Sequence[_Target]
+    limiter: Limiter,
+    rates: RateBook | None,
+    signal: UpstreamSignal,
+    targets: Sequence[_Target],
+    learned: LearnedRates | None = None,
 ) -> None:
     for target, spec in _plan(signal, targets, rates is not None):
-        if signal.hold_s > 0:
+        hold = signal.hold_s > 0
+        if learned is not None:
+            if signal.refused:
+                hold = await _answer(limiter, learned, signal, target) and hold
+            else:
+                await _learn(learned, signal, target)
+        if hold:
             await limiter.hold(target.current.name, target.key, signal.hold_s)
             _log_hold(signal, target)
         if rates is not None and spec is not None:
@@ -50,21 +89,33 @@ async def apply_upstream(
     key: str | None = None,
     *,
     rates: RateBook | None = None,
+    learned: LearnedRates | None = None,
+    adaptive: Adaptive | None = None,
     now: float | None = None,
 ) -> UpstreamSignal | None:
     """Hold ``limit`` (of ``key`` only, when given) for the upstream's time, and with
     ``rates``, lower its run-time rate to the upstream's stated one when slower: what
-    :func:`throttle.upstream.apply_upstream` does, awaited.
+    :func:`throttle.upstream.apply_upstream` does, awaited. With ``learned``
+    (:class:`throttle.aio.LearnedRates`), a refusal is answered in proportion, and with
+    ``adaptive`` the limit learns its rate (``await learned.current(limit, key,
+    adaptive)`` is then the limit to acquire).
 
     ``response`` is an ``httpx.Response`` (anything with ``status_code`` and ``headers``);
     ``limit`` the configured limit. Returns what the response said (None: nothing). Raises
     :class:`~throttle.BackendError` when Redis fails.
     """
-    signal = _read_for(limit, response, now)
+    _expect_limit(limit)
+    ceiling = limit if rates is None else await rates.current(limit)
+    current = ceiling
+    if learned is not None and adaptive is not None:
+        current = await learned.current(ceiling, key, adaptive)
+    target = _Target(current, limit, key, True, adaptive, ceiling)
+    signal = read_response(response, now=now)
     if signal is None:
+        if learned is not None:
+            await _learn(learned, None, target)
         return None
-    current = limit if rates is None else await rates.current(limit)
-    await _apply(limiter, rates, signal, [_Target(current, limit, key, True)])
+    await _apply(limiter, rates, signal, [target], learned)
     return signal
 
 
@@ -88,6 +139,8 @@ def upstream_hook(
     key: str | None = None,
     *,
     rates: RateBook | None = None,
+    learned: LearnedRates | None = None,
+    adaptive: Adaptive | None = None,
     retry: bool = False,
 ) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """An async response hook that calls :func:`apply_upstream` on every response::
@@ -97,7 +150,10 @@ def upstream_hook(
 
     Every process that shares the limiter's Redis (asyncio code, blocking code, Celery
     workers) then holds ``limit`` (of ``key`` only, when given) after the upstream's 429
-    or spent quota, and follows a slower stated policy.
+    or spent quota, and follows a slower stated policy. With ``learned``, a refusal is
+    answered in proportion (a hold only when refusals persist, the quota is spent or the
+    limit is faster than the stated policy), and with ``adaptive`` the limit learns its
+    rate: acquire ``await learned.current(limit, key, adaptive)`` then.
 
     With ``retry=True`` a refused call (429; 403 or 503 with ``Retry-After`` or a spent
     quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the
@@ -110,7 +166,9 @@ def upstream_hook(
     _expect_limit(limit)  # now, not on the first response
 
     async def hook(response: Any) -> None:
-        signal = await apply_upstream(limiter, response, limit, key, rates=rates)
+        signal = await apply_upstream(
+            limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive
+        )
         if retry and signal is not None and signal.refused:
             await _release(response)
             raise Throttled(signal.hold_s, [limit.name])

@@ -81,10 +81,19 @@ def fleet_state(app: Celery) -> metrics.FleetState | None:
         return None
     parked, releasing = wrap_errors(throttler.parking.counts)
     limits: dict[str, Limit] = {}
+    learning: dict[str, Rule] = {}
     for rule in unkeyed_rules(throttler):
         limits.setdefault(rule.name, rule.limit)
+        if rule.adaptive is not None:
+            learning.setdefault(rule.name, rule)
     states = [throttler.limiter.peek(throttler.rates.current(limit)) for limit in limits.values()]
-    return metrics.FleetState(parked, releasing, states)
+    learned = []
+    for name, rule in learning.items():
+        assert rule.adaptive is not None
+        ceiling = throttler.rates.current(rule.limit)
+        rate = throttler.learned.read(ceiling, None, rule.adaptive).rate_per_s
+        learned.append((name, ceiling.rate_per_s, rate))
+    return metrics.FleetState(parked, releasing, states, learned)
 
 
 def unkeyed_rules(throttler: Throttler) -> list[Rule]:

@@ -94,16 +94,45 @@ class Gate:
                 execution.rules, execution.fn, execution.args, execution.kwargs,
                 execution.throttler.rates.current,
             )  # fmt: skip
+            self._learn()
             now = time.time()
             execution.deadline = deadline_of(execution)
-            if execution.eager:
-                return self._block()
-            ticket = self._decide(now)
+            ticket = self._block() if execution.eager else self._decide(now)
+            self._space()
         except BackendError as exc:
             run_while_down(execution, exc)
             return None
-        execution.throttler.observer.allowed(execution, ticket.slot_at - now)
+        if not execution.eager:
+            execution.throttler.observer.allowed(execution, ticket.slot_at - now)
         return ticket
+
+    def _space(self) -> None:
+        """The call-time spacing guard of the limits that have it (``Rule.guarded``): one
+        round trip stamps the call on the Redis clock, then sleeps until the previous call
+        of each such limit (and key) is at least its spacing ago. A task that started late
+        for its slot then pushes the next call back instead of landing next to it."""
+        execution = self.execution
+        guarded = [
+            target
+            for rule, target in zip(execution.rules, execution.targets, strict=True)
+            if rule.guarded
+        ]
+        if guarded:
+            wait = self.limiter.space(guarded)
+            if wait > 0:
+                time.sleep(wait)
+
+    def _learn(self) -> None:
+        """Adaptive limits at their learned rate (:mod:`throttle.adaptive`): never above
+        the rate in force, per key for a keyed limit."""
+        execution = self.execution
+        if not any(rule.adaptive for rule in execution.rules):
+            return
+        learned = execution.throttler.learned
+        execution.targets = [
+            (learned.current(limit, key, rule.adaptive) if rule.adaptive else limit, key, cost)
+            for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True)
+        ]
 
     def _drop_second_copy(self) -> None:
         """A parked task released twice (a releaser died between publishing and committing)

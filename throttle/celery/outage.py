@@ -251,7 +251,13 @@ def check_cold_start(throttler: Throttler) -> list[str]:
         return []
     for rule in rules:
         limit = throttler.rates.current(rule.limit)
-        limiter.acquire(limit, None, cost=limit.capacity)
+        # Reserved as far ahead as it takes: within the restart fence a missing state of a
+        # token bucket or GCRA limit reads as in debt until the fence's end, and must be
+        # drained all the same (windows admit or deny now).
+        refill_s = limit.capacity * limit.period_s / limit.count
+        limiter.acquire(
+            limit, None, cost=limit.capacity, max_wait_s=limiter.fence_s + refill_s + 1.0
+        )
     names = [rule.name for rule in rules]
     logger.warning(
         "throttle: Redis has no marker key (new, or restarted without its data): "

@@ -16,8 +16,9 @@ from typing import Any
 
 from celery import Celery, Task
 
+from throttle.adaptive import LearnedRates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
-from throttle.celery.outage import OutageWatch, check_cold_start, ping_fleet
+from throttle.celery.outage import WORKER_ENV, OutageWatch, check_cold_start, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.config import Settings, ThrottleConfig
 from throttle.errors import ConfigError
@@ -82,6 +83,7 @@ class Throttler:
         self.limiter = limiter
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        self.learned = LearnedRates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
@@ -102,6 +104,11 @@ class Throttler:
         )
         self.in_memory = getattr(limiter, "server", None) is not None
         """The limiter is the in-memory one (``memory://``, :mod:`throttle.testing`)."""
+        if os.environ.get(WORKER_ENV) and not self.in_memory:
+            # In a worker, tasks sleep to reserved slots up to sleep_max (and call up to
+            # late_tolerance after them): a Redis that loses its data must not hand out
+            # new slots among those (see Limiter.fence_s).
+            limiter.fence_s = self.settings.sleep_max_s + self.settings.late_tolerance_s
         if not self.releasing and not self.in_memory:
             logger.warning(
                 "throttle: install(app) was not called: long waits stay ETA messages in "

@@ -30,6 +30,7 @@ from throttle.celery.releaser import Releaser
 from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
 from throttle.errors import BackendError, ConfigError
+from throttle.redis.client import wrap_errors
 from throttle.redis.clock import record_clock
 
 CLOCK_WARN_S = 0.5
@@ -70,6 +71,10 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if throttler.watch.file is not None:
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
+            # A new deployment: no task of this worker sleeps to a slot yet, so a Redis
+            # without the restart fence's marker gets one that has ended (no stall).
+            limiter = throttler.limiter
+            wrap_errors(lambda: limiter.client.set(limiter.keyspace.fence_key(), 0, nx=True))
             throttler.check_cold_start()
             check_clock(throttler, worker.hostname)
         except BackendError as exc:  # a worker starts while Redis is down: it may

@@ -208,6 +208,16 @@ class KeySpace:
         """The lease record of one acquisition (what it took, for settle and redelivery)."""
         return f"{self.base}lease:{encode(acquisition_id)}"
 
+    def learned_key(self, limit_name: str, key: str | None) -> str:
+        """The HASH of what the upstream's answers taught about ``(limit, key)``
+        (lua/adapt.lua): the learned rate of an adaptive limit, the recent refusals."""
+        whole, own = self.hold_fields(limit_name, key)
+        return f"{self.base}learned:{own or whole}"
+
+    def learned_pattern(self) -> str:
+        """A SCAN pattern of every learned state of the namespace."""
+        return f"{_glob_escape(self.base)}learned:*"
+
     def rates_key(self) -> str:
         """The HASH of rates changed at run time: limit name -> rate spec."""
         return f"{self.base}rates"
@@ -238,6 +248,18 @@ class KeySpace:
         """The marker that this Redis kept the namespace's data (no TTL): its absence tells
         a worker that Redis is new or restarted empty (the ``cold_start`` setting)."""
         return f"{self.base}alive"
+
+    def fence_key(self) -> str:
+        """The restart fence's marker (no TTL; a number: the fence's end, us of the Redis
+        clock), written by the first script that finds it missing: its absence tells that
+        Redis is new or lost its data, states included (see ``lua/prelude.lua``)."""
+        return f"{self.base}fence"
+
+    def space_key(self, limit: Limit, key: str | None) -> str:
+        """When the next call of ``limit`` (for ``key``) may come, stamped by the call-time
+        spacing guard (``lua/space.lua``)."""
+        name = f"{self.base}space:{encode(limit.name)}:"
+        return name if key is None else name + encode(key)
 
     def clocks_key(self) -> str:
         """The HASH of the workers' clocks: worker name -> its offset to the Redis clock,
