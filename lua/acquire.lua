@@ -33,7 +33,9 @@
 --              with i the first held limit and retry the us until the hold ends; the lease
 --              is left for the caller to settle (give up).
 --   When admitted, the slot (now + wait_us) is the earliest time at which every limit
---   conforms, and every limit is charged as of that slot (see commit in prelude.lua).
+--   conforms, and every limit is charged as of that slot (see commit in prelude.lua); each
+--   limit's remaining and reset describe the state committed (a limit whose own slot was
+--   earlier: as charged at the common slot), measured from now as for one limit.
 --   On denial nothing is taken from any limit (the only writes are a concurrency limit's
 --   sweep of expired leases, and a fair limit's deny: its key is active, its plan moves),
 --   and retry_after_us is the largest wait among the limits that
@@ -157,10 +159,13 @@ if allowed == 1 then
   for i = 1, n do
     local l = limits[i]
     local at = slot > now + l[WAIT] and slot
-    local mark, reset = l[ALG].commit(l[K], l[COUNT], l[PERIOD], l[BURST], now, l[COST], acq,
-                                      expiry, at, l[S1], l[S2], l[S3])
+    local mark, reset, remaining = l[ALG].commit(l[K], l[COUNT], l[PERIOD], l[BURST], now,
+                                                 l[COST], acq, expiry, at, l[S1], l[S2], l[S3])
     if reset then
       l[RESET] = reset
+    end
+    if remaining then
+      l[REM] = remaining
     end
     if acq then
       record[#record + 1] = 'k' .. i

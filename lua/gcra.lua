@@ -43,10 +43,16 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tat, read)
-  if at and at > read then
+  local later = at and at > read
+  if later then
     tat = at + cost * period_us / count
   end
   redis.call('SET', KEYS[k], struct.pack('<d', tat), 'PX', ttl_ms(tat - now))
+  if later then
+    -- The decision describes the state committed (check's formulas on the new TAT).
+    local interval = period_us / count
+    return '', ceil_us(tat - now), math.max(burst - (tat - now) / interval, 0)
+  end
   return ''
 end
 

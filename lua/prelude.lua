@@ -32,7 +32,7 @@
 --        read (s1, s2, s3), handed to commit; reads only
 --   commit(k, count, period_us, burst, now, cost, holder, expiry, at, s1, s2, s3)
 --     writes the state check read with cost taken; -> mark (text kept in the lease record)
---     [, reset: when committing changes it]. at (us) = false: the cost is taken at this
+--     [, reset[, remaining]: when committing makes them differ from check's]. at (us) = false: the cost is taken at this
 --     limit's own slot (now + wait); or a later time, the slot of several limits (the
 --     latest of their slots): the cost is taken as of at, as if the call came then (a
 --     token bucket or GCRA does not bank the capacity before at that nobody used). Never

@@ -12,7 +12,8 @@
 -- check hands commit the level it read: s1 = tokens, s2 = ts. Committed as of a later time
 -- `at` (several limits: the slot another limit set), the cost is taken from the level at
 -- `at`, capped at the burst there: the refill of the time before `at` that nobody used is
--- not banked for later. The state stays at ts (never in the future, where a call made
+-- not banked for later (commit then returns the reset and remaining of the level it
+-- committed). The state stays at ts (never in the future, where a call made
 -- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
@@ -46,13 +47,18 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tokens, ts)
-  if at and at > ts then
+  local later = at and at > ts
+  if later then
     tokens = math.min(tokens, burst - (at - ts) * count / period_us)
   end
   tokens = tokens - cost
   local to_full = (burst - tokens) * period_us / count
   redis.call('SET', KEYS[k], struct.pack('<dd', tokens, ts),
              'PX', ttl_ms(math.max(to_full, 0) + (ts - now)))
+  if later then
+    -- The decision describes the state committed (check's formulas on the new level).
+    return '', ceil_us((burst - tokens) * period_us / count), math.max(tokens, 0)
+  end
   return ''
 end
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
-from throttle.spec import Algorithm, Limit
+from throttle.spec import PLAN_SUFFIX, Algorithm, Limit
 
 __all__ = ["reset"]
 
@@ -20,14 +20,17 @@ _SCAN_COUNT = 1000
 def _probes(name: str) -> list[Limit]:
     """A stand-in limit of this name for every algorithm. The state of a limit lives under
     its algorithm's code, and a limit whose algorithm was changed in the file leaves the
-    old algorithm's state behind: a reset deletes the state under every code."""
-    probes = [Limit(name, algorithm, 1.0) for algorithm in Algorithm]
+    old algorithm's state behind: a reset deletes the state under every code. And the state
+    of the limit's plan (its twin ``NAME.plan``, see :mod:`throttle.celery.plan`): a plan
+    left behind would make the key's next tasks come back as late as the forgotten backlog."""
+    names = (name, name + PLAN_SUFFIX)
+    probes = [Limit(n, algorithm, 1.0) for n in names for algorithm in Algorithm]
     return [*probes, Limit(name, Algorithm.TOKEN_BUCKET, 1.0, fair=True)]
 
 
 def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None = None) -> int:
     """Delete the state of limit ``limit`` (its tokens, timestamps, window counts and
-    concurrency holders) for ``key``, or for every key when ``key`` is None. Returns how
+    concurrency holders, its plan) for ``key``, or for every key when ``key`` is None. Returns how
     many Redis keys were deleted.
 
     The limit starts afresh, full. Holds and pauses (``celery throttle pause``) and rates

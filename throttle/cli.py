@@ -547,7 +547,8 @@ def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) ->
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def reset(ctx: click.Context, limit: str, key: str | None, yes: bool) -> None:
-    """Delete LIMIT's state in Redis, of KEY or of every key: it starts afresh, full.
+    """Delete LIMIT's state in Redis (and its plans), of KEY or of every key: it starts
+    afresh, full.
 
     Holds, pauses and rates set at run time stay. Tasks that already reserved a slot still
     run at it, so right after a reset the limit can admit up to a burst more than usual.

@@ -137,9 +137,15 @@ class TokenBucket:
         **_: Any,
     ) -> str:  # fmt: skip
         tokens, ts = r["tokens"], r["ts"]
-        if at is not None and at > ts:
+        later = at is not None and at > ts
+        if later:
+            assert at is not None
             tokens = min(tokens, p.burst - (at - ts) * p.count / p.period_us)
-        self.state[key] = (tokens - cost, ts)
+        tokens = tokens - cost
+        self.state[key] = (tokens, ts)
+        if later:
+            r["reset"] = ceil_us((p.burst - tokens) * p.period_us / p.count)
+            r["remaining"] = max(tokens, 0.0)
         return ""
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
@@ -181,6 +187,9 @@ class Gcra:
         new_tat = r["new_tat"]
         if at is not None and at > r["tat"]:
             new_tat = at + cost * p.period_us / p.count
+            interval = p.period_us / p.count
+            r["reset"] = ceil_us(new_tat - now)
+            r["remaining"] = max(p.burst - (new_tat - now) / interval, 0.0)
         self.state[key] = new_tat
         return ""
 

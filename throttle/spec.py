@@ -27,7 +27,11 @@ from typing import Any
 from throttle.errors import ConfigError
 from throttle.units import real
 
-__all__ = ["FAIR_CODE", "Algorithm", "Limit", "check_fields", "check_name"]
+__all__ = ["FAIR_CODE", "PLAN_SUFFIX", "Algorithm", "Limit", "check_fields", "check_name"]
+
+PLAN_SUFFIX = ".plan"
+"""A keyed limit's *plan* (see :mod:`throttle.celery.plan`) is a twin limit of the same
+numbers under its name + this suffix: its own state in Redis, which a reset clears too."""
 
 
 class Algorithm(str, Enum):

@@ -37,6 +37,13 @@ def call(self: Any, tenant: str, n: int) -> dict[str, Any]:
 
 
 @app.task(bind=True, max_retries=0)
+@throttled("tenant", "shared", max_wait=5)
+def hurried(self: Any, tenant: str, n: int) -> dict[str, Any]:
+    """As ``call``, but given up (ThrottleTimeout) when it cannot run within 5 s."""
+    return _body(self, tenant, n)
+
+
+@app.task(bind=True, max_retries=0)
 @throttled("shared")
 def solo(self: Any, n: int) -> dict[str, Any]:
     """A call under the shared limit alone (the single-limit baseline)."""

@@ -28,11 +28,13 @@ from tests.apps.cli_app import app as cli_app
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, config
 from throttle.adaptive import ADAPTIVE_FIELDS, LearnedRates
+from throttle.celery.plan import plan_limit
 from throttle.cli import rate_spec, throttle
 from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.spec import PLAN_SUFFIX
 from throttle.stats import StatsBook
 from workers.harness import ROOT, Worker, wait_ready
 
@@ -382,6 +384,32 @@ def test_reset_deletes_one_key_or_every_key_of_one_limit_only(cli: Cli) -> None:
     assert cli.limiter.holds() == {("tenant", None): math.inf}
     cli.limiter.unhold("tenant")
     assert cli.limiter.peek(tenant, "b").remaining == pytest.approx(100, abs=0.1)
+
+
+def test_reset_clears_the_plans_of_a_limit_and_status_lists_no_plan(cli: Cli) -> None:
+    # Given tenant's plan twin (tenant.plan, see throttle/celery/plan.py) with a backlog on
+    # two keys, beside tenant's own state
+    tenant = cli.limit("tenant")
+    twin = plan_limit(tenant)
+    for key in ("a", "b"):
+        assert cli.limiter.acquire(twin, key, cost=100, max_wait_s=3600).allowed
+    assert cli.limiter.acquire(tenant, "a").allowed
+    # status shows the limit once, and no plan as a limit of its own
+    names = [row["name"] for row in _status(cli)["limits"]]
+    assert names.count("tenant") == 1 and not any(n.endswith(PLAN_SUFFIX) for n in names)
+
+    # One key: its state and its plan
+    result = cli("reset", "tenant", "a", "--yes")
+    assert result.exit_code == 0, result.output
+    assert "2 Redis keys deleted" in result.output
+    assert cli.limiter.peek(twin, "a").remaining == pytest.approx(100, abs=0.1)
+    assert cli.limiter.peek(twin, "b").remaining < 1
+
+    # Every key: the plan's too
+    result = cli("reset", "tenant", "--yes")
+    assert result.exit_code == 0, result.output
+    assert cli.limiter.peek(twin, "b").remaining == pytest.approx(100, abs=0.1)
+    assert not {k for k in _keys(cli) if f"{PLAN_SUFFIX}:" in k}
 
 
 # -- pause, resume --------------------------------------------------------------------------

@@ -60,6 +60,34 @@ def test_two_tenants_and_a_global_limit_in_memory(clock: FakeClock) -> None:
     assert tenants_case(MemoryLimiter(clock_us=clock)) == TENANT_SLOTS
 
 
+def committed_state_case(limiter: Limiter) -> list[tuple[float, float]]:
+    """A GCRA and a token bucket whose own slot is now, beside a limit whose slot is 1 s
+    ahead: each is charged at 1 s, and its remaining and reset say so."""
+    slow = Limit.parse("1/s burst 1", name="slow", algorithm="gcra")
+    spaced = Limit.parse("10/s burst 1", name="spaced", algorithm="gcra")
+    bucket = Limit.parse("10/s burst 5", name="bucket", algorithm="token_bucket")
+    assert limiter.acquire(slow).allowed
+    decision = limiter.acquire_many([(slow, None), (spaced, None), (bucket, None)], max_wait_s=5)
+    assert decision.allowed and decision.wait_s == pytest.approx(1.0)
+    return [(round(s.remaining, 9), round(s.reset_after_s, 6)) for s in decision.limits]
+
+
+# As committed at the slot (1 s): spaced's next slot is 1.1 s (TAT), full again then; the
+# bucket paid 1 token at 1 s with the refill before it unbanked: full at 1.1 s, nothing
+# left now. (A limit's own slot would have said: reset 0.1 s, and 4 tokens left.)
+COMMITTED = [(0.0, 2.0), (0.0, 1.1), (0.0, 1.1)]
+
+
+def test_remaining_and_reset_describe_the_state_committed_at_the_common_slot(
+    clocked: Limiter,
+) -> None:
+    assert committed_state_case(clocked) == COMMITTED
+
+
+def test_remaining_and_reset_at_the_common_slot_in_memory(clock: FakeClock) -> None:
+    assert committed_state_case(MemoryLimiter(clock_us=clock)) == COMMITTED
+
+
 def test_a_slot_past_a_window_is_denied_and_comes_back_at_it(
     clocked: Limiter, clock: FakeClock
 ) -> None:

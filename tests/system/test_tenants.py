@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,9 @@ import redis
 
 from tests.support.clock import redis_now_s
 from tests.support.servers import RedisServer
+from throttle import Limit, ThrottleTimeout
+from throttle.celery import Throttler
+from throttle.celery.plan import plan_limit
 from workers.harness import Worker, running
 
 CONFIG = """
@@ -109,3 +113,27 @@ def test_a_flood_of_one_tenant_leaves_the_shared_limit_to_the_others(
     assert statistics.median(waits) <= B_WAIT_BOUND_S, waits
     # while A went on using the shared limit: its backlog did not stall
     assert max(a_slots) - start <= FLOOD / 15 + 10.0, max(a_slots) - start
+
+
+def test_a_task_that_plans_past_its_deadline_hands_its_plan_slot_back(
+    fleet: tuple[Any, redis.Redis],
+) -> None:
+    from tests.apps.tenants_app import app, hurried  # noqa: PLC0415
+
+    _, client = fleet
+    limiter = Throttler.of(app).limiter
+    tenant = Limit.parse("15/s burst 1", name="tenant", algorithm="gcra")
+    twin = plan_limit(tenant)
+    # Tenant D's plan is booked 2 s ahead, its limit 6 s ahead: an arriving task of D,
+    # given up 5 s after it arrives, is denied, plans (2 s is within its deadline), then
+    # finds that its limit cannot let it run before the deadline: it times out at once
+    for limit, n in ((tenant, 90), (twin, 30)):
+        for _ in range(n):
+            assert limiter.acquire(limit, "D", max_wait_s=60).allowed
+    (key,) = limiter.keyspace.state_keys(twin, "D")
+    (booked,) = struct.unpack("<d", client.get(key))
+    with pytest.raises(ThrottleTimeout):
+        hurried.delay("D", 0).get(timeout=60)
+    # and its plan slot went back: the plan is as booked (kept, it would be 1/15 s later)
+    (after,) = struct.unpack("<d", client.get(key))
+    assert after == pytest.approx(booked, abs=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from throttle import Limit
+from throttle.celery.message import H_PLANNED, planned_header
 from throttle.celery.plan import plan_limit, plan_of
 from throttle.rules import Rule
 
@@ -63,3 +64,12 @@ def test_a_fair_limit_is_shared() -> None:
     assert plan.due == targets
     # A fair limit alone (or two) has nothing narrow to plan on: one step.
     assert plan_of([(fair, "a", 1.0)], [rules[1]]) is None
+
+
+def test_the_planned_header_carries_the_plan_slot() -> None:
+    # The planned slot (epoch s, Redis clock); 1 from an older worker: a plan, time unknown
+    assert planned_header({H_PLANNED: 1_790_000_000.25}) == 1_790_000_000.25
+    assert planned_header({H_PLANNED: 1}) == 1.0
+    # Absent, or not a time: no plan (the task is taken as arriving)
+    for headers in ({}, {H_PLANNED: 0}, {H_PLANNED: "soon"}, {H_PLANNED: float("nan")}):
+        assert planned_header(headers) is None

@@ -88,6 +88,9 @@ class Ticket:
     slot_at: float
     """When the slot came, in epoch s of this worker's clock."""
     reported: dict[str | None, float] = field(default_factory=dict)
+    plan: list[Target] | None = None
+    """The plan targets of a task that ran on a plan (:mod:`throttle.celery.plan`): what a
+    cost settled lower hands back to the plan too (its record is ``id`` + ``.plan``)."""
 
 
 _ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(

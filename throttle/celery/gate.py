@@ -40,14 +40,14 @@ from throttle.celery.arrival import eta_lead_s
 from throttle.celery.execution import Execution, Ticket
 from throttle.celery.message import (
     H_PARKED,
-    H_PLANNED,
     H_PUBLISH,
     deadline_header,
     eta_header,
     id_header,
+    planned_header,
 )
 from throttle.celery.outage import run_while_down
-from throttle.celery.plan import Plan, plan_of
+from throttle.celery.plan import Plan, hand_back, plan_id, plan_of
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
@@ -212,10 +212,12 @@ class Gate:
         late_tolerance = self.settings.late_tolerance_s
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         self.plan = plan_of(self.execution.targets, self.execution.rules)
-        planned = False
+        planned: float | None = None
         if self.plan is not None:
-            planned = self.execution.message_headers.get(H_PLANNED) == 1
-            self.acquiring = self.plan.due if planned else self.plan.admit
+            planned = planned_header(self.execution.message_headers)
+            self.acquiring = self.plan.due if planned is not None else self.plan.admit
+            if planned is not None and self._wait_for_plan(planned):
+                now = time.time()
         while True:
             decision = self._acquire(self._horizon())
             if (
@@ -235,7 +237,7 @@ class Gate:
                 decision = self._acquire(self._horizon())
             self.execution.throttler.outage(None)
             if not decision.allowed:
-                if self.plan is not None and not planned:
+                if self.plan is not None and planned is None:
                     self._make_plan(decision)
                 self._come_back(decision, planned=planned)
             wait = decision.wait_s
@@ -252,7 +254,8 @@ class Gate:
                     self._give_up(decision)
                     now = time.time()
                     continue
-            return Ticket(decision.acquisition, self.execution.rules, now + wait)
+            plan = self.plan.plan if planned is not None and self.plan is not None else None
+            return Ticket(decision.acquisition, self.execution.rules, now + wait, plan=plan)
 
     def _sleep_to_slot(self, decision: Decision) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
@@ -276,13 +279,32 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
+    def _wait_for_plan(self, planned: float) -> bool:
+        """A task back with a plan for ``planned`` (epoch s, Redis clock) sleeps until just
+        before it (at most ``sleep_max``) and only then takes its real limits: reserved
+        earlier, the shared limit's next slot would be set that far ahead, and a task of an
+        idle key arriving meanwhile would wait behind it (a GCRA or a token bucket keeps
+        one next slot; the time before it cannot be handed to another). It came back half
+        a sleep early, so that a late delivery still makes its slot. Returns whether it
+        slept."""
+        lead = planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
+        if lead <= 0:
+            return False
+        time.sleep(min(lead, self.settings.sleep_max_s))
+        return True
+
     def _make_plan(self, decision: Decision) -> None:
         """An arriving task with a plan could not be admitted within a sleep: reserve its
         place on the plans of its keyed limits, and come back for it (raises); or, when
         the plans deny (a wait beyond the horizon), return to come back as they say."""
         assert self.plan is not None
         execution = self.execution
-        plan = self.limiter.acquire_many(self.plan.plan, max_wait_s=self._plan_horizon())
+        # Recorded under the plan's id: a copy redelivered after this worker died before
+        # re-publishing finds this plan (held, wait_s: until its slot) and takes no other.
+        plan = self.limiter.acquire_many(
+            self.plan.plan, max_wait_s=self._plan_horizon(),
+            acquisition_id=plan_id(execution.request.id), lease_s=self._lease_s(),
+        )  # fmt: skip
         if not plan.allowed:
             return
         # The plan says when the task's own limits let it run; the limits of the admit
@@ -293,12 +315,15 @@ class Gate:
         if execution.deadline is not None:
             now = execution.throttler.clock.now()
             if now + wait > execution.deadline:
+                assert plan.acquisition is not None
+                self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
                 time_out(execution, now, wait, decision)
         # Back half a sleep early: it then reserves its real slots (within sleep_max) and
         # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
         # its keyed limit's slot unused.
+        planned = execution.throttler.clock.now() + plan.wait_s
         defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
-              planned=True)  # fmt: skip
+              planned=planned)  # fmt: skip
 
     def _plan_horizon(self) -> float:
         horizon = MAX_RESERVE_S
@@ -307,9 +332,10 @@ class Gate:
             horizon = min(horizon, max(left, 0.0))
         return horizon
 
-    def _come_back(self, decision: Decision, *, planned: bool = False) -> NoReturn:
+    def _come_back(self, decision: Decision, *, planned: float | None = None) -> NoReturn:
         """A denial: come back when the limits say, plus a jitter; or time out (the
-        deadline is on the Redis clock). ``planned``: the task keeps its plan."""
+        deadline is on the Redis clock). ``planned``: the task keeps its plan (for that
+        time, epoch s)."""
         execution, settings = self.execution, self.settings
         retry = decision.retry_after_s
         if math.isinf(retry):
@@ -320,6 +346,10 @@ class Gate:
         if execution.deadline is not None:
             now = execution.throttler.clock.now()
             if now + retry > execution.deadline:
+                if planned is not None and self.plan is not None:
+                    # Its plan slot is handed back: the key's next tasks need not wait for it.
+                    hand_back(self.limiter, self.plan.plan, execution.request.id,
+                              [0.0] * len(self.plan.plan), self._lease_s())  # fmt: skip
                 time_out(execution, now, retry, decision)
         jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
         defer(execution, retry + jitter, retry, decision, planned=planned)

@@ -33,9 +33,10 @@ producer's ISO 8601 string, or None) and its ``retries`` then. The re-published 
 the throttler's own ETA (or none); the gate restores this one into ``request.eta`` while
 ``retries`` is unchanged (a Celery ``retry`` since has an ETA of its own)."""
 H_PLANNED = "throttle_planned"
-"""1 when the task holds a plan on its keyed limits (see :mod:`throttle.celery.plan`): it
-acquires its limits for real when it comes back. Forged, it only skips the plan, which is
-advisory: the real acquisition still takes every limit."""
+"""Set when the task holds a plan on its keyed limits (see :mod:`throttle.celery.plan`): the
+planned slot (epoch s, Redis clock; 1 when unknown). Back, the task waits for that time
+before it acquires its limits for real. Forged, it only skips the plan (or delays a task by
+at most ``sleep_max``), which is advisory: the real acquisition still takes every limit."""
 
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
@@ -70,6 +71,14 @@ def deadline_header(headers: Mapping[str, Any]) -> float | None:
     """The ``throttle_deadline`` header in epoch s, or None when absent or corrupt (not a
     number, a bool, NaN, infinite, <= 0, past year 10000, an int too large for a float)."""
     value = real(headers.get(H_DEADLINE))
+    if value is not None and 0 < value < MAX_EPOCH_S:
+        return value
+    return None
+
+
+def planned_header(headers: Mapping[str, Any]) -> float | None:
+    """The planned slot of a task that holds a plan (epoch s; 1.0: unknown), else None."""
+    value = real(headers.get(H_PLANNED))
     if value is not None and 0 < value < MAX_EPOCH_S:
         return value
     return None

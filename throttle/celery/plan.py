@@ -12,7 +12,8 @@ the shared rate goes unused. Instead:
   as needed (one more round trip), and comes back for that time. A plan is a twin limit
   (the same numbers under the name ``NAME.plan``, its own state per key): it orders the
   key's tasks and says when each should come back; it never takes real capacity.
-- **Due** (a task back with a plan, header ``throttle_planned``): one acquisition of every
+- **Due** (a task back with a plan, header ``throttle_planned`` = the planned time): it
+  sleeps to that time (it came back half a sleep early), then one acquisition of every
   real limit within ``sleep_max`` (one round trip, as the look-again of a reserved task
   costs); denied, it comes back when that acquisition says, without reserving.
 
@@ -23,10 +24,18 @@ token bucket or GCRA limit and one shared limit (unkeyed, a fair limit, or keyed
 of the task's arguments than another: ``{org}`` beside ``{org}:{user}``), and no
 concurrency limit (a
 concurrency unit is never held while waiting, so nothing is reserved far ahead there).
-Trade-offs: a plan is not refunded when a task settles for less, is revoked or times out
-(its tasks then come back a little late and acquire for real then); the tasks of one key
-are taken in plan order only approximately (one that comes back later than planned may be
-overtaken).
+Nothing is planned twice: a plan is recorded under the task id + ``.plan``, so a copy of
+the task redelivered after its worker died between planning and re-publishing finds its
+plan instead of taking another. A plan slot the task no longer needs is handed back as a
+real reservation is (a token bucket refunded up to its capacity, a GCRA's next slot pulled
+back, never before now): when the task times out (``max_wait``), and when its call settles
+for less (an actual cost reported lower, ``on_error: refund``). A revoked task never reaches
+a worker's gate (Celery drops it), so its plan slot stays: harmless to the API (a plan
+never admits a call, it only says when the key's tasks come back), and bounded: the key's
+later tasks come back at most that task's cost x the limit's spacing later than they could,
+once, and then acquire the real limits as usual (which the plan does not hold). The tasks
+of one key are taken in plan order only approximately (one that comes back later than
+planned may be overtaken).
 """
 
 from __future__ import annotations
@@ -36,11 +45,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from throttle.decision import Settlement
+from throttle.limiter import Limiter
 from throttle.rules import Rule, Target
-from throttle.spec import Algorithm, Limit
-
-PLAN_SUFFIX = ".plan"
-"""A keyed limit's plan is the limit of the same numbers under this suffix."""
+from throttle.spec import PLAN_SUFFIX, Algorithm, Limit
 
 _RESERVING = (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
 
@@ -55,6 +63,16 @@ class Plan:
     """The plans of the keyed limits alone: reserved as far ahead as needed."""
     due: list[Target]
     """Every real limit: the acquisition of a task back with a plan."""
+
+
+def plan_id(task_id: str) -> str:
+    """The acquisition id of a task's plan: its own id is its real acquisition's."""
+    return task_id + PLAN_SUFFIX
+
+
+def rule_name(limit_name: str) -> str:
+    """The name of the rule a target's limit comes from (a plan's: its limit's)."""
+    return limit_name.removesuffix(PLAN_SUFFIX)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,3 +110,24 @@ def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
         return None
     plans = [(plan_limit(limit), key, cost) for limit, key, cost in narrow]
     return Plan(admit=[*targets, *plans], plan=plans, due=list(targets))
+
+
+def hand_back(
+    limiter: Limiter, targets: list[Target], task_id: str, actuals: list[float | None],
+    lease_s: float,
+) -> Settlement | None:  # fmt: skip
+    """Settle the plan of ``task_id`` on ``targets`` at ``actuals`` (0: all of it handed
+    back; None: as planned). One round trip to find the plan (acquiring with its id finds
+    the recorded one and takes nothing), one to settle it; None when nothing changes. A plan
+    whose record expired is not found: what this finds admitted now (a plan with room) is
+    taken and settled back at once, so nothing is taken either way."""
+    if all(a is None for a in actuals):
+        return None
+    found = limiter.acquire_many(
+        targets, max_wait_s=0.0, acquisition_id=plan_id(task_id), lease_s=lease_s
+    )
+    if found.acquisition is None:
+        return None
+    if not found.held:
+        actuals = [0.0] * len(targets)
+    return limiter.settle(found.acquisition, actuals)

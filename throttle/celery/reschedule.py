@@ -72,13 +72,14 @@ def defer(
     decision: Decision,
     *,
     slot: bool = False,
-    planned: bool = False,
+    planned: float | None = None,
 ) -> NoReturn:
     """Send the task back to arrive in ``countdown_s`` (parked beyond ``park_after``);
     ``wait_s`` is how long the limits said it must wait (shown and counted). ``slot``: a
     slot (or a plan) is due in ``wait_s``, so a parked task is released ``park_lead``
     before it (at most half of ``sleep_max``: the task then sleeps to it). ``planned``: the
-    task holds a plan (``throttle_planned``) and takes its limits when it comes back."""
+    task holds a plan for this time (``throttle_planned``, epoch s on the Redis clock) and
+    takes its limits when it comes back."""
     task, request, settings = execution.task, execution.request, execution.settings
     countdown_s = max(countdown_s, 0.0)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
@@ -88,8 +89,8 @@ def defer(
     else:
         headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
     count = headers[H_DEFERRALS] = count_header(headers) + 1
-    if planned:
-        headers[H_PLANNED] = 1
+    if planned is not None:
+        headers[H_PLANNED] = planned
     limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
     route = route_of(execution)
     if countdown_s > settings.park_after_s and execution.throttler.releasing:

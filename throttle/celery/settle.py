@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from throttle.celery.execution import Ticket
+from throttle.celery.plan import hand_back, rule_name
 from throttle.decision import Acquisition
 from throttle.errors import BackendError
 from throttle.spec import Algorithm
@@ -39,6 +40,11 @@ def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
     names = [limit.name for limit, _ in acquisition.targets]
     try:
         settlement = throttler.limiter.settle(acquisition, actuals)
+        if ticket.plan is not None:
+            # Ran on a plan: what the call did not use goes back to the plan too.
+            by_name = dict(zip((rule_name(n) for n in names), actuals, strict=True))
+            plan_actuals = [by_name.get(rule_name(limit.name)) for limit, _, _ in ticket.plan]
+            hand_back(throttler.limiter, ticket.plan, acquisition.id, plan_actuals, 60.0)
     except BackendError as exc:
         throttler.outage(exc)
         throttler.observer.redis_error(names)
@@ -54,8 +60,9 @@ def actual_costs(ticket: Ticket, acquisition: Acquisition, failed: bool) -> list
     by_name = {rule.name: rule for rule in ticket.rules}
     actuals: list[float | None] = []
     for limit, _ in acquisition.targets:
-        rule = by_name.get(limit.name)
-        actual = reported.get(limit.name) if reported else None
+        name = rule_name(limit.name)  # a plan's cost follows its limit's
+        rule = by_name.get(name)
+        actual = reported.get(name) if reported else None
         if actual is None and rule is not None and rule.estimated:
             actual = reported.get(None)
         if actual is None and failed and rule is not None and rule.on_error == "refund":
