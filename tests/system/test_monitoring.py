@@ -52,6 +52,7 @@ limits:
   live: {{algorithm: gcra, rate: 10/s, burst: 1}}
   strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
   held: {{algorithm: gcra, rate: 4/s, burst: 1}}
+  fair: {{algorithm: gcra, rate: 10/s, burst: 1, key: "{{tenant}}", fair: true}}
 """
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
