@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,10 +45,9 @@ import redis
 from celery import Celery
 
 from bench.celery_fleet import ApiProcess
-from bench.checkout import checkout
+from bench.checkout import checkout, start_worker, stop
 from tests.support.servers import RedisServer
 from workers.harness import ROOT
-from workers.stack import worker_argv
 
 APP = "bench.adaptive_app"
 OUTSTANDING = 24
@@ -72,26 +68,6 @@ class Run:
     calls: int
     refused: int
     metrics: dict[str, float | None] = field(default_factory=dict)
-
-
-def start_worker(tree: Path, name: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    argv = worker_argv(name, app=APP, concurrency=4, queues="upstream")
-    argv[0] = sys.executable
-    full = {**os.environ, **env, "PYTHONPATH": str(tree)}
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, cwd=tree, env=full, stdout=out, stderr=subprocess.STDOUT)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def set_limit(api: ApiProcess, rate: float, burst: float) -> None:
@@ -183,7 +159,7 @@ def one_run(
             "MOCK_API_URL": api.url,
         }
         names = ("a1", "a2")
-        procs = [start_worker(tree, n, env, logs / f"{tag}-{n}.log") for n in names]
+        procs = [start_worker(tree, APP, n, env, logs / f"{tag}-{n}.log") for n in names]
         producer = Celery("adaptive", broker=server.url)
         producer.conf.update(task_default_queue="upstream", broker_connection_retry_on_startup=True)
         client = redis.Redis.from_url(server.url)

@@ -4,13 +4,17 @@ code before a change and after it in the same invocation."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from workers.harness import ROOT
+from workers.stack import worker_argv
 
 
 @contextlib.contextmanager
@@ -28,3 +32,28 @@ def checkout(rev: str, *extra: str) -> Iterator[Path]:
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / name, tree / name)
         yield tree
+
+
+def start_worker(
+    tree: Path, app: str, name: str, env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    """A ``celery worker`` (4 prefork children, queue ``upstream``) of ``app`` run from the
+    code of ``tree`` (this working tree, or a :func:`checkout`), its output in ``log``."""
+    argv = worker_argv(name, app=app, concurrency=4, queues="upstream")
+    argv[0] = sys.executable
+    full = {**os.environ, **env, "PYTHONPATH": str(tree)}
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, cwd=tree, env=full, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Warm shutdown of every worker (SIGTERM, then SIGKILL after 30 s)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

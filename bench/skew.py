@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,11 +42,10 @@ import redis
 from celery import Celery
 
 from bench.celery_fleet import ApiProcess
-from bench.checkout import checkout
+from bench.checkout import checkout, start_worker, stop
 from tests.support.servers import RedisServer
 from tests.support.skew import build_shim, skewed_env
 from workers.harness import ROOT
-from workers.stack import worker_argv
 
 API_RATE, API_BURST = 4.0, 2.0
 CONFIG = """
@@ -92,26 +89,6 @@ def rabbit_vhost() -> Iterator[str]:
         subprocess.run([ctl, "delete_vhost", vhost], check=False, capture_output=True, timeout=60)
 
 
-def start_worker(tree: Path, name: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    argv = worker_argv(name, app=APP, concurrency=4, queues="upstream")
-    argv[0] = sys.executable
-    full = {**os.environ, **env, "PYTHONPATH": str(tree)}
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, cwd=tree, env=full, stdout=out, stderr=subprocess.STDOUT)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def share_of(arrivals: list[dict[str, Any]]) -> float | None:
     """Allowed calls / (burst + rate x span), the span from the first to the last arrival."""
     if len(arrivals) < 2:
@@ -138,7 +115,7 @@ def one_run(
         tag = f"{version}-{broker}-{skew_s:g}"
         procs = [
             start_worker(
-                tree, name, {**env, **skewed_env(shim, offset)}, logs / f"{tag}-{name}.log"
+                tree, APP, name, {**env, **skewed_env(shim, offset)}, logs / f"{tag}-{name}.log"
             )
             for name, offset in (("ahead", skew_s), ("behind", -skew_s))
         ]

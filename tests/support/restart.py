@@ -46,8 +46,8 @@ queues:
 
 
 def respawn(server: RedisServer) -> None:
-    """Start ``server`` again on the same port, without its data (no persistence): what a
-    restarted Redis looks like to clients that keep their URL."""
+    """Start ``server`` again on the same port (its data is gone unless its args persist it):
+    what a restarted Redis looks like to clients that keep their URL."""
     server.process = subprocess.Popen(
         [
             server.executable, "--port", str(server.port), "--bind", "127.0.0.1",

@@ -7,16 +7,15 @@ ledger (result backend, and a record of every execution of a task body).
 from __future__ import annotations
 
 import collections
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from tests.apps.outage_app import app, closed, local, opened, paced, plain
+from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
 from throttle.config import ThrottleConfig
@@ -97,34 +96,6 @@ def test_local_buckets_split_the_rate() -> None:
     assert buckets.take([(slow, None, 1.0)], 4, now=0.6) == 0.0
     admitted = sum(buckets.take([(fast, "k", 1.0)], 4, now=t / 100) == 0.0 for t in range(1000))
     assert admitted == 1 + 19  # one at once (the capacity), then one every 0.5 s to 9.99 s
-
-
-def respawn(server: RedisServer) -> None:
-    """Start ``server`` again on the same port (its data is gone unless its args persist it):
-    what a restarted Redis looks like to clients that keep their URL."""
-    server.process = subprocess.Popen(
-        [
-            server.executable, "--port", str(server.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--logfile", "", *server.args,
-        ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = server.client(socket_timeout=1.0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if client.ping():
-                return
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    raise RuntimeError(f"redis-server did not come back on port {server.port}")
-
-
-def kill(server: RedisServer) -> None:
-    """SIGKILL: a crash, nothing written on the way out."""
-    assert server.process is not None
-    server.process.kill()
-    server.process.wait(10)
 
 
 class Fleet:
