@@ -406,6 +406,43 @@ def test_every_key_has_a_ttl_and_idle_keys_vanish(
     assert list(client.scan_iter(match=f"{prefix}:*")) == []
 
 
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_key_whose_debt_grows_always_outlives_it(
+    limiter: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # On Redis TIME, a write keeps the key's TTL while it lasts long enough (SETRANGE) and
+    # sets a longer one when the state needs more: each reservation here adds 0.5 s of debt.
+    limit = Limit.parse("2/s burst 1", name=f"debt-{algorithm}", algorithm=algorithm)
+    key = state_key(limiter, limit)
+    for n in range(1, 21):
+        decision = limiter.acquire(limit, max_wait_s=60)
+        assert decision.allowed
+        # The state must live until the debt is repaid (the bucket full, the TAT passed),
+        # plus a second: reset_after_s is that, as of the call; PTTL is read after it.
+        started = redis_now_s(client)
+        ttl_ms = client.pttl(key)
+        read_ms = (redis_now_s(client) - started) * 1000 + 1
+        assert decision.reset_after_s * 1000 + 1000 - read_ms - 50 <= ttl_ms, (n, decision)
+        assert ttl_ms <= decision.reset_after_s * 1000 + 2000 + 1, (n, decision)
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra", "fixed_window", "sliding_window"])
+def test_a_hot_key_keeps_a_ttl_written_in_place(
+    limiter: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # Many calls within a second: the TTL set by the first write is kept (the key written
+    # in place), and the decisions are those of every write setting it.
+    limit = Limit.parse("1000/h", name=f"hot-{algorithm}", algorithm=algorithm)
+    key = state_key(limiter, limit)
+    assert limiter.acquire(limit).allowed
+    ttls = []
+    for _ in range(20):
+        assert limiter.acquire(limit).allowed
+        ttls.append(client.pttl(key))
+    assert all(ttl > 1000 for ttl in ttls), ttls
+    assert limiter.peek(limit).remaining == pytest.approx(1000 - 21, abs=0.1)
+
+
 def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:
     limit = Limit.parse("1/s burst 5", name="api")
     assert clocked.acquire(limit, cost=5).allowed

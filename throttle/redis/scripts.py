@@ -131,9 +131,13 @@ run once per parked task or per upstream answer, not per acquire."""
 
 # Each operation's body runs inside a function of the library. KEYS and ARGV are the
 # library's locals (a function gets them as arguments, not as globals), and FENCE, which an
-# EVAL script starts at 0 on every call, is set back to 0: it outlives the call here.
+# EVAL script starts at 0 on every call, is set back to 0: it outlives the call here. The
+# prelude's locals of the globals are bound on the first call (see prelude.lua).
 _FUNCTION = """redis.register_function('{name}', function(keys, args)
 KEYS, ARGV, FENCE = keys, args, 0
+if not struct then
+  bind_globals()
+end
 {body}
 end)"""
 
