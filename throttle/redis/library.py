@@ -56,11 +56,19 @@ class Library:
         this user does not take functions: then scripts from now on. A refusal of
         anything else (a key outside the user's ACL, say) is not one."""
         message = str(exc).lower()
-        named = "'fcall'" in message or "'function" in message
-        if named and (isinstance(exc, NoPermissionError) or "unknown command" in message):
+        if isinstance(exc, NoPermissionError):
+            # "... no permissions to run the 'fcall' command" (or 'function|load'); not
+            # a key outside the user's patterns, nor a command a function calls
+            refused = "run the 'fcall'" in message or "run the 'function|" in message
+        else:
+            # "unknown command 'FCALL', with args ..." (Redis 6 quotes it `FCALL`)
+            command = message.partition(",")[0]
+            refused = command.startswith("unknown command") and (
+                "fcall" in command or "function" in command
+            )
+        if refused:
             self.functions = False
-            return True
-        return False
+        return refused
 
     @staticmethod
     def missing(exc: ResponseError) -> bool:
