@@ -100,11 +100,12 @@ if acq then
   end
 end
 
--- Each limit's values in one array built by a constructor (one allocation of its exact
--- size; a record with named fields costs a hash insert per field, on every call):
+-- Each limit's values in one array (LIMITS[i], prelude.lua: reused from call to call in the
+-- library; built by a constructor of its size when new: a record with named fields costs a
+-- hash insert per field):
 local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3, S4, WAIT =
   1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
-local limits = {}
+local limits = LIMITS
 local allowed, wait, retry = 1, 0, 0
 local k = 2
 for i = 1, n do
@@ -123,8 +124,15 @@ for i = 1, n do
     ok, w, r, remaining, reset, s1, s2, s3, s4 =
       algo.check(k, count, period_us, burst, now, cost, max_wait)
   end
-  limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, s4,
-               w}
+  local l = limits[i]
+  if l then
+    l[K], l[ALG], l[COUNT], l[PERIOD], l[BURST], l[COST], l[OK], l[REM], l[RETRY], l[RESET],
+      l[S1], l[S2], l[S3], l[S4], l[WAIT] =
+      k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, s4, w
+  else
+    limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3,
+                 s4, w}
+  end
   k = k + algo.nkeys
   if ok == 0 then
     allowed = 0
@@ -198,9 +206,15 @@ else
   end
 end
 -- One pack of every number: a pack per limit and their concatenation cost twice as much.
-local out = {0, allowed, wait, allowed == 1 and 0 or retry}
+local out = REPLY
+out[1], out[2], out[3], out[4] = 0, allowed, wait, allowed == 1 and 0 or retry
 for i = 1, n do
   local l, j = limits[i], 4 * i
   out[j + 1], out[j + 2], out[j + 3], out[j + 4] = l[OK], l[REM], l[RETRY], l[RESET]
 end
-return struct.pack('<' .. string.rep('d', 4 + 4 * n), unpack(out))
+local format = FORMAT[n]
+if not format then
+  format = '<' .. string.rep('d', 4 + 4 * n)
+  FORMAT[n] = format
+end
+return struct.pack(format, unpack(out, 1, 4 + 4 * n))

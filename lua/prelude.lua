@@ -153,6 +153,13 @@ end
 
 local ALGO = {}
 
+-- acquire.lua's working tables: one array of values per limit (LIMITS[i]), the numbers of
+-- its reply (REPLY) and the pack format of a reply per count of limits (FORMAT[n]). In
+-- the function library they are made once and reused by every call, which writes every
+-- value it reads: a multi-limit acquire then allocates no table (a script makes them on
+-- each call, as it makes everything).
+local LIMITS, REPLY, FORMAT = {}, {}, {}
+
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
 -- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
 -- key is KEYS[k], for settle.lua and peek.lua. Created with every field (check's outcome
