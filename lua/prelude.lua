@@ -4,7 +4,11 @@
 --   prelude.lua + the file of each algorithm the call uses + the operation file,
 -- so every algorithm's arithmetic exists exactly once, a single-limit call carries only its
 -- own algorithm, and a multi-limit acquisition over several algorithms is still one atomic
--- script. Nothing here touches a key.
+-- script. On Redis 7 it also builds one function library of the same files (this file,
+-- every algorithm's, then a function per operation whose body is the operation file:
+-- scripts.py's library_source), loaded once, where what this file and the algorithms
+-- define is made when the library loads instead of on every call. Nothing here touches a
+-- key.
 --
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
 -- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written
