@@ -25,7 +25,11 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   if not s and FENCE > 0 then
     tat = math.max(now, FENCE + burst * interval)
   elseif s then
-    tat, lives = struct.unpack('<dd', s)
+    if #s == 16 then
+      tat, lives = struct.unpack('<dd', s)
+    else
+      tat = struct.unpack('<d', s)  -- by a version that did not keep the TTL's end
+    end
     tat = math.max(tat, now)
   end
   local new_tat = tat + cost * interval

@@ -24,7 +24,13 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   if not s and FENCE > 0 then
     tokens = math.min(burst, (now - FENCE) * count / period_us)
   elseif s then
-    tokens, ts, lives = struct.unpack('<ddd', s)
+    if #s == 24 then
+      tokens, ts, lives = struct.unpack('<ddd', s)
+    else
+      -- Two doubles: written by a version that did not keep the TTL's end (a fleet being
+      -- upgraded); its TTL is set again, in this format.
+      tokens, ts = struct.unpack('<dd', s)
+    end
     -- ts is never moved backwards: a clock step back must not refill the same time twice.
     if now > ts then
       tokens = tokens + (now - ts) * count / period_us

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -441,6 +442,25 @@ def test_a_hot_key_keeps_a_ttl_written_in_place(
         ttls.append(client.pttl(key))
     assert all(ttl > 1000 for ttl in ttls), ttls
     assert limiter.peek(limit).remaining == pytest.approx(1000 - 21, abs=0.1)
+
+
+def test_a_state_of_the_previous_format_is_read_and_rewritten(
+    clocked: Limiter, clock: FakeClock, client: redis.Redis
+) -> None:
+    # A fleet being upgraded: token bucket and GCRA states written without the end of their
+    # key's TTL (two doubles, one) are read as they were, and written in the new format.
+    bucket = Limit.parse("10/s", name="old-tb")
+    client.set(state_key(clocked, bucket), struct.pack("<dd", 3.0, clock.now_us), px=60_000)
+    assert clocked.acquire(bucket).remaining == pytest.approx(2.0)
+    assert len(client.get(state_key(clocked, bucket)) or b"") == 24
+    slot = Limit.parse("10/s burst 1", name="old-gcra", algorithm="gcra")
+    client.set(state_key(clocked, slot), struct.pack("<d", clock.now_us + 50_000), px=60_000)
+    denied = clocked.acquire(slot)
+    assert not denied.allowed and denied.retry_after_s == pytest.approx(0.05)
+    clock.advance(0.05)
+    assert clocked.acquire(slot).allowed
+    assert len(client.get(state_key(clocked, slot)) or b"") == 16
+    assert client.pttl(state_key(clocked, slot)) > 1000
 
 
 def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:
