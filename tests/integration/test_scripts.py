@@ -3,6 +3,7 @@ the only copy of each."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -14,8 +15,9 @@ import pytest
 import redis
 
 from tests.support.clock import FakeClock
+from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
-from throttle import Limit, Limiter
+from throttle import BackendUnavailable, Limit, Limiter
 from throttle.redis.scripts import (
     ALGORITHM_FILES,
     LIBRARY_OPERATIONS,
@@ -93,6 +95,21 @@ def test_a_flushed_library_or_script_is_reloaded_and_state_kept(
     # The script of a plain one-limit acquire (lua/acquire_one.lua) is back in Redis.
     assert client.script_exists(limiter._one[limit.code].script.sha) == [True]
     client.close()
+
+
+def test_a_redis_restarted_empty_gets_the_library_again() -> None:
+    # A restart without persistence: no keys, no library; the limiter keeps its client.
+    with RedisServer() as server:
+        limiter = Limiter(server.client(), prefix="restart", clock_us=FakeClock())
+        limit = Limit.parse("10/s", name="api")
+        assert limiter.acquire(limit).remaining == 9
+        kill(server)
+        respawn(server)
+        with contextlib.suppress(BackendUnavailable):  # the connection the kill cut
+            limiter.acquire(limit)
+        assert limiter.acquire(limit).remaining in (8, 9)  # the state went with the data
+        assert limiter.library.functions is True
+        assert server.client().function_list(library=library_name()) != []
 
 
 def test_the_library_holds_every_operation_of_the_limiter(private_redis: RedisServer) -> None:
