@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua
 
 setup: system-deps $(STAMP)
 
@@ -82,6 +82,10 @@ demo-core: setup
 
 bench: setup
 	$(PY) -m bench.core
+
+# Where Redis spends an acquire's server time: the pieces of a function, measured in Redis.
+bench-lua: setup
+	$(PY) -m bench.lua_costs
 
 # A Celery fleet against a 20/s burst-1 API: ours vs Celery's rate_limit vs a naive retry.
 bench-celery: setup

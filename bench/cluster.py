@@ -187,13 +187,13 @@ def node_stats(node: redis.Redis) -> NodeStats:
 
 def take_admitted(node: redis.Redis) -> int:
     """Acquisitions admitted on ``node`` since its buckets were last taken: ``burst - tokens``
-    of every bench bucket (token_bucket.lua's state, two packed doubles: tokens, time), which
+    of every bench bucket (token_bucket.lua's state, packed doubles: tokens first), which
     are then deleted so that the next case starts from full buckets."""
     admitted = 0
     for key in node.scan_iter(match="throttle:*:tb:bench:*", count=1000):
         state = node.get(key)
         if state is not None:
-            tokens, _ = struct.unpack("<dd", state)
+            (tokens,) = struct.unpack_from("<d", state)
             admitted += round(BURST - tokens)  # the refill, a token a day, rounds away
         node.delete(key)
     return admitted

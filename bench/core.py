@@ -15,6 +15,9 @@ worker sees per decision. The cases:
   per sample, and is labelled so.
 * ``three_limits``: one atomic ``acquire_many`` over a per-key token bucket, a global GCRA
   and a per-key daily fixed window.
+* ``... (EVALSHA)``: the token bucket and the three limits again, by a limiter told to use
+  the scripts (EVALSHA), as it does on Redis 6 or for a user denied ``FCALL``; the others
+  call the function library (``FCALL``, see :mod:`throttle.redis.library`).
 * Peers on the same server: ``limits`` (moving window, ``RedisStorage``, ``hit()``) and
   ``throttled-py`` (token bucket, ``RedisStore``, ``limit()``).
 
@@ -61,17 +64,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from limits import RateLimitItemPerSecond
 from limits.storage import RedisStorage
 from limits.strategies import MovingWindowRateLimiter
-from redis.commands.core import Script
 from throttled import RateLimiterType, RedisStore, Throttled, per_sec
 
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
+from throttle.redis.library import Routine
 
 # Far above what one client can reach (tens of thousands of calls per second): every call
 # is admitted, including the fixed and sliding windows that count every call.
@@ -130,9 +133,10 @@ class Case:
     top_calls: int = 0
     # Commands run inside this case's scripts: name -> [calls, usec] (already in server_usec).
     nested: dict[str, list[int]] = field(default_factory=dict)
-    # The one EVALSHA this case sends (script, keys, args), to replay it in a pipeline for
-    # the warm server time; None where it cannot be captured (peers, two-call cases).
-    replay: tuple[Script, list[Any], list[Any]] | None = None
+    # The one call this case sends (a limiter's Routine, or a raw Script: a callable taking
+    # keys, args and client), to replay it in a pipeline for the warm server time; None
+    # where it cannot be captured (peers, two-call cases).
+    replay: tuple[Callable[..., Any], list[Any], list[Any]] | None = None
     warm_usec: int = 0
     warm_calls: int = 0
 
@@ -157,9 +161,11 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
     """Every case, each on a key of its own, with the function that says it was admitted."""
     client = server.client()
     limiter = Limiter(client, namespace="bench")
+    scripted = Limiter(client, namespace="bench-scripted")
+    scripted.library.functions = False  # EVALSHA, as on Redis 6
 
-    def ours(name: str, call: Callable[[], Any]) -> Case:
-        return Case(name, "ours", call, bool, replay=capture(limiter, call))
+    def ours(name: str, call: Callable[[], Any], by: Limiter = limiter) -> Case:
+        return Case(name, "ours", call, bool, replay=capture(by, call))
 
     raw = client.register_script(RAW_TOKEN_BUCKET)
     raw_keys = ["bench:raw:tb"]
@@ -173,8 +179,8 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
     def raw_call() -> Any:
         return raw(raw_keys, raw_args())
 
-    def single(limit: Limit) -> Callable[[], Any]:
-        return lambda: limiter.acquire(limit, KEY)
+    def single(limit: Limit, by: Limiter = limiter) -> Callable[[], Any]:
+        return lambda: by.acquire(limit, KEY)
 
     conc = Limit.parse(f"{HUGE} concurrent", name="conc")
 
@@ -216,24 +222,34 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
         ours("fixed_window", single(Limit.parse(RATE, name="fw", algorithm="fixed_window"))),
         Case(CONCURRENCY, "ours", concurrency_pair, lambda r: r is True),
         ours("three_limits", lambda: limiter.acquire_many(three)),
+        ours(
+            "token_bucket (EVALSHA)",
+            single(Limit.parse(RATE, name="tb"), scripted),
+            scripted,
+        ),
+        ours("three_limits (EVALSHA)", lambda: scripted.acquire_many(three), scripted),
         Case("limits (moving window)", "peer", lambda: moving.hit(item, "bench-limits"), bool),
         Case("throttled-py (token bucket)", "peer", throttled.limit, lambda r: not r.limited),
     ]
     return cases, [client.close]
 
 
-def capture(limiter: Limiter, call: Callable[[], Any]) -> tuple[Script, list[Any], list[Any]]:
-    """The (script, keys, args) of the one EVALSHA that ``call`` sends through ``limiter``.
+def capture(
+    limiter: Limiter, call: Callable[[], Any]
+) -> tuple[Callable[..., Any], list[Any], list[Any]]:
+    """The (call, keys, args) of the one FCALL or EVALSHA that ``call`` sends through
+    ``limiter``, ``call`` taking a pipeline as ``client``.
 
     Recorded from a real call, so the replay is exactly what the limiter sends (the args
     leave the clock to Redis TIME, so a replayed call is a real, current acquisition).
     """
-    sent: list[tuple[Script, list[Any], list[Any]]] = []
+    sent: list[tuple[Callable[..., Any], list[Any], list[Any]]] = []
     real = limiter._call
 
-    def record(script: Script, keys: list[Any], args: list[Any]) -> Any:
-        sent.append((script, list(keys), list(args)))
-        return real(script, keys, args)
+    def record(routine: Routine[Any], keys: list[Any], args: list[Any]) -> Any:
+        reply = real(routine, keys, args)  # first: it tells whether FCALL is taken
+        sent.append((replayer(routine), list(keys), list(args)))
+        return reply
 
     limiter._call = record  # type: ignore[method-assign]
     try:
@@ -242,6 +258,17 @@ def capture(limiter: Limiter, call: Callable[[], Any]) -> tuple[Script, list[Any
         del limiter._call  # back to the class's method
     (one,) = sent
     return one
+
+
+def replayer(routine: Routine[Any]) -> Callable[..., Any]:
+    """``routine`` as its limiter sends it: FCALL of its function, or its script."""
+    if not routine.library.functions:
+        return cast(Callable[..., Any], routine.script)
+
+    def fcall(keys: list[Any], args: list[Any], client: Any) -> Any:
+        return client.fcall(routine.function, len(keys), *keys, *args)
+
+    return fcall
 
 
 def measure_warm(fixture: Fixture, rounds: int, batch: int, seed: int) -> None:
@@ -416,40 +443,39 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     def check(name: str, passed: bool, detail: str) -> None:
         out.append({"target": name, "passed": passed, "detail": detail})
 
-    bound = 1.10 * raw["p50_us"]
-    diff = tb["p50_us"] - raw["p50_us"]
-    # The same ratio taken round by round (both blocks ran in the same round, under the
-    # same drift), then its median: a cross-check of the pooled ratio that drift cannot skew.
-    paired = sorted(t / r for t, r in zip(tb["round_p50_us"], raw["round_p50_us"], strict=True))
-    check(
-        "token_bucket p50 <= 1.10 x raw_evalsha p50",
-        tb["p50_us"] <= bound,
-        f"{tb['p50_us']:.1f} us vs bound {bound:.1f} us "
-        f"(ratio {tb['p50_us'] / raw['p50_us']:.3f}, median per-round ratio "
-        f"{percentile(paired, 0.5):.3f}, difference {diff:+.1f} us)",
-    )
-    check(
-        "token_bucket p50 - raw_evalsha p50 <= about 10 us (Python overhead)",
-        diff <= 10.0,
-        f"difference {diff:+.1f} us",
-    )
+    for ours in ("token_bucket", "gcra"):
+        row = rows[ours]
+        bound = 1.05 * raw["p50_us"]
+        # The same ratio taken round by round (both blocks ran in the same round, under the
+        # same drift), then its median: a cross-check of the pooled ratio that drift
+        # cannot skew.
+        paired = sorted(
+            t / r for t, r in zip(row["round_p50_us"], raw["round_p50_us"], strict=True)
+        )
+        check(
+            f"{ours} p50 <= 1.05 x raw_evalsha p50",
+            row["p50_us"] <= bound,
+            f"{row['p50_us']:.1f} us vs bound {bound:.1f} us "
+            f"(ratio {row['p50_us'] / raw['p50_us']:.3f}, median per-round ratio "
+            f"{percentile(paired, 0.5):.3f}, difference {row['p50_us'] - raw['p50_us']:+.1f} us)",
+        )
     for ours in ("token_bucket", "gcra"):
         for peer in (row for row in rows.values() if row["kind"] == "peer"):
             check(
-                f"{ours} p50 ahead of {peer['case']} p50",
-                rows[ours]["p50_us"] < peer["p50_us"],
+                f"{ours} p50 not behind {peer['case']} p50",
+                rows[ours]["p50_us"] <= peer["p50_us"],
                 f"{rows[ours]['p50_us']:.1f} us vs {peer['p50_us']:.1f} us",
             )
     # Server CPU per call is judged warm (Redis busy, as under a fleet's load); the cold
-    # figure of the one-at-a-time run is reported beside it, with the raw script's, because
-    # on a small shared VM even the raw script's cold figure can exceed the target.
+    # figure of the one-at-a-time run is reported beside it.
     for ours in ("token_bucket", "gcra"):
         warm = rows[ours]["warm_server_us_per_call"]
+        raw_warm = raw["warm_server_us_per_call"]
         check(
-            f"{ours} server time per admitted acquire <= 12 us (warm)",
-            warm <= 12.0,
-            f"{warm:.2f} us warm (raw script {raw['warm_server_us_per_call']:.2f} us); cold "
-            f"{rows[ours]['server_us_per_call']:.2f} us (raw {raw['server_us_per_call']:.2f} us)",
+            f"{ours} server time <= raw_evalsha + 1 us (warm)",
+            warm <= raw_warm + 1.0,
+            f"{warm:.2f} us warm vs raw script {raw_warm:.2f} us ({warm - raw_warm:+.2f}); "
+            f"cold {rows[ours]['server_us_per_call']:.2f} us (raw {raw['server_us_per_call']:.2f})",
         )
     check(
         "three_limits p50 <= 2 x token_bucket p50",

@@ -32,7 +32,7 @@ Per version and task: the median block time (and the best), µs per task, the ra
 ``plain`` of the same version (medians of the same run) and the µs per task above it; the
 CPU time of the worker (main process and pool children) and of redis-server per task, less
 sensitive than wall time to other tenants of a shared machine; and the script calls
-(EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
+(FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
 scripts on this server (the app does not start the releaser, whose polls would).
 """
 

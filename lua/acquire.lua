@@ -60,10 +60,7 @@ end
 local held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 6 + 5 * n, 5 + 7 * n))
 local function hold_of(i)
   local whole, own = held_until[2 * i - 1], held_until[2 * i]
-  if whole or own then
-    return math.max(tonumber(whole) or 0, tonumber(own) or 0)
-  end
-  return 0  -- nothing held, the usual answer: nothing to decode
+  return math.max(tonumber(whole) or 0, tonumber(own) or 0)
 end
 
 if acq then
@@ -103,11 +100,12 @@ if acq then
   end
 end
 
--- Each limit's values in one array built by a constructor (one allocation of its exact
--- size; a record with named fields costs a hash insert per field, on every call):
-local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3, WAIT =
-  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
-local limits = {}
+-- Each limit's values in one array (LIMITS[i], prelude.lua: reused from call to call in the
+-- library; built by a constructor of its size when new: a record with named fields costs a
+-- hash insert per field):
+local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3, S4, WAIT =
+  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+local limits = LIMITS
 local allowed, wait, retry = 1, 0, 0
 local k = 2
 for i = 1, n do
@@ -118,21 +116,37 @@ for i = 1, n do
   if cost > burst then
     return '2 ' .. i
   end
-  local ok, w, r, remaining, reset, s1, s2, s3 = 0, 0, 0, 0, 0, false, false, false
-  local hold = hold_of(i)
-  if hold > now then
-    r = ceil_us(hold - now)
+  local ok, w, r, remaining, reset, s1, s2, s3, s4 = 0, 0, 0, 0, 0, false, false, false, false
+  -- Nothing held (false, false) is the usual answer: nothing to decode then.
+  if (held_until[2 * i - 1] or held_until[2 * i]) and hold_of(i) > now then
+    r = ceil_us(hold_of(i) - now)
   else
-    ok, w, r, remaining, reset, s1, s2, s3 =
+    ok, w, r, remaining, reset, s1, s2, s3, s4 =
       algo.check(k, count, period_us, burst, now, cost, max_wait)
   end
-  limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, w}
+  local l = limits[i]
+  if l then
+    l[K], l[ALG], l[COUNT], l[PERIOD], l[BURST], l[COST], l[OK], l[REM], l[RETRY], l[RESET],
+      l[S1], l[S2], l[S3], l[S4], l[WAIT] =
+      k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, s4, w
+  else
+    limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3,
+                 s4, w}
+  end
   k = k + algo.nkeys
   if ok == 0 then
     allowed = 0
   end
-  wait = math.max(wait, w)
-  retry = math.max(retry, r, w)
+  -- Compared here rather than by math.max: a C call costs more than the comparison.
+  if w > wait then
+    wait = w
+  end
+  if r > retry then
+    retry = r
+  end
+end
+if wait > retry then
+  retry = wait
 end
 
 -- The slot is the earliest time at which every limit conforms: the latest of their own
@@ -160,7 +174,8 @@ if allowed == 1 then
     local l = limits[i]
     local at = slot > now + l[WAIT] and slot
     local mark, reset, remaining = l[ALG].commit(l[K], l[COUNT], l[PERIOD], l[BURST], now,
-                                                 l[COST], acq, expiry, at, l[S1], l[S2], l[S3])
+                                                 l[COST], acq, expiry, at, l[S1], l[S2], l[S3],
+                                                 l[S4])
     if reset then
       l[RESET] = reset
     end
@@ -190,10 +205,16 @@ else
     end
   end
 end
-local pack = struct.pack
-local out = {pack('<dddd', 0, allowed, wait, allowed == 1 and 0 or retry)}
+-- One pack of every number: a pack per limit and their concatenation cost twice as much.
+local out = REPLY
+out[1], out[2], out[3], out[4] = 0, allowed, wait, allowed == 1 and 0 or retry
 for i = 1, n do
-  local l = limits[i]
-  out[i + 1] = pack('<dddd', l[OK], l[REM], l[RETRY], l[RESET])
+  local l, j = limits[i], 4 * i
+  out[j + 1], out[j + 2], out[j + 3], out[j + 4] = l[OK], l[REM], l[RETRY], l[RESET]
 end
-return table.concat(out)
+local format = FORMAT[n]
+if not format then
+  format = '<' .. string.rep('d', 4 + 4 * n)
+  FORMAT[n] = format
+end
+return struct.pack(format, unpack(out, 1, 4 + 4 * n))

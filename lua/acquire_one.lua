@@ -42,9 +42,9 @@ if held[1] or held[2] then
   end
 end
 local count, period_us = tonumber(ARGV[3]), tonumber(ARGV[4])
-local allowed, wait, retry, remaining, reset, s1, s2, s3 =
+local allowed, wait, retry, remaining, reset, s1, s2, s3, s4 =
   check(2, count, period_us, burst, now, cost, tonumber(ARGV[2]))
 if allowed == 1 then
-  commit(2, count, period_us, burst, now, cost, nil, nil, false, s1, s2, s3)
+  commit(2, count, period_us, burst, now, cost, nil, nil, false, s1, s2, s3, s4)
 end
 return struct.pack('<ddddd', allowed, wait, retry, remaining, reset)

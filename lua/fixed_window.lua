@@ -5,22 +5,24 @@
 --
 -- State: one STRING per (limit, key): w = window index floor(now / period_us) and n = the
 -- cost counted in it, packed as two doubles (struct '<dd'; one SET ... PX writes state and
--- TTL). The key expires when its window ends. Reservation is not supported (max_wait is
+-- TTL). The key expires when its window ends: set by the window's first write, the TTL
+-- is kept by the others (SETRANGE: see lifetime in prelude.lua). Reservation is not supported (max_wait is
 -- ignored). mark (kept in the lease record) = the window index the cost was counted in, so
 -- that a refund only returns cost to the window that paid.
 -- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
 -- window: a step back must not reopen a window that is full.
--- check hands commit the window and its count: s1 = w, s2 = n.
+-- check hands commit the window and its count: s1 = w, s2 = n, s3 = whether the key holds
+-- that window already (its TTL is the window's).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   -- The window now counts in: floor(now / period_us), or the stored window when it is
   -- later (the clock stepped back).
-  local w, n = math.floor(now / period_us), 0
+  local w, n, same = math.floor(now / period_us), 0, false
   local s = redis.call('GET', KEYS[k])
   if s then
     local stored, stored_n = struct.unpack('<dd', s)
     if stored >= w then
-      w, n = stored, stored_n
+      w, n, same = stored, stored_n, true
     end
   end
   local window_end = ceil_us((w + 1) * period_us - now)
@@ -30,12 +32,12 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   else
     retry = window_end
   end
-  return allowed, 0, retry, math.max(count - after, 0), window_end, w, n
+  return allowed, 0, retry, math.max(count - after, 0), window_end, w, n, same
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n)
-  redis.call('SET', KEYS[k], struct.pack('<dd', w, n + cost),
-             'PX', ttl_ms((w + 1) * period_us - now))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n, same)
+  store(k, struct.pack('<dd', w, n + cost),
+        not (same and REDIS_CLOCK) and ttl_ms((w + 1) * period_us - now))
   return w
 end
 
@@ -51,10 +53,11 @@ ALGO.fw = {
   end,
   -- A charge lands in the current window; a refund only in the window that paid, if current.
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
-    local _, _, _, _, _, w, n = check(k, count, period_us, burst, now, 0, 0)
+    local _, _, _, _, _, w, n, same = check(k, count, period_us, burst, now, 0, 0)
     if delta < 0 and tonumber(mark) ~= w then
       return
     end
-    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, math.max(n + delta, 0))
+    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, math.max(n + delta, 0),
+           same)
   end,
 }

@@ -1,7 +1,8 @@
 -- gcra.lua: Generic Cell Rate Algorithm, the leaky bucket kept as one timestamp.
 --
--- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us, packed as
--- one double (struct '<d': exact, and cheaper than formatting and parsing text).
+-- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us, and when the
+-- key's TTL ends (us; prelude.lua's lifetime), packed as two doubles (struct '<dd': exact,
+-- and cheaper than formatting and parsing text).
 -- Emission interval T = period_us / count (us per token); tolerance = burst * T.
 -- A request of `cost` tokens conforms at time t when  max(TAT, t) + cost*T - t <= burst*T.
 -- With burst = 1 and cost = 1 that is strict spacing: one call every T.
@@ -12,18 +13,24 @@
 -- After a restart's fence (FENCE, prelude.lua), a missing key reads as a bucket that was
 -- empty at the fence's end (TAT = FENCE + burst * T), refilling from there.
 -- check hands commit s1 = the TAT to store if admitted (with cost 0: the TAT it read) and
--- s2 = the TAT it read (max(stored, now)). Committed as of a later time `at` (several
+-- s2 = the TAT it read (max(stored, now)), s3 = when the key's TTL ends (false: no key).
+-- Committed as of a later time `at` (several
 -- limits: the slot another limit set), the cost is taken at max(TAT, at): the slots before
 -- `at` that nobody took stay unused, exactly as if the request had arrived at `at`.
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   local interval = period_us / count
-  local tat = now
+  local tat, lives = now, false
   local s = redis.call('GET', KEYS[k])
   if not s and FENCE > 0 then
     tat = math.max(now, FENCE + burst * interval)
   elseif s then
-    tat = math.max(struct.unpack('<d', s), now)
+    if #s == 16 then
+      tat, lives = struct.unpack('<dd', s)
+    else
+      tat = struct.unpack('<d', s)  -- by a version that did not keep the TTL's end
+    end
+    tat = math.max(tat, now)
   end
   local new_tat = tat + cost * interval
   local conform_at = new_tat - burst * interval
@@ -39,15 +46,18 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
     end
   end
   return allowed, wait, retry, math.max(burst - (after - now) / interval, 0),
-         ceil_us(after - now), new_tat, tat
+         ceil_us(after - now), new_tat, tat, lives
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tat, read)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tat, read,
+                      lives)
   local later = at and at > read
   if later then
     tat = at + cost * period_us / count
   end
-  redis.call('SET', KEYS[k], struct.pack('<d', tat), 'PX', ttl_ms(tat - now))
+  local px
+  lives, px = lifetime(tat - now, now, lives)
+  store(k, struct.pack('<dd', tat, lives), px)
   if later then
     -- The decision describes the state committed (check's formulas on the new TAT).
     local interval = period_us / count
@@ -64,8 +74,8 @@ ALGO.gcra = {
   commit = commit,
   -- delta > 0 pushes TAT later; delta < 0 pulls it back, never earlier than now.
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
-    local _, _, _, _, _, tat = check(k, count, period_us, burst, now, 0, 0)
+    local _, _, _, _, _, tat, _, lives = check(k, count, period_us, burst, now, 0, 0)
     commit(k, count, period_us, burst, now, 0, holder, nil, false,
-           math.max(now, tat + delta * period_us / count))
+           math.max(now, tat + delta * period_us / count), tat, lives)
   end,
 }

@@ -4,7 +4,11 @@
 --   prelude.lua + the file of each algorithm the call uses + the operation file,
 -- so every algorithm's arithmetic exists exactly once, a single-limit call carries only its
 -- own algorithm, and a multi-limit acquisition over several algorithms is still one atomic
--- script. Nothing here touches a key.
+-- script. On Redis 7 it also builds one function library of the same files (this file,
+-- every algorithm's, then a function per operation whose body is the operation file:
+-- scripts.py's library_source), loaded once, where what this file and the algorithms
+-- define is made when the library loads instead of on every call. Nothing here touches a
+-- key.
 --
 -- Units everywhere: time in microseconds (us) since the Unix epoch, read from Redis TIME;
 -- amounts (tokens, cost) are Lua numbers (doubles), fractions allowed. State is written
@@ -28,9 +32,9 @@
 -- limit's first key, and the limit's count, period_us and burst:
 --   check(k, count, period_us, burst, now, cost, max_wait)
 --     -> allowed (1/0), wait (us until a reserved slot), retry (us until it could admit),
---        remaining (tokens), reset (us until full), then up to three values of the state it
---        read (s1, s2, s3), handed to commit; reads only
---   commit(k, count, period_us, burst, now, cost, holder, expiry, at, s1, s2, s3)
+--        remaining (tokens), reset (us until full), then up to four values of the state it
+--        read (s1, s2, s3, s4), handed to commit; reads only
+--   commit(k, count, period_us, burst, now, cost, holder, expiry, at, s1, s2, s3, s4)
 --     writes the state check read with cost taken; -> mark (text kept in the lease record)
 --     [, reset[, remaining]: when committing makes them differ from check's]. at (us) = false: the cost is taken at this
 --     limit's own slot (now + wait); or a later time, the slot of several limits (the
@@ -50,11 +54,32 @@
 --   deny(k, count, period_us, burst, now, cost, s1)   optional (fair.lua only): called by
 --     acquire.lua for a limit whose check denied, when the acquisition is denied
 
+-- The globals the scripts use, as locals. A function library (FUNCTION LOAD) reads a
+-- global through its own environment, a miss there and a lookup in the real globals; a
+-- local (an upvalue in a function) is one step. A script binds them as it starts; the
+-- library, which sees only a loading-time `redis` while it loads, on its first call
+-- (library.py's wrapper calls bind_globals while `struct` is nil).
+local function globals()
+  return redis, struct, math, string, table, tonumber, unpack, ipairs
+end
+local redis, struct, math, string, table, tonumber, unpack, ipairs = redis
+local function bind_globals()
+  redis, struct, math, string, table, tonumber, unpack, ipairs = globals()
+end
+if not redis.register_function then
+  bind_globals()
+end
+
+-- Whether now is Redis TIME, the clock key expiry runs on (false: a test's explicit time).
+local REDIS_CLOCK = true
+
 -- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
 local function clock_us(explicit)
   if explicit ~= '' then
+    REDIS_CLOCK = false
     return tonumber(explicit)
   end
+  REDIS_CLOCK = true
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
@@ -73,6 +98,31 @@ end
 -- script that failed half-way would leave its first writes done.
 local function ttl_ms(idle_us)
   return math.min(math.ceil(math.max(idle_us, 0) / 1000) + 1000, 1e13)
+end
+
+-- Writing a limit's state keeps the key's TTL when it already lasts long enough: SET ... PX
+-- costs Redis about twice a SETRANGE of the same bytes, and a hot key is written on every
+-- call. lifetime(idle_us, now, lives) -> until (us), px (ms, or false: keep the TTL), where
+-- lives is when the key's TTL ends as last set (us; false: a missing key, or not known).
+-- A TTL set is one second longer than ttl_ms asks, so that a key whose need moves on with
+-- time (a bucket refilling, a GCRA's TAT) sets it about once a second. Only on Redis
+-- TIME: a test's clock is not the one the TTL runs on, so every write sets it there.
+local function lifetime(idle_us, now, lives)
+  if lives and REDIS_CLOCK and lives >= now + idle_us + 1000000 then
+    return lives, false
+  end
+  local px = ttl_ms(idle_us) + 1000
+  return now + px * 1000, px
+end
+
+-- Writes KEYS[k] = state (STRING) with a TTL of px ms, or in place keeping its TTL (px
+-- false: the key exists, and the state has the length it had).
+local function store(k, state, px)
+  if px then
+    redis.call('SET', KEYS[k], state, 'PX', px)
+  else
+    redis.call('SETRANGE', KEYS[k], 0, state)
+  end
 end
 
 -- The end of a restart's fence, us on the Redis clock (0: none), set by the acquire and
@@ -106,6 +156,13 @@ local function fmt(x)
 end
 
 local ALGO = {}
+
+-- acquire.lua's working tables: one array of values per limit (LIMITS[i]), the numbers of
+-- its reply (REPLY) and the pack format of a reply per count of limits (FORMAT[n]). In
+-- the function library they are made once and reused by every call, which writes every
+-- value it reads: a multi-limit acquire then allocates no table (a script makes them on
+-- each call, as it makes everything).
+local LIMITS, REPLY, FORMAT = {}, {}, {}
 
 -- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
 -- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first

@@ -7,23 +7,25 @@
 -- State: one STRING per (limit, key): w = the current window index, c = its count, p = the
 -- count of window w - 1, packed as three doubles (struct '<ddd'; one SET ... PX writes
 -- state and TTL). The key expires when its count no longer weighs on the estimate, at the
--- end of window w + 1. Reservation is not supported (max_wait ignored).
+-- end of window w + 1: set by the window's first write, the TTL is kept by the others
+-- (SETRANGE: see lifetime in prelude.lua). Reservation is not supported (max_wait ignored).
 -- mark = the window index the cost was counted in.
 -- If Redis TIME steps back into an earlier window, counting goes on in the stored, later
 -- window, with no credit for the time elapsed in it.
--- check hands commit the window and its counts: s1 = w, s2 = cur, s3 = prev.
+-- check hands commit the window and its counts: s1 = w, s2 = cur, s3 = prev, s4 = whether
+-- the key holds that window already (its TTL is the window's).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
   -- The current window and its two counts: floor(now / period_us), or the stored window
   -- when it is later (the clock stepped back).
-  local w, cur, prev = math.floor(now / period_us), 0, 0
+  local w, cur, prev, same = math.floor(now / period_us), 0, 0, false
   local s = redis.call('GET', KEYS[k])
   if s then
     local stored, c, p = struct.unpack('<ddd', s)
     if stored == w - 1 then
       prev = c
     elseif stored >= w then
-      w, cur, prev = stored, c, p
+      w, cur, prev, same = stored, c, p, true
     end
   end
   local start = w * period_us
@@ -48,12 +50,13 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   else
     reset = ceil_us(start + period_us - now)
   end
-  return allowed, 0, retry, math.max(count - est, 0), reset, w, cur, prev
+  return allowed, 0, retry, math.max(count - est, 0), reset, w, cur, prev, same
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, cur, prev)
-  redis.call('SET', KEYS[k], struct.pack('<ddd', w, cur + cost, prev),
-             'PX', ttl_ms((w + 2) * period_us - now))
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, cur, prev,
+                      same)
+  store(k, struct.pack('<ddd', w, cur + cost, prev),
+        not (same and REDIS_CLOCK) and ttl_ms((w + 2) * period_us - now))
   return w
 end
 
@@ -70,7 +73,7 @@ ALGO.sw = {
   -- A charge lands in the current window; a refund goes back to the window that paid while
   -- that window still weighs on the estimate (the current or the previous one).
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
-    local _, _, _, _, _, w, cur, prev = check(k, count, period_us, burst, now, 0, 0)
+    local _, _, _, _, _, w, cur, prev, same = check(k, count, period_us, burst, now, 0, 0)
     local paid = tonumber(mark)
     if delta > 0 or paid == w then
       cur = math.max(cur + delta, 0)
@@ -79,6 +82,6 @@ ALGO.sw = {
     else
       return
     end
-    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, cur, prev)
+    commit(k, count, period_us, burst, now, 0, holder, nil, false, w, cur, prev, same)
   end,
 }

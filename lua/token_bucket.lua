@@ -1,7 +1,8 @@
 -- token_bucket.lua: a bucket of `burst` tokens refilled continuously at count/period.
 --
--- State: one STRING per (limit, key): tokens at time ts (us), packed as two doubles
--- (struct '<dd': exact, and one SET ... PX writes the state and its TTL together). Tokens
+-- State: one STRING per (limit, key): tokens at time ts (us) and when the key's TTL ends
+-- (us; prelude.lua's lifetime), packed as three doubles (struct '<ddd': exact, and one
+-- SET ... PX writes the state and its TTL together, or SETRANGE keeps the TTL). Tokens
 -- may be negative: a debt left by a reservation or a charge. A missing key reads as a full
 -- bucket; the key expires once the bucket would be full again. After a restart's fence
 -- (FENCE, prelude.lua), a missing key reads as a bucket that was empty at the fence's end
@@ -9,7 +10,8 @@
 -- Rate = count / period_us tokens per us; capacity = burst.
 -- Reservation: with max_wait_us > 0 a request that must wait at most max_wait_us is admitted,
 -- the bucket goes into debt and `wait` says how long until the tokens really exist.
--- check hands commit the level it read: s1 = tokens, s2 = ts. Committed as of a later time
+-- check hands commit the level it read: s1 = tokens, s2 = ts, s3 = when the key's TTL
+-- ends (false: no key). Committed as of a later time
 -- `at` (several limits: the slot another limit set), the cost is taken from the level at
 -- `at`, capped at the burst there: the refill of the time before `at` that nobody used is
 -- not banked for later (commit then returns the reset and remaining of the level it
@@ -17,12 +19,18 @@
 -- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
-  local tokens, ts = burst, now
+  local tokens, ts, lives = burst, now, false
   local s = redis.call('GET', KEYS[k])
   if not s and FENCE > 0 then
     tokens = math.min(burst, (now - FENCE) * count / period_us)
   elseif s then
-    tokens, ts = struct.unpack('<dd', s)
+    if #s == 24 then
+      tokens, ts, lives = struct.unpack('<ddd', s)
+    else
+      -- Two doubles: written by a version that did not keep the TTL's end (a fleet being
+      -- upgraded); its TTL is set again, in this format.
+      tokens, ts = struct.unpack('<dd', s)
+    end
     -- ts is never moved backwards: a clock step back must not refill the same time twice.
     if now > ts then
       tokens = tokens + (now - ts) * count / period_us
@@ -43,18 +51,20 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
     end
   end
   return allowed, wait, retry, math.max(after, 0),
-         ceil_us((burst - after) * period_us / count), tokens, ts
+         ceil_us((burst - after) * period_us / count), tokens, ts, lives
 end
 
-local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tokens, ts)
+local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tokens, ts,
+                      lives)
   local later = at and at > ts
   if later then
     tokens = math.min(tokens, burst - (at - ts) * count / period_us)
   end
   tokens = tokens - cost
   local to_full = (burst - tokens) * period_us / count
-  redis.call('SET', KEYS[k], struct.pack('<dd', tokens, ts),
-             'PX', ttl_ms(math.max(to_full, 0) + (ts - now)))
+  local px
+  lives, px = lifetime(math.max(to_full, 0) + (ts - now), now, lives)
+  store(k, struct.pack('<ddd', tokens, ts, lives), px)
   if later then
     -- The decision describes the state committed (check's formulas on the new level).
     return '', ceil_us((burst - tokens) * period_us / count), math.max(tokens, 0)
@@ -70,8 +80,8 @@ ALGO.tb = {
   commit = commit,
   -- delta > 0 charges extra tokens (may leave a debt), delta < 0 refunds (never above burst).
   adjust = function(k, count, period_us, burst, now, delta, mark, holder)
-    local _, _, _, _, _, tokens, ts = check(k, count, period_us, burst, now, 0, 0)
+    local _, _, _, _, _, tokens, ts, lives = check(k, count, period_us, burst, now, 0, 0)
     commit(k, count, period_us, burst, now, 0, holder, nil, false,
-           math.min(burst, tokens - delta), ts)
+           math.min(burst, tokens - delta), ts, lives)
   end,
 }

@@ -43,8 +43,9 @@ from redis.commands.core import Script
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import CostExceedsCapacity, RequestError
-from throttle.redis.client import RedisClient, client_from_url, run_script
+from throttle.redis.client import RedisClient, client_from_url, run_routine
 from throttle.redis.keys import KeySpace
+from throttle.redis.library import Library, Routine
 from throttle.redis.replies import (
     acquire_decision,
     held_s,
@@ -53,7 +54,12 @@ from throttle.redis.replies import (
     peek_state,
     settlement,
 )
-from throttle.redis.scripts import ONE_LIMIT_OPERATION, operation_source, script_source
+from throttle.redis.scripts import (
+    ONE_LIMIT_OPERATION,
+    function_name,
+    operation_source,
+    script_source,
+)
 from throttle.redis.wire import HOLD_FOREVER_US, limit_args, target_args
 from throttle.spec import Limit
 from throttle.units import real
@@ -100,7 +106,8 @@ def _options(cost: object, max_wait_s: object, lease_s: object) -> tuple[float, 
 
 
 _S = TypeVar("_S")
-"""A registered script: redis-py's ``Script`` here, its ``AsyncScript`` in :mod:`throttle.aio`."""
+"""A registered operation: a :class:`~throttle.redis.library.Routine` of redis-py's
+``Script`` here, of its ``AsyncScript`` in :mod:`throttle.aio`."""
 _R = TypeVar("_R")
 
 Request: TypeAlias = tuple[_S, Sequence[str], list[Any], Callable[[Any], _R]]
@@ -120,7 +127,7 @@ class RequestBuilder(Generic[_S]):
 
     def __init__(
         self,
-        register: Callable[[str], _S],
+        register: Callable[[str, str], _S],
         prefix: str,
         namespace: str,
         clock_us: Callable[[], int] | None,
@@ -137,7 +144,9 @@ class RequestBuilder(Generic[_S]):
         there. The cost: one GET per call, and after each loss of the data no slot for
         ``fence_s`` and no burst until refilled (see ``lua/prelude.lua``)."""
         self._space_script: _S | None = None
-        # Registering computes the SHA locally; the script reaches Redis on its first NOSCRIPT.
+        # register(function, source): an operation, called as the library's function or
+        # as the script of that source. Registering sends nothing: the library or the
+        # script reaches Redis when a call finds it missing.
         self._register = register
         # One (acquire, settle) pair per set of algorithm codes.
         self._scripts: dict[frozenset[str], tuple[_S, _S]] = {}
@@ -179,7 +188,8 @@ class RequestBuilder(Generic[_S]):
         script = self._one.get(limit.code)
         if script is None:
             script = self._one[limit.code] = self._register(
-                script_source(ONE_LIMIT_OPERATION, limit.codes)
+                function_name(ONE_LIMIT_OPERATION, limit.code),
+                script_source(ONE_LIMIT_OPERATION, limit.codes),
             )
         _, count, period_us, burst = limit_args(limit)
         clock = self._clock_us
@@ -289,7 +299,9 @@ class RequestBuilder(Generic[_S]):
             args[0] = self._clock_us()
         script = self._peek.get(limit.code)
         if script is None:
-            script = self._peek[limit.code] = self._register(script_source("peek", limit.codes))
+            script = self._peek[limit.code] = self._register(
+                function_name("peek"), script_source("peek", limit.codes)
+            )
         return script, keys, args, functools.partial(peek_state, limit.name)
 
     def _hold_request(
@@ -317,14 +329,14 @@ class RequestBuilder(Generic[_S]):
             raise RequestError(f"key must be a non-empty string or None (got {key!r})")
         whole, own = self.keyspace.hold_fields(name, key)
         if self._hold_script is None:
-            self._hold_script = self._register(operation_source("hold"))
+            self._hold_script = self._register(function_name("hold"), operation_source("hold"))
         now = b"" if self._clock_us is None else self._clock_us()
         return self._hold_script, [self.keyspace.holds_key()], [now, own or whole, for_us]
 
     def _holds_request(self) -> Request[_S, dict[tuple[str, str | None], float]]:
         """The call of :meth:`Limiter.holds`."""
         if self._holds_script is None:
-            self._holds_script = self._register(operation_source("holds"))
+            self._holds_script = self._register(function_name("holds"), operation_source("holds"))
         now = b"" if self._clock_us is None else self._clock_us()
         return self._holds_script, [self.keyspace.holds_key()], [now], holds
 
@@ -350,7 +362,7 @@ class RequestBuilder(Generic[_S]):
             keys.append(self.keyspace.fence_key())
             args[1] = round(self.fence_s * 1e6)
         if self._space_script is None:
-            self._space_script = self._register(operation_source("space"))
+            self._space_script = self._register(function_name("space"), operation_source("space"))
         return self._space_script, keys, args, _space_s
 
     def _scripts_for(self, codes: frozenset[str]) -> tuple[_S, _S]:
@@ -358,14 +370,14 @@ class RequestBuilder(Generic[_S]):
         if scripts is None:
             register = self._register
             scripts = (
-                register(script_source("acquire", codes)),
-                register(script_source("settle", codes)),
+                register(function_name("acquire"), script_source("acquire", codes)),
+                register(function_name("settle"), script_source("settle", codes)),
             )
             self._scripts[codes] = scripts
         return scripts
 
 
-class Limiter(RequestBuilder[Script]):
+class Limiter(RequestBuilder[Routine[Script]]):
     """Acquires and settles tokens of limits kept in Redis.
 
     Parameters
@@ -396,7 +408,14 @@ class Limiter(RequestBuilder[Script]):
         namespace: str = "default",
         clock_us: Callable[[], int] | None = None,
     ) -> None:
-        super().__init__(client.register_script, prefix, namespace, clock_us)
+        self.library = Library(client)
+        """Whether this limiter calls Redis functions or scripts (see
+        :mod:`throttle.redis.library`)."""
+
+        def register(function: str, source: str) -> Routine[Script]:
+            return Routine(self.library, function, client.register_script(source))
+
+        super().__init__(register, prefix, namespace, clock_us)
         self.client = client
 
     @classmethod
@@ -562,9 +581,9 @@ class Limiter(RequestBuilder[Script]):
         script, keys, args, decode = self._space_request(targets)
         return decode(self._call(script, keys, args))
 
-    def _call(self, script: Script, keys: Sequence[str], args: list[Any]) -> Any:
-        """One script call through :func:`run_script` (the one place bench/core.py taps)."""
-        return run_script(self.client, script, keys, args)
+    def _call(self, routine: Routine[Script], keys: Sequence[str], args: list[Any]) -> Any:
+        """One call through :func:`run_routine` (the one place bench/core.py taps)."""
+        return run_routine(self.client, routine, keys, args)
 
 
 def _held_s(raw: Any) -> float:

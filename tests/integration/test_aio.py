@@ -30,6 +30,7 @@ from throttle import (
 )
 from throttle import Limiter as SyncLimiter
 from throttle.aio import Limiter
+from throttle.redis.urls import acl_rules
 
 Body = Callable[[Limiter], Awaitable[Any]]
 
@@ -297,17 +298,33 @@ def test_a_refused_call_is_a_backend_error(
     run(redis_url, prefix, body)
 
 
-def test_scripts_come_back_after_a_flush(private_redis: RedisServer) -> None:
-    # On a server of our own (SCRIPT FLUSH), under a prefix no other test of it uses.
+def test_the_library_and_the_scripts_come_back_after_a_flush(private_redis: RedisServer) -> None:
+    # On a server of our own (FUNCTION FLUSH, SCRIPT FLUSH), under a prefix of its own.
     limit = Limit.parse("10/s", name="api")
 
     async def body(limiter: Limiter) -> None:
         assert (await limiter.acquire(limit)).allowed
+        assert limiter.library.functions is True
+        await limiter.client.function_flush()
+        assert (await limiter.acquire(limit)).allowed
+        assert (await limiter.acquire_many([(limit, "a"), (limit, "b")])).allowed
+        limiter.library.functions = False  # the scripts, as on Redis 6
         await limiter.client.script_flush()
         assert (await limiter.acquire(limit)).allowed
         assert (await limiter.acquire_many([(limit, "a"), (limit, "b")])).allowed
 
     run(private_redis.url, f"aio-flush-{uuid.uuid4().hex[:8]}", body)
+
+
+def test_a_user_denied_fcall_gets_the_scripts() -> None:
+    with RedisServer(acl=[f"user scripts on >pw {acl_rules()} -fcall"]) as server:
+        limit = Limit.parse("2/s", name="api")
+
+        async def body(limiter: Limiter) -> None:
+            assert [bool(await limiter.acquire(limit)) for _ in range(3)] == [True, True, False]
+            assert limiter.library.functions is False
+
+        run(server.url_for("scripts", "pw"), "throttle", body, clock=FakeClock())
 
 
 def test_from_url_refuses_what_it_does_not_support() -> None:

@@ -266,13 +266,15 @@ def test_shared_tasks_are_throttled_too(redis_url: str, prefix: str) -> None:
 
 
 def script_calls(server: RedisServer) -> int:
-    """The script calls (EVALSHA, EVAL) the private server has executed so far."""
+    """The limiter's calls (FCALL of its functions; EVALSHA, EVAL of its scripts) the
+    private server has executed so far."""
     client = server.client()
     try:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+    names = ("fcall", "evalsha", "eval")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in names)
 
 
 @pytest.fixture

@@ -259,7 +259,8 @@ def test_every_script_comes_back_after_script_flush_on_every_master(
     # The clock stands still: the bucket goes on from its stored state (2 -> 1).
     every_operation(1)
     # Each script was reloaded on every master (redis-py's SCRIPT LOAD goes to all).
-    shas = [s.sha for s in (*limiter._one.values(), *limiter._peek.values(), lot._park)]
+    routines = (*limiter._one.values(), *limiter._peek.values())
+    shas = [s.sha for s in (*(r.script for r in routines), lot._park)]
     for node in nodes:
         assert node.script_exists(*shas) == [True] * len(shas)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -404,6 +405,62 @@ def test_every_key_has_a_ttl_and_idle_keys_vanish(
     while list(client.scan_iter(match=f"{prefix}:*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list(client.scan_iter(match=f"{prefix}:*")) == []
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_key_whose_debt_grows_always_outlives_it(
+    limiter: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # On Redis TIME, a write keeps the key's TTL while it lasts long enough (SETRANGE) and
+    # sets a longer one when the state needs more: each reservation here adds 0.5 s of debt.
+    limit = Limit.parse("2/s burst 1", name=f"debt-{algorithm}", algorithm=algorithm)
+    key = state_key(limiter, limit)
+    for n in range(1, 21):
+        decision = limiter.acquire(limit, max_wait_s=60)
+        assert decision.allowed
+        # The state must live until the debt is repaid (the bucket full, the TAT passed),
+        # plus a second: reset_after_s is that, as of the call; PTTL is read after it.
+        started = redis_now_s(client)
+        ttl_ms = client.pttl(key)
+        read_ms = (redis_now_s(client) - started) * 1000 + 1
+        assert decision.reset_after_s * 1000 + 1000 - read_ms - 50 <= ttl_ms, (n, decision)
+        assert ttl_ms <= decision.reset_after_s * 1000 + 2000 + 1, (n, decision)
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra", "fixed_window", "sliding_window"])
+def test_a_hot_key_keeps_a_ttl_written_in_place(
+    limiter: Limiter, client: redis.Redis, algorithm: str
+) -> None:
+    # Many calls within a second: the TTL set by the first write is kept (the key written
+    # in place), and the decisions are those of every write setting it.
+    limit = Limit.parse("1000/h", name=f"hot-{algorithm}", algorithm=algorithm)
+    key = state_key(limiter, limit)
+    assert limiter.acquire(limit).allowed
+    ttls = []
+    for _ in range(20):
+        assert limiter.acquire(limit).allowed
+        ttls.append(client.pttl(key))
+    assert all(ttl > 1000 for ttl in ttls), ttls
+    assert limiter.peek(limit).remaining == pytest.approx(1000 - 21, abs=0.1)
+
+
+def test_a_state_of_the_previous_format_is_read_and_rewritten(
+    clocked: Limiter, clock: FakeClock, client: redis.Redis
+) -> None:
+    # A fleet being upgraded: token bucket and GCRA states written without the end of their
+    # key's TTL (two doubles, one) are read as they were, and written in the new format.
+    bucket = Limit.parse("10/s", name="old-tb")
+    client.set(state_key(clocked, bucket), struct.pack("<dd", 3.0, clock.now_us), px=60_000)
+    assert clocked.acquire(bucket).remaining == pytest.approx(2.0)
+    assert len(client.get(state_key(clocked, bucket)) or b"") == 24
+    slot = Limit.parse("10/s burst 1", name="old-gcra", algorithm="gcra")
+    client.set(state_key(clocked, slot), struct.pack("<d", clock.now_us + 50_000), px=60_000)
+    denied = clocked.acquire(slot)
+    assert not denied.allowed and denied.retry_after_s == pytest.approx(0.05)
+    clock.advance(0.05)
+    assert clocked.acquire(slot).allowed
+    assert len(client.get(state_key(clocked, slot)) or b"") == 16
+    assert client.pttl(state_key(clocked, slot)) > 1000
 
 
 def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:

@@ -1,22 +1,31 @@
-"""The scripts survive SCRIPT FLUSH, and the wheel ships the only copy of each."""
+"""The library and the scripts survive FUNCTION FLUSH and SCRIPT FLUSH, and the wheel ships
+the only copy of each."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import zipfile
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
 from tests.support.clock import FakeClock
+from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
-from throttle import Limit, Limiter
+from throttle import BackendUnavailable, Limit, Limiter
 from throttle.redis.scripts import (
     ALGORITHM_FILES,
+    LIBRARY_OPERATIONS,
     ONE_LIMIT_OPERATION,
     SEVERAL_LIMITS_ONLY,
+    function_name,
+    library_name,
+    library_source,
     lua_dir,
     operation_source,
     script_source,
@@ -32,10 +41,13 @@ PARKING_OPERATIONS = [
 ]
 
 
-def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> None:
-    # On a server of our own: SCRIPT FLUSH would disturb anybody else's scripts.
+@pytest.mark.parametrize("calls", ["functions", "scripts"])
+def test_decisions_go_on_through_flushes(private_redis: RedisServer, calls: str) -> None:
+    # On a server of our own: a flush would disturb anybody else's functions or scripts.
     client = private_redis.client()
-    limiter = Limiter(client, prefix="flush", clock_us=FakeClock())
+    limiter = Limiter(client, prefix=f"flush-{calls}", clock_us=FakeClock())
+    if calls == "scripts":
+        limiter.library.functions = False  # as on Redis 6, or for a user denied FCALL
     limit = Limit.parse("1/h burst 1000", name="api")
     stop = threading.Event()
     flushes = 0
@@ -44,7 +56,8 @@ def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> Non
         nonlocal flushes
         other = private_redis.client()
         while not stop.is_set():
-            other.script_flush()
+            # what a restart without data, or an operator, does to the library or the cache
+            other.function_flush() if calls == "functions" else other.script_flush()
             flushes += 1
             stop.wait(0.002)
         other.close()
@@ -59,19 +72,59 @@ def test_decisions_go_on_through_script_flush(private_redis: RedisServer) -> Non
     assert flushes > 10
     # The clock stands still: exactly the burst was admitted, not one more or less.
     assert allowed == 1000
+    assert limiter.library.functions is (calls == "functions")
     client.close()
 
 
-def test_a_flushed_script_is_reloaded_and_state_kept(private_redis: RedisServer) -> None:
+def test_a_flushed_library_or_script_is_reloaded_and_state_kept(
+    private_redis: RedisServer,
+) -> None:
     client = private_redis.client()
     limiter = Limiter(client, prefix="reload", clock_us=FakeClock())
     limit = Limit.parse("10/s", name="api")
     assert limiter.acquire(limit).remaining == 9
-    client.script_flush()  # what a Redis restart or failover does to the script cache
+    assert limiter.library.functions is True  # Redis 7: the library was loaded
+    client.function_flush()
     assert limiter.acquire(limit).remaining == 8
+    assert [pairs(lib)[b"library_name"] for lib in client.function_list()] == [
+        library_name().encode()
+    ]
+    limiter.library.functions = False
+    client.script_flush()
+    assert limiter.acquire(limit).remaining == 7
     # The script of a plain one-limit acquire (lua/acquire_one.lua) is back in Redis.
-    assert client.script_exists(limiter._one[limit.code].sha) == [True]
+    assert client.script_exists(limiter._one[limit.code].script.sha) == [True]
     client.close()
+
+
+def test_a_redis_restarted_empty_gets_the_library_again() -> None:
+    # A restart without persistence: no keys, no library; the limiter keeps its client.
+    with RedisServer() as server:
+        limiter = Limiter(server.client(), prefix="restart", clock_us=FakeClock())
+        limit = Limit.parse("10/s", name="api")
+        assert limiter.acquire(limit).remaining == 9
+        kill(server)
+        respawn(server)
+        with contextlib.suppress(BackendUnavailable):  # the connection the kill cut
+            limiter.acquire(limit)
+        assert limiter.acquire(limit).remaining in (8, 9)  # the state went with the data
+        assert limiter.library.functions is True
+        assert server.client().function_list(library=library_name()) != []
+
+
+def test_the_library_holds_every_operation_of_the_limiter(private_redis: RedisServer) -> None:
+    client = private_redis.client()
+    client.function_load(library_source(), replace=True)
+    (library,) = client.function_list(library=library_name())
+    names = {pairs(function)[b"name"].decode() for function in pairs(library)[b"functions"]}
+    one = [function_name(ONE_LIMIT_OPERATION, code) for code in ("tb", "gcra", "fw", "sw")]
+    assert names == {*one, *(function_name(op) for op in LIBRARY_OPERATIONS)}
+    client.close()
+
+
+def pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A FUNCTION LIST entry (RESP2: a flat list of names and values) as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def test_lua_dir_is_the_repository_copy() -> None:

@@ -169,9 +169,12 @@ def test_every_operation_over_mutual_tls_as_a_least_privilege_acl_user(
         ahead = StatsBook(limiter.client, limiter.keyspace, clock=lambda: now + 60)
         assert ahead.per_minute(1)["tokens"]["denied"] == 3
         assert reset(limiter.client, limiter.keyspace, "tokens") == 1
-        # and after SCRIPT FLUSH the scripts are loaded again (SCRIPT LOAD is allowed)
+        # and after FUNCTION FLUSH and SCRIPT FLUSH the library and the scripts are
+        # loaded again (FUNCTION LOAD and SCRIPT LOAD are allowed)
+        admin.function_flush()
         admin.script_flush()
         assert limiter.acquire(Limit.parse("5/s", name="after-flush"))
+        assert limiter.library.functions is True
 
         # But the same user cannot touch keys outside its prefix, nor other commands
         other = Limiter(limiter.client, prefix="other")
@@ -189,6 +192,32 @@ def test_every_operation_over_mutual_tls_as_a_least_privilege_acl_user(
     finally:
         limiter.client.close()
         admin.close()
+
+
+@pytest.mark.parametrize("denied", ["-fcall", "-function|load"])
+def test_a_user_denied_redis_functions_gets_the_scripts(denied: str) -> None:
+    # Given a user whose ACL takes no functions (or cannot load them), as on Redis 6
+    user = f"user scripts on >pw {acl_rules()} {denied}"
+    with RedisServer(acl=[user]) as server:
+        limiter = Limiter.from_url(server.url_for("scripts", "pw"))
+        clocked = Limiter(limiter.client, clock_us=FakeClock())
+        try:
+            # When it acquires, settles, peeks and holds
+            tb = Limit.parse("5/s", name="tb")
+            gcra = Limit.parse("5/s", name="g", algorithm="gcra")
+            assert [bool(clocked.acquire(tb, "k")) for _ in range(6)] == [True] * 5 + [False]
+            decision = clocked.acquire_many([(tb, "j"), (gcra, None)], acquisition_id="a")
+            assert decision.acquisition is not None
+            assert clocked.settle(decision.acquisition, 0).status == "settled"
+            assert clocked.peek(gcra).remaining == pytest.approx(5)
+            assert clocked.hold(tb, None, 5) == pytest.approx(5)
+            assert not clocked.acquire(tb, "j")
+            assert limiter.acquire(Limit.parse("5/s", name="real"))  # on Redis TIME
+            # Then every call went through the scripts, and no function was loaded
+            assert limiter.library.functions is clocked.library.functions is False
+            assert server.client().function_list() == []
+        finally:
+            limiter.client.close()
 
 
 def test_a_wrong_password_is_a_clear_error_without_the_password(tls_server: RedisServer) -> None:

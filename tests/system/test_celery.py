@@ -239,14 +239,14 @@ def test_an_admitted_task_settles_only_what_changed(fleet: Fleet) -> None:
     from tests.apps.celery_app import roomy, spend  # noqa: PLC0415
 
     def script_calls(handle: Any) -> int:
-        """The EVALSHA/EVAL calls naming the task's id (its lease record is among their
-        keys), read from the server's slow log, which records every command here."""
+        """The FCALL/EVALSHA/EVAL calls naming the task's id (its lease record is among
+        their keys), read from the server's slow log, which records every command here."""
         handle.get(timeout=30, propagate=False)
         entries = fleet.client.slowlog_get(1_000_000)
         return sum(
             1
             for entry in entries
-            if entry["command"].split(b" ", 1)[0].upper() in (b"EVALSHA", b"EVAL")
+            if entry["command"].split(b" ", 1)[0].upper() in (b"FCALL", b"EVALSHA", b"EVAL")
             and handle.id.encode() in entry["command"]
         )
 
@@ -254,8 +254,8 @@ def test_an_admitted_task_settles_only_what_changed(fleet: Fleet) -> None:
     fleet.client.config_set("slowlog-max-len", 1_000_000)
     fleet.client.config_set("slowlog-log-slower-than", 0)
     try:
-        # The scripts loaded first (a first call of a script is answered NOSCRIPT, loaded
-        # and called again)
+        # The library loaded first (a first call is answered "function not found", the
+        # library loaded and the call sent again)
         roomy.delay(0).get(timeout=30)
         spend.delay("warm", 100, 40).get(timeout=30)
         fleet.client.slowlog_reset()

@@ -114,13 +114,17 @@ def scripts_of(log: Path, prefix: str) -> list[Call]:
         at, source, command, first = found.groups()
         if source != b"lua":
             current = None
-            if command == b"EVALSHA" and mine in raw:
+            if command in (b"FCALL", b"EVALSHA") and mine in raw:
                 current = Call(float("nan"), False)
         elif current is not None:
-            if command == b"TIME":  # the script runs (an EVALSHA of an unloaded one does not)
+            if command == b"TIME":  # it runs (an FCALL or EVALSHA of an unloaded one does not)
                 current.at_s = float(at)
                 calls.append(current)
-            elif command == b"SET" and first is not None and first.startswith(mine[1:]):
+            elif (
+                command in (b"SET", b"SETRANGE")
+                and first is not None
+                and first.startswith(mine[1:])
+            ):
                 current.admitted = True  # only an admission writes the state
     return calls
 

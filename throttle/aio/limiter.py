@@ -33,14 +33,15 @@ from redis.commands.core import AsyncScript
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, RequestBuilder
-from throttle.redis.client import async_client_from_url, run_script_async
+from throttle.redis.client import async_client_from_url, run_routine_async
+from throttle.redis.library import Library, Routine
 from throttle.redis.replies import one_limit_decision
 from throttle.spec import Limit
 
 __all__ = ["Limiter"]
 
 
-class Limiter(RequestBuilder[AsyncScript]):
+class Limiter(RequestBuilder[Routine[AsyncScript]]):
     """Acquires and settles tokens of limits kept in Redis, from asyncio code.
 
     Every method of :class:`throttle.Limiter`, with the same arguments, raising the same
@@ -70,7 +71,14 @@ class Limiter(RequestBuilder[AsyncScript]):
         namespace: str = "default",
         clock_us: Callable[[], int] | None = None,
     ) -> None:
-        super().__init__(client.register_script, prefix, namespace, clock_us)
+        self.library = Library(client)
+        """Whether this limiter calls Redis functions or scripts (see
+        :mod:`throttle.redis.library`)."""
+
+        def register(function: str, source: str) -> Routine[AsyncScript]:
+            return Routine(self.library, function, client.register_script(source))
+
+        super().__init__(register, prefix, namespace, clock_us)
         self.client = client
 
     @classmethod
@@ -168,5 +176,7 @@ class Limiter(RequestBuilder[AsyncScript]):
         script, keys, args, decode = self._space_request(targets)
         return decode(await self._call(script, keys, args))
 
-    async def _call(self, script: AsyncScript, keys: Sequence[str], args: list[Any]) -> Any:
-        return await run_script_async(self.client, script, keys, args)
+    async def _call(
+        self, routine: Routine[AsyncScript], keys: Sequence[str], args: list[Any]
+    ) -> Any:
+        return await run_routine_async(self.client, routine, keys, args)

@@ -1,11 +1,12 @@
 """The Redis client: its type, building one from a URL, and calling it with errors wrapped.
 
-Every call the package makes to Redis goes through :func:`run_script` (a Lua script) or
+Every call the package makes to Redis goes through :func:`run_routine` (an operation of
+the limiter: a Redis function, or its script), :func:`run_script` (a Lua script) or
 :func:`wrap_errors` (any other command), so that a driver error always surfaces as
 :class:`~throttle.errors.BackendUnavailable` (Redis cannot serve now) or
 :class:`~throttle.errors.BackendError` (Redis refused the call), never as redis-py's own.
-Their asyncio twins, for ``redis.asyncio`` (:mod:`throttle.aio`): :func:`run_script_async`,
-:func:`wrap_errors_async` and :func:`async_client_from_url`.
+Their asyncio twins, for ``redis.asyncio`` (:mod:`throttle.aio`): :func:`run_routine_async`,
+:func:`run_script_async`, :func:`wrap_errors_async` and :func:`async_client_from_url`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from redis.exceptions import (
     ClusterDownError,
     NoScriptError,
     RedisClusterException,
+    ResponseError,
     SlotNotCoveredError,
 )
 
 from throttle.errors import BackendError, BackendUnavailable, ConfigError
+from throttle.redis.library import Library, Routine
 from throttle.redis.urls import (
     async_sentinel_client,
     cluster_client,
@@ -40,6 +43,8 @@ __all__ = [
     "RedisClient",
     "async_client_from_url",
     "client_from_url",
+    "run_routine",
+    "run_routine_async",
     "run_script",
     "run_script_async",
     "wrap_errors",
@@ -106,6 +111,53 @@ def run_script(client: RedisClient, script: Script, keys: Sequence[str], args: l
         raise _wrapped(exc) from exc
 
 
+def run_routine(
+    client: RedisClient, routine: Routine[Script], keys: Sequence[str], args: list[Any]
+) -> Any:
+    """One call of a limiter operation: ``FCALL`` of its function in the library, loaded
+    first when missing, or :func:`run_script` of its script where functions are not taken
+    (see :mod:`throttle.redis.library`); driver errors wrapped."""
+    library = routine.library
+    if library.functions is False:
+        return run_script(client, routine.script, keys, args)
+    try:
+        try:
+            reply = client.fcall(routine.function, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if not _loaded(client, library, exc):
+                return run_script(client, routine.script, keys, args)
+            try:
+                reply = client.fcall(routine.function, len(keys), *keys, *args)
+            except ResponseError as again:
+                if not library.missing(again):
+                    raise
+                # Flushed again between the load and this call: the script, this once.
+                return run_script(client, routine.script, keys, args)
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+    if library.functions is None:
+        library.functions = True
+    return reply
+
+
+def _loaded(client: RedisClient, library: Library, exc: ResponseError) -> bool:
+    """After ``FCALL`` failed with ``exc``: True when the library is loaded now (call
+    again), False when this Redis takes no functions (use the script); raises ``exc`` when
+    it is another error (a script error, say)."""
+    if library.refused(exc):
+        return False
+    if not library.missing(exc):
+        raise exc
+    try:
+        client.function_load(library.source)
+    except ResponseError as load_exc:
+        if library.refused(load_exc):
+            return False
+        if not library.exists(load_exc):
+            raise
+    return True
+
+
 def wrap_errors(call: Callable[[], Any]) -> Any:
     """Run a plain Redis command, driver errors wrapped as in :func:`run_script`."""
     try:
@@ -158,6 +210,52 @@ async def run_script_async(
             return await client.eval(cast(str, script.script), len(keys), *keys, *args)
     except _REFUSED as exc:
         raise _wrapped(exc) from exc
+
+
+async def run_routine_async(
+    client: redis.asyncio.Redis,
+    routine: Routine[AsyncScript],
+    keys: Sequence[str],
+    args: list[Any],
+) -> Any:
+    """:func:`run_routine` awaited."""
+    library = routine.library
+    if library.functions is False:
+        return await run_script_async(client, routine.script, keys, args)
+    try:
+        try:
+            reply = await client.fcall(routine.function, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if not await _loaded_async(client, library, exc):
+                return await run_script_async(client, routine.script, keys, args)
+            try:
+                reply = await client.fcall(routine.function, len(keys), *keys, *args)
+            except ResponseError as again:
+                if not library.missing(again):
+                    raise
+                # Flushed again between the load and this call: the script, this once.
+                return await run_script_async(client, routine.script, keys, args)
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+    if library.functions is None:
+        library.functions = True
+    return reply
+
+
+async def _loaded_async(client: redis.asyncio.Redis, library: Library, exc: ResponseError) -> bool:
+    """:func:`_loaded` awaited."""
+    if library.refused(exc):
+        return False
+    if not library.missing(exc):
+        raise exc
+    try:
+        await client.function_load(library.source)
+    except ResponseError as load_exc:
+        if library.refused(load_exc):
+            return False
+        if not library.exists(load_exc):
+            raise
+    return True
 
 
 async def wrap_errors_async(call: Callable[[], Awaitable[_T]]) -> _T:

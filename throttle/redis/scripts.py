@@ -18,17 +18,28 @@ same cut prelude (:func:`operation_source`).
 
 Scripts are registered as redis-py :class:`~redis.commands.core.Script` objects, which
 call EVALSHA and reload the script on NOSCRIPT (after ``SCRIPT FLUSH`` or a restart).
+
+On Redis 7 and later the limiter's operations are one Redis *function library* instead
+(:func:`library_source`, loaded once with ``FUNCTION LOAD`` and called with ``FCALL``; see
+:mod:`throttle.redis.library`): the same files, composed once, so that the functions and
+tables of the prelude and of every algorithm are created when the library loads rather
+than on every call, which is what a script sent with EVALSHA pays for on each call.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 __all__ = [
     "ALGORITHM_FILES",
+    "LIBRARY_OPERATIONS",
     "ONE_LIMIT_OPERATION",
     "SEVERAL_LIMITS_ONLY",
+    "function_name",
+    "library_name",
+    "library_source",
     "lua_dir",
     "operation_source",
     "script_source",
@@ -110,3 +121,72 @@ def operation_source(operation: str) -> str:
     registry of algorithms, which such a script would only build and drop on every call)
     and the operation file."""
     return "\n".join([_one_limit_part("prelude.lua"), _read(f"{operation}.lua")])
+
+
+LIBRARY_OPERATIONS = ("acquire", "settle", "peek", "hold", "holds", "space")
+"""The operations of the limiter that the function library holds besides ``acquire_one``
+(one per algorithm that runs it): every call :class:`throttle.limiter.RequestBuilder`
+builds. The parking lot's and the learned rates' operations stay scripts (EVALSHA): they
+run once per parked task or per upstream answer, not per acquire."""
+
+# Each operation's body runs inside a function of the library. KEYS and ARGV are the
+# library's locals (a function gets them as arguments, not as globals), and FENCE, which an
+# EVAL script starts at 0 on every call, is set back to 0: it outlives the call here. The
+# prelude's locals of the globals are bound on the first call (see prelude.lua).
+_FUNCTION = """redis.register_function('{name}', function(keys, args)
+KEYS, ARGV, FENCE = keys, args, 0
+if not struct then
+  bind_globals()
+end
+{body}
+end)"""
+
+
+@functools.cache
+def _library() -> tuple[str, str]:
+    """(name, source) of the function library."""
+    parts = ["local KEYS, ARGV", _read("prelude.lua")]
+    bodies: list[tuple[str, str]] = []
+    for code, name in sorted(ALGORITHM_FILES.items()):
+        parts.append(_read(name))
+        if code not in ("conc", "fair"):
+            # Right after its algorithm's file: the one-limit body calls that file's check
+            # and commit, as in its script.
+            parts.append(
+                _FUNCTION.format(
+                    name=f"{{lib}}_acquire_one_{code}", body=_read(f"{ONE_LIMIT_OPERATION}.lua")
+                )
+            )
+    for operation in LIBRARY_OPERATIONS:
+        bodies.append((operation, _read(f"{operation}.lua")))
+    parts.extend(_FUNCTION.format(name=f"{{lib}}_{op}", body=body) for op, body in bodies)
+    body = "\n".join(parts)
+    # Named after its content: libraries of different versions of the package live side
+    # by side in one Redis, and a library of this name is this code.
+    name = "throttle_" + hashlib.sha1(body.encode()).hexdigest()[:16]
+    return name, f"#!lua name={name}\n" + body.replace("{lib}", name)
+
+
+def library_name() -> str:
+    """The name of the function library (``throttle_`` and a hash of its source)."""
+    return _library()[0]
+
+
+def library_source() -> str:
+    """The source of the function library, for ``FUNCTION LOAD``: ``prelude.lua``, every
+    algorithm's file (each followed by its ``acquire_one`` function, which calls that
+    file's ``check`` and ``commit``), then a function per operation of
+    :data:`LIBRARY_OPERATIONS`, each the operation's file as its body."""
+    return _library()[1]
+
+
+@functools.cache
+def function_name(operation: str, code: str | None = None) -> str:
+    """The library's function of ``operation`` (``acquire_one`` of algorithm ``code``)."""
+    if operation == ONE_LIMIT_OPERATION:
+        if code not in ALGORITHM_FILES or code in ("conc", "fair"):
+            raise ValueError(f"{operation} takes one algorithm other than conc and fair")
+        return f"{library_name()}_{operation}_{code}"
+    if operation not in LIBRARY_OPERATIONS:
+        raise ValueError(f"the library has no operation {operation!r}")
+    return f"{library_name()}_{operation}"

@@ -93,11 +93,15 @@ _SHARED = re.compile(r"^(socket_.*|ssl_.*|retry_on_timeout|health_check_interval
 # Every command the limiter sends, with the commands its Lua scripts call (Redis checks
 # those against the caller's ACL too). No SELECT: give a database other than 0 with +select.
 ACL_COMMANDS = (
+    # the limiter's operations: FCALL of its function library, loaded when missing (Redis
+    # 7+; without these two, the scripts: throttle.redis.library)
+    "fcall", "function|load",
     # scripts: redis-py's Script calls EVALSHA, loads on NOSCRIPT; run_script falls back
     # to EVAL when flushed again in between
     "evalsha", "eval", "script|load",
-    # called inside the scripts (lua/*.lua)
-    "time", "get", "set", "del", "pexpire", "hget", "hmget", "hset", "hdel", "hgetall",
+    # called inside the functions and scripts (lua/*.lua)
+    "time", "get", "set", "setrange", "del", "pexpire", "hget", "hmget", "hset", "hdel",
+    "hgetall",
     "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
     # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
     # hgetall), parking counts (zcard), reset (scan, del), the workers' clocks (hset,
