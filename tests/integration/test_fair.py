@@ -206,15 +206,17 @@ def test_fair_in_a_limits_file_and_its_errors(tmp_path: Any) -> None:
     good.write_text(
         "limits:\n"
         "  llm: {rate: 20/s burst 1, algorithm: gcra, key: '{tenant}', fair: true,\n"
-        "        weights: {enterprise: 4, free: 1.5}}\n"
+        "        weights: {enterprise: 4, free: 1.5}, cost: size, on_error: refund,\n"
+        "        spacing_guard: false}\n"
     )
     rule = ThrottleConfig.load(str(good)).rule("llm")
     assert rule.limit.fair and rule.limit.weight("enterprise") == 4.0
     assert rule.limit.weight("anyone") == 1.0
+    assert (rule.on_error, rule.spacing_guard) == ("refund", False)
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "limits:\n"
-        "  nokey: {rate: 20/s, fair: true}\n"
+        "  nokey: {rate: 20/s, fair: true, cost: 2}\n"
         "  negative: {rate: 20/s, key: '{t}', fair: true, weights: {free: -1}}\n"
         "  text: {rate: 20/s, key: '{t}', fair: true, weights: {free: lots}}\n"
         "  notfair: {rate: 20/s, key: '{t}', weights: {free: 2}}\n"
