@@ -21,6 +21,9 @@ Limits (``tests/apps/tenants_app.py``): ``tenant`` 15/s burst 1 per tenant (GCRA
   98.7 % (300 / (2 + 20 x 299 / 19.8)): it counts the limit's 1 % headroom and the API's
   burst as losses.
 
+``--park-lead`` sets how early a parked task comes back before its slot (it then sleeps
+in its pool slot; capped at half of ``sleep_max``, 0.25 s here).
+
 Run: ``.venv/bin/python -m bench.tenants --before f0eea23`` (2 workers x 4 children);
 ``--parts baseline`` for the baseline alone (both variants; ``--guard default`` for one).
 """
@@ -208,10 +211,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--guard", default="default,off", help="baseline variants: default (guard on), off"
     )
+    parser.add_argument(
+        "--park-lead",
+        default="1s",
+        help="settings.park_lead of the baseline variants (capped at half of sleep_max); "
+        "several, comma-separated: each guard variant with each",
+    )
     args = parser.parse_args(argv)
-    parts, guards = args.parts.split(","), args.guard.split(",")
+    parts = args.parts.split(",")
+    variants = [
+        (guard, lead) for lead in args.park_lead.split(",") for guard in args.guard.split(",")
+    ]
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    rows: list[tuple[str, dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = []
+    rows: list[tuple[str, dict[str, Any] | None, list[tuple[str, str, dict[str, Any]]]]] = []
     with (
         tempfile.TemporaryDirectory(prefix="bench-tenants-") as tmp,
         contextlib.ExitStack() as stack,
@@ -227,27 +239,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.callback(api.stop)
         for version, tree in trees.items():
             tenants: dict[str, Any] | None = None
-            bases: list[tuple[str, dict[str, Any]]] = []
+            bases: list[tuple[str, str, dict[str, Any]]] = []
             # A revision from before the spacing guard knows no such field (and no guard).
             known = "spacing_guard" in (tree / "throttle" / "rules.py").read_text()
-            for i, guard in enumerate(guards if known else guards[:1]):
-                config = logs / f"limits-{guard}.yaml"
-                config.write_text(GUARDS[guard])
+            for i, (guard, lead) in enumerate(variants if known else variants[:1]):
+                config = logs / f"limits-{guard}-{lead}.yaml"
+                config.write_text(GUARDS[guard].replace("park_lead: 1s", f"park_lead: {lead}"))
                 with RedisServer() as server:
                     env = {
                         "TENANTS_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config),
                         "MOCK_API_URL": api.url,
                     }  # fmt: skip
                     client = redis.Redis.from_url(server.url)
-                    tag = f"{version.split()[0]}-{guard}"
+                    tag = f"{version.split()[0]}-{guard}-{lead}"
                     with fleet(tree, env, logs, tag) as producer:
                         if i == 0 and "tenants" in parts:
                             tenants = tenants_run(producer, client, api, args)
                             print(version, "tenants", tenants)
                         if "baseline" in parts:
                             base = baseline_run(producer, client, api, args)
-                            print(version, "baseline", guard, base)
-                            bases.append((guard if known else "none yet", base))
+                            print(version, "baseline", guard, lead, base)
+                            bases.append((guard if known else "none yet", lead, base))
                     client.close()
             rows.append((version, tenants, bases))
     print()
@@ -270,13 +282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if "baseline" in parts:
         print()
-        print("| version | spacing guard | calls: rate / limit | rate / API | schedule / limit "
-              "| late p50 | last call late | former measure | refused (unexplained) |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| version | spacing guard | park_lead | calls: rate / limit | rate / API "
+              "| schedule / limit | late p50 | last call late | former measure "
+              "| refused (unexplained) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for version, _, bases in rows:
-            for guard, b in bases:
+            for guard, lead, b in bases:
                 print(
-                    f"| {version} | {guard} | {100 * b['of_limit']:.1f} % "
+                    f"| {version} | {guard} | {lead} | {100 * b['of_limit']:.1f} % "
                     f"| {100 * b['of_api']:.1f} % | {100 * b['schedule']:.1f} % "
                     f"| {1000 * b['late_p50']:.0f} ms | {1000 * b['late_last']:.0f} ms "
                     f"| {100 * b['former']:.1f} % | {b['refused']} ({b['unexplained']}) |"
