@@ -6,13 +6,16 @@ What runs
 ---------
 A private ``redis-server`` (broker and limiter), the mock API (``workers/mock_api.py``,
 20 calls/s burst 2, in a thread of this process) and **2** ``celery worker`` processes of
-**4 prefork children** of ``bench/fair_app.py``. Three variants, one after the other on
-the same fleet, each a limit of 19.6/s burst 1 (GCRA) shared by tenants ``a``, ``b``,
-``c``:
+**4 prefork children** of ``bench/fair_app.py``. Three variants (a fourth on request), one
+after the other on the same fleet, each a limit of 19.6/s burst 1 (GCRA) shared by tenants
+``a``, ``b``, ``c``:
 
 * ``fcfs``: today's shared limit (no key, no ``fair``): first come first served;
 * ``fair``: ``fair: true`` over ``{tenant}``, equal weights: a share of 6.53/s each;
-* ``weighted``: ``fair: true`` with ``weights: {a: 2}``: 9.8/s, 4.9/s and 4.9/s.
+* ``weighted``: ``fair: true`` with ``weights: {a: 2}``: 9.8/s, 4.9/s and 4.9/s;
+* ``unguarded`` (only when asked, ``--variants fair,unguarded``): ``fair`` with
+  ``spacing_guard: false``: what the call-time spacing guard, on by default at burst 1,
+  costs here (the mock API allows burst 2).
 
 In each variant the three tenants send tasks at once, each faster than its share: ``a``
 15/s, ``b`` 10/s, ``c`` 8/s, for ``--seconds``; then the variant waits until every task
@@ -62,6 +65,7 @@ VARIANTS = {
     "fcfs": ("bench.fair_app.fcfs_call", {"a": 1.0, "b": 1.0, "c": 1.0}),
     "fair": ("bench.fair_app.fair_call", {"a": 1.0, "b": 1.0, "c": 1.0}),
     "weighted": ("bench.fair_app.weighted_call", {"a": 2.0, "b": 1.0, "c": 1.0}),
+    "unguarded": ("bench.fair_app.unguarded_call", {"a": 1.0, "b": 1.0, "c": 1.0}),
 }
 
 

@@ -8,7 +8,9 @@ upstream the mock API at ``MOCK_API_URL``. The worker settings are the demo app'
 
 * ``fair_call``: ``fair: true`` over ``{tenant}``, every tenant of weight 1;
 * ``weighted_call``: the same with ``weights: {a: 2}``;
-* ``fcfs_call``: today's shared limit, one state for every tenant (first come first served).
+* ``fcfs_call``: today's shared limit, one state for every tenant (first come first served);
+* ``unguarded_call``: as ``fair_call`` with ``spacing_guard: false`` (the guard is on by
+  default at burst 1; the mock API allows burst 2).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ app.conf.update(
             "fair": {**SHARED, "key": "{tenant}", "fair": True},
             "weighted": {**SHARED, "key": "{tenant}", "fair": True, "weights": {"a": 2}},
             "fcfs": SHARED,
+            "unguarded": {**SHARED, "key": "{tenant}", "fair": True, "spacing_guard": False},
         },
     },
 )
@@ -77,4 +80,10 @@ def weighted_call(self: Any, tenant: str, n: int) -> int:
 @app.task(bind=True)
 @throttled("fcfs")
 def fcfs_call(self: Any, tenant: str, n: int) -> int:
+    return _post(self.request.id)
+
+
+@app.task(bind=True)
+@throttled("unguarded")
+def unguarded_call(self: Any, tenant: str, n: int) -> int:
     return _post(self.request.id)

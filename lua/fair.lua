@@ -3,18 +3,35 @@
 -- A total schedule at the limit's full rate (GCRA: interval T = 1 / rate, burst B), and one
 -- schedule per key at its share of that rate: share = w / W, with w the key's weight and W
 -- the sum of the weights of the keys active now (this key included), recomputed on every
--- call. A key is admitted on the total's next slot when its own schedule is due by then
--- ("on schedule"), or at once when the total has capacity at once (spare capacity: work
--- conserving, the key's schedule is not charged). Otherwise the key has had its share:
--- denied, and told to come back at its planned time. Reservations (max_wait_us) reach at
--- most horizon_us ahead (0.25 s, or two intervals of a slow limit), so no key books the
--- future first come first served.
+-- call. Both reach at most the near horizon H ahead (horizon_us: 0.5 s, or B + 1 intervals
+-- of a slow limit; less when the caller's max_wait_us is shorter):
+--   1 on schedule: a key whose schedule is at most H ahead of now takes the total's next
+--     slot when that is within H, and its schedule moves on by one share interval;
+--   2 spare capacity: a key further ahead still takes the total's slot when it is free at
+--     once (nobody due wanted it), uncharged;
+--   3, 4 otherwise denied: the total is booked H ahead (3) or the key has had its share (4),
+--     and told to come back at its planned time.
+-- Work conserving, and what it costs: a key may run its schedule up to H ahead of now, so
+-- a key whose tasks come back late (a busy fleet) leaves its slots to keys that are there,
+-- which may use H more than their share in the short run, never more over time (their
+-- schedules stop them); a newcomer's first slot may wait up to H behind slots booked
+-- before it. A key counts in W only while its schedule is ahead of now or its tasks are
+-- planned: a key asking less than its share counts for about the fraction of the time its
+-- calls use, so the others share what it leaves (max-min fair), and a key that stops
+-- leaves W as soon as its schedule and plan have passed.
+-- The plan: a cursor per key, moved on by one share interval per denial, from when the key
+-- may take a slot again (its schedule less H, the total's next slot less H): the key's
+-- waiting tasks come back one share interval apart, each when it can reserve, and one that
+-- comes back late finds its key still on schedule. It reaches at most plan_us ahead (3 s, or
+-- four of the key's intervals), then starts over among the earlier times: a waiting task
+-- looks again at least that often (and sees shares that changed meanwhile).
+-- No key books the future first come first served: nothing is reserved beyond H.
 --
 -- KEYS (nkeys = 3, from k):
 --   KEYS[k]     the key's state: STRING, two doubles '<dd': tk = the key's TAT on its own
 --               schedule (us), plan = the key's plan cursor (us): where the next task that
---               has had its share is told to come back. Expires once both have passed and
---               the key is no longer active.
+--               has had its share is told to come back. The key is active until both
+--               have passed; then it expires (a second later).
 --   KEYS[k+1]   the limit's shared HASH: 't' = the total TAT (us), 'W' = the sum of the
 --               weights of the active keys, and one field per active key (its state key's
 --               name) = its weight.
@@ -23,21 +40,14 @@
 -- count / period_us is still the limit's rate (the weight of the key rides in the pair);
 -- burst = B, the total's burst.
 --
--- A key is active from its first call until ACTIVE_US after the later of its schedule and
--- its plan (a key with tasks told to come back stays active while they wait).
--- The key's schedule tolerates the limit's burst (at the total's pace) plus one call (at
--- the key's): a task that comes back a little late does not lose its turn.
--- The plan reaches at most plan_us ahead (10 s, or four of the key's intervals), then
--- starts over among the earlier times: a waiting task looks again at least that often.
 -- Replies: as every algorithm's (prelude.lua); nothing of this file reaches the caller.
 -- check hands commit and deny s1 = a table of what it read and decided.
 
-local ACTIVE_US = 2000000
 local function horizon_us(interval, burst)
-  return math.max(250000, (burst + 1) * interval)
+  return math.max(500000, (burst + 1) * interval)
 end
 local function plan_us(key_interval, cost)
-  return math.max(10000000, 4 * cost * key_interval)
+  return math.max(3000000, 4 * cost * key_interval)
 end
 
 local function check(k, count, period_us, burst, now, cost, max_wait)
@@ -72,24 +82,24 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   end
   local key_interval = interval * sum / w
   local slot = math.max(now, t + (cost - burst) * interval)
-  local due = math.max(tk, now) + (cost - 1) * key_interval - burst * interval
-  local horizon = math.min(max_wait, horizon_us(interval, burst))
+  local near = horizon_us(interval, burst)
+  local due = math.max(tk, now) + (cost - 1) * key_interval - near
+  local horizon = math.min(max_wait, near)
   -- mode: 1 on schedule, 2 spare capacity, 3 denied by the total, 4 denied by its share
   local mode, allowed, wait, retry, after = 3, 0, 0, 0, t
   local start = plan
-  if due <= slot then
-    local need = ceil_us(slot - now)
-    if need <= horizon then
-      mode, allowed, wait, after = 1, 1, need, t + cost * interval
-    else
-      retry = need
-    end
-  elseif slot <= now then
+  if due <= now and slot - now <= horizon then
+    mode, allowed, wait, after = 1, 1, ceil_us(slot - now), t + cost * interval
+  elseif due > now and slot <= now then
     mode, allowed, after = 2, 1, t + cost * interval
   else
-    mode, start = 4, math.max(plan, due)
+    if due > now then
+      mode = 4
+    end
+    start = math.max(plan, due, slot - horizon)
     if start > now + plan_us(key_interval, cost) then
-      start = due  -- the plan starts over: later tasks come back among the earlier ones
+      -- the plan starts over: later tasks come back among the earlier ones
+      start = math.max(due, slot - horizon)
     end
     retry = ceil_us(start - now)
   end
@@ -107,7 +117,7 @@ local function fair_write(k, w, now, total, r, tk, plan)
     redis.call('ZREM', active, unpack(gone))
     redis.call('HDEL', shared, unpack(gone))
   end
-  local until_us = math.max(tk, plan, now) + ACTIVE_US
+  local until_us = math.max(tk, plan, now)
   redis.call('ZADD', active, until_us, member)
   redis.call('HSET', shared, 't', total, 'W', r[3], member, w)
   redis.call('SET', member, struct.pack('<dd', tk, plan), 'PX', ttl_ms(until_us - now))
@@ -138,11 +148,7 @@ end
 -- A denied acquisition (acquire.lua calls it for every limit whose check denied): the key
 -- is active, and a key denied by its share moves its plan on by one task.
 local function deny(k, count, period_us, burst, now, cost, r)
-  local plan = r[7]
-  if r[1] == 4 then
-    plan = r[9] + cost * r[8]
-  end
-  fair_write(k, count, now, r[2], r, r[6], plan)
+  fair_write(k, count, now, r[2], r, r[6], r[9] + cost * r[8])
 end
 
 -- ==== several limits only: acquire_one.lua is sent without the rest of this file ====
@@ -171,7 +177,7 @@ ALGO.fair = {
       local ttl = redis.call('PTTL', KEYS[k])
       tk = math.max(now, math.max(tk, now) + delta * tonumber(mark))
       redis.call('SET', KEYS[k], struct.pack('<dd', tk, plan), 'PX',
-                 math.max(ttl, ttl_ms(tk + ACTIVE_US - now)))
+                 math.max(ttl, ttl_ms(tk - now)))
     end
   end,
 }

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from throttle.adaptive import ADAPTIVE_FIELDS, parse_adaptive
@@ -127,6 +127,10 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
     # The rule's fields are checked each against the limit; against a stand-in of unbounded
     # capacity when the limit itself is bad (a cost then cannot exceed it).
     probe = limit or Limit(name, Algorithm.TOKEN_BUCKET, MAX_AMOUNT)
+    if probe.fair:
+        # Alone, any field of a fair limit but its key would read as "fair without a key":
+        # that is judged once, on the whole entry.
+        probe = replace(probe, fair=False, weights=())
     options: dict[str, Any] = {}
     for key in _RULE_FIELDS:
         if key in config:

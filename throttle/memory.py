@@ -366,7 +366,10 @@ class Fair:
     of active keys are named after it as the key space names them (the name up to its
     last ``:``, and that + ``:a``)."""
 
-    ACTIVE_US = 2000000.0
+    HORIZON_US = 500000.0
+    """The near horizon (us): how far ahead a slot is reserved and a key's schedule may run."""
+    PLAN_US = 3000000.0
+    """How far ahead a key's plan reaches (us) before it starts over."""
 
     def __init__(self) -> None:
         self.keys: dict[str, tuple[float, float]] = {}  # key -> (tk, plan)
@@ -404,21 +407,19 @@ class Fair:
         tk, plan = self.keys.get(key, (now, now))
         key_interval = interval * total / w
         slot = max(now, t + (cost - burst) * interval)
-        due = max(tk, now) + (cost - 1) * key_interval - burst * interval
-        horizon = min(max_wait, max(250000.0, (burst + 1) * interval))
+        near = max(self.HORIZON_US, (burst + 1) * interval)
+        due = max(tk, now) + (cost - 1) * key_interval - near
+        horizon = min(max_wait, near)
         mode, allowed, wait, retry, after, start = 3, 0, 0, 0, t, plan
-        if due <= slot:
-            need = ceil_us(slot - now)
-            if need <= horizon:
-                mode, allowed, wait, after = 1, 1, need, t + cost * interval
-            else:
-                retry = need
-        elif slot <= now:
+        if due <= now and slot - now <= horizon:
+            mode, allowed, wait, after = 1, 1, ceil_us(slot - now), t + cost * interval
+        elif due > now and slot <= now:
             mode, allowed, after = 2, 1, t + cost * interval
         else:
-            mode, start = 4, max(plan, due)
-            if start > now + max(10000000.0, 4 * cost * key_interval):
-                start = due
+            mode = 3 if due <= now else 4
+            start = max(plan, due, slot - horizon)
+            if start > now + max(self.PLAN_US, 4 * cost * key_interval):
+                start = max(due, slot - horizon)
             retry = ceil_us(start - now)
         return {
             "allowed": allowed, "wait": wait, "retry": retry,
@@ -437,7 +438,7 @@ class Fair:
         for m in r["gone"]:
             active.pop(m, None)
             shared.pop(m, None)
-        active[key] = max(tk, plan, now) + self.ACTIVE_US
+        active[key] = max(tk, plan, now)
         shared.update({"t": t, "W": r["sum"], key: w})
         self.keys[key] = (tk, plan)
 
@@ -457,9 +458,7 @@ class Fair:
         return mark
 
     def deny(self, key: str, p: Params, now: float, cost: float, r: Check) -> None:
-        plan = r["plan"]
-        if r["mode"] == 4:
-            plan = r["start"] + cost * r["key_interval"]
+        plan = r["start"] + cost * r["key_interval"]
         self._write(key, p.count, now, r["t"], r, r["tk"], plan)
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:

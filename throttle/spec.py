@@ -222,9 +222,13 @@ class Limit:
         Share the rate fairly among the keys active at the same time (``lua/fair.lua``):
         N keys that all want more than their share get about 1/N of the rate each (or
         their weight's share), one key alone gets all of it, and the total never exceeds
-        the rate. Token bucket and GCRA limits only; acquired with a key (the key names
-        what the shares are of). A fair limit is a GCRA shaper whatever its algorithm:
-        ``burst`` calls may come at once.
+        the rate. Work conserving: a key's schedule may run the near horizon (0.5 s)
+        ahead of now, so slots a key's late tasks leave go to the keys whose tasks are
+        there, and a key asking less than its share leaves the rest to the others; the
+        price is up to 0.5 s of calls beyond a share over short windows, and a newcomer's
+        first slot up to 0.5 s away (docs/concepts.md, Fair limits). Token bucket and GCRA
+        limits only; acquired with a key (the key names what the shares are of). A fair
+        limit is a GCRA shaper whatever its algorithm: ``burst`` calls may come at once.
     weights:
         A fair limit's weight per key value (a mapping; finite numbers > 0); a key not
         listed weighs 1. A key of weight 4 among keys of weight 1 gets four times their

@@ -2,7 +2,8 @@
 
 Each task asks at its arrival time with a reservation horizon (the gate's, a day); an
 allowed task runs at its slot, a denied one comes back after ``retry_after_s`` plus a
-jitter drawn as the gate draws it (a seeded generator: the run is deterministic).
+jitter drawn as the gate draws it (a seeded generator: the run is deterministic; none
+after a fair limit's denial, as the gate).
 Events are taken in time order, so the script sees the calls a fleet would make, on one
 clock, without a worker.
 """
@@ -49,7 +50,8 @@ def flood(
             slots[key].append((clock.now_us - start_us) / 1e6 + decision.wait_s)
             continue
         retry = decision.retry_after_s
-        back = retry + rng.uniform(0.0, min(jitter_s, max(retry, 0.05)))
+        jitter = 0.0 if limit.fair else rng.uniform(0.0, min(jitter_s, max(retry, 0.05)))
+        back = retry + jitter
         order += 1
         heapq.heappush(events, (clock.now_us + round(back * 1e6), order, key))
     return {key: sorted(times) for key, times in slots.items()}

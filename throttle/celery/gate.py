@@ -351,7 +351,9 @@ class Gate:
                     hand_back(self.limiter, self.plan.plan, execution.request.id,
                               [0.0] * len(self.plan.plan), self._lease_s())  # fmt: skip
                 time_out(execution, now, retry, decision)
-        jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
+        jitter = 0.0
+        if not planned_by_fair(execution, decision):
+            jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
         defer(execution, retry + jitter, retry, decision, planned=planned)
 
     # -- eager mode and direct calls
@@ -372,6 +374,16 @@ class Gate:
                 if retry > left:
                     raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
+
+
+def planned_by_fair(execution: Execution, decision: Decision) -> bool:
+    """Whether only fair limits denied: their script has already spread the comebacks (one
+    share interval apart per key, a little before the key is due), so a jitter would only
+    make them late and leave slots of the shared rate unused. The price: tasks a hold of a
+    fair limit denied come back together at its end, and the script spreads them then."""
+    fair = {limit.name for limit, _, _ in execution.targets if limit.fair}
+    denied = decision.denied_by
+    return bool(denied) and fair.issuperset(denied)
 
 
 def restore_eta(execution: Execution) -> None:
