@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua
+.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate
 
 setup: system-deps $(STAMP)
 
@@ -133,6 +133,12 @@ bench-tenants: setup
 # revision's worker beside this one. A few minutes.
 bench-overhead: setup
 	$(PY) -m bench.overhead $(OVERHEAD_ARGS)
+
+# The throttler's own Python per task, in one process (Celery's tracer, no pool): CPU per
+# task with Redis and with a canned reply; GATE_ARGS="--before REV" beside an older
+# revision, "--profile one_limit" for cProfile's table. About a minute.
+bench-gate: setup
+	$(PY) -m bench.gate_cpu $(GATE_ARGS)
 
 # Fair share: three tenants flood one shared limit through 2 workers x 4 children against
 # the mock API: first come first served, fair, fair with weights. About two minutes.

@@ -617,7 +617,10 @@ def _encode_targets(
     for target in targets:
         if len(target) == 3:
             limit, key, own = target
-            limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
+            if type(own) is float and 0.0 <= own < _INF:  # the common case, checked at once
+                limit_cost = own
+            else:
+                limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
             encoded = repr(limit_cost).encode()
         else:
             limit, key = target

@@ -102,6 +102,11 @@ class _State:
     failed = False
 
 
+def counting() -> bool:
+    """Whether this process counts metrics (``settings.metrics`` on, in a worker)."""
+    return _State.active is not None
+
+
 def available() -> bool:
     """True when ``prometheus_client`` is installed."""
     return importlib.util.find_spec("prometheus_client") is not None

@@ -81,6 +81,12 @@ class KeyTemplate:
     literals: tuple[str, ...]
     paths: tuple[str, ...]
     """The fields as written, e.g. ``"user.org"`` (``string.Formatter`` paths)."""
+    whole: tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    """For each field, whether it is a whole argument (``"{tenant_id}"``, read by name),
+    not a path into one."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "whole", tuple(path.isidentifier() for path in self.paths))
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -418,10 +424,42 @@ def declare(
 _signature = functools.lru_cache(maxsize=1024)(inspect.signature)
 
 
+def _plain_parameters(fn: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The names of ``fn``'s parameters when each is positional-or-keyword (no ``*args``,
+    ``**kwargs``, keyword- or positional-only ones: then binding a call is a zip), else
+    None."""
+    try:
+        parameters = _signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters):
+        return tuple(p.name for p in parameters)
+    return None
+
+
+_plain = functools.lru_cache(maxsize=1024)(_plain_parameters)
+
+
 def named_arguments(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The arguments of a call of ``fn`` by name (positional ones bound to its parameters)."""
+    try:
+        names = _plain(fn)
+    except TypeError:  # not hashable
+        names = None
+    if names is not None:
+        # Signature.bind_partial's answer, in a fraction of its time (a task's function
+        # usually has plain parameters). A call it refuses (too many arguments, one given
+        # twice or unknown) gives the keyword arguments alone, as below.
+        if len(args) > len(names):
+            return dict(kwargs)
+        named = dict(zip(names, args, strict=False))
+        for name in kwargs:
+            if name in named or name not in names:
+                return dict(kwargs)
+        named.update(kwargs)
+        return named
     try:
         signature = _signature(fn)
         bound = signature.bind_partial(*args, **kwargs)
@@ -490,7 +528,10 @@ def key_for(
                 field="key", value=key, limit=rule.name,
             )  # fmt: skip
         texts = []
-        for path in template.paths:
+        for path, whole in zip(template.paths, template.whole, strict=True):
+            if whole:  # what get_field reads for a bare name, without parsing the path
+                texts.append(_key_text(rule, named[path], f"{{{path}}}"))
+                continue
             try:
                 found = _FORMATTER.get_field(path, (), named)[0]
             except Exception as exc:  # a missing attribute or index, or a hostile __getattr__
@@ -547,11 +588,16 @@ def targets(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     current: Callable[[Limit], Limit] = _configured,
+    *,
+    by_name: bool | None = None,
 ) -> list[Target]:
     """Each rule's (limit, key, cost) for a call of ``fn`` with these arguments; ``current``
-    gives the limit in force (a rate changed at run time), default the configured one."""
+    gives the limit in force (a rate changed at run time), default the configured one.
+    ``by_name``: whether some key template or cost names an argument (None: found from the
+    rules; a caller that evaluates the same rules on every call knows it already)."""
     # Binding the arguments to names is only needed by templates and argument costs.
-    by_name = any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules)
+    if by_name is None:
+        by_name = any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules)
     named = named_arguments(fn, args, kwargs) if by_name else {}
     return [
         (current(rule.limit), key_for(rule, named, args, kwargs),

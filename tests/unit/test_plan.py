@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from throttle import Limit
 from throttle.celery.message import H_PLANNED, planned_header
-from throttle.celery.plan import plan_limit, plan_of
+from throttle.celery.plan import plan_at, plan_limit, plan_of, plan_shape
 from throttle.rules import Rule
 
 TENANT = Limit.parse("15/s burst 1", name="tenant", algorithm="gcra")
@@ -73,3 +73,32 @@ def test_the_planned_header_carries_the_plan_slot() -> None:
     # Absent, or not a time: no plan (the task is taken as arriving)
     for headers in ({}, {H_PLANNED: 0}, {H_PLANNED: "soon"}, {H_PLANNED: float("nan")}):
         assert planned_header(headers) is None
+
+
+def test_the_shape_worked_out_from_the_rules_is_the_plan_of_their_targets() -> None:
+    # The gate works out once per task (plan_shape) what plan_of decides per message.
+    org = Limit.parse("50/s burst 1", name="org", algorithm="gcra")
+    fair = Limit.parse("20/s burst 1", name="llm", algorithm="gcra", fair=True)
+    rule_sets = [
+        [Rule(TENANT, key="{tenant}"), Rule(SHARED)],
+        [Rule(TENANT, key="{tenant}"), Rule(WINDOW)],
+        [Rule(WINDOW, key="{tenant}"), Rule(SHARED)],
+        [Rule(TENANT, key="{tenant}"), Rule(SHARED), Rule(SLOTS)],
+        [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{org}")],
+        [Rule(TENANT, key="{org}:{user}"), Rule(org, key="{user}:{org}")],
+        [Rule(TENANT, key=lambda **kw: kw["tenant"]), Rule(org, key="{org}")],
+        [Rule(TENANT, key="{tenant}"), Rule(fair, key="{tenant}")],
+        [Rule(fair, key="{tenant}")],
+        [Rule(TENANT, key="{tenant}"), Rule(SHARED), Rule(org, key="{org}")],
+        [Rule(SHARED)],
+    ]
+    for rules in rule_sets:
+        targets = [
+            (rule.limit, None if rule.key is None else f"k{i}", 1.0 + i)
+            for i, rule in enumerate(rules)
+        ]
+        shape = plan_shape(rules)
+        expected = plan_of(targets, rules)
+        assert (shape is None) == (expected is None), rules
+        if shape is not None:
+            assert plan_at(targets, shape) == expected

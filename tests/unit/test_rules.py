@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from throttle.errors import ConfigError
-from throttle.rules import RedisDown, Rule, declare, targets
+from throttle.rules import RedisDown, Rule, declare, named_arguments, targets
 from throttle.spec import Algorithm, Limit
 
 TOKENS = Limit.parse("90000/m", name="tokens")
@@ -33,6 +35,50 @@ def test_positional_arguments_are_bound_by_name_and_defaults_are_not_invented() 
     with pytest.raises(ConfigError, match="no argument of this name") as caught:
         targets([rule], complete, ("acme", "hi"), {})  # the default is not a cost
     assert (caught.value.limit, caught.value.field) == ("tokens", "cost")
+
+
+def send(tenant_id: str, body: str, tokens: int = 10) -> None:
+    """A task function of plain parameters (bound without inspect: the same answer)."""
+
+
+class Bound:
+    def run(self, tenant_id: str, tokens: int) -> None:
+        """A method: ``self`` is a parameter of the function, not of the bound method."""
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "kwargs"),
+    [
+        (send, ("acme", "hi"), {}),
+        (send, ("acme",), {"tokens": 3}),
+        (send, (), {"tenant_id": "acme", "body": "hi"}),
+        (send, ("acme", "hi", 3, 4), {}),  # too many: refused, the keywords alone
+        (send, ("acme",), {"tenant_id": "other"}),  # given twice: refused
+        (send, ("acme",), {"region": "eu"}),  # unknown: refused
+        (complete, ("acme", "hi"), {"region": "eu"}),  # **extra: through inspect
+        (Bound().run, ("acme",), {"tokens": 2}),
+        (Bound.run, (Bound(), "acme"), {"tokens": 2}),
+    ],
+)
+def test_arguments_are_named_as_signature_binds_them(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    try:
+        signature = inspect.signature(fn)
+        expected = dict(signature.bind_partial(*args, **kwargs).arguments)
+        expected.update(expected.pop("extra", {}))
+    except TypeError:
+        expected = dict(kwargs)
+    assert named_arguments(fn, args, kwargs) == expected
+
+
+def test_key_templates_read_whole_arguments_attributes_and_indexes() -> None:
+    user = SimpleNamespace(org="acme", ids=[7, 8])
+    rule = Rule(REQUESTS, key="{tenant_id}/{user.org}/{user.ids[1]}")
+    got = targets([rule], complete, ("t1", "hi"), {"user": user, "user.org": "not read"})
+    assert got == [(REQUESTS, "t1/acme/8", 1.0)]
+    with pytest.raises(ConfigError, match="cannot read"):
+        targets([rule], complete, ("t1", "hi"), {"user": SimpleNamespace(org="acme")})
 
 
 def test_callables_get_the_task_arguments_as_given() -> None:

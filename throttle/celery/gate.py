@@ -47,14 +47,13 @@ from throttle.celery.message import (
     planned_header,
 )
 from throttle.celery.outage import run_while_down
-from throttle.celery.plan import Plan, hand_back, plan_id, plan_of
+from throttle.celery.plan import Plan, hand_back, plan_at, plan_id
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
-from throttle.spec import Algorithm
 
 logger = logging.getLogger("throttle")
 
@@ -81,7 +80,8 @@ class Gate:
     ) -> None:
         throttler = Throttler.of(task.app)
         self.execution = execution = Execution(task, throttler, (), fn, args, kwargs)
-        execution.rules = throttler.rules(task, declared, execution.queue)
+        self.rule_set = throttler.rule_set(task, declared, execution.queue)
+        execution.rules = self.rule_set.rules
         self.settings = throttler.settings
         self.limiter = throttler.limiter
         self.acquiring: list[Target] | None = None
@@ -95,15 +95,18 @@ class Gate:
             return None
         try:
             self._drop_second_copy()
+            rule_set = self.rule_set
             execution.targets = targets(
                 execution.rules, execution.fn, execution.args, execution.kwargs,
-                execution.throttler.rates.current,
+                execution.throttler.rates.current, by_name=rule_set.by_name,
             )  # fmt: skip
-            self._learn()
+            if rule_set.adaptive:
+                self._learn()
             now = time.time()
             set_deadlines(execution)
             ticket = self._block() if execution.eager else self._decide(now)
-            self._space()
+            if rule_set.guarded:
+                self._space()
         except BackendError as exc:
             run_while_down(execution, exc)
             return None
@@ -116,23 +119,15 @@ class Gate:
         round trip stamps the call on the Redis clock, then sleeps until the previous call
         of each such limit (and key) is at least its spacing ago. A task that started late
         for its slot then pushes the next call back instead of landing next to it."""
-        execution = self.execution
-        guarded = [
-            target
-            for rule, target in zip(execution.rules, execution.targets, strict=True)
-            if rule.guarded
-        ]
-        if guarded:
-            wait = self.limiter.space(guarded)
-            if wait > 0:
-                time.sleep(wait)
+        targets = self.execution.targets
+        wait = self.limiter.space([targets[i] for i in self.rule_set.guarded])
+        if wait > 0:
+            time.sleep(wait)
 
     def _learn(self) -> None:
         """Adaptive limits at their learned rate (:mod:`throttle.adaptive`): never above
         the rate in force, per key for a keyed limit."""
         execution = self.execution
-        if not any(rule.adaptive for rule in execution.rules):
-            return
         learned = execution.throttler.learned
         execution.targets = [
             (learned.current(limit, key, rule.adaptive) if rule.adaptive else limit, key, cost)
@@ -161,10 +156,7 @@ class Gate:
         unit must not be held while the task waits, so with one the wait is at most a
         sleep."""
         execution = self.execution
-        if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in execution.targets):
-            horizon = self.settings.sleep_max_s
-        else:
-            horizon = MAX_RESERVE_S
+        horizon = self.settings.sleep_max_s if self.rule_set.concurrency else MAX_RESERVE_S
         if self.plan is not None:
             # A task with a plan reserves real slots within a sleep only (see plan.py).
             horizon = self.settings.sleep_max_s
@@ -211,7 +203,8 @@ class Gate:
         task comes back later (raises)."""
         late_tolerance = self.settings.late_tolerance_s
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
-        self.plan = plan_of(self.execution.targets, self.execution.rules)
+        shape = self.rule_set.plan
+        self.plan = None if shape is None else plan_at(self.execution.targets, shape)
         planned: float | None = None
         if self.plan is not None:
             planned = planned_header(self.execution.message_headers)

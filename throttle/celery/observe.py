@@ -60,7 +60,8 @@ class PrometheusReporter(Observer):
     """The worker's Prometheus counters and histograms (:mod:`throttle.metrics`)."""
 
     def allowed(self, execution: Execution, wait_s: float) -> None:
-        metrics.allowed([rule.name for rule in execution.rules], wait_s)
+        if metrics.counting():  # every admitted task comes here: no list while metrics are off
+            metrics.allowed([rule.name for rule in execution.rules], wait_s)
 
     def deferred(
         self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
@@ -188,13 +189,24 @@ class Observers(Observer):
     swallowed, so that reporting never fails a task."""
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
-        self.observers = list(observers)
+        self.observers: list[Observer] = []
+        self._allowed: list[Observer] = []
+        """The observers whose ``allowed`` does something: the hook of every admitted
+        task, which the others would only slow down."""
+        for observer in observers:
+            self.add(observer)
 
     def add(self, observer: Observer) -> None:
         self.observers.append(observer)
+        if type(observer).allowed is not Observer.allowed:
+            self._allowed.append(observer)
 
     def allowed(self, execution: Execution, wait_s: float) -> None:
-        self._each(lambda observer: observer.allowed(execution, wait_s))
+        for observer in self._allowed:
+            try:
+                observer.allowed(execution, wait_s)
+            except Exception as exc:
+                logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
 
     def deferred(
         self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int

@@ -90,26 +90,56 @@ def plan_of(targets: list[Target], rules: Sequence[Rule] = ()) -> Plan | None:
     strict subset of the arguments another limit's template reads (``{org}`` beside
     ``{org}:{user}``). A key from a
     callable is compared with nothing: narrow."""
-    if any(limit.algorithm is Algorithm.CONCURRENCY for limit, _, _ in targets):
-        return None
     fields: list[frozenset[str] | None] = [None] * len(targets)
     if len(rules) == len(targets):
         fields = [
             frozenset(rule.key_fields) if rule.key_template is not None else None for rule in rules
         ]
+    keyed = [key is not None for _, key, _ in targets]
+    narrow = _narrow([limit for limit, _, _ in targets], keyed, fields)
+    return None if narrow is None else plan_at(targets, narrow)
+
+
+def plan_shape(rules: Sequence[Rule]) -> tuple[int, ...] | None:
+    """What :func:`plan_of` decides from the rules alone, for the gate to work out once per
+    task rather than per message: the indices of the narrow limits whose plans the task
+    takes, or None when it acquires in one step. (A rule's key is None exactly when its
+    target's is, and a rate changed at run time keeps its limit's algorithm and
+    fairness.)"""
+    fields = [
+        frozenset(rule.key_fields) if rule.key_template is not None else None for rule in rules
+    ]
+    keyed = [rule.key is not None for rule in rules]
+    return _narrow([rule.limit for rule in rules], keyed, fields)
+
+
+def plan_at(targets: list[Target], narrow: Sequence[int]) -> Plan:
+    """The plan of ``targets`` whose narrow limits are at the indices ``narrow``."""
+    plans = [(plan_limit(targets[i][0]), targets[i][1], targets[i][2]) for i in narrow]
+    return Plan(admit=[*targets, *plans], plan=plans, due=list(targets))
+
+
+def _narrow(
+    limits: Sequence[Limit], keyed: Sequence[bool], fields: Sequence[frozenset[str] | None]
+) -> tuple[int, ...] | None:
+    """The indices of the narrow limits (keyed, reserving, not shared), or None when there
+    is no plan: a concurrency limit, no narrow limit or no shared one."""
+    if any(limit.algorithm is Algorithm.CONCURRENCY for limit in limits):
+        return None
     templated = [f for f in fields if f is not None]
 
     def shared(i: int) -> bool:
         mine = fields[i]
-        if targets[i][0].fair:
+        if limits[i].fair:
             return True  # its rate is every key's: taken when due, as an unkeyed limit
-        return targets[i][1] is None or (mine is not None and any(mine < f for f in templated))
+        return not keyed[i] or (mine is not None and any(mine < f for f in templated))
 
-    narrow = [t for i, t in enumerate(targets) if not shared(i) and t[0].algorithm in _RESERVING]
-    if not narrow or not any(shared(i) for i in range(len(targets))):
+    narrow = tuple(
+        i for i in range(len(limits)) if not shared(i) and limits[i].algorithm in _RESERVING
+    )
+    if not narrow or not any(shared(i) for i in range(len(limits))):
         return None
-    plans = [(plan_limit(limit), key, cost) for limit, key, cost in narrow]
-    return Plan(admit=[*targets, *plans], plan=plans, due=list(targets))
+    return narrow
 
 
 def hand_back(

@@ -20,6 +20,7 @@ from throttle.adaptive import LearnedRates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
 from throttle.celery.outage import WORKER_ENV, OutageWatch, check_cold_start, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
+from throttle.celery.ruleset import RuleSet
 from throttle.config import Settings, ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.limiter import Limiter
@@ -95,7 +96,7 @@ class Throttler:
         self.watch = OutageWatch(
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
         )
-        self._resolved: dict[tuple[str, str | None, int], tuple[Rule, ...]] = {}
+        self._resolved: dict[tuple[str, str | None, int], RuleSet] = {}
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
@@ -188,9 +189,14 @@ class Throttler:
     def rules(self, task: Task, declared: Declared | None, queue: str | None) -> tuple[Rule, ...]:
         """The task's rules: its own (inline, then named), then the file's for its name and
         queue, each limit once."""
+        return self.rule_set(task, declared, queue).rules
+
+    def rule_set(self, task: Task, declared: Declared | None, queue: str | None) -> RuleSet:
+        """The task's rules (:meth:`rules`) and what the gate derives from them, resolved
+        once per task name, declaration and queue."""
         cache_key = (task.name, queue, id(declared))
-        rules = self._resolved.get(cache_key)
-        if rules is None:
+        resolved = self._resolved.get(cache_key)
+        if resolved is None:
             found: dict[str, Rule] = {}
             if declared is not None:
                 for rule in declared.rules:
@@ -205,8 +211,8 @@ class Throttler:
             if not task.name.startswith("celery."):
                 for rule in self.config.rules_for(task.name, queue):
                     found.setdefault(rule.name, rule)
-            rules = self._resolved[cache_key] = tuple(found.values())
-        return rules
+            resolved = self._resolved[cache_key] = RuleSet.of(tuple(found.values()))
+        return resolved
 
     def declared(self) -> Iterator[Declared]:
         """What each task of the app declares (tasks that declare nothing left out)."""

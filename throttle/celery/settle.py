@@ -31,6 +31,8 @@ def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
     acquisition = ticket.acquisition
     if acquisition is None:
         return
+    if not failed and not ticket.reported and not holds_units(acquisition):
+        return  # the common case, below without building the costs: nothing to settle
     actuals = actual_costs(ticket, acquisition, failed)
     if not failed and not holds_units(acquisition) and all(a is None for a in actuals):
         # Nothing to settle. A body that raised is settled even then: it may come back

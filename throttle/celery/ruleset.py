@@ -1,0 +1,44 @@
+"""A task's rules for one queue, with what the gate reads from the rules alone worked out
+once (per task name, declaration and queue, by :meth:`Throttler.rule_set`), not on every
+message: the gate's own Python runs on every throttled task, beside one Redis round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from throttle.celery.plan import plan_shape
+from throttle.rules import Rule
+from throttle.spec import Algorithm
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """The rules of a task on one queue, and what follows from them."""
+
+    rules: tuple[Rule, ...]
+    by_name: bool
+    """Some key template or cost names an argument: the call's arguments are bound to the
+    function's parameters (:func:`throttle.rules.named_arguments`)."""
+    adaptive: bool
+    """Some limit learns its rate (:mod:`throttle.adaptive`)."""
+    guarded: tuple[int, ...]
+    """The indices of the rules under the call-time spacing guard (``Rule.guarded``)."""
+    concurrency: bool
+    """Some limit is a concurrency limit (its unit is never held while a task waits)."""
+    plan: tuple[int, ...] | None
+    """The indices of the narrow limits an arriving task plans on, or None when it
+    acquires in one step (:func:`throttle.celery.plan.plan_shape`)."""
+
+    @classmethod
+    def of(cls, rules: Sequence[Rule]) -> RuleSet:
+        rules = tuple(rules)
+        return cls(
+            rules=rules,
+            by_name=any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules),
+            adaptive=any(rule.adaptive for rule in rules),
+            guarded=tuple(i for i, rule in enumerate(rules) if rule.guarded),
+            concurrency=any(rule.limit.algorithm is Algorithm.CONCURRENCY for rule in rules),
+            plan=plan_shape(rules),
+        )
