@@ -5,7 +5,8 @@
 --              fence marker when ARGV[6+7n] is given, then, when an acquisition id is
 --              given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
--- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA)
+-- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA);
+--                            negative: minus the latest slot to reserve, epoch us (a deadline)
 -- ARGV[3]      n             number of limits
 -- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair'), count, period_us, burst,
 --              cost (burst = the capacity: bucket size, or count for windows and
@@ -47,6 +48,9 @@
 
 local now = clock_us(ARGV[1])
 local max_wait = tonumber(ARGV[2])
+if max_wait < 0 then
+  max_wait = math.max(-max_wait - now, 0)
+end
 local n = tonumber(ARGV[3])
 local acq = ARGV[4 + 5 * n]
 if acq == '' then

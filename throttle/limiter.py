@@ -211,6 +211,7 @@ class RequestBuilder(Generic[_S]):
         max_wait_s: float,
         acquisition_id: str | None,
         lease_s: float,
+        reserve_until: float | None = None,
     ) -> Request[_S, Decision]:
         """The call of an acquire of several targets (see :meth:`Limiter.acquire_many`)."""
         n = len(targets)
@@ -218,7 +219,10 @@ class RequestBuilder(Generic[_S]):
         if not targets:
             raise RequestError("acquire needs at least one limit")
         cost, max_wait_us, lease_s = checked
-        if n == 1 and acquisition_id is None:
+        if reserve_until is not None:
+            # Sent negated: the script measures the window from its own TIME (acquire.lua).
+            max_wait_us = -round(_number(reserve_until, "reserve_until", positive=True) * 1e6)
+        elif n == 1 and acquisition_id is None:
             # The common call: lua/acquire_one.lua (the options are checked already, and
             # cost is a plain float now, so _one_request's checks pass at once).
             target = targets[0]
@@ -468,6 +472,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
         max_wait_s: float = _NO_WAIT,
         acquisition_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        reserve_until: float | None = None,
     ) -> Decision:
         """Take ``cost`` tokens from every ``(limit, key)`` target at once, or from none.
 
@@ -485,6 +490,11 @@ class Limiter(RequestBuilder[Routine[Script]]):
             Reserve instead of deny when token bucket and GCRA limits can admit the cost
             within this many seconds: the tokens are taken now and ``Decision.wait_s``
             says when the slot comes. Window and concurrency limits admit now or deny.
+        reserve_until:
+            Instead of ``max_wait_s``: reserve no slot later than this time, in epoch s on
+            the Redis clock (a deadline such as a task's expiry). The script measures the
+            window from its own ``TIME``, so the call's latency cannot carry a slot past
+            it, as ``max_wait_s`` computed by the caller beforehand could.
         acquisition_id:
             Records the acquisition under this id (a task id, say) so that it can be
             settled, and so that acquiring again with the same id, on the same limits and
@@ -504,7 +514,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
             When Redis cannot be reached or answers with an error.
         """
         script, keys, args, decode = self._many_request(
-            targets, cost, max_wait_s, acquisition_id, lease_s
+            targets, cost, max_wait_s, acquisition_id, lease_s, reserve_until
         )
         return decode(self._call(script, keys, args))
 

@@ -874,6 +874,8 @@ class MemoryRedis:
     def _acquire(self, code: str | None, keys: list[str], args: list[Any]) -> bytes:
         now = self._now(args[0])
         max_wait, n = float(_text(args[1])), int(_text(args[2]))
+        if max_wait < 0:  # a deadline (acquire.lua)
+            max_wait = max(-max_wait - now, 0.0)
         acq = _text(args[3 + 5 * n]) or None
         lease_us = float(_text(args[4 + 5 * n]))
         fields = args[5 + 5 * n :]

@@ -3,10 +3,11 @@ peek, and a reservation voided by a hold, on the same test clock."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from tests.support.clock import FakeClock
-from throttle import Limit, Limiter
+from throttle import Limit, Limiter, RequestError
 from throttle.memory import MemoryLimiter
 
 
@@ -46,3 +47,40 @@ def test_holds_peek_and_voided_reservations_match_the_scripts(
     clock.advance(1)
     both("settle", held.acquisition, [None, 0.5])  # type: ignore[attr-defined]
     both("peek", conc)
+
+
+def test_reserve_until_is_a_deadline_on_the_scripts_clock(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    # Given a 10/s burst-1 limit whose next free slot is 0.1 s away (test clock, us exact)
+    real = Limiter(client, prefix=prefix, clock_us=clock)
+    memory = MemoryLimiter(prefix=prefix, clock_us=clock)
+    shared = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+    tenant = Limit.parse("100/s burst 1", name="tenant", algorithm="gcra")
+    now_s = clock.now_us / 1e6
+    for limiter in (real, memory):
+        assert limiter.acquire_many([(shared, None)], acquisition_id="first").allowed
+        # When the deadline falls 1 us before that slot: denied, nothing taken
+        early = limiter.acquire_many(
+            [(shared, None), (tenant, "a")], acquisition_id="t1", reserve_until=now_s + 0.099999
+        )
+        assert not early.allowed
+        assert early.retry_after_s == pytest.approx(0.1)
+        # on the slot itself: reserved, whatever the window max_wait_s would have given
+        on = limiter.acquire_many(
+            [(shared, None), (tenant, "a")], acquisition_id="t2", reserve_until=now_s + 0.1
+        )
+        assert on.allowed
+        assert on.wait_s == pytest.approx(0.1)
+        # and a deadline already passed reserves nothing ahead
+        passed = limiter.acquire_many([(shared, None)], reserve_until=now_s - 5)
+        assert not passed.allowed
+    # The memory limiter decides as the script does
+    assert real.peek(shared) == memory.peek(shared)
+
+
+def test_reserve_until_must_be_a_positive_time(client: redis.Redis, prefix: str) -> None:
+    limiter = Limiter(client, prefix=prefix)
+    limit = Limit.parse("10/s", name="api")
+    with pytest.raises(RequestError, match="reserve_until"):
+        limiter.acquire_many([(limit, None)], reserve_until=float("nan"))

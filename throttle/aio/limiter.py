@@ -128,11 +128,12 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         max_wait_s: float = _NO_WAIT,
         acquisition_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        reserve_until: float | None = None,
     ) -> Decision:
         """Take ``cost`` tokens from every target at once, or from none:
         :meth:`throttle.Limiter.acquire_many`."""
         script, keys, args, decode = self._many_request(
-            targets, cost, max_wait_s, acquisition_id, lease_s
+            targets, cost, max_wait_s, acquisition_id, lease_s, reserve_until
         )
         return decode(await self._call(script, keys, args))
 

@@ -151,19 +151,21 @@ class Gate:
 
     # -- horizons
 
-    def _horizon(self) -> float:
-        """How far ahead a slot may be reserved, in s: up to the deadline; and a concurrency
-        unit must not be held while the task waits, so with one the wait is at most a
-        sleep."""
+    def _horizon(self) -> tuple[float, float | None]:
+        """How far ahead a slot may be reserved: ``(max_wait_s, reserve_until)``, the
+        second the task's deadline (epoch s, Redis clock) when it comes first, else None.
+        The deadline goes to the script as a time, not as a wait measured here: the call's
+        latency would carry the window past it. A concurrency unit must not be held while
+        the task waits, so with one the wait is at most a sleep."""
         execution = self.execution
         horizon = self.settings.sleep_max_s if self.rule_set.concurrency else MAX_RESERVE_S
         if self.plan is not None:
             # A task with a plan reserves real slots within a sleep only (see plan.py).
             horizon = self.settings.sleep_max_s
-        if execution.deadline is not None:
-            left = execution.deadline - execution.throttler.clock.now()
-            horizon = min(horizon, max(left, 0.0))
-        return horizon
+        deadline = execution.deadline
+        if deadline is not None and deadline - execution.throttler.clock.now() < horizon:
+            return 0.0, deadline
+        return horizon, None
 
     def _lease_s(self) -> float:
         """How long the acquisition's record and concurrency units live after its slot, in
@@ -174,8 +176,9 @@ class Gate:
         hard = limit[0] or execution.task.time_limit or execution.throttler.task_time_limit
         return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
 
-    def _acquire(self, max_wait_s: float) -> Decision:
-        """Acquire (or look again at) the execution's slot; a reserved slot that a hold
+    def _acquire(self, max_wait_s: float, reserve_until: float | None = None) -> Decision:
+        """Acquire (or look again at) the execution's slot, reserving up to ``max_wait_s``
+        ahead or until ``reserve_until`` (:meth:`_horizon`); a reserved slot that a hold
         placed since has voided (an upstream 429, a pause) is given up, and the decision
         reads as a denial until the hold ends."""
         execution = self.execution
@@ -184,6 +187,7 @@ class Gate:
             max_wait_s=max_wait_s,
             acquisition_id=execution.request.id,
             lease_s=self._lease_s(),
+            reserve_until=reserve_until,
         )
         if decision.held and not decision.allowed and decision.acquisition is not None:
             self.limiter.settle(decision.acquisition, None)
@@ -212,7 +216,7 @@ class Gate:
             if planned is not None and self._wait_for_plan(planned):
                 now = time.time()
         while True:
-            decision = self._acquire(self._horizon())
+            decision = self._acquire(*self._horizon())
             if (
                 decision.allowed
                 and decision.held
@@ -227,7 +231,7 @@ class Gate:
                 # died before its slot (prefetched) may now call up to its lateness
                 # off-slot.
                 self._give_up(decision)
-                decision = self._acquire(self._horizon())
+                decision = self._acquire(*self._horizon())
             self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
@@ -355,7 +359,7 @@ class Gate:
         execution = self.execution
         while True:
             now = time.time()
-            decision = self._acquire(self._horizon())
+            decision = self._acquire(*self._horizon())
             if decision.allowed:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
