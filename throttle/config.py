@@ -217,7 +217,10 @@ class Settings:
         it (at most half of ``sleep_max``), and sleeps the rest in the worker.
     late_tolerance_s:
         A task that reaches its reserved slot later than this gives the slot up and takes
-        a new one: a late batch must not call the API at once.
+        a new one: a late batch must not call the API at once. A task whose reserving
+        limits all have the spacing guard (``spacing_guard``) keeps a slot it is late for
+        by up to one spacing of the tightest of them (at most half a ``sleep_max``): the
+        guard pushes the next calls back instead of letting them bunch.
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.

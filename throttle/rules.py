@@ -212,7 +212,10 @@ class Rule:
         limit's spacing (period / count x cost), for the difference; so calls that
         started late cannot bunch. ``None`` (the default): on for GCRA and token bucket
         limits of burst 1, off otherwise; ``True``/``False``: on/off. On a limit of burst
-        above 1 it spaces every call (no burst). Not for concurrency limits.
+        above 1 it spaces every call (no burst). Not for concurrency limits. A task whose
+        reserving limits are all guarded keeps a slot it reaches up to one spacing late
+        (``settings.late_tolerance`` otherwise): its lateness pushes the calls after it
+        back, by at most that, instead of costing a slot.
     adaptive:
         Learn the upstream's rate from its answers (:class:`throttle.adaptive.Adaptive`):
         the rate in force goes down on refusals and probes back up on successes, between

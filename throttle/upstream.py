@@ -475,8 +475,8 @@ def _judge(signal: UpstreamSignal, target: _Target, answer: Learned) -> bool:
     """Whether a refusal of ``target``, counted fleet-wide as ``answer``, holds the whole
     limit (its key): when the refusals persist, the quota is spent, or the limit is faster
     than the upstream's stated policy. Otherwise the refused call is one that the limiter's
-    schedule explains (early or late by jitter): the refused task alone comes back after
-    the upstream's time, and the fleet goes on (an adaptive limit at its lowered rate).
+    schedule explains (early or late by jitter): the refused task alone comes back for the
+    limit's next free slot, and the fleet goes on (an adaptive limit at its lowered rate).
     The pure part of :func:`_answer` and of its awaited twin in :mod:`throttle.aio`."""
     where = f" key {target.key!r}" if target.key else ""
     if answer.decreased:
@@ -536,7 +536,9 @@ def _apply(
     signal: UpstreamSignal,
     targets: Sequence[_Target],
     learned: LearnedRates | None = None,
-) -> None:
+) -> bool:
+    """Act on ``signal`` for each target; returns whether it held any of them."""
+    held = False
     for target, spec in _plan(signal, targets, rates is not None):
         hold = signal.hold_s > 0
         if learned is not None:
@@ -547,9 +549,11 @@ def _apply(
         if hold:
             limiter.hold(target.current.name, target.key, signal.hold_s)
             _log_hold(signal, target)
+            held = True
         if rates is not None and spec is not None:
             rates.set(target.configured, spec)
             _log_rate(signal, target, spec)
+    return held
 
 
 def _expect_limit(limit: object) -> None:
@@ -633,8 +637,7 @@ def report_upstream(
       second (or ten spacings, when longer), and at least three
       (:meth:`throttle.adaptive.LearnedRates.persist_for`). Any other refusal is one
       that the limiter's schedule explains (a call a few ms early or late: jitter): the
-      refused task alone comes back after the upstream's time (with ``retry=True``) and
-      the fleet goes on.
+      refused task alone comes back (with ``retry=True``) and the fleet goes on.
       A response that is no refusal but says the quota is spent holds as before.
     * **Learn** (``adaptive: true`` limits, :mod:`throttle.adaptive`): a refusal lowers the
       limit's learned rate once per episode, every other answer lets it probe up, a stated
@@ -650,6 +653,9 @@ def report_upstream(
     * **Retry** (``retry=True``): when the upstream refused the call, the task is run again
       after the hold: re-published with the same id, arguments, options and links, through
       the queue's lane, without spending ``max_retries`` (:func:`throttle.celery.defer_task`).
+      A refusal that held nothing re-publishes it at once, to take the limit's next free
+      slot: its ``Retry-After`` (whole seconds, rounded up) says no more than "within
+      rounding", and the limit's spacing keeps it from the calls before it.
       This raises celery's ``Retry``: let it propagate. The task's ``max_wait`` or
       ``expires`` still bounds it (ThrottleTimeout, or ``on_timeout``); an upstream that
       refuses for ever is otherwise retried for ever. In eager mode, direct calls, and
@@ -679,8 +685,8 @@ def report_upstream(
         if name is None or current.name == name
     ]
     if not picked:  # checked on every response: a misspelt name fails on the first call
-        held = ", ".join(repr(current.name) for current, _ in acquisition.targets)
-        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {held})")
+        names = ", ".join(repr(current.name) for current, _ in acquisition.targets)
+        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {names})")
     adaptive = any(rule is not None and rule.adaptive for *_, rule in picked)
     if signal is None and not adaptive:
         return None
@@ -688,6 +694,7 @@ def report_upstream(
 
     task = get_current_task()
     throttler = Throttler.of(task.app)
+    held = True  # Redis failing: the task comes back after the upstream's time
     try:
         targets = []
         for current, key, cost, rule in picked:
@@ -699,14 +706,21 @@ def report_upstream(
             for target in targets:
                 _learn(throttler.learned, None, target)
         else:
-            _apply(throttler.limiter, throttler.rates, signal, targets, throttler.learned)
+            held = _apply(throttler.limiter, throttler.rates, signal, targets, throttler.learned)
     except BackendError as exc:
         throttler.outage(exc)
     if signal is None:
         return None
     if retry and signal.refused:
         _release(response)
-        defer_task(signal.hold_s, [target.current.name for target in targets])
+        # A refusal that held nothing is one the limit's schedule explains (jitter), and
+        # its Retry-After (whole seconds, rounded up) says no more than "within rounding":
+        # the task takes the limit's next free slot at once. Waiting out the rounded
+        # second instead idles the limit at the end of a backlog (eager mode and direct
+        # calls, which have no slot to take, are told the upstream's time).
+        eager = task.request.is_eager or task.request.called_directly
+        countdown = signal.hold_s if held or eager else 0.0
+        defer_task(countdown, [target.current.name for target in targets])
     return signal
 
 

@@ -415,3 +415,62 @@ def test_a_reported_cost_a_refund_or_a_concurrency_unit_is_settled_in_one_more(
         before = script_calls(private_redis)
         assert task.apply((1,)).failed()
         assert script_calls(private_redis) - before == 2
+
+
+@pytest.mark.parametrize(
+    ("limits", "tolerance_s"),
+    [
+        pytest.param(["guarded"], 0.05, id="guarded-one-spacing"),
+        pytest.param(["guarded", "roomy"], 0.05, id="two-guarded-limits-the-tightest"),
+        pytest.param(["guarded", "unguarded"], 0.02, id="one-reserving-limit-unguarded"),
+        pytest.param(["bursty"], 0.02, id="burst-above-1-unguarded"),
+        pytest.param(["minutely"], 0.5, id="slow-limit-half-a-sleep-max"),
+        pytest.param(["fast"], 0.02, id="spacing-below-late-tolerance"),
+    ],
+)
+def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
+    redis_url: str, prefix: str, limits: list[str], tolerance_s: float
+) -> None:
+    # Given limits with and without the spacing guard (on by default at burst 1)
+    from throttle.celery.gate import Gate  # noqa: PLC0415
+    from throttle.rules import targets  # noqa: PLC0415
+
+    app = Celery("tolerance", set_as_current=False, task_cls=ThrottledTask)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix, "late_tolerance": "20ms", "sleep_max": "1s"},
+            "limits": {
+                "guarded": {"algorithm": "gcra", "rate": "20/s", "burst": 1},
+                "roomy": {"algorithm": "gcra", "rate": "10/s", "burst": 1},
+                "unguarded": {
+                    "algorithm": "gcra", "rate": "20/s", "burst": 1, "spacing_guard": False,
+                },
+                "bursty": {"rate": "20/s", "burst": 5},
+                "minutely": {"algorithm": "gcra", "rate": "1/m", "burst": 1},
+                "fast": {"algorithm": "gcra", "rate": "100/s", "burst": 1},
+            },
+            "tasks": {"tolerance.call": limits},
+        },
+    )  # fmt: skip
+
+    @app.task(name="tolerance.call", shared=False)
+    def call() -> None: ...
+
+    try:
+        # When the gate of an execution of the task weighs how late it may reach its slot
+        call.push_request(id="t1")
+        try:
+            gate = Gate(call, None, call.run, (), {})
+            execution = gate.execution
+            execution.targets = targets(
+                execution.rules, call.run, (), {}, execution.throttler.rates.current
+            )
+            # Then a task whose reserving limits are all guarded keeps a slot up to one
+            # spacing (of the tightest; at most half a sleep_max; at least late_tolerance)
+            # late; any other, late_tolerance
+            assert gate._late_tolerance() == pytest.approx(tolerance_s)
+        finally:
+            call.pop_request()
+    finally:
+        close_throttler(app)

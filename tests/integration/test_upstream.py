@@ -610,6 +610,40 @@ def test_a_refused_task_runs_again_after_the_hold_with_its_id_and_retry_budget(
     assert sum(refused.values()) <= 3, arrivals
 
 
+def test_a_refusal_that_holds_nothing_sends_the_task_back_for_the_next_slot(
+    fleet: Fleet,
+) -> None:
+    # Given an API that allows 4 calls a second and says only "429 Retry-After: 1" (no
+    # policy to compare the fleet's 19.6/s with), and two tasks at once
+    from tests.apps.upstream_app import fetch  # noqa: PLC0415
+
+    api = fleet.api.api
+    api.set_limit(4.0, 1.0)
+    api.reset()
+    api.retry_after_only = True
+    try:
+        handles = [fetch.delay(n) for n in range(2)]
+        done = [handle.get(timeout=30) for handle in handles]
+    finally:
+        api.retry_after_only = False
+        api.set_limit(20.0, 2.0)
+    # Then both ran, each allowed once at the API; the second was refused (a spacing of
+    # the limit after the first: as far as a lone refusal tells, jitter), which held
+    # nothing
+    assert sorted(r["n"] for r in done) == [0, 1], log_tail(fleet)
+    arrivals = api.arrivals_json()
+    assert collections.Counter(a["task_id"] for a in arrivals if a["allowed"]) == {
+        h.id: 1 for h in handles
+    }
+    refused = [a for a in arrivals if not a["allowed"]]
+    assert refused, arrivals
+    assert fleet.limiter.holds() == {}
+    # and it came back for the limit's next free slot, not after the rounded-up second of
+    # its Retry-After (which would idle the limit at the end of a backlog)
+    again = [a["at_s"] for a in arrivals if a["task_id"] == refused[0]["task_id"]]
+    assert again[1] - again[0] < 1.0, arrivals
+
+
 def test_the_fleet_follows_an_api_that_lowers_its_limit_mid_run(fleet: Fleet) -> None:
     # Given the fleet calling at 19.6/s an API that allows 20/s, and 150 tasks queued
     from tests.apps.upstream_app import fetch  # noqa: PLC0415

@@ -54,6 +54,7 @@ from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
+from throttle.spec import Algorithm
 
 logger = logging.getLogger("throttle")
 
@@ -205,7 +206,7 @@ class Gate:
     def _decide(self, now: float) -> Ticket:
         """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
         task comes back later (raises)."""
-        late_tolerance = self.settings.late_tolerance_s
+        late_tolerance = self._late_tolerance()
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         shape = self.rule_set.plan
         self.plan = None if shape is None else plan_at(self.execution.targets, shape)
@@ -243,7 +244,7 @@ class Gate:
                 # than sleep_max before it (throttle.celery.arrival): once per slot.
                 defer(self.execution, wait - eta_lead_s(self.settings), wait, decision, slot=True)
             if wait > 0 and decision.acquisition:
-                decision, on_time = self._sleep_to_slot(decision)
+                decision, on_time = self._sleep_to_slot(decision, late_tolerance)
                 if not decision.allowed:
                     self._come_back(decision, planned=planned)
                 if not on_time:
@@ -254,10 +255,33 @@ class Gate:
             plan = self.plan.plan if planned is not None and self.plan is not None else None
             return Ticket(decision.acquisition, self.execution.rules, now + wait, plan=plan)
 
-    def _sleep_to_slot(self, decision: Decision) -> tuple[Decision, bool]:
+    def _late_tolerance(self) -> float:
+        """How late a task may reach its reserved slot and still call on it, in s.
+
+        ``late_tolerance``; but when every reserving limit of the task (token bucket,
+        GCRA) has the spacing guard, up to one spacing of the tightest of them (at most
+        half a ``sleep_max``). Giving a slot up keeps a late call from landing next to the
+        following one; the guard already does that, by pushing the following calls back
+        by the lateness. Kept, a slot late by d delays the busy period's later calls by at
+        most d (the guard's push is the largest lateness since the limit was last idle,
+        not a sum), so never by more than one spacing; given up, it is a whole spacing of
+        the limit lost, and the task goes to the back of the queue."""
+        execution, tolerance = self.execution, self.settings.late_tolerance_s
+        spacing = math.inf
+        for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
+            if limit.algorithm in (Algorithm.GCRA, Algorithm.TOKEN_BUCKET):
+                if not rule.guarded:
+                    return tolerance
+                spacing = min(spacing, limit.period_s / limit.count * cost)
+        if math.isinf(spacing):
+            return tolerance
+        return max(tolerance, min(spacing, self.settings.sleep_max_s / 2))
+
+    def _sleep_to_slot(self, decision: Decision, late_tolerance: float) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
-        decision as it stands then, and whether the wake-up came within the tolerance."""
-        wait, late_tolerance = decision.wait_s, self.settings.late_tolerance_s
+        decision as it stands then, and whether the wake-up came within ``late_tolerance``
+        (s)."""
+        wait = decision.wait_s
         left = wait
         if wait > RECHECK_LEAD_S:
             # A hold may begin while this task sleeps (the upstream answered another task

@@ -108,7 +108,9 @@ class Throttler:
         if os.environ.get(WORKER_ENV) and not self.in_memory:
             # In a worker, tasks sleep to reserved slots up to sleep_max (and call up to
             # late_tolerance after them): a Redis that loses its data must not hand out
-            # new slots among those (see Limiter.fence_s).
+            # new slots among those (see Limiter.fence_s). A guarded task may call later
+            # (up to half a sleep_max), but its guard stamps the call in that Redis, which
+            # reads a lost guard state as a call at the fence's end.
             limiter.fence_s = self.settings.sleep_max_s + self.settings.late_tolerance_s
         if not self.releasing and not self.in_memory:
             logger.warning(
