@@ -39,16 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.checkout import checkout
+from bench.overhead import ARGS, TASKS, WARMUP_TASKS
 from workers.harness import ROOT
-
-TASKS = ("plain", "one_limit", "two_limits", "reported")
-ARGS: dict[str, tuple[Any, ...]] = {
-    "plain": (),
-    "one_limit": (),
-    "two_limits": ("acme", 1000),
-    "reported": ("acme", 1000),
-}
-WARMUP_TASKS = 200
 
 
 def child(tasks: int, canned: bool, profile: str | None) -> dict[str, float]:
@@ -64,7 +56,8 @@ def child(tasks: int, canned: bool, profile: str | None) -> dict[str, float]:
         replies: dict[tuple[str, int], Any] = {}
 
         def call(self: Limiter, script: Any, keys: Any, args: list[Any]) -> Any:
-            found = (script.sha, len(keys))
+            # a Routine (a function of the library) here, a Script in older trees
+            found = (getattr(script, "function", None) or script.sha, len(keys))
             if found not in replies:
                 replies[found] = real_call(self, script, keys, args)
             return replies[found]
