@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -466,8 +468,13 @@ def status(
         with _errors():
             show()
         return
+    # Ctrl-C ends the watch between two redraws, not inside one: raised in the middle of a
+    # Redis call, KeyboardInterrupt could leave a connection half-read, or surface as a
+    # connection error that the retry below would swallow.
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             started = time.monotonic()
             if not as_json:
                 click.clear()  # only on a terminal; piped, the tables follow each other
@@ -478,9 +485,10 @@ def status(
             except BackendError as exc:
                 # A watch outlives a Redis blip: it says so and tries again next round.
                 click.echo(f"Error: {exc} (retrying)", err=True)
-            time.sleep(max(watch - (time.monotonic() - started), 0.0))
-    except KeyboardInterrupt:
-        ctx.exit(0)
+            stop.wait(max(watch - (time.monotonic() - started), 0.0))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ctx.exit(0)
 
 
 @throttle.command("set")

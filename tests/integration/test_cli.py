@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import select
 import signal
 import subprocess
@@ -646,3 +647,16 @@ def test_a_paused_limit_runs_nothing_until_resumed_then_every_task_once(
     assert all(cli.started(handle.id) >= resumed_at for handle in handles)
     time.sleep(1.5)  # a second copy of a task would have run by now
     assert [cli.runs(handle.id) for handle in [*handles, running]] == [1] * 6
+
+
+def test_ctrl_c_at_any_moment_ends_the_watch_cleanly(cli: Cli) -> None:
+    # Ctrl-C lands wherever the watch is: drawing, in a Redis call, or asleep
+    rng = random.Random(7)
+    for _ in range(5):
+        with cli.run("status", "--json", "--watch", "0.1", "--timeout", "0") as proc:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("{")  # started, connected
+            time.sleep(rng.uniform(0.0, 0.2))
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err
