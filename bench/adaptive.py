@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -45,7 +44,7 @@ import redis
 from celery import Celery
 
 from bench.celery_fleet import ApiProcess
-from bench.checkout import checkout, start_worker, stop
+from bench.checkout import checkout, start_worker, stop, wait_started
 from tests.support.servers import RedisServer
 from workers.harness import ROOT
 
@@ -165,14 +164,7 @@ def one_run(
         client = redis.Redis.from_url(server.url)
         done = threading.Event()
         try:
-            wanted = {f"{name}@{socket.gethostname()}" for name in names}
-            deadline = time.monotonic() + 120
-            while True:
-                replies = producer.control.ping(timeout=1.0) or []
-                if wanted <= {name for reply in replies for name in reply}:
-                    break
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"workers of {tag} did not start (see {logs})")
+            wait_started(producer, names, procs, f"workers of {tag} (see {logs})")
             api.reset()
             start = time.monotonic()
             feeder = threading.Thread(

@@ -7,11 +7,14 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from workers.harness import ROOT
 from workers.stack import worker_argv
@@ -57,3 +60,18 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def wait_started(
+    producer: Any, names: Sequence[str], procs: Sequence[subprocess.Popen[bytes]], what: str
+) -> None:
+    """Until the workers ``names`` (started by :func:`start_worker`) answer a ping; raises
+    when one exits first or after 120 s (``what`` names them and their logs)."""
+    wanted = {f"{name}@{socket.gethostname()}" for name in names}
+    deadline = time.monotonic() + 120
+    while True:
+        replies = producer.control.ping(timeout=1.0) or []
+        if wanted <= {name for reply in replies for name in reply}:
+            return
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"{what} did not start")

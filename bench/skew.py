@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import redis
 from celery import Celery
 
 from bench.celery_fleet import ApiProcess
-from bench.checkout import checkout, start_worker, stop
+from bench.checkout import checkout, start_worker, stop, wait_started
 from tests.support.servers import RedisServer
 from tests.support.skew import build_shim, skewed_env
 from workers.harness import ROOT
@@ -123,14 +122,7 @@ def one_run(
         producer.conf.update(task_default_queue="upstream", broker_connection_retry_on_startup=True)
         client = redis.Redis.from_url(server.url)
         try:
-            wanted = {f"{name}@{socket.gethostname()}" for name in ("ahead", "behind")}
-            deadline = time.monotonic() + 120
-            while True:
-                replies = producer.control.ping(timeout=1.0) or []
-                if wanted <= {name for reply in replies for name in reply}:
-                    break
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"workers of {tag} did not start (see {logs})")
+            wait_started(producer, ("ahead", "behind"), procs, f"workers of {tag} (see {logs})")
             api.reset()
             start = time.monotonic()
             handles = [

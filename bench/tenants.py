@@ -48,6 +48,7 @@ from celery import Celery
 from bench.celery_fleet import ApiProcess
 from bench.checkout import checkout
 from tests.support.servers import RedisServer
+from tests.support.tenants import LIMITS
 from tests.support.upstream import violations_explained
 from workers.harness import ROOT
 from workers.stack import worker_argv
@@ -56,16 +57,6 @@ APP = "tests.apps.tenants_app"
 QUEUE = "upstream"
 TENANT_RATE, SHARED_RATE = 15.0, 19.8
 API_RATE, API_BURST = 20.0, 2.0
-CONFIG = """
-settings:
-  refresh: 0.5s
-  sleep_max: 0.5s
-  park_after: 3s
-  park_lead: 1s
-limits:
-  tenant: {algorithm: gcra, rate: 15/s, burst: 1, key: "{tenant}"}
-  shared: {algorithm: gcra, rate: 19.8/s, burst: 1}
-"""
 
 
 def redis_now(client: redis.Redis) -> float:
@@ -194,7 +185,7 @@ def baseline_run(
 
 
 SHARED = "shared: {algorithm: gcra, rate: 19.8/s, burst: 1"
-GUARDS = {"default": CONFIG, "off": CONFIG.replace(SHARED, SHARED + ", spacing_guard: false")}
+GUARDS = {"default": LIMITS, "off": LIMITS.replace(SHARED, SHARED + ", spacing_guard: false")}
 """The limits file of each baseline variant (``--guard``): as is (the guard on, the default
 for burst-1 limits), or without the guard on ``shared``."""
 

@@ -24,21 +24,12 @@ import redis
 
 from tests.support.clock import redis_now_s
 from tests.support.servers import RedisServer
+from tests.support.tenants import LIMITS
 from throttle import Limit, ThrottleTimeout
 from throttle.celery import Throttler
 from throttle.celery.plan import plan_limit
 from workers.harness import Worker, running
 
-CONFIG = """
-settings:
-  refresh: 0.5s
-  sleep_max: 0.5s
-  park_after: 3s
-  park_lead: 1s
-limits:
-  tenant: {algorithm: gcra, rate: 15/s, burst: 1, key: "{tenant}"}
-  shared: {algorithm: gcra, rate: 19.8/s, burst: 1}
-"""
 FLOOD, TRICKLE = 150, 10
 QUEUE = "upstream"
 """The queue the app's tasks go to (a Redis list of that name on the broker)."""
@@ -58,7 +49,7 @@ Behind A's reservations it waited about 7 s."""
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, redis.Redis]]:
     tmp = tmp_path_factory.mktemp("tenants")
     config = tmp / "limits.yaml"
-    config.write_text(CONFIG)
+    config.write_text(LIMITS)
     with RedisServer() as server:
         env = {"TENANTS_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config)}
         os.environ.update(env)
