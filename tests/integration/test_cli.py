@@ -658,5 +658,6 @@ def test_ctrl_c_at_any_moment_ends_the_watch_cleanly(cli: Cli) -> None:
             assert proc.stdout.readline().startswith("{")  # started, connected
             time.sleep(rng.uniform(0.0, 0.2))
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=10)
+            # generous: the exit code is the point, not how fast a loaded host exits
+            _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
