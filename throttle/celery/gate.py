@@ -267,6 +267,8 @@ class Gate:
         not a sum), so never by more than one spacing; given up, it is a whole spacing of
         the limit lost, and the task goes to the back of the queue."""
         execution, tolerance = self.execution, self.settings.late_tolerance_s
+        if not self.rule_set.guarded:
+            return tolerance
         spacing = math.inf
         for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
             if limit.algorithm in (Algorithm.GCRA, Algorithm.TOKEN_BUCKET):
