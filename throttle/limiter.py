@@ -44,6 +44,7 @@ from redis.commands.core import Script
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import CostExceedsCapacity, RequestError
 from throttle.redis.client import RedisClient, client_from_url, run_routine
+from throttle.redis.direct import direct_calls
 from throttle.redis.keys import KeySpace
 from throttle.redis.library import Library, Routine
 from throttle.redis.replies import (
@@ -421,6 +422,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
 
         super().__init__(register, prefix, namespace, clock_us)
         self.client = client
+        self._direct = direct_calls(client)
 
     @classmethod
     def from_url(
@@ -593,7 +595,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
 
     def _call(self, routine: Routine[Script], keys: Sequence[str], args: list[Any]) -> Any:
         """One call through :func:`run_routine` (the one place bench/core.py taps)."""
-        return run_routine(self.client, routine, keys, args)
+        return run_routine(self.client, routine, keys, args, self._direct)
 
 
 def _held_s(raw: Any) -> float:

@@ -27,6 +27,7 @@ from redis.exceptions import (
 )
 
 from throttle.errors import BackendError, BackendUnavailable, ConfigError
+from throttle.redis.direct import DirectCalls
 from throttle.redis.library import Library, Routine
 from throttle.redis.urls import (
     async_sentinel_client,
@@ -112,22 +113,29 @@ def run_script(client: RedisClient, script: Script, keys: Sequence[str], args: l
 
 
 def run_routine(
-    client: RedisClient, routine: Routine[Script], keys: Sequence[str], args: list[Any]
+    client: RedisClient,
+    routine: Routine[Script],
+    keys: Sequence[str],
+    args: list[Any],
+    direct: DirectCalls | None = None,
 ) -> Any:
     """One call of a limiter operation: ``FCALL`` of its function in the library, loaded
     first when missing, or :func:`run_script` of its script where functions are not taken
-    (see :mod:`throttle.redis.library`); driver errors wrapped."""
+    (see :mod:`throttle.redis.library`); driver errors wrapped. The ``FCALL`` goes through
+    ``direct`` when given (:mod:`throttle.redis.direct`: on ``client``'s connections,
+    without redis-py's per-command work)."""
     library = routine.library
     if library.functions is False:
         return run_script(client, routine.script, keys, args)
+    send = direct if direct is not None else client.execute_command
     try:
         try:
-            reply = client.fcall(routine.function, len(keys), *keys, *args)
+            reply = send("FCALL", routine.function, len(keys), *keys, *args)
         except ResponseError as exc:
             if not _loaded(client, library, exc):
                 return run_script(client, routine.script, keys, args)
             try:
-                reply = client.fcall(routine.function, len(keys), *keys, *args)
+                reply = send("FCALL", routine.function, len(keys), *keys, *args)
             except ResponseError as again:
                 if not library.missing(again):
                     raise

@@ -1,0 +1,163 @@
+"""The limiter's own connections (throttle/redis/direct.py), against a real redis-server:
+every call reads its own reply, whatever happened to the calls before it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.connection import Connection
+from redis.sentinel import Sentinel
+
+from tests.support.restart import kill, respawn
+from tests.support.servers import RedisServer
+from throttle import Limit, Limiter
+from throttle.redis.direct import DirectCalls, direct_calls
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def _direct(client: redis.Redis) -> DirectCalls:
+    calls = direct_calls(client)
+    assert calls is not None
+    return calls
+
+
+def _clients(admin: redis.Redis) -> int:
+    return len(admin.client_list())
+
+
+def test_a_call_interrupted_between_its_write_and_its_read_leaves_no_reply_behind(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An exception raised into a call after its command went out (Celery's soft time
+    # limit, say): the reply of that command must never be read by the next call.
+    calls = _direct(server.client())
+    assert calls("ECHO", "warm") == b"warm"
+
+    class Interrupted(BaseException):
+        pass
+
+    real = Connection.read_response
+
+    def interrupted(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(Connection, "read_response", real)
+        raise Interrupted
+
+    monkeypatch.setattr(Connection, "read_response", interrupted)
+    with pytest.raises(Interrupted):
+        calls("ECHO", "first")
+    assert calls("ECHO", "second") == b"second"
+    assert calls("ECHO", "third") == b"third"
+
+
+def test_an_error_reply_keeps_the_connection(server: RedisServer) -> None:
+    admin = server.client()
+    calls = _direct(server.client())
+    calls("ECHO", "warm")
+    before = _clients(admin)
+    with pytest.raises(redis.ResponseError, match="Function not found"):
+        calls("FCALL", "no_such_function", 0)
+    assert calls("ECHO", "after") == b"after"
+    assert len(calls.idle) == 1
+    assert _clients(admin) == before
+
+
+def test_threads_each_read_their_own_replies(server: RedisServer) -> None:
+    calls = _direct(server.client())
+    wrong: list[tuple[bytes, Any]] = []
+
+    def run(thread: int) -> None:
+        for i in range(300):
+            value = f"{thread}-{i}".encode()
+            reply = calls("ECHO", value)
+            if reply != value:
+                wrong.append((value, reply))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    assert 1 <= len(calls.idle) <= 8
+
+
+def test_a_forked_child_does_not_share_the_parents_connection(server: RedisServer) -> None:
+    calls = _direct(server.client())
+    calls("ECHO", "warm")  # an idle connection the child inherits
+    inherited = calls.idle[0]
+    pid = os.fork()
+    if pid == 0:  # the child: its own connection, its own replies
+        code = 0
+        try:
+            if calls.idle:
+                code = 3
+            for i in range(500):
+                if calls("ECHO", f"child-{i}") != f"child-{i}".encode():
+                    code = 2
+            if calls.idle[0] is inherited:
+                code = 4
+        except BaseException:
+            code = 1
+        os._exit(code)
+    wrong = [i for i in range(500) if calls("ECHO", f"parent-{i}") != f"parent-{i}".encode()]
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert wrong == []
+    assert calls.idle == [inherited]
+
+
+def test_client_close_closes_its_connections_and_a_later_call_reconnects(
+    server: RedisServer,
+) -> None:
+    admin = server.client()
+    client = server.client()
+    calls = _direct(client)
+    calls("ECHO", "warm")
+    with_ours = _clients(admin)
+    client.close()
+    assert _clients(admin) == with_ours - 1
+    assert calls("ECHO", "again") == b"again"
+    assert _clients(admin) == with_ours
+
+
+def test_a_restarted_redis_is_reconnected_to_on_the_next_call(server: RedisServer) -> None:
+    limiter = Limiter(server.client(), prefix="direct")
+    limit = Limit.parse("1000/s", name="api")
+    assert limiter.acquire(limit).allowed
+    kill(server)
+    respawn(server)
+    # The idle connection is dead: the call retries on a new one (the client's retry policy).
+    assert limiter.acquire(limit).allowed
+    assert limiter._direct is not None and len(limiter._direct.idle) == 1
+
+
+def test_only_a_plain_client_on_a_plain_pool_gets_direct_calls(server: RedisServer) -> None:
+    assert isinstance(direct_calls(server.client()), DirectCalls)
+    assert direct_calls(server.client(single_connection_client=True)) is None
+    assert direct_calls(server.client(protocol=3)) is None
+    blocking = redis.BlockingConnectionPool(host="127.0.0.1", port=server.port)
+    assert direct_calls(redis.Redis(connection_pool=blocking)) is None
+    sentinel = Sentinel([("127.0.0.1", 1)])  # no connection is made here
+    assert isinstance(direct_calls(sentinel.master_for("mymaster")), DirectCalls)
+    assert direct_calls(object()) is None
+
+
+def test_limiters_on_one_client_share_its_connections(server: RedisServer) -> None:
+    admin = server.client()
+    client = server.client()
+    limit = Limit.parse("1000/s", name="api")
+    Limiter(client, prefix="direct").acquire(limit)
+    before = _clients(admin)
+    for _ in range(50):  # a limiter per call, as some code makes them
+        assert Limiter(client, prefix="direct").acquire(limit).allowed
+    assert _clients(admin) == before

@@ -1,0 +1,137 @@
+"""The hot path's round trip: a command on a connection the limiter keeps for itself.
+
+Besides the round trip, redis-py's ``Redis.execute_command`` does on every command: it
+takes a connection from the pool under a lock and first checks it for stray data (a
+non-blocking read that costs five system calls), checks the process id twice, wraps the
+call for its retries and its observability hooks, and puts the connection back. On the
+project's 2-core VM that is about half of the pool child's CPU for an acquire's round
+trip (``python -m bench.gate_cpu``: see docs/benchmarks/worker-overhead.md), paid by every
+throttled task.
+
+:class:`DirectCalls` sends a command on a connection of its own instead: taken from the
+client's pool once (the same host, credentials, database, TLS, RESP version, Sentinel's
+master lookup and retry policy as the client's), kept in a list of idle connections, and
+used again by the next call. Only two system calls a round trip remain (plus the poll of
+each that a socket timeout costs). What keeps it as safe as the pool:
+
+* a connection is put back only after a whole reply was read (a result, or an error
+  reply such as a missing function). Any other way out of a call (a timeout, a lost
+  connection, an exception raised into the call between its write and its read, such as
+  Celery's soft time limit) disconnects it, so no call can ever read an earlier call's
+  reply;
+* a process forked from one that made calls drops the idle connections it inherited
+  (``os.register_at_fork``): a socket is never shared by two processes;
+* a call that fails with an error of the connection's retry policy (redis-py's default:
+  a lost connection, a timeout) is retried as the client would retry it, on the same
+  connection reconnected: a connection that went stale while idle (Redis restarted, an
+  idle timeout) costs its first call a reconnect and the policy's backoff (about 10 ms),
+  where the pool's check would have reconnected before sending;
+* the connections stay the pool's, counted as in use: ``client.close()`` (and
+  ``connection_pool.disconnect()``) closes them too; a call after that reconnects.
+
+Threads and greenlets each take their own idle connection (``list.pop`` and ``append``
+are atomic), so the list holds as many connections as calls ran at once. Every limiter on
+one pool shares its list (:func:`direct_calls`).
+
+Used for a plain :class:`redis.Redis` on a :class:`redis.ConnectionPool` (or Sentinel's)
+speaking RESP2, without client-side caching or a single connection
+(:func:`direct_calls` returns None otherwise, and the client's own path is used).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+from redis.sentinel import SentinelConnectionPool
+
+__all__ = ["DirectCalls", "direct_calls"]
+
+# redis-py before 5.3 asks for a command name when checking a connection out; later
+# versions warn when given one.
+_NAMED_CHECKOUT = tuple(map(int, re.findall(r"\d+", redis.__version__)[:2])) < (5, 3)
+
+_BY_POOL: weakref.WeakKeyDictionary[redis.ConnectionPool, DirectCalls] = weakref.WeakKeyDictionary()
+"""The one :class:`DirectCalls` of each pool: limiters made on one client share its
+connections (a limiter per call must not check out a connection each)."""
+
+
+def _forget_after_fork() -> None:
+    for calls in list(_BY_POOL.values()):
+        calls.idle = []
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class DirectCalls:
+    """Commands sent on connections taken once from ``pool`` and kept (see the module)."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.pool = pool
+        # redis-py's connections (untyped): connected, or disconnected by client.close();
+        # never one in the middle of a call.
+        self.idle: list[Any] = []
+
+    def __call__(self, *command: Any) -> Any:
+        """Send ``command`` (its name, then its arguments) and return its reply, parsed
+        by the connection as the client would (without the client's response callbacks:
+        for FCALL there are none). Raises redis-py's errors, as the client does."""
+        idle = self.idle
+        conn = idle.pop() if idle else self._connection()
+        packed = conn.pack_command(*command)
+        try:
+            # Outside the retries, as the pool connects a connection it hands out: a Redis
+            # that cannot be reached fails after the connect's own retries, not after
+            # retries of retries. A no-op when connected.
+            conn.connect()
+        except BaseException:
+            idle.append(conn)
+            raise
+
+        def once() -> Any:
+            conn.send_packed_command(packed)
+            return conn.read_response()
+
+        try:
+            reply = conn.retry.call_with_retry(once, lambda _error: conn.disconnect())
+        except ResponseError:
+            # An error reply, read whole: the connection is clean.
+            idle.append(conn)
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        idle.append(conn)
+        return reply
+
+    def _connection(self) -> Any:
+        """A new connection of the pool's, checked out of it for good."""
+        if _NAMED_CHECKOUT:
+            return self.pool.get_connection("FCALL")
+        return self.pool.get_connection()
+
+
+def direct_calls(client: object) -> DirectCalls | None:
+    """The :class:`DirectCalls` of ``client``'s pool (one per pool), or None when the
+    client's own path must be kept: anything but a plain ``redis.Redis`` on a
+    ``ConnectionPool`` or ``SentinelConnectionPool`` (a cluster, a blocking pool, which
+    would run out of the connections kept here, the asyncio client), a single-connection
+    client, client-side caching, or RESP3 (whose push messages the client handles)."""
+    if type(client) is not redis.Redis or client.connection is not None:
+        return None
+    pool = client.connection_pool
+    if type(pool) not in (redis.ConnectionPool, SentinelConnectionPool):
+        return None
+    if getattr(pool, "cache", None) is not None:
+        return None
+    if str(pool.connection_kwargs.get("protocol") or 2) != "2":
+        return None
+    calls = _BY_POOL.get(pool)
+    if calls is None:
+        calls = _BY_POOL.setdefault(pool, DirectCalls(pool))
+    return calls
