@@ -30,9 +30,9 @@ What is printed
 ---------------
 Per version and task: the median block time (and the best), µs per task, the ratio to
 ``plain`` of the same version (medians of the same run) and the µs per task above it; the
-CPU time of the worker (main process and pool children) and of redis-server per task, less
-sensitive than wall time to other tenants of a shared machine; and the script calls
-(FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
+CPU time of the worker (main process and pool children; and of the pool children alone)
+and of redis-server per task, less sensitive than wall time to other tenants of a shared
+machine; and the script calls (FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
 scripts on this server (the app does not start the releaser, whose polls would).
 """
 
@@ -88,19 +88,27 @@ class Version:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     scripts: dict[str, int] = field(default_factory=dict)
     worker_cpu_s: dict[str, list[float]] = field(default_factory=dict)
+    pool_cpu_s: dict[str, list[float]] = field(default_factory=dict)
     redis_cpu_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 def cpu_s(pid: int, tree: bool) -> float:
     """User + system CPU seconds of a process (and, with ``tree``, of its children)."""
     process = psutil.Process(pid)
-    processes = [process, *process.children(recursive=True)] if tree else [process]
-    total = 0.0
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            times = p.cpu_times()
-            total += times.user + times.system
-    return total
+    return own_cpu_s(process) + (children_cpu_s(pid) if tree else 0.0)
+
+
+def own_cpu_s(process: psutil.Process) -> float:
+    """User + system CPU seconds of ``process`` alone (0 once it is gone)."""
+    with contextlib.suppress(psutil.Error):
+        times = process.cpu_times()
+        return times.user + times.system
+    return 0.0
+
+
+def children_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the children of ``pid`` (a worker's pool)."""
+    return sum(own_cpu_s(child) for child in psutil.Process(pid).children(recursive=True))
 
 
 def start_worker(version: Version, concurrency: int, env: dict[str, str], log: Path) -> None:
@@ -137,10 +145,11 @@ def script_calls(client: redis.Redis) -> int:
 
 def block(
     app: Celery, client: redis.Redis, server_pid: int, version: Version, task: str, n: int
-) -> tuple[float, int, float, float]:
+) -> tuple[float, int, float, float, float]:
     """Enqueue ``n`` tasks while nobody consumes them, let the version's worker drain them:
     seconds from add_consumer to empty, script calls, CPU seconds of the worker (its main
-    process and pool children) and of redis-server meanwhile."""
+    process and pool children), of its pool children alone and of redis-server
+    meanwhile."""
     assert version.proc is not None
     name = f"{APP}.{task}"
     with app.producer_or_acquire() as producer:
@@ -149,6 +158,7 @@ def block(
     assert client.llen(version.queue) == n, "the queue must hold the whole block"
     calls = script_calls(client)
     worker_cpu, redis_cpu = cpu_s(version.proc.pid, True), cpu_s(server_pid, False)
+    pool_cpu = children_cpu_s(version.proc.pid)
     started = time.perf_counter()
     app.control.add_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
     while True:
@@ -161,12 +171,13 @@ def block(
     elapsed = time.perf_counter() - started
     worker_cpu = cpu_s(version.proc.pid, True) - worker_cpu
     redis_cpu = cpu_s(server_pid, False) - redis_cpu
+    pool_cpu = children_cpu_s(version.proc.pid) - pool_cpu
     scripts = script_calls(client) - calls
     app.control.cancel_consumer(version.queue, destination=[version.node], reply=True, timeout=10)
     # A BRPOP the worker issued before the cancel may block for up to 1 s on the queue:
     # let it end before the next block fills the queue.
     time.sleep(1.2)
-    return elapsed, scripts, worker_cpu, redis_cpu
+    return elapsed, scripts, worker_cpu, pool_cpu, redis_cpu
 
 
 def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
@@ -175,11 +186,13 @@ def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
         plain = statistics.median(version.seconds["plain"])
         plain_cpu = statistics.median(version.worker_cpu_s["plain"])
         plain_redis = statistics.median(version.redis_cpu_s["plain"])
+        plain_pool = statistics.median(version.pool_cpu_s["plain"])
         for task in TASKS:
             samples = version.seconds[task]
             median = statistics.median(samples)
             worker_cpu = statistics.median(version.worker_cpu_s[task])
             redis_cpu = statistics.median(version.redis_cpu_s[task])
+            pool_cpu = statistics.median(version.pool_cpu_s[task])
             rows.append({
                 "version": version.label,
                 "task": task,
@@ -190,6 +203,8 @@ def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
                 "scripts_per_task": version.scripts[task] / (n * len(samples)),
                 "worker_cpu_us_per_task": worker_cpu / n * 1e6,
                 "worker_cpu_ratio": worker_cpu / plain_cpu,
+                "pool_cpu_us_per_task": pool_cpu / n * 1e6,
+                "pool_cpu_extra_us_per_task": (pool_cpu - plain_pool) / n * 1e6,
                 "redis_cpu_us_per_task": redis_cpu / n * 1e6,
                 "redis_cpu_extra_us_per_task": (redis_cpu - plain_redis) / n * 1e6,
                 "best_s": min(samples),
@@ -202,14 +217,16 @@ def print_table(rows: list[dict[str, Any]], n: int, rounds: int) -> None:
     print(f"\n{n} no-op tasks per block, {rounds} rounds, medians")
     print(
         "| version | task | median s (best) | µs/task | vs plain | µs/task over plain "
-        "| worker CPU µs/task (vs plain) | redis CPU µs/task | script calls/task |"
+        "| worker CPU µs/task (vs plain) | of which pool children (over plain) "
+        "| redis CPU µs/task | script calls/task |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['version']} | {r['task']} | {r['median_s']:.3f} ({r['best_s']:.3f}) "
             f"| {r['us_per_task']:.0f} | {r['ratio']:.2f}x | {r['extra_us_per_task']:+.0f} "
             f"| {r['worker_cpu_us_per_task']:.0f} ({r['worker_cpu_ratio']:.2f}x) "
+            f"| {r['pool_cpu_us_per_task']:.0f} ({r['pool_cpu_extra_us_per_task']:+.0f}) "
             f"| {r['redis_cpu_us_per_task']:.0f} ({r['redis_cpu_extra_us_per_task']:+.0f}) "
             f"| {r['scripts_per_task']:.2f} |"
         )
@@ -260,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                 cases = [(v, t) for v in versions for t in TASKS]
                 rng.shuffle(cases)
                 for version, task in cases:
-                    seconds, scripts, worker_cpu, redis_cpu = block(
+                    seconds, scripts, worker_cpu, pool_cpu, redis_cpu = block(
                         app, client, server_pid, version, task, args.tasks
                     )
                     version.seconds.setdefault(task, []).append(seconds)
                     version.worker_cpu_s.setdefault(task, []).append(worker_cpu)
+                    version.pool_cpu_s.setdefault(task, []).append(pool_cpu)
                     version.redis_cpu_s.setdefault(task, []).append(redis_cpu)
                     version.scripts[task] = version.scripts.get(task, 0) + scripts
                     print(
