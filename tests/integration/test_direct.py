@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.connection import Connection
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from tests.support.restart import kill, respawn
@@ -125,6 +128,10 @@ def test_client_close_closes_its_connections_and_a_later_call_reconnects(
     calls("ECHO", "warm")
     with_ours = _clients(admin)
     client.close()
+    # The server sees the socket close on its next turn: wait for it (bounded).
+    deadline = time.monotonic() + 10
+    while _clients(admin) != with_ours - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _clients(admin) == with_ours - 1
     assert calls("ECHO", "again") == b"again"
     assert _clients(admin) == with_ours
@@ -161,3 +168,33 @@ def test_limiters_on_one_client_share_its_connections(server: RedisServer) -> No
     for _ in range(50):  # a limiter per call, as some code makes them
         assert Limiter(client, prefix="direct").acquire(limit).allowed
     assert _clients(admin) == before
+
+
+@pytest.mark.parametrize("options", [{}, {"encoding": "latin-1"}], ids=["hiredis", "redis-py"])
+def test_commands_are_packed_as_the_client_packs_them(
+    server: RedisServer, options: dict[str, Any]
+) -> None:
+    client = server.client(**options)
+    calls = _direct(client)
+    values = ["é", 0.1, 1e300, 10**20, -3, b"\x00bytes"]
+    for value in values:
+        assert calls("ECHO", value) == client.echo(value)
+    with pytest.raises(redis.DataError):
+        calls("ECHO", True)
+    assert calls("ECHO", "after") == b"after"
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_call() -> None:
+    # Redis's idle timeout closes the connection; without any retry (redis-py 5's default),
+    # the next call must still go through: it is checked as the pool checks one.
+    with RedisServer(("--timeout", "1")) as server:
+        admin = server.client()
+        client = server.client(retry=Retry(NoBackoff(), 0))
+        calls = _direct(client)
+        assert calls("ECHO", "before") == b"before"
+        with_ours = _clients(admin)
+        deadline = time.monotonic() + 15
+        while _clients(admin) == with_ours and time.monotonic() < deadline:
+            time.sleep(0.05)  # admin stays busy: only our idle connection is closed
+        assert _clients(admin) == with_ours - 1
+        assert calls("ECHO", "after") == b"after"

@@ -1,19 +1,20 @@
 """The hot path's round trip: a command on a connection the limiter keeps for itself.
 
 Besides the round trip, redis-py's ``Redis.execute_command`` does on every command: it
-takes a connection from the pool under a lock and first checks it for stray data (a
-non-blocking read that costs five system calls), checks the process id twice, wraps the
-call for its retries and its observability hooks, and puts the connection back. On the
-project's 2-core VM that is about half of the pool child's CPU for an acquire's round
-trip (``python -m bench.gate_cpu``: see docs/benchmarks/worker-overhead.md), paid by every
-throttled task.
+takes a connection from the pool under a lock, checks the process id twice, wraps the call
+in its retries and its observability hooks (timers, metrics), packs the command in Python
+around hiredis, and puts the connection back. Measured on the project's 2-core VM, that
+more than doubles the client's CPU for one ``FCALL`` (29 us against 13 us here, on an
+idle loopback Redis), paid by every throttled task in its pool child.
 
 :class:`DirectCalls` sends a command on a connection of its own instead: taken from the
 client's pool once (the same host, credentials, database, TLS, RESP version, Sentinel's
 master lookup and retry policy as the client's), kept in a list of idle connections, and
-used again by the next call. Only two system calls a round trip remain (plus the poll of
-each that a socket timeout costs). What keeps it as safe as the pool:
+used again by the next call. What keeps it as safe as the pool:
 
+* an idle connection is checked before use as the pool checks one it hands out (a
+  zero-timeout read, about 1 us): one the server closed while it sat idle (a restart, an
+  idle ``timeout``) or that holds stray data is replaced before the command is sent;
 * a connection is put back only after a whole reply was read (a result, or an error
   reply such as a missing function). Any other way out of a call (a timeout, a lost
   connection, an exception raised into the call between its write and its read, such as
@@ -21,11 +22,8 @@ each that a socket timeout costs). What keeps it as safe as the pool:
   reply;
 * a process forked from one that made calls drops the idle connections it inherited
   (``os.register_at_fork``): a socket is never shared by two processes;
-* a call that fails with an error of the connection's retry policy (redis-py's default:
-  a lost connection, a timeout) is retried as the client would retry it, on the same
-  connection reconnected: a connection that went stale while idle (Redis restarted, an
-  idle timeout) costs its first call a reconnect and the policy's backoff (about 10 ms),
-  where the pool's check would have reconnected before sending;
+* a call that fails with an error of the connection's retry policy is retried as the
+  client would retry it (reconnecting first);
 * the connections stay the pool's, counted as in use: ``client.close()`` (and
   ``connection_pool.disconnect()``) closes them too; a call after that reconnects.
 
@@ -43,13 +41,20 @@ from __future__ import annotations
 import os
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import redis
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
 __all__ = ["DirectCalls", "direct_calls"]
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # the [hiredis] extra is not installed
+    _hiredis_pack = None
 
 # redis-py before 5.3 asks for a command name when checking a connection out; later
 # versions warn when given one.
@@ -68,11 +73,33 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _packer(pool: redis.ConnectionPool) -> Callable[[tuple[Any, ...]], list[bytes]] | None:
+    """hiredis's packer, when it packs commands exactly as ``pool``'s connections do: in C,
+    a few us less than their ``pack_command``. None otherwise (no hiredis; a redis-py that
+    packs in Python with a client's other encoding): their ``pack_command`` then."""
+    pack = _hiredis_pack
+    if pack is None:
+        return None
+    probe = pool.connection_class(**pool.connection_kwargs)  # not connected
+    sample = ("ECHO", "\u00e9", 0.1, 1e300, 10**20, -3, b"\x00")
+    if b"".join(probe.pack_command(*sample)) != pack(sample):
+        return None
+
+    def packed(command: tuple[Any, ...]) -> list[bytes]:
+        try:
+            return [pack(command)]
+        except TypeError as exc:  # a bad argument, in the words of redis-py's packer
+            raise DataError(str(exc)) from exc
+
+    return packed
+
+
 class DirectCalls:
     """Commands sent on connections taken once from ``pool`` and kept (see the module)."""
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.pool = pool
+        self._pack = _packer(pool)
         # redis-py's connections (untyped): connected, or disconnected by client.close();
         # never one in the middle of a call.
         self.idle: list[Any] = []
@@ -82,15 +109,12 @@ class DirectCalls:
         by the connection as the client would (without the client's response callbacks:
         for FCALL there are none). Raises redis-py's errors, as the client does."""
         idle = self.idle
-        conn = idle.pop() if idle else self._connection()
-        packed = conn.pack_command(*command)
+        conn = self._idle()
+        pack = self._pack
         try:
-            # Outside the retries, as the pool connects a connection it hands out: a Redis
-            # that cannot be reached fails after the connect's own retries, not after
-            # retries of retries. A no-op when connected.
-            conn.connect()
+            packed = pack(command) if pack is not None else conn.pack_command(*command)
         except BaseException:
-            idle.append(conn)
+            idle.append(conn)  # nothing was sent on it
             raise
 
         def once() -> Any:
@@ -109,8 +133,25 @@ class DirectCalls:
         idle.append(conn)
         return reply
 
+    def _idle(self) -> Any:
+        """An idle connection, checked as the pool checks one it hands out (about 1 us): one
+        that the server closed while it was idle (a restart, an idle timeout), or that
+        holds stray data, is disconnected, to connect again as it sends; a new connection
+        when none is idle."""
+        try:
+            conn = self.idle.pop()
+        except IndexError:
+            return self._connection()
+        try:
+            if conn.can_read():
+                conn.disconnect()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
+        return conn
+
     def _connection(self) -> Any:
-        """A new connection of the pool's, checked out of it for good."""
+        """A new connection of the pool's (connected and checked), checked out of it for
+        good."""
         if _NAMED_CHECKOUT:
             return self.pool.get_connection("FCALL")
         return self.pool.get_connection()
