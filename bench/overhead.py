@@ -32,8 +32,12 @@ Per version and task: the median block time (and the best), µs per task, the ra
 ``plain`` of the same version (medians of the same run) and the µs per task above it; the
 CPU time of the worker (main process and pool children; and of the pool children alone)
 and of redis-server per task, less sensitive than wall time to other tenants of a shared
-machine; and the script calls (FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task. Nothing but the throttled tasks runs
-scripts on this server (the app does not start the releaser, whose polls would).
+machine; and the script calls (FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task.
+Nothing but the throttled tasks runs scripts on this server (the app does not start the
+releaser, whose polls would).
+
+``--prefetch N`` sets the workers' ``worker_prefetch_multiplier`` (default 1, the demo's
+late-ack setting; Celery's own default is 4).
 """
 
 from __future__ import annotations
@@ -213,8 +217,8 @@ def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], n: int, rounds: int) -> None:
-    print(f"\n{n} no-op tasks per block, {rounds} rounds, medians")
+def print_table(rows: list[dict[str, Any]], n: int, rounds: int, prefetch: int) -> None:
+    print(f"\n{n} no-op tasks per block, {rounds} rounds, prefetch multiplier {prefetch}, medians")
     print(
         "| version | task | median s (best) | µs/task | vs plain | µs/task over plain "
         "| worker CPU µs/task (vs plain) | of which pool children (over plain) "
@@ -239,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--before", default=None, help="a git revision to run beside this tree")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=1,
+        help="the workers' worker_prefetch_multiplier (1, the demo's; Celery's default is 4)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             tree = stack.enter_context(checkout(args.before, "bench/overhead_app.py"))
             versions.append(Version(f"before ({args.before})", tree, "overhead-before",
                                     "before@overhead"))  # fmt: skip
-        env = {"OVERHEAD_BROKER_URL": server.url}
+        env = {"OVERHEAD_BROKER_URL": server.url, "OVERHEAD_PREFETCH": str(args.prefetch)}
         os.environ.update(env)
         from bench.overhead_app import app  # noqa: PLC0415
 
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         version.proc.kill()
                         version.proc.wait(10)
     rows = report(versions, args.tasks)
-    print_table(rows, args.tasks, args.rounds)
+    print_table(rows, args.tasks, args.rounds, args.prefetch)
     load = os.getloadavg()
     print(
         f"\n{started}, {platform.python_implementation()} {platform.python_version()}, "

@@ -25,7 +25,8 @@ app = Celery("overhead", broker=BROKER)
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
+    # 1 (the demo's), or Celery's default 4 with `bench.overhead --prefetch 4`.
+    worker_prefetch_multiplier=int(os.environ.get("OVERHEAD_PREFETCH", "1")),
     broker_connection_retry_on_startup=True,
     task_ignore_result=True,
     throttle_config={
