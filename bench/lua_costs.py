@@ -49,6 +49,15 @@ BLOCKS = {
     "setrange": "redis.call('SETRANGE', KEYS[1], 0, 'abcdefghabcdefgh') return 1",
     "hmget_2": "redis.call('HMGET', KEYS[2], 'a', 'b') return 1",
     "hmget_6": "redis.call('HMGET', KEYS[2], 'a', 'b', 'c', 'd', 'e', 'f') return 1",
+    "get_3": "redis.call('GET', KEYS[1]) redis.call('GET', KEYS[1]) redis.call('GET', KEYS[1])"
+    " return 1",
+    "mget_3": "redis.call('MGET', KEYS[1], KEYS[1], KEYS[1]) return 1",
+    "exists_absent": "redis.call('EXISTS', 'b:absent') return 1",
+    "hmget_6_absent": "redis.call('HMGET', 'b:absent', 'a', 'b', 'c', 'd', 'e', 'f') return 1",
+    "tonumber_12": "local a = '1234567.125' for i = 1, 4 do "
+    "local x, y, z = tonumber(a), tonumber(a), tonumber(a) end return 1",
+    "coerce_12": "local a = '1234567.125' for i = 1, 4 do local x, y, z = a * 1, a * 1, a * 1 end"
+    " return 1",
     "closures_20": "local a = {} for i = 1, 20 do a[i] = function() return i end end return 1",
     "tables_10": "local a = {} for i = 1, 10 do a[i] = {i, i, i, i, i, i, i, i, i, i} end return 1",
 }
@@ -112,6 +121,12 @@ def cases(client: redis.Redis) -> dict[str, Send]:
         "acquire_one_gcra": capture(limiter, lambda: limiter.acquire(gcra, "k")),
         "acquire (three limits)": capture(limiter, lambda: limiter.acquire_many(three)),
     }
+    # The same calls where the namespace's holds hash exists, holding another limit (as it
+    # does from a namespace's first hold until a later hold call sweeps the ended ones).
+    held = Limiter(client, namespace="lua-costs-held")
+    client.hset(held.keyspace.holds_key(), "another-limit", 2**62)
+    calls["acquire_one_tb, holds present"] = capture(held, lambda: held.acquire(tb, "k"))
+    calls["acquire (three limits), holds present"] = capture(held, lambda: held.acquire_many(three))
     _, three_keys, three_args = calls["acquire (three limits)"]
     client.set("b:1", "abcdefghabcdefgh", px=10**9)
     client.hset("b:2", "zz", 1)

@@ -18,10 +18,12 @@
 -- limits: the slot another limit set), the cost is taken at max(TAT, at): the slots before
 -- `at` that nobody took stay unused, exactly as if the request had arrived at `at`.
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   local interval = period_us / count
   local tat, lives = now, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if not s and FENCE > 0 then
     tat = math.max(now, FENCE + burst * interval)
   elseif s then

@@ -157,6 +157,12 @@ end
 
 local ALGO = {}
 
+-- The hold of limit number i (us, 0: none): the later of the whole limit's and its key's,
+-- in held (the HMGET of every limit's two hold fields: acquire.lua).
+local function hold_of(held, i)
+  return math.max(tonumber(held[2 * i - 1]) or 0, tonumber(held[2 * i]) or 0)
+end
+
 -- acquire.lua's working tables: one array of values per limit (LIMITS[i]), the numbers of
 -- its reply (REPLY) and the pack format of a reply per count of limits (FORMAT[n]). In
 -- the function library they are made once and reused by every call, which writes every

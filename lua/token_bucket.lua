@@ -18,9 +18,11 @@
 -- committed). The state stays at ts (never in the future, where a call made
 -- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   local tokens, ts, lives = burst, now, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if not s and FENCE > 0 then
     tokens = math.min(burst, (now - FENCE) * count / period_us)
   elseif s then
