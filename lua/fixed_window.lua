@@ -34,7 +34,8 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
   else
     retry = window_end
   end
-  return allowed, 0, retry, math.max(count - after, 0), window_end, w, n, same
+  local remaining = count - after
+  return allowed, 0, retry, 0 > remaining and 0 or remaining, window_end, w, n, same
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n, same)

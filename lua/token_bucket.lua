@@ -39,7 +39,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
       ts = now
     end
     -- Capped even when no time passed: a burst lowered at run time applies at once.
-    tokens = math.min(burst, tokens)
+    tokens = tokens < burst and tokens or burst  -- math.min(burst, tokens), without a C call
   end
   local allowed, wait, retry, after = 0, 0, 0, tokens
   if tokens >= cost then
@@ -52,7 +52,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
       retry = need
     end
   end
-  return allowed, wait, retry, math.max(after, 0),
+  return allowed, wait, retry, 0 > after and 0 or after,
          ceil_us((burst - after) * period_us / count), tokens, ts, lives
 end
 
@@ -65,7 +65,7 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, at,
   tokens = tokens - cost
   local to_full = (burst - tokens) * period_us / count
   local px
-  lives, px = lifetime(math.max(to_full, 0) + (ts - now), now, lives)
+  lives, px = lifetime((0 > to_full and 0 or to_full) + (ts - now), now, lives)
   store(k, struct.pack('<ddd', tokens, ts, lives), px)
   if later then
     -- The decision describes the state committed (check's formulas on the new level).
