@@ -2,20 +2,24 @@
 --
 -- KEYS[1]      the namespace's holds (HASH, see hold.lua)
 -- KEYS[2..]    the state keys of each limit in order (ALGO[code].nkeys each), then the
---              fence marker when ARGV[6+7n] is given, then, when an acquisition id is
+--              fence marker when ARGV[7+3n] is given, then, when an acquisition id is
 --              given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA);
 --                            negative: minus the latest slot to reserve, epoch us (a deadline)
 -- ARGV[3]      n             number of limits
--- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair'), count, period_us, burst,
---              cost (burst = the capacity: bucket size, or count for windows and
---              concurrency; cost = tokens taken from this limit, >= 0, fractions allowed:
---              one call may cost 1 request and 2000 tokens)
--- ARGV[4+5n]   acquisition   id of the lease record, also the concurrency holder; '' = none
--- ARGV[5+5n]   lease_us      how long the record and concurrency units live after the slot
--- ARGV[6+5n..] 2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
--- ARGV[6+7n]   fence_us      optional: the restart fence (prelude.lua); absent: none
+-- ARGV[4..3+n] 1 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair')
+-- ARGV[4+n]    numbers       4 doubles per limit, packed '<dddd' one limit after the other:
+--                            count, period_us, burst, cost (burst = the capacity: bucket
+--                            size, or count for windows and concurrency; cost = tokens taken
+--                            from this limit, >= 0, fractions allowed: one call may cost 1
+--                            request and 2000 tokens). Packed, they arrive exact and cost
+--                            Redis one argument and one unpack per limit, where each number
+--                            as its own argument cost a Lua string and a conversion.
+-- ARGV[5+n]    acquisition   id of the lease record, also the concurrency holder; '' = none
+-- ARGV[6+n]    lease_us      how long the record and concurrency units live after the slot
+-- ARGV[7+n..]  2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
+-- ARGV[7+3n]   fence_us      optional: the restart fence (prelude.lua); absent: none
 --
 -- Returns one string (one bulk reply is cheaper to parse than many). Status 0, the
 -- common one, is packed doubles (struct '<d', 8 bytes each: exact, and nothing formatted
@@ -47,18 +51,18 @@
 --   its state.
 
 local now = clock_us(ARGV[1])
--- The numbers of ARGV by Lua's own coercion (`* 1`): the conversion tonumber makes, exact,
--- without the C function call (about 0.08 us each; three limits convert fourteen).
+-- Numbers of ARGV by Lua's own coercion (`* 1`): the conversion tonumber makes, exact,
+-- without the C function call (about 0.08 us).
 local max_wait = ARGV[2] * 1
 if max_wait < 0 then
   max_wait = math.max(-max_wait - now, 0)
 end
 local n = ARGV[3] * 1
-local acq = ARGV[4 + 5 * n]
+local acq = ARGV[5 + n]
 if acq == '' then
   acq = nil
 end
-local fenced = ARGV[6 + 7 * n]
+local fenced = ARGV[7 + 3 * n]
 if fenced then
   FENCE = fence_of(acq and #KEYS - 1 or #KEYS, now, tonumber(fenced))
 end
@@ -68,7 +72,7 @@ end
 -- EXISTS tells for less than the HMGET of every limit's two fields costs.
 local held_until = false
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 6 + 5 * n, 5 + 7 * n))
+  held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 7 + n, 6 + 3 * n))
 end
 
 if acq then
@@ -94,7 +98,7 @@ if acq then
       if recorded[i] ~= KEYS[k] then
         return '3'
       end
-      k = k + ALGO[ARGV[5 * i - 1]].nkeys
+      k = k + ALGO[ARGV[3 + i]].nkeys
       reply = reply .. ' ' .. recorded[n + i]
     end
     -- A hold that began after the reservation and lasts past its slot voids the slot.
@@ -125,11 +129,10 @@ local k = 2
 -- as false here; those algorithms read their own keys.
 local states = redis.call('MGET', unpack(KEYS, 2, #KEYS - (fenced and 1 or 0)
                                                       - (acq and 1 or 0)))
+local numbers = ARGV[4 + n]
 for i = 1, n do
-  local a = 5 * i - 2
-  local algo = ALGO[ARGV[a + 1]]
-  local count, period_us, burst, cost = ARGV[a + 2] * 1, ARGV[a + 3] * 1, ARGV[a + 4] * 1,
-                                        ARGV[a + 5] * 1
+  local algo = ALGO[ARGV[3 + i]]
+  local count, period_us, burst, cost = struct.unpack('<dddd', numbers, 32 * i - 31)
   if cost > burst then
     return '2 ' .. i
   end
@@ -185,7 +188,7 @@ end
 if allowed == 1 then
   local expiry, record
   if acq then
-    expiry = slot + tonumber(ARGV[5 + 5 * n])
+    expiry = slot + tonumber(ARGV[6 + n])
     record = {'s', '1', 'at', slot, 'n', n}
   end
   for i = 1, n do

@@ -176,12 +176,12 @@ end
 -- each call, as it makes everything).
 local LIMITS, REPLY, FORMAT = {}, {}, {}
 
--- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
--- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
--- key is KEYS[k], for settle.lua and peek.lua. Created with every field (check's outcome
--- and the state it read), so that no table is resized on that path. cost is nil when its
--- ARGV is '' (settle.lua: as reserved). acquire.lua, on every multi-limit acquire, keeps
--- the same values in an array instead (cheaper to build than named fields).
+-- The record of limit number i of the ARGV layout of settle.lua and peek.lua (5 values
+-- per limit from ARGV[5i - 1], as text: code, count, period_us, burst, cost), whose first
+-- key is KEYS[k]. Created with every field (check's outcome and the state it read), so
+-- that no table is resized on that path. cost is nil when its ARGV is '' (settle.lua: as
+-- reserved). acquire.lua, on every multi-limit acquire, reads the same numbers packed
+-- (its ARGV[4+n]) and keeps them in an array (cheaper to build than named fields).
 local function limit_record(i, k)
   local a = 5 * i - 2
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),
