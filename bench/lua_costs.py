@@ -71,7 +71,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HMGET', KEYS[1], unpack(ARGV, 10, 15))
 end
 local a1, a2, a3 = ALGO[ARGV[4]], ALGO[ARGV[5]], ALGO[ARGV[6]]
-local c1, p1, b1, x1, c2, p2, b2, x2, c3, p3, b3, x3 = struct.unpack('<' .. string.rep('d', 12), ARGV[7])
+local c1, p1, b1, x1, c2, p2, b2, x2, c3, p3, b3, x3 =
+  struct.unpack('<dddddddddddd', ARGV[7])
 local s = redis.call('MGET', KEYS[2], KEYS[3], KEYS[4])
 local ok1, w1, r1, m1, e1, s11, s12, s13, s14 = a1.check(2, c1, p1, b1, now, x1, max_wait, s[1])
 local ok2, w2, r2, m2, e2, s21, s22, s23, s24 = a2.check(3, c2, p2, b2, now, x2, max_wait, s[2])
