@@ -69,9 +69,12 @@ end
 
 -- The holds of every limit: until (us) of the limit's and of its key's, or false when the
 -- holds hash is missing (no hold placed since the last one ended and was swept), which
--- EXISTS tells for less than the HMGET of every limit's two fields costs.
+-- EXISTS tells for less than the HMGET of every limit's two fields costs. EXISTS, and the
+-- MGET below, by pcall: a Redis user whose ACL lacks them (rules copied from an older
+-- acl_rules) gets an error reply, not a failed call, and then the reads every version's
+-- rules allow (the HMGET, a GET per limit): the same decisions, for more server time.
 local held_until = false
-if redis.call('EXISTS', KEYS[1]) == 1 then
+if redis.pcall('EXISTS', KEYS[1]) ~= 0 then
   held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 7 + n, 6 + 3 * n))
 end
 
@@ -126,8 +129,9 @@ local allowed, wait, retry = 1, 0, 0
 local k = 2
 -- Every state key in one MGET (KEYS[2] up to the fence marker and the lease record): one
 -- command instead of a GET per limit. A key that is not a STRING (concurrency, fair) reads
--- as false here; those algorithms read their own keys.
-local states = redis.call('MGET', unpack(KEYS, 2, #KEYS - (fenced and 1 or 0)
+-- as false here; those algorithms read their own keys, as each algorithm does when MGET is
+-- refused (an error reply: states[k - 1] is nil).
+local states = redis.pcall('MGET', unpack(KEYS, 2, #KEYS - (fenced and 1 or 0)
                                                       - (acq and 1 or 0)))
 local numbers = ARGV[4 + n]
 for i = 1, n do
