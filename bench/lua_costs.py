@@ -7,14 +7,18 @@ from ``INFO commandstats`` per batch. Cases, all in one library loaded here:
 * the building blocks of a script: an empty function, by its number of arguments (Redis
   turns each into a Lua string); ``TIME``; ``GET``; ``SET ... PX`` against ``SETRANGE``
   of the same bytes (what a state write costs with and without setting its TTL); ``HMGET``
-  of 2 and of 6 fields (the holds of one and of three limits); 20 closures and 10 tables
-  made per call (what a script rebuilds on each call, and a function library does not);
+  of 2 and of 6 fields (the holds of one and of three limits); three ``GET`` against one
+  ``MGET`` of three keys; ``EXISTS`` against ``HMGET`` of 6 fields of a missing hash (the
+  holds when none was placed); 12 ``tonumber`` calls against 12 conversions by coercion
+  (``x * 1``); 20 closures and 10 tables made per call (what a script rebuilds on each
+  call, and a function library does not);
 * the limiter's own functions, called with the arguments ``bench/core.py`` sends: the
-  one-limit token bucket and GCRA (``acquire_one``) and three limits (``acquire``);
+  one-limit token bucket and GCRA (``acquire_one``) and three limits (``acquire``), also
+  in a namespace whose holds hash exists (holding another limit);
 * ``three_limits_unrolled``: the same three limits with a driver written out for exactly
-  these three (no per-limit array, no loop, no holds decoding, no reservation): the floor
-  of any driver of several limits over these algorithms, which the generic ``acquire`` is
-  measured against.
+  these three, reading with the same commands (``EXISTS``, ``MGET``) but with no per-limit
+  array, no loop, no holds decoding, no reservation: the floor of any driver of several
+  limits over these algorithms, which the generic ``acquire`` is measured against.
 
 The rounds interleave the cases in a shuffled order; each case's minimum and median over
 the rounds are printed (the minimum: its cost on a quiet moment of a shared machine).
