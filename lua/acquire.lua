@@ -68,7 +68,7 @@ if fenced then
 end
 
 -- The holds of every limit: until (us) of the limit's and of its key's, or false when the
--- holds hash is missing (no hold placed since the last one ended and was swept), which
+-- holds hash is missing (no hold placed in the namespace, or every one lifted), which
 -- EXISTS tells for less than the HMGET of every limit's two fields costs. EXISTS, and the
 -- MGET below, by pcall: a Redis user whose ACL lacks them (rules copied from an older
 -- acl_rules) gets an error reply, not a failed call, and then the reads every version's
