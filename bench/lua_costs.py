@@ -7,14 +7,18 @@ from ``INFO commandstats`` per batch. Cases, all in one library loaded here:
 * the building blocks of a script: an empty function, by its number of arguments (Redis
   turns each into a Lua string); ``TIME``; ``GET``; ``SET ... PX`` against ``SETRANGE``
   of the same bytes (what a state write costs with and without setting its TTL); ``HMGET``
-  of 2 and of 6 fields (the holds of one and of three limits); 20 closures and 10 tables
-  made per call (what a script rebuilds on each call, and a function library does not);
+  of 2 and of 6 fields (the holds of one and of three limits); three ``GET`` against one
+  ``MGET`` of three keys; ``EXISTS`` against ``HMGET`` of 6 fields of a missing hash (the
+  holds when none was placed); 12 ``tonumber`` calls against 12 conversions by coercion
+  (``x * 1``); 20 closures and 10 tables made per call (what a script rebuilds on each
+  call, and a function library does not);
 * the limiter's own functions, called with the arguments ``bench/core.py`` sends: the
-  one-limit token bucket and GCRA (``acquire_one``) and three limits (``acquire``);
+  one-limit token bucket and GCRA (``acquire_one``) and three limits (``acquire``), also
+  in a namespace whose holds hash exists (holding another limit);
 * ``three_limits_unrolled``: the same three limits with a driver written out for exactly
-  these three (no per-limit array, no loop, no holds decoding, no reservation): the floor
-  of any driver of several limits over these algorithms, which the generic ``acquire`` is
-  measured against.
+  these three, reading with the same commands (``EXISTS``, ``MGET``) but with no per-limit
+  array, no loop, no holds decoding, no reservation: the floor of any driver of several
+  limits over these algorithms, which the generic ``acquire`` is measured against.
 
 The rounds interleave the cases in a shuffled order; each case's minimum and median over
 the rounds are printed (the minimum: its cost on a quiet moment of a shared machine).
@@ -49,6 +53,15 @@ BLOCKS = {
     "setrange": "redis.call('SETRANGE', KEYS[1], 0, 'abcdefghabcdefgh') return 1",
     "hmget_2": "redis.call('HMGET', KEYS[2], 'a', 'b') return 1",
     "hmget_6": "redis.call('HMGET', KEYS[2], 'a', 'b', 'c', 'd', 'e', 'f') return 1",
+    "get_3": "redis.call('GET', KEYS[1]) redis.call('GET', KEYS[1]) redis.call('GET', KEYS[1])"
+    " return 1",
+    "mget_3": "redis.call('MGET', KEYS[1], KEYS[1], KEYS[1]) return 1",
+    "exists_absent": "redis.call('EXISTS', 'b:absent') return 1",
+    "hmget_6_absent": "redis.call('HMGET', 'b:absent', 'a', 'b', 'c', 'd', 'e', 'f') return 1",
+    "tonumber_12": "local a = '1234567.125' for i = 1, 4 do "
+    "local x, y, z = tonumber(a), tonumber(a), tonumber(a) end return 1",
+    "coerce_12": "local a = '1234567.125' for i = 1, 4 do local x, y, z = a * 1, a * 1, a * 1 end"
+    " return 1",
     "closures_20": "local a = {} for i = 1, 20 do a[i] = function() return i end end return 1",
     "tables_10": "local a = {} for i = 1, 10 do a[i] = {i, i, i, i, i, i, i, i, i, i} end return 1",
 }
@@ -57,17 +70,17 @@ BLOCKS = {
 # acquisition id, fence, hold or reservation: acquire.lua's decision with nothing generic.
 UNROLLED = """
 local now = clock_us(ARGV[1])
-local max_wait = tonumber(ARGV[2])
-redis.call('HMGET', KEYS[1], unpack(ARGV, 21, 26))
-local a1, a2, a3 = ALGO[ARGV[4]], ALGO[ARGV[9]], ALGO[ARGV[14]]
-local c1, p1, b1, x1 = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local c2, p2, b2, x2 = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
-  tonumber(ARGV[13])
-local c3, p3, b3, x3 = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17]),
-  tonumber(ARGV[18])
-local ok1, w1, r1, m1, e1, s11, s12, s13, s14 = a1.check(2, c1, p1, b1, now, x1, max_wait)
-local ok2, w2, r2, m2, e2, s21, s22, s23, s24 = a2.check(3, c2, p2, b2, now, x2, max_wait)
-local ok3, w3, r3, m3, e3, s31, s32, s33, s34 = a3.check(4, c3, p3, b3, now, x3, max_wait)
+local max_wait = ARGV[2] * 1
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HMGET', KEYS[1], unpack(ARGV, 10, 15))
+end
+local a1, a2, a3 = ALGO[ARGV[4]], ALGO[ARGV[5]], ALGO[ARGV[6]]
+local c1, p1, b1, x1, c2, p2, b2, x2, c3, p3, b3, x3 =
+  struct.unpack('<dddddddddddd', ARGV[7])
+local s = redis.call('MGET', KEYS[2], KEYS[3], KEYS[4])
+local ok1, w1, r1, m1, e1, s11, s12, s13, s14 = a1.check(2, c1, p1, b1, now, x1, max_wait, s[1])
+local ok2, w2, r2, m2, e2, s21, s22, s23, s24 = a2.check(3, c2, p2, b2, now, x2, max_wait, s[2])
+local ok3, w3, r3, m3, e3, s31, s32, s33, s34 = a3.check(4, c3, p3, b3, now, x3, max_wait, s[3])
 if ok1 == 1 and ok2 == 1 and ok3 == 1 then
   a1.commit(2, c1, p1, b1, now, x1, nil, nil, false, s11, s12, s13, s14)
   a2.commit(3, c2, p2, b2, now, x2, nil, nil, false, s21, s22, s23, s24)
@@ -112,6 +125,12 @@ def cases(client: redis.Redis) -> dict[str, Send]:
         "acquire_one_gcra": capture(limiter, lambda: limiter.acquire(gcra, "k")),
         "acquire (three limits)": capture(limiter, lambda: limiter.acquire_many(three)),
     }
+    # The same calls where the namespace's holds hash exists, holding another limit (as it
+    # does from a namespace's first hold until a later hold call sweeps the ended ones).
+    held = Limiter(client, namespace="lua-costs-held")
+    client.hset(held.keyspace.holds_key(), "another-limit", 2**62)
+    calls["acquire_one_tb, holds present"] = capture(held, lambda: held.acquire(tb, "k"))
+    calls["acquire (three limits), holds present"] = capture(held, lambda: held.acquire_many(three))
     _, three_keys, three_args = calls["acquire (three limits)"]
     client.set("b:1", "abcdefghabcdefgh", px=10**9)
     client.hset("b:2", "zz", 1)

@@ -2,20 +2,24 @@
 --
 -- KEYS[1]      the namespace's holds (HASH, see hold.lua)
 -- KEYS[2..]    the state keys of each limit in order (ALGO[code].nkeys each), then the
---              fence marker when ARGV[6+7n] is given, then, when an acquisition id is
+--              fence marker when ARGV[7+3n] is given, then, when an acquisition id is
 --              given, its lease record (a HASH)
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      max_wait_us   reserve a future slot up to this far ahead (token bucket, GCRA);
 --                            negative: minus the latest slot to reserve, epoch us (a deadline)
 -- ARGV[3]      n             number of limits
--- ARGV[4..]    5 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair'), count, period_us, burst,
---              cost (burst = the capacity: bucket size, or count for windows and
---              concurrency; cost = tokens taken from this limit, >= 0, fractions allowed:
---              one call may cost 1 request and 2000 tokens)
--- ARGV[4+5n]   acquisition   id of the lease record, also the concurrency holder; '' = none
--- ARGV[5+5n]   lease_us      how long the record and concurrency units live after the slot
--- ARGV[6+5n..] 2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
--- ARGV[6+7n]   fence_us      optional: the restart fence (prelude.lua); absent: none
+-- ARGV[4..3+n] 1 per limit:  code ('tb'|'gcra'|'fw'|'sw'|'conc'|'fair')
+-- ARGV[4+n]    numbers       4 doubles per limit, packed '<dddd' one limit after the other:
+--                            count, period_us, burst, cost (burst = the capacity: bucket
+--                            size, or count for windows and concurrency; cost = tokens taken
+--                            from this limit, >= 0, fractions allowed: one call may cost 1
+--                            request and 2000 tokens). Packed, they arrive exact and cost
+--                            Redis one argument and one unpack per limit, where each number
+--                            as its own argument cost a Lua string and a conversion.
+-- ARGV[5+n]    acquisition   id of the lease record, also the concurrency holder; '' = none
+-- ARGV[6+n]    lease_us      how long the record and concurrency units live after the slot
+-- ARGV[7+n..]  2 per limit:  its hold fields: the whole limit's, its key's ('' if none)
+-- ARGV[7+3n]   fence_us      optional: the restart fence (prelude.lua); absent: none
 --
 -- Returns one string (one bulk reply is cheaper to parse than many). Status 0, the
 -- common one, is packed doubles (struct '<d', 8 bytes each: exact, and nothing formatted
@@ -47,24 +51,31 @@
 --   its state.
 
 local now = clock_us(ARGV[1])
-local max_wait = tonumber(ARGV[2])
+-- Numbers of ARGV by Lua's own coercion (`* 1`): the conversion tonumber makes, exact,
+-- without the C function call (about 0.08 us).
+local max_wait = ARGV[2] * 1
 if max_wait < 0 then
   max_wait = math.max(-max_wait - now, 0)
 end
-local n = tonumber(ARGV[3])
-local acq = ARGV[4 + 5 * n]
+local n = ARGV[3] * 1
+local acq = ARGV[5 + n]
 if acq == '' then
   acq = nil
 end
-if ARGV[6 + 7 * n] then
-  FENCE = fence_of(acq and #KEYS - 1 or #KEYS, now, tonumber(ARGV[6 + 7 * n]))
+local fenced = ARGV[7 + 3 * n]
+if fenced then
+  FENCE = fence_of(acq and #KEYS - 1 or #KEYS, now, tonumber(fenced))
 end
 
--- The holds of every limit, in one call: until (us) of the limit's and of its key's.
-local held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 6 + 5 * n, 5 + 7 * n))
-local function hold_of(i)
-  local whole, own = held_until[2 * i - 1], held_until[2 * i]
-  return math.max(tonumber(whole) or 0, tonumber(own) or 0)
+-- The holds of every limit: until (us) of the limit's and of its key's, or false when the
+-- holds hash is missing (no hold placed in the namespace, or every one lifted), which
+-- EXISTS tells for less than the HMGET of every limit's two fields costs. EXISTS, and the
+-- MGET below, by pcall: a Redis user whose ACL lacks them (rules copied from an older
+-- acl_rules) gets an error reply, not a failed call, and then the reads every version's
+-- rules allow (the HMGET, a GET per limit): the same decisions, for more server time.
+local held_until = false
+if redis.pcall('EXISTS', KEYS[1]) ~= 0 then
+  held_until = redis.call('HMGET', KEYS[1], unpack(ARGV, 7 + n, 6 + 3 * n))
 end
 
 if acq then
@@ -90,52 +101,62 @@ if acq then
       if recorded[i] ~= KEYS[k] then
         return '3'
       end
-      k = k + ALGO[ARGV[5 * i - 1]].nkeys
+      k = k + ALGO[ARGV[3 + i]].nkeys
       reply = reply .. ' ' .. recorded[n + i]
     end
     -- A hold that began after the reservation and lasts past its slot voids the slot.
-    for i = 1, n do
-      local hold = hold_of(i)
-      if hold > at and hold > now then
-        return '4 ' .. i .. ' ' .. ceil_us(hold - now)
+    if held_until then
+      for i = 1, n do
+        local hold = hold_of(held_until, i)
+        if hold > at and hold > now then
+          return '4 ' .. i .. ' ' .. ceil_us(hold - now)
+        end
       end
     end
     return reply
   end
 end
 
--- Each limit's values in one array (LIMITS[i], prelude.lua: reused from call to call in the
--- library; built by a constructor of its size when new: a record with named fields costs a
--- hash insert per field):
-local K, ALG, COUNT, PERIOD, BURST, COST, OK, REM, RETRY, RESET, S1, S2, S3, S4, WAIT =
-  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
-local limits = LIMITS
+-- Each limit's decision goes straight into the numbers of the reply (REPLY, from 4i + 1:
+-- allowed, remaining, retry_after_us, reset_us), and what its commit needs into one array
+-- per limit (LIMITS[i]). Both are prelude.lua's, reused from call to call in the library;
+-- a limit's array is built by a constructor of its size when new (a record with named
+-- fields costs a hash insert per field).
+local K, ALG, COUNT, PERIOD, BURST, COST, S1, S2, S3, S4, WAIT =
+  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
+local limits, out = LIMITS, REPLY
 local allowed, wait, retry = 1, 0, 0
 local k = 2
+-- Every state key in one MGET (KEYS[2] up to the fence marker and the lease record): one
+-- command instead of a GET per limit. A key that is not a STRING (concurrency, fair) reads
+-- as false here; those algorithms read their own keys, as each algorithm does when MGET is
+-- refused (an error reply: states[k - 1] is nil).
+local states = redis.pcall('MGET', unpack(KEYS, 2, #KEYS - (fenced and 1 or 0)
+                                                      - (acq and 1 or 0)))
+local numbers = ARGV[4 + n]
 for i = 1, n do
-  local a = 5 * i - 2
-  local algo = ALGO[ARGV[a + 1]]
-  local count, period_us = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local burst, cost = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local algo = ALGO[ARGV[3 + i]]
+  local count, period_us, burst, cost = struct.unpack('<dddd', numbers, 32 * i - 31)
   if cost > burst then
     return '2 ' .. i
   end
   local ok, w, r, remaining, reset, s1, s2, s3, s4 = 0, 0, 0, 0, 0, false, false, false, false
   -- Nothing held (false, false) is the usual answer: nothing to decode then.
-  if (held_until[2 * i - 1] or held_until[2 * i]) and hold_of(i) > now then
-    r = ceil_us(hold_of(i) - now)
+  if held_until and (held_until[2 * i - 1] or held_until[2 * i])
+      and hold_of(held_until, i) > now then
+    r = ceil_us(hold_of(held_until, i) - now)
   else
     ok, w, r, remaining, reset, s1, s2, s3, s4 =
-      algo.check(k, count, period_us, burst, now, cost, max_wait)
+      algo.check(k, count, period_us, burst, now, cost, max_wait, states[k - 1])
   end
+  local j = 4 * i
+  out[j + 1], out[j + 2], out[j + 3], out[j + 4] = ok, remaining, r, reset
   local l = limits[i]
   if l then
-    l[K], l[ALG], l[COUNT], l[PERIOD], l[BURST], l[COST], l[OK], l[REM], l[RETRY], l[RESET],
-      l[S1], l[S2], l[S3], l[S4], l[WAIT] =
-      k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3, s4, w
+    l[K], l[ALG], l[COUNT], l[PERIOD], l[BURST], l[COST], l[S1], l[S2], l[S3], l[S4], l[WAIT] =
+      k, algo, count, period_us, burst, cost, s1, s2, s3, s4, w
   else
-    limits[i] = {k, algo, count, period_us, burst, cost, ok, remaining, r, reset, s1, s2, s3,
-                 s4, w}
+    limits[i] = {k, algo, count, period_us, burst, cost, s1, s2, s3, s4, w}
   end
   k = k + algo.nkeys
   if ok == 0 then
@@ -163,7 +184,7 @@ if allowed == 1 and wait > 0 then
     local l = limits[i]
     local ends = l[ALG].ends
     if ends and slot >= ends(l[PERIOD], l[S1], l[S2], l[S3]) then
-      allowed, l[OK], l[RETRY] = 0, 0, wait
+      allowed, out[4 * i + 1], out[4 * i + 3] = 0, 0, wait
     end
   end
 end
@@ -171,20 +192,21 @@ end
 if allowed == 1 then
   local expiry, record
   if acq then
-    expiry = slot + tonumber(ARGV[5 + 5 * n])
+    expiry = slot + tonumber(ARGV[6 + n])
     record = {'s', '1', 'at', slot, 'n', n}
   end
   for i = 1, n do
     local l = limits[i]
-    local at = slot > now + l[WAIT] and slot
+    -- false (committed at its own slot) unless another limit's slot is later than this one's
+    local at = wait > 0 and slot > now + l[WAIT] and slot
     local mark, reset, remaining = l[ALG].commit(l[K], l[COUNT], l[PERIOD], l[BURST], now,
                                                  l[COST], acq, expiry, at, l[S1], l[S2], l[S3],
                                                  l[S4])
     if reset then
-      l[RESET] = reset
+      out[4 * i + 4] = reset
     end
     if remaining then
-      l[REM] = remaining
+      out[4 * i + 2] = remaining
     end
     if acq then
       record[#record + 1] = 'k' .. i
@@ -204,18 +226,13 @@ else
   -- An algorithm that remembers denials (fair.lua: who is active, where its plan stands).
   for i = 1, n do
     local l = limits[i]
-    if l[OK] == 0 and l[S1] and l[ALG].deny then
+    if out[4 * i + 1] == 0 and l[S1] and l[ALG].deny then
       l[ALG].deny(l[K], l[COUNT], l[PERIOD], l[BURST], now, l[COST], l[S1])
     end
   end
 end
 -- One pack of every number: a pack per limit and their concatenation cost twice as much.
-local out = REPLY
 out[1], out[2], out[3], out[4] = 0, allowed, wait, allowed == 1 and 0 or retry
-for i = 1, n do
-  local l, j = limits[i], 4 * i
-  out[j + 1], out[j + 2], out[j + 3], out[j + 4] = l[OK], l[REM], l[RETRY], l[RESET]
-end
 local format = FORMAT[n]
 if not format then
   format = '<' .. string.rep('d', 4 + 4 * n)

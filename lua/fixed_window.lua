@@ -14,11 +14,13 @@
 -- check hands commit the window and its count: s1 = w, s2 = n, s3 = whether the key holds
 -- that window already (its TTL is the window's).
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   -- The window now counts in: floor(now / period_us), or the stored window when it is
   -- later (the clock stepped back).
   local w, n, same = math.floor(now / period_us), 0, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if s then
     local stored, stored_n = struct.unpack('<dd', s)
     if stored >= w then
@@ -32,7 +34,8 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   else
     retry = window_end
   end
-  return allowed, 0, retry, math.max(count - after, 0), window_end, w, n, same
+  local remaining = count - after
+  return allowed, 0, retry, 0 > remaining and 0 or remaining, window_end, w, n, same
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n, same)

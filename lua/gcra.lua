@@ -18,10 +18,12 @@
 -- limits: the slot another limit set), the cost is taken at max(TAT, at): the slots before
 -- `at` that nobody took stay unused, exactly as if the request had arrived at `at`.
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   local interval = period_us / count
   local tat, lives = now, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if not s and FENCE > 0 then
     tat = math.max(now, FENCE + burst * interval)
   elseif s then
@@ -30,7 +32,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
     else
       tat = struct.unpack('<d', s)  -- by a version that did not keep the TTL's end
     end
-    tat = math.max(tat, now)
+    tat = now > tat and now or tat  -- math.max(tat, now), without a C call
   end
   local new_tat = tat + cost * interval
   local conform_at = new_tat - burst * interval
@@ -45,8 +47,9 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
       retry = need
     end
   end
-  return allowed, wait, retry, math.max(burst - (after - now) / interval, 0),
-         ceil_us(after - now), new_tat, tat, lives
+  local remaining = burst - (after - now) / interval
+  return allowed, wait, retry, 0 > remaining and 0 or remaining, ceil_us(after - now), new_tat,
+         tat, lives
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, tat, read,

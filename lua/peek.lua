@@ -1,8 +1,9 @@
 -- peek.lua: what an acquire would be told now, taking nothing (for status and gauges).
 --
--- KEYS, ARGV as acquire.lua without an acquisition: KEYS[1] the holds, then the state keys;
--- ARGV[1] now_us, ARGV[2] unused, ARGV[3] n, 5 per limit (cost: the cost to ask about),
--- ARGV[4+5n], ARGV[5+5n] unused, then 2 hold fields per limit.
+-- KEYS as acquire.lua without an acquisition: KEYS[1] the holds, then the state keys.
+-- ARGV[1] now_us, ARGV[2] unused, ARGV[3] n, then 5 per limit as text, as settle.lua's
+-- (code, count, period_us, burst, cost: the cost to ask about), ARGV[4+5n], ARGV[5+5n]
+-- unused, then 2 hold fields per limit.
 --
 -- Returns per limit ' allowed remaining retry_after_us reset_us' after a leading '0':
 -- acquire.lua's per-limit fields, but for remaining, which is what is there now (before

@@ -81,15 +81,21 @@ local function clock_us(explicit)
   end
   REDIS_CLOCK = true
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return t[1] * 1000000 + t[2]
 end
 
--- A duration in us rounded up to a whole us, never negative (for replies).
+-- A duration in us rounded up to a whole us, never negative (for replies). x % 1 is the
+-- fraction (x - floor(x), exact): math.ceil's result without a C function call, which
+-- costs more than this arithmetic, and this runs a few times per limit on every acquire.
 local function ceil_us(x)
   if x <= 0 then
     return 0
   end
-  return math.ceil(x)
+  local fraction = x % 1
+  if fraction > 0 then
+    return x - fraction + 1
+  end
+  return x
 end
 
 -- Key lifetime: until the state would read the same as a missing key (idle_us from now),
@@ -157,6 +163,12 @@ end
 
 local ALGO = {}
 
+-- The hold of limit number i (us, 0: none): the later of the whole limit's and its key's,
+-- in held (the HMGET of every limit's two hold fields: acquire.lua).
+local function hold_of(held, i)
+  return math.max(tonumber(held[2 * i - 1]) or 0, tonumber(held[2 * i]) or 0)
+end
+
 -- acquire.lua's working tables: one array of values per limit (LIMITS[i]), the numbers of
 -- its reply (REPLY) and the pack format of a reply per count of limits (FORMAT[n]). In
 -- the function library they are made once and reused by every call, which writes every
@@ -164,12 +176,12 @@ local ALGO = {}
 -- each call, as it makes everything).
 local LIMITS, REPLY, FORMAT = {}, {}, {}
 
--- The record of limit number i of the ARGV layout shared by acquire.lua and settle.lua
--- (5 values per limit from ARGV[5i - 1]: code, count, period_us, burst, cost), whose first
--- key is KEYS[k], for settle.lua and peek.lua. Created with every field (check's outcome
--- and the state it read), so that no table is resized on that path. cost is nil when its
--- ARGV is '' (settle.lua: as reserved). acquire.lua, on every multi-limit acquire, keeps
--- the same values in an array instead (cheaper to build than named fields).
+-- The record of limit number i of the ARGV layout of settle.lua and peek.lua (5 values
+-- per limit from ARGV[5i - 1], as text: code, count, period_us, burst, cost), whose first
+-- key is KEYS[k]. Created with every field (check's outcome and the state it read), so
+-- that no table is resized on that path. cost is nil when its ARGV is '' (settle.lua: as
+-- reserved). acquire.lua, on every multi-limit acquire, reads the same numbers packed
+-- (its ARGV[4+n]) and keeps them in an array (cheaper to build than named fields).
 local function limit_record(i, k)
   local a = 5 * i - 2
   return {k = k, code = ARGV[a + 1], algo = ALGO[ARGV[a + 1]], count = tonumber(ARGV[a + 2]),

@@ -6,8 +6,9 @@
 -- ARGV[1]      now_us        '' = read Redis TIME (always, outside tests)
 -- ARGV[2]      acquisition   id (the concurrency holder)
 -- ARGV[3]      n             number of limits
--- ARGV[4..]    5 per limit:  code, count, period_us, burst (as for acquire.lua), then the
---              actual cost for this limit ('' = as reserved: a plain release)
+-- ARGV[4..]    5 per limit:  code, count, period_us, burst (acquire.lua's numbers, here as
+--              text), then the actual cost for this limit ('' = as reserved: a plain
+--              release)
 --
 -- Returns 'status' then, when settled, one delta per limit
 --   status 0 = settled: delta = actual - reserved, > 0 charged, < 0 refunded;

@@ -15,11 +15,13 @@
 -- check hands commit the window and its counts: s1 = w, s2 = cur, s3 = prev, s4 = whether
 -- the key holds that window already (its TTL is the window's).
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   -- The current window and its two counts: floor(now / period_us), or the stored window
   -- when it is later (the clock stepped back).
   local w, cur, prev, same = math.floor(now / period_us), 0, 0, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if s then
     local stored, c, p = struct.unpack('<ddd', s)
     if stored == w - 1 then

@@ -18,9 +18,11 @@
 -- committed). The state stays at ts (never in the future, where a call made
 -- before `at` would read the level of `at`): tokens = min(tokens, burst - refill to `at`).
 
-local function check(k, count, period_us, burst, now, cost, max_wait)
+local function check(k, count, period_us, burst, now, cost, max_wait, s)
   local tokens, ts, lives = burst, now, false
-  local s = redis.call('GET', KEYS[k])
+  if s == nil then
+    s = redis.call('GET', KEYS[k])
+  end
   if not s and FENCE > 0 then
     tokens = math.min(burst, (now - FENCE) * count / period_us)
   elseif s then
@@ -37,7 +39,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
       ts = now
     end
     -- Capped even when no time passed: a burst lowered at run time applies at once.
-    tokens = math.min(burst, tokens)
+    tokens = tokens < burst and tokens or burst  -- math.min(burst, tokens), without a C call
   end
   local allowed, wait, retry, after = 0, 0, 0, tokens
   if tokens >= cost then
@@ -50,7 +52,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
       retry = need
     end
   end
-  return allowed, wait, retry, math.max(after, 0),
+  return allowed, wait, retry, 0 > after and 0 or after,
          ceil_us((burst - after) * period_us / count), tokens, ts, lives
 end
 
@@ -63,7 +65,7 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, at,
   tokens = tokens - cost
   local to_full = (burst - tokens) * period_us / count
   local px
-  lives, px = lifetime(math.max(to_full, 0) + (ts - now), now, lives)
+  lives, px = lifetime((0 > to_full and 0 or to_full) + (ts - now), now, lives)
   store(k, struct.pack('<ddd', tokens, ts, lives), px)
   if later then
     -- The decision describes the state committed (check's formulas on the new level).

@@ -61,7 +61,13 @@ from throttle.redis.scripts import (
     operation_source,
     script_source,
 )
-from throttle.redis.wire import HOLD_FOREVER_US, limit_args, target_args
+from throttle.redis.wire import (
+    HOLD_FOREVER_US,
+    limit_args,
+    pack_numbers,
+    target_args,
+    target_numbers,
+)
 from throttle.spec import Limit
 from throttle.units import real
 
@@ -620,12 +626,13 @@ def _encode_targets(
     args: list[Any],
 ) -> tuple[list[tuple[Limit, str | None]], list[float], list[str]]:
     """Check each target of an acquisition and append its state keys to ``keys`` and its
-    script arguments (the limit's, then its cost) to ``args``; returns the (limit, key)
-    pairs, each limit's cost, and the fields of the holds hash the script reads."""
-    encoded_cost = repr(cost).encode()
+    script arguments to ``args`` (lua/acquire.lua: each limit's code, then one value of
+    every limit's numbers and cost, packed); returns the (limit, key) pairs, each limit's
+    cost, and the fields of the holds hash the script reads."""
     pairs: list[tuple[Limit, str | None]] = []
     costs: list[float] = []
     fields: list[str] = []
+    numbers: list[float] = []
     for target in targets:
         if len(target) == 3:
             limit, key, own = target
@@ -633,10 +640,9 @@ def _encode_targets(
                 limit_cost = own
             else:
                 limit_cost = _number(own, f"cost of limit {getattr(limit, 'name', limit)!r}")
-            encoded = repr(limit_cost).encode()
         else:
             limit, key = target
-            limit_cost, encoded = cost, encoded_cost
+            limit_cost = cost
         if not isinstance(limit, Limit):
             raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
         if key is not None and (type(key) is not str or not key):
@@ -644,9 +650,11 @@ def _encode_targets(
         if limit_cost > limit.capacity:
             raise CostExceedsCapacity(limit.name, limit_cost, limit.capacity)
         keys.extend(keyspace.state_keys(limit, key))
-        args.extend(target_args(limit, key))
-        args.append(encoded)
+        args.append(limit_args(limit)[0])
+        numbers.extend(target_numbers(limit, key))
+        numbers.append(limit_cost)
         pairs.append((limit, key))
         costs.append(limit_cost)
         fields.extend(keyspace.hold_fields(limit.name, key))
+    args.append(pack_numbers(numbers))
     return pairs, costs, fields

@@ -859,8 +859,8 @@ class MemoryRedis:
         )
 
     def _limits(self, keys: list[str], args: list[Any], first: int, n: int) -> list[Spec]:
-        """The n limits of ARGV (5 values each from index ``first``) and their state keys
-        from ``keys`` (in order)."""
+        """The n limits of ARGV (5 values each from index ``first``: settle.lua's and
+        peek.lua's layout) and their state keys from ``keys`` (in order)."""
         specs: list[Spec] = []
         k = 0
         for i in range(n):
@@ -876,11 +876,18 @@ class MemoryRedis:
         max_wait, n = float(_text(args[1])), int(_text(args[2]))
         if max_wait < 0:  # a deadline (acquire.lua)
             max_wait = max(-max_wait - now, 0.0)
-        acq = _text(args[3 + 5 * n]) or None
-        lease_us = float(_text(args[4 + 5 * n]))
-        fields = args[5 + 5 * n :]
-        specs = self._limits(keys[1:], args, 3, n)
-        costs = [float(_text(args[3 + 5 * i + 4])) for i in range(n)]
+        acq = _text(args[4 + n]) or None
+        lease_us = float(_text(args[5 + n]))
+        fields = args[6 + n :]
+        # The codes, then each limit's count, period_us, burst and cost packed (acquire.lua).
+        numbers = struct.unpack(f"<{4 * n}d", _bytes(args[3 + n]))
+        specs: list[Spec] = []
+        k = 0
+        for i in range(n):
+            code = _text(args[3 + i])
+            specs.append((code, Params(*numbers[4 * i : 4 * i + 3]), keys[1 + k]))
+            k += _NKEYS.get(code, 1)
+        costs = list(numbers[3::4])
         # (The script finds an excess cost after the lease record; the Limiter refuses one
         # before it calls, so that order never shows.)
         for i, ((_, p, _), cost) in enumerate(zip(specs, costs, strict=True), start=1):

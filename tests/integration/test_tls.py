@@ -220,6 +220,45 @@ def test_a_user_denied_redis_functions_gets_the_scripts(denied: str) -> None:
             limiter.client.close()
 
 
+def test_a_user_whose_acl_lacks_exists_and_mget_gets_the_same_decisions() -> None:
+    # Given a user with rules copied from an older acl_rules (no EXISTS, no MGET, which
+    # acquire.lua reads with when it may) and a user with today's rules, on one clock
+    old, new = (f"user {name} on >pw {acl_rules()}{rules}" for name, rules in
+                (("old", " -exists -mget"), ("new", "")))  # fmt: skip
+    with RedisServer(acl=[old, new]) as server:
+        clock = FakeClock()
+        limiters = [
+            Limiter(
+                redis.Redis.from_url(server.url_for(user, "pw")), namespace=user, clock_us=clock
+            )
+            for user in ("old", "new")
+        ]
+        limits = [
+            (Limit.parse("3/s", name="tb"), "k"),
+            (Limit.parse("2/s", name="g", algorithm="gcra"), None),
+            (Limit.parse("4/m", name="fw", algorithm="fixed_window"), "k"),
+        ]
+        try:
+            # When both acquire the same limits, before and during a hold of another limit
+            seen: list[list[Any]] = [[], []]
+            for step in range(12):
+                if step == 6:
+                    for limiter in limiters:
+                        limiter.hold(Limit.parse("1/s", name="other"), None, 60)
+                for limiter, decisions in zip(limiters, seen, strict=True):
+                    decisions.append(limiter.acquire_many(limits, max_wait_s=0.4))
+                clock.advance(0.3)
+            # Then they were told the same, and some were denied; the old user's EXISTS and
+            # MGET were refused (its reads were the others)
+            assert seen[0] == seen[1]
+            assert {d.allowed for d in seen[0]} == {True, False}
+            refused = {(e["username"], e["object"]) for e in server.client().acl_log()}
+            assert refused == {("old", "exists"), ("old", "mget")}
+        finally:
+            for limiter in limiters:
+                limiter.client.close()
+
+
 def test_a_wrong_password_is_a_clear_error_without_the_password(tls_server: RedisServer) -> None:
     wrong = f"wrong-{CORE}"
     limiter = Limiter.from_url(tls_server.url_for("limiter", wrong))

@@ -101,7 +101,7 @@ ACL_COMMANDS = (
     "evalsha", "eval", "script|load",
     # called inside the functions and scripts (lua/*.lua)
     "time", "get", "set", "setrange", "del", "pexpire", "hget", "hmget", "hset", "hdel",
-    "hgetall",
+    "hgetall", "exists", "mget",
     "zadd", "zrem", "zcard", "zrange", "zrangebyscore",
     # from Python: run-time rates (hset/hdel/hgetall), fleet stats (hincrby, expire,
     # hgetall), parking counts (zcard), reset (scan, del), the workers' clocks (hset,
