@@ -18,6 +18,10 @@ worker sees per decision. The cases:
 * ``... (EVALSHA)``: the token bucket and the three limits again, by a limiter told to use
   the scripts (EVALSHA), as it does on Redis 6 or for a user denied ``FCALL``; the others
   call the function library (``FCALL``, see :mod:`throttle.redis.library`).
+* ``token_bucket (redis-py call)``: the token bucket's ``FCALL`` sent through redis-py's
+  ``Redis.execute_command``, as the raw script and the peers send theirs, where the limiter
+  uses connections of its own (:mod:`throttle.redis.direct`): it tells how much of the
+  distance to them is the client path, and how much the script.
 * Peers on the same server: ``limits`` (moving window, ``RedisStorage``, ``hit()``) and
   ``throttled-py`` (token bucket, ``RedisStore``, ``limit()``).
 
@@ -163,6 +167,7 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
     limiter = Limiter(client, namespace="bench")
     scripted = Limiter(client, namespace="bench-scripted")
     scripted.library.functions = False  # EVALSHA, as on Redis 6
+    pooled = Limiter(client, namespace="bench-pooled", own_connections=False)
 
     def ours(name: str, call: Callable[[], Any], by: Limiter = limiter) -> Case:
         return Case(name, "ours", call, bool, replay=capture(by, call))
@@ -228,6 +233,7 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
             scripted,
         ),
         ours("three_limits (EVALSHA)", lambda: scripted.acquire_many(three), scripted),
+        ours("token_bucket (redis-py call)", single(Limit.parse(RATE, name="tb"), pooled), pooled),
         Case("limits (moving window)", "peer", lambda: moving.hit(item, "bench-limits"), bool),
         Case("throttled-py (token bucket)", "peer", throttled.limit, lambda r: not r.limited),
     ]

@@ -397,13 +397,20 @@ class Limiter(RequestBuilder[Routine[Script]]):
         A redis-py client: ``redis.Redis``, or ``redis.cluster.RedisCluster`` for a Redis
         Cluster (every key of a namespace shares one hash slot, so every script of this
         limiter runs on the one master of that slot). The limiter opens no connection
-        itself.
+        before its first call.
     prefix, namespace:
         Where the keys live (see :class:`throttle.redis.keys.KeySpace`).
     clock_us:
         Tests only: a callable returning "now" in microseconds, sent to the scripts
         instead of letting them read Redis ``TIME``. Production code never sets it, so
         the only clock is the Redis server's and worker clocks never enter the math.
+    own_connections:
+        True (the default): the limiter's function calls go out on connections it keeps
+        from the client's pool (:mod:`throttle.redis.direct`), about half the client's
+        CPU per call, past redis-py's per-command hooks (so an instrumentation of
+        ``Redis.execute_command``, such as OpenTelemetry's, does not see them). False:
+        every call through the client. A client for which it cannot be done (a cluster,
+        RESP3, ...) always uses the client.
 
     Notes
     -----
@@ -418,6 +425,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
         prefix: str = "throttle",
         namespace: str = "default",
         clock_us: Callable[[], int] | None = None,
+        own_connections: bool = True,
     ) -> None:
         self.library = Library(client)
         """Whether this limiter calls Redis functions or scripts (see
@@ -428,7 +436,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
 
         super().__init__(register, prefix, namespace, clock_us)
         self.client = client
-        self._direct = direct_calls(client)
+        self._direct = direct_calls(client) if own_connections else None
 
     @classmethod
     def from_url(

@@ -198,3 +198,11 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_call()
             time.sleep(0.05)  # admin stays busy: only our idle connection is closed
         assert _clients(admin) == with_ours - 1
         assert calls("ECHO", "after") == b"after"
+
+
+def test_a_limiter_told_not_to_keeps_to_the_client(server: RedisServer) -> None:
+    client = server.client()
+    limiter = Limiter(client, prefix="direct", own_connections=False)
+    assert limiter.acquire(Limit.parse("1000/s", name="api")).allowed
+    assert limiter._direct is None
+    assert client.connection_pool._in_use_connections == set()  # back in the pool
