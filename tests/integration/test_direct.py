@@ -4,6 +4,7 @@ every call reads its own reply, whatever happened to the calls before it."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -206,3 +207,48 @@ def test_a_limiter_told_not_to_keeps_to_the_client(server: RedisServer) -> None:
     assert limiter.acquire(Limit.parse("1000/s", name="api")).allowed
     assert limiter._direct is None
     assert client.connection_pool._in_use_connections == set()  # back in the pool
+
+
+def test_a_call_to_a_dead_redis_tries_to_connect_as_often_as_the_clients_own_call(
+    server: RedisServer,
+) -> None:
+    # Counted at a listener that takes the dead server's port and hangs up on everyone:
+    # the limiter's call must fail after as many connection attempts as redis-py's own
+    # (its retry policy's), not after retries of retries.
+    client = server.client(retry=Retry(NoBackoff(), 2), socket_connect_timeout=2)
+    calls = _direct(client)
+    assert calls("ECHO", "up") == b"up"
+    client.ping()  # an idle connection in the pool too
+    kill(server)
+    accepted = 0
+    listener = socket.create_server(("127.0.0.1", server.port), reuse_port=False)
+    stop = threading.Event()
+
+    def hang_up() -> None:
+        nonlocal accepted
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                peer, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted += 1
+            peer.close()
+
+    thread = threading.Thread(target=hang_up)
+    thread.start()
+    try:
+        counts = []
+        for call in (lambda: calls("ECHO", "x"), lambda: client.echo("x")) * 2:
+            before = accepted
+            with pytest.raises(redis.ConnectionError):
+                call()
+            time.sleep(0.2)  # the listener's last accept
+            counts.append(accepted - before)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    # A stale connection first (found by the check before sending), then a closed one.
+    assert counts[0] == counts[1] > 0
+    assert counts[2] == counts[3] > 0

@@ -80,9 +80,13 @@ def _packer(pool: redis.ConnectionPool) -> Callable[[tuple[Any, ...]], list[byte
     pack = _hiredis_pack
     if pack is None:
         return None
-    probe = pool.connection_class(**pool.connection_kwargs)  # not connected
     sample = ("ECHO", "\u00e9", 0.1, 1e300, 10**20, -3, b"\x00")
-    if b"".join(probe.pack_command(*sample)) != pack(sample):
+    try:
+        probe = pool.connection_class(**pool.connection_kwargs)  # not connected
+        same = b"".join(probe.pack_command(*sample)) == pack(sample)
+    except Exception:  # a connection class of the user's that cannot be made so
+        return None
+    if not same:
         return None
 
     def packed(command: tuple[Any, ...]) -> list[bytes]:
@@ -134,19 +138,28 @@ class DirectCalls:
         return reply
 
     def _idle(self) -> Any:
-        """An idle connection, checked as the pool checks one it hands out (about 1 us): one
-        that the server closed while it was idle (a restart, an idle timeout), or that
-        holds stray data, is disconnected, to connect again as it sends; a new connection
-        when none is idle."""
+        """A connection ready to send, checked as the pool checks one it hands out: an
+        idle one that was disconnected (an error, ``client.close()``) connects now, and
+        a Redis that cannot be reached fails the call here, after the connect's own
+        retries; one that the server closed while it sat idle (a restart, an idle
+        timeout) or that holds stray data is replaced (a zero-timeout read, about 1 us).
+        A new connection when none is idle."""
         try:
             conn = self.idle.pop()
         except IndexError:
             return self._connection()
         try:
-            if conn.can_read():
-                conn.disconnect()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            conn.disconnect()
+            if getattr(conn, "_sock", True) is not None:  # connected (redis-py's mark)
+                try:
+                    if not conn.can_read():
+                        return conn
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    pass
+                conn.disconnect()  # closed by the server while idle, or stray data
+            conn.connect()
+        except BaseException:
+            self.idle.append(conn)
+            raise
         return conn
 
     def _connection(self) -> Any:
