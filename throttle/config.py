@@ -67,6 +67,7 @@ _RULE_FIELDS = (
 )  # fmt: skip
 _SETTINGS_FIELDS = {
     "redis_url": "str",
+    "redis_own_connections": "bool",
     "prefix": "str",
     "namespace": "str",
     "refresh": "duration",
@@ -196,6 +197,11 @@ class Settings:
     redis_url:
         The limiter's Redis. ``None``: ``THROTTLE_REDIS_URL``, else the broker's URL when
         the broker is Redis.
+    redis_own_connections:
+        The limiter calls Redis on connections it keeps from its client's pool, about half
+        the client's CPU per call (``throttle.redis.direct``). ``false``: every call
+        through redis-py's ``Redis.execute_command``, where an instrumentation of
+        redis-py's commands (OpenTelemetry's, say) sees it.
     prefix, namespace:
         Where the keys live (:class:`throttle.redis.keys.KeySpace`).
     refresh_s:
@@ -258,6 +264,7 @@ class Settings:
     """
 
     redis_url: str | None = None
+    redis_own_connections: bool = True
     prefix: str = "throttle"
     namespace: str = "default"
     refresh_s: float = 2.0

@@ -445,6 +445,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
         *,
         prefix: str = "throttle",
         namespace: str = "default",
+        own_connections: bool = True,
         **client_options: Any,
     ) -> Limiter:
         """A limiter on the Redis at ``url``: a client built by
@@ -454,7 +455,12 @@ class Limiter(RequestBuilder[Routine[Script]]):
         makes the calls raise :class:`BackendUnavailable`; a malformed Sentinel or cluster
         URL raises :class:`ConfigError` here.
         """
-        return cls(client_from_url(url, **client_options), prefix=prefix, namespace=namespace)
+        return cls(
+            client_from_url(url, **client_options),
+            prefix=prefix,
+            namespace=namespace,
+            own_connections=own_connections,
+        )
 
     def acquire(
         self,

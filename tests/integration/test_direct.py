@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from redis.backoff import NoBackoff
 from redis.connection import Connection
 from redis.retry import Retry
@@ -20,6 +21,7 @@ from redis.sentinel import Sentinel
 from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
+from throttle.celery.runtime import Throttler
 from throttle.redis.direct import DirectCalls, direct_calls
 
 
@@ -252,3 +254,16 @@ def test_a_call_to_a_dead_redis_tries_to_connect_as_often_as_the_clients_own_cal
     # A stale connection first (found by the check before sending), then a closed one.
     assert counts[0] == counts[1] > 0
     assert counts[2] == counts[3] > 0
+
+
+def test_a_worker_told_not_to_sends_every_call_through_the_client(server: RedisServer) -> None:
+    apps = {}
+    for own in (True, False):
+        app = Celery(f"direct-{own}", set_as_current=False)
+        app.conf.throttle_redis_url = server.url
+        app.conf.throttle_config = {"settings": {"redis_own_connections": own}}
+        apps[own] = Throttler.of(app).limiter
+    assert isinstance(apps[True]._direct, DirectCalls)
+    assert apps[False]._direct is None
+    for limiter in apps.values():
+        assert limiter.acquire(Limit.parse("1000/s", name="api")).allowed

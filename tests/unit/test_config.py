@@ -121,6 +121,7 @@ def test_full_document_maps_every_field(tmp_path: Path) -> None:
         """\
         settings:
           redis_url: redis://example:6379/3
+          redis_own_connections: false
           namespace: llm
           refresh: 500ms
           park_after: 1m
@@ -150,6 +151,7 @@ def test_full_document_maps_every_field(tmp_path: Path) -> None:
     assert config.tasks == {"proj.tasks.chat": ("tokens",)}
     settings = config.settings
     assert settings.redis_url == "redis://example:6379/3"
+    assert settings.redis_own_connections is False
     assert settings.namespace == "llm"
     assert (settings.refresh_s, settings.park_after_s, settings.park_lead_s) == (0.5, 60.0, 5.0)
 
@@ -396,6 +398,14 @@ BAD_DOCUMENTS = [
         "1m",
         "park_lead (60 s) must be shorter than park_after (5 s)",
         id="park-lead-above-park-after",
+    ),
+    pytest.param(
+        BASE + "settings:\n  redis_own_connections: 'no'\n",
+        None,
+        "settings.redis_own_connections",
+        "no",
+        "must be true or false",
+        id="settings-own-connections-not-a-bool",
     ),
     pytest.param(
         BASE + "settings:\n  sleep_max: 0\n",

@@ -165,16 +165,19 @@ class Throttler:
                 "in the limits file or THROTTLE_REDIS_URL",
                 field="redis_url", source=config.source,
             )  # fmt: skip
+        settings = config.settings
         if url.startswith(MEMORY_URL):
             from throttle.memory import MemoryLimiter  # noqa: PLC0415 (tests only)
 
-            settings = config.settings
             return cls(
                 app, config, MemoryLimiter(prefix=settings.prefix, namespace=settings.namespace)
             )
         try:
             limiter = Limiter.from_url(
-                url, prefix=config.settings.prefix, namespace=config.settings.namespace
+                url,
+                prefix=settings.prefix,
+                namespace=settings.namespace,
+                own_connections=settings.redis_own_connections,
             )
         except ValueError as exc:
             if isinstance(exc, ConfigError):  # a malformed Sentinel or Cluster URL, redacted
