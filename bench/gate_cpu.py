@@ -4,8 +4,9 @@
 
 What runs
 ---------
-The tasks of ``bench/overhead_app.py`` (``plain``, ``one_limit``, ``two_limits``,
-``reported``), each executed by Celery's tracer (``celery.app.trace.build_tracer``) on a
+The tasks of ``bench/overhead_app.py`` (``plain``, ``one_limit``, ``plain_args``,
+``two_limits``, ``reported``; each throttled one is compared with its plain twin, as in
+``bench/overhead.py``), each executed by Celery's tracer (``celery.app.trace.build_tracer``) on a
 request built as a worker builds it from a message, one after the other in one process:
 the code a prefork pool child runs per task, without the pool's pipes and the broker.
 Two modes, each timed in CPU seconds of the process (``time.process_time``: what the task
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.checkout import checkout
-from bench.overhead import ARGS, TASKS, WARMUP_TASKS
+from bench.overhead import ARGS, BASELINE, TASKS, WARMUP_TASKS
 from workers.harness import ROOT
 
 
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---:|---:|")
     for label, _ in trees:
         for mode in ("canned", "redis"):
-            plain = samples[(label, mode, "plain")]
             for task in TASKS:
+                plain = samples[(label, mode, BASELINE[task])]
                 us = samples[(label, mode, task)]
                 median, best = statistics.median(us), min(us)
                 print(

@@ -11,8 +11,10 @@ the tree of git revision REV (``git archive`` into a temporary directory, the ap
 into it; its worker runs with ``PYTHONPATH`` on that tree, in the same virtualenv). The
 tasks (``bench/overhead_app.py``):
 
-* ``plain``: not throttled, the baseline;
+* ``plain``: not throttled, no arguments: the baseline of ``one_limit``;
 * ``one_limit``: a token bucket far above the rate (it never binds), cost 1;
+* ``plain_args``: not throttled, with the arguments of the next two: their baseline (a
+  task's arguments cost the worker too, throttled or not);
 * ``two_limits``: a GCRA limit and a per-tenant token budget whose cost is an argument (an
   estimate the body does not correct);
 * ``reported``: as ``two_limits``, and the body reports its actual cost, so the
@@ -28,8 +30,9 @@ scripts and keys and is not recorded.
 
 What is printed
 ---------------
-Per version and task: the median block time (and the best), µs per task, the ratio to
-``plain`` of the same version (medians of the same run) and the µs per task above it; the
+Per version and task: the median block time (and the best), µs per task, the ratio to its
+plain twin (``plain`` or ``plain_args``, :data:`BASELINE`) of the same version (medians of
+the same run) and the µs per task above it; the
 CPU time of the worker (main process and pool children; and of the pool children alone)
 and of redis-server per task, less sensitive than wall time to other tenants of a shared
 machine; and the script calls (FCALL + EVALSHA + EVAL in ``INFO commandstats``) per task.
@@ -68,15 +71,24 @@ from workers.harness import ROOT
 from workers.stack import worker_argv
 
 APP = "bench.overhead_app"
-TASKS = ("plain", "one_limit", "two_limits", "reported")
+TASKS = ("plain", "one_limit", "plain_args", "two_limits", "reported")
 ARGS: dict[str, tuple[Any, ...]] = {
     "plain": (),
     "one_limit": (),
+    "plain_args": ("acme", 1000),
     "two_limits": ("acme", 1000),
     "reported": ("acme", 1000),
 }
 POLL_S = 0.005
 WARMUP_TASKS = 200
+BASELINE = {
+    "plain": "plain",
+    "one_limit": "plain",
+    "plain_args": "plain_args",
+    "two_limits": "plain_args",
+    "reported": "plain_args",
+}
+"""Each task's plain twin: the same no-op task, with the same arguments, not throttled."""
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 
 
@@ -187,11 +199,12 @@ def block(
 def report(versions: list[Version], n: int) -> list[dict[str, Any]]:
     rows = []
     for version in versions:
-        plain = statistics.median(version.seconds["plain"])
-        plain_cpu = statistics.median(version.worker_cpu_s["plain"])
-        plain_redis = statistics.median(version.redis_cpu_s["plain"])
-        plain_pool = statistics.median(version.pool_cpu_s["plain"])
         for task in TASKS:
+            base = BASELINE[task]
+            plain = statistics.median(version.seconds[base])
+            plain_cpu = statistics.median(version.worker_cpu_s[base])
+            plain_redis = statistics.median(version.redis_cpu_s[base])
+            plain_pool = statistics.median(version.pool_cpu_s[base])
             samples = version.seconds[task]
             median = statistics.median(samples)
             worker_cpu = statistics.median(version.worker_cpu_s[task])

@@ -45,6 +45,12 @@ def plain() -> None:
 
 
 @app.task
+def plain_args(tenant: str, tokens: int) -> None:
+    """Not throttled, with the arguments of ``two_limits`` and ``reported``: their
+    baseline (the same task without ``@throttled``)."""
+
+
+@app.task
 @throttled("roomy")
 def one_limit() -> None:
     """One token bucket, cost 1."""
