@@ -23,6 +23,7 @@ from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
 from throttle.celery.runtime import Throttler
+from throttle.redis import direct
 from throttle.redis.direct import DirectCalls, direct_calls
 
 
@@ -192,6 +193,21 @@ def test_commands_are_packed_as_the_client_packs_them(
     assert calls("ECHO", "after") == b"after"
 
 
+def test_without_hiredis_commands_are_packed_by_the_connection(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `pip install celery-throttled` without the [hiredis] extra: the connection packs.
+    monkeypatch.setattr(direct, "_hiredis_pack", None)
+    client = server.client()
+    calls = DirectCalls(client.connection_pool)
+    for value in ["é", 0.1, 1e300, 10**20, -3, b"\x00bytes"]:
+        assert calls("ECHO", value) == client.echo(value)
+    with pytest.raises(redis.DataError):
+        calls("ECHO", True)
+    assert calls("ECHO", "after") == b"after"
+    assert len(calls.idle) == 1
+
+
 def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_call() -> None:
     # Redis's idle timeout closes the connection; without any retry (redis-py 5's default),
     # the next call must still go through: it is checked as the pool checks one.
@@ -250,7 +266,8 @@ def test_a_call_to_a_dead_redis_tries_to_connect_as_often_as_the_clients_own_cal
             before = accepted
             with pytest.raises(redis.ConnectionError):
                 call()
-            time.sleep(0.2)  # the listener's last accept
+            # Complete: each attempt fails only once the listener hung up on it, after
+            # counting it.
             counts.append(accepted - before)
     finally:
         stop.set()
