@@ -1,0 +1,52 @@
+"""The model of lua/gcra.lua: the theoretical arrival time (TAT, us), per key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from throttle.memory.prelude import Check, Params, ceil_us
+
+
+class Gcra:
+    def __init__(self) -> None:
+        self.state: dict[str, float] = {}
+
+    def tat(self, key: str, now: float) -> float:
+        tat = self.state.get(key)
+        return now if tat is None or tat < now else tat
+
+    def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
+        interval = p.period_us / p.count
+        tat = self.tat(key, now)
+        new_tat = tat + cost * interval
+        conform_at = new_tat - p.burst * interval
+        r: Check = {"new_tat": new_tat, "tat": tat, "allowed": 0, "wait": 0, "retry": 0}
+        after = tat
+        if conform_at <= now:
+            r["allowed"], after = 1, new_tat
+        else:
+            need = ceil_us(conform_at - now)
+            if need <= max_wait:
+                r["allowed"], r["wait"], after = 1, need, new_tat
+            else:
+                r["retry"] = need
+        r["remaining"] = max(p.burst - (after - now) / interval, 0.0)
+        r["reset"] = ceil_us(after - now)
+        return r
+
+    def commit(
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, at: float | None = None,
+        **_: Any,
+    ) -> str:  # fmt: skip
+        new_tat = r["new_tat"]
+        if at is not None and at > r["tat"]:
+            new_tat = at + cost * p.period_us / p.count
+            interval = p.period_us / p.count
+            r["reset"] = ceil_us(new_tat - now)
+            r["remaining"] = max(p.burst - (new_tat - now) / interval, 0.0)
+        self.state[key] = new_tat
+        return ""
+
+    def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
+        tat = self.tat(key, now)
+        self.state[key] = max(now, tat + delta * p.period_us / p.count)
