@@ -2,7 +2,7 @@
 
 Hypothesis draws limits and sequences of (time step, cost, reservation horizon, settle);
 the same sequence goes to the real script in Redis (through the test clock), to its model
-(throttle/memory.py, re-exported by tests/support/model.py) and to the in-memory limiter
+(throttle/memory/, re-exported by tests/support/model.py) and to the in-memory limiter
 built on the models (throttle.memory.MemoryLimiter, the one users' eager tests run on).
 Decisions, remaining tokens, retry_after and reset must be identical.
 """
