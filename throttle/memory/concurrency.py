@@ -4,6 +4,7 @@ held, per key."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from throttle.memory.prelude import Check, Params, ceil_us
 
@@ -46,17 +47,10 @@ class Concurrency:
         return r
 
     def commit(
-        self,
-        key: str,
-        p: Params,
-        now: float,
-        cost: float,
-        r: Check,
-        *,
-        holder: str,
-        expiry: float,
-        at: float | None = None,
-    ) -> str:
+        self, key: str, p: Params, now: float, cost: float, r: Check, *, holder: str,
+        expiry: float, **_: Any,
+    ) -> str:  # fmt: skip
+        # ``at`` does not matter: the expiry already counts from the slot (as in the script).
         h = self.state.setdefault(key, _Holders())
         if cost > 0:
             h.leases[holder] = (expiry, cost)
