@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from tests.support.clock import FakeClock
-from throttle import Limit, Limiter, RequestError
+from throttle import KeySpace, Limit, Limiter, RequestError
+from throttle.adaptive import Adaptive, LearnedRates
 from throttle.memory import MemoryLimiter
 
 
@@ -84,3 +85,16 @@ def test_reserve_until_must_be_a_positive_time(client: redis.Redis, prefix: str)
     limit = Limit.parse("10/s", name="api")
     with pytest.raises(RequestError, match="reserve_until"):
         limiter.acquire_many([(limit, None)], reserve_until=float("nan"))
+
+
+def test_clear_forgets_the_learned_rates() -> None:
+    # Given an adaptive limit that learned a lower rate on the in-memory server
+    memory = MemoryLimiter()
+    api = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
+    learn = Adaptive(floor_per_s=2.0, decrease=0.5, recover_s=10.0)
+    book = LearnedRates(memory.client, KeySpace("throttle", "default"))
+    assert book.refused(api, None, learn).rate_per_s == pytest.approx(10.0)
+    # When the server is cleared (throttle.testing.reset does it between tests)
+    memory.server.clear()
+    # Then the limit is back at its ceiling
+    assert book.read(api, None, learn).rate_per_s == pytest.approx(20.0)

@@ -122,12 +122,13 @@ class MemoryRedis:
         """Nothing to close (the same call as a redis-py client's)."""
 
     def clear(self) -> None:
-        """Forget every state, hold, lease record and hash: a fresh server."""
+        """Forget every state, hold, lease record, hash and learned rate: a fresh server."""
         with self.lock:
             self.model = ModelLimiter()
             self.holds.clear()
             self.hashes.clear()
             self.spaced.clear()
+            self.learned.clear()
 
     # -- the scripts
 
