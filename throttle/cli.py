@@ -39,10 +39,9 @@ from typing import Any
 from urllib.parse import unquote
 
 import click
-from kombu.serialization import loads
 
 from throttle.admin import reset as reset_state
-from throttle.celery.message import LANE_SUFFIX, queue_of
+from throttle.celery.message import LANE_SUFFIX, parked_signature, queue_of
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError, ThrottleError
@@ -693,12 +692,10 @@ class _ParkedTask:
 
 
 def _decode(app: Any, throttler: Throttler, parked: Parked) -> _ParkedTask:
-    """Read a parked payload (``content type\\nencoding\\nbody``, the task's signature, as
-    :func:`throttle.celery.reschedule.defer` wrote it); an unreadable one shows as
-    unknown (name None) rather than stop the listing."""
+    """Read a parked payload (:func:`throttle.celery.message.parked_signature`); an
+    unreadable one shows as unknown (name None) rather than stop the listing."""
     try:
-        content_type, encoding, body = parked.payload.split(b"\n", 2)
-        sig = loads(body, content_type.decode(), encoding.decode())  # type: ignore[no-untyped-call]
+        sig = parked_signature(parked.payload)
         options = sig.get("options") or {}
         name = sig.get("task")
     except Exception:
