@@ -32,6 +32,11 @@ from throttle.errors import ConfigError
 from throttle.spec import Algorithm, Limit
 
 
+def _which(limit: str, key: str | None) -> str:
+    """What a command acts on: ``key 'acme' of limit 'api'``, or ``limit 'api'``."""
+    return f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r}"
+
+
 @click.command("set")
 @click.argument("limit")
 @click.argument("rate", required=False)
@@ -104,7 +109,7 @@ def reset(ctx: click.Context, limit: str, key: str | None, yes: bool) -> None:
     """
     app, throttler = throttler_of(ctx)
     lookup(known_limits(app, throttler), limit)
-    what = f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r} (every key)"
+    what = _which(limit, key) + (" (every key)" if key is None else "")
     if not yes:
         click.confirm(f"Reset {what}? Its tokens, windows and holders are forgotten", abort=True)
     limiter = throttler.limiter
@@ -130,7 +135,7 @@ def pause(ctx: click.Context, limit: str, key: str | None) -> None:
     lookup(known_limits(app, throttler), limit)
     with one_line_errors():
         throttler.limiter.hold(limit, key, None)
-    what = f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r}"
+    what = _which(limit, key)
     recheck = duration(throttler.settings.pause_recheck_s)
     click.echo(
         f"paused {what}: its tasks are deferred and look again every {recheck} "
@@ -148,7 +153,7 @@ def resume(ctx: click.Context, limit: str, key: str | None) -> None:
     app, throttler = throttler_of(ctx)
     lookup(known_limits(app, throttler), limit)
     limiter = throttler.limiter
-    what = f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r}"
+    what = _which(limit, key)
     with one_line_errors():
         before = limiter.holds()
         limiter.unhold(limit, key)
