@@ -1,8 +1,9 @@
 """``celery throttle set``, ``reset``, ``pause``, ``resume`` and ``check``: steering a
 fleet's limits at run time, and validating a limits file before a fleet loads it.
 
-Each acts on the fleet's Redis at once; workers follow within ``settings.refresh`` (a
-rate) or ``settings.pause_recheck`` (a pause), and nothing restarts.
+The first four write to the fleet's Redis at once; workers follow within
+``settings.refresh`` (a rate) or ``settings.pause_recheck`` (a pause), and nothing
+restarts. ``check`` reads only the file (and, with ``-A``, the app's tasks).
 """
 
 from __future__ import annotations
