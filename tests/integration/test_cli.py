@@ -30,7 +30,8 @@ from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, config
 from throttle.adaptive import ADAPTIVE_FIELDS, LearnedRates
 from throttle.celery.plan import plan_limit
-from throttle.cli import rate_spec, throttle
+from throttle.cli import throttle
+from throttle.cli.base import rate_spec
 from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot

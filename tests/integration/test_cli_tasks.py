@@ -10,11 +10,10 @@ import uuid
 from types import SimpleNamespace
 from typing import Any
 
-from kombu.serialization import dumps
-
 from tests.apps.cli_app import app as cli_app
 from tests.integration import test_cli
 from tests.integration.test_cli import Cli
+from throttle.celery.message import parked_payload
 from throttle.celery.observe import TaskTrailReporter
 from throttle.celery.runtime import Throttler
 
@@ -25,11 +24,7 @@ def park(task: str, queue: str, delay_s: float) -> str:
     sig = cli_app.signature(
         task, args=(1,), options={"task_id": task_id, "queue": queue, "headers": {}}
     )
-    content_type, encoding, body = dumps(dict(sig), serializer="json")
-    payload = f"{content_type}\n{encoding}\n".encode() + (
-        body if isinstance(body, bytes) else body.encode()
-    )
-    Throttler.of(cli_app).parking.park(payload, delay_s, task_id=task_id)
+    Throttler.of(cli_app).parking.park(parked_payload(sig, "json"), delay_s, task_id=task_id)
     return task_id
 
 
@@ -63,6 +58,25 @@ def test_parked_counts_per_limit_and_queue_and_lists_the_soonest(cli: Cli) -> No
     assert text.startswith("3 parked tasks\n")
     assert "per limit: busy 1, daily 2, gate 2" in text
     assert f"  {first}  {GATED}  queue cli  limits gate,daily  due " in text
+
+
+def test_an_unreadable_payload_is_listed_as_such_and_purged_with_all(cli: Cli) -> None:
+    # Given a parked task whose payload does not decode (written by hand), beside a good one
+    good = park(GATED, "cli.throttled", 30.0)
+    Throttler.of(cli_app).parking.park(b"application/json\nutf-8\n{nope", 20.0, task_id="bad")
+    # Then the listing shows it as unreadable, first (soonest due), and does not stop there
+    data = as_json(cli, "parked")
+    assert data["total"] == 2
+    assert [(t["task_id"], t["name"], t["limits"]) for t in data["tasks"]] == [
+        ("bad", None, []),
+        (good, GATED, ["gate", "daily"]),
+    ]
+    assert data["per_queue"] == {"?": 1, "cli": 1}
+    assert "  bad  (unreadable payload)  queue ?  limits -  due " in cli("parked").output
+    assert as_json(cli, "task", "bad")["state"] == "parked"
+    # And no filter selects it, --all does
+    assert "purged 1 parked task of queue 'cli'" in cli("purge", "-Q", "cli", "-y").output
+    assert "purged 1 parked task (all)" in cli("purge", "--all", "-y").output
 
 
 def test_purge_asks_then_deletes_by_queue_or_limit_only(cli: Cli) -> None:

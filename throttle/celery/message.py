@@ -1,4 +1,5 @@
-"""What the throttler reads from and writes to a task's message: its queue and headers.
+"""What the throttler reads from and writes to a task's message: its queue, its headers, and
+the payload a parked task waits in Redis as.
 
 The ``throttle_*`` headers come with the message, and whoever can publish a task can write
 them. Each is read defensively: a value of the wrong type or out of range is absent (never
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from kombu.serialization import dumps, loads
 
 from throttle.units import real
 
@@ -126,3 +129,35 @@ def eta_value(eta: object) -> str | None:
         return eta[:MAX_ETA_CHARS]
     isoformat = getattr(eta, "isoformat", None)
     return str(isoformat()) if callable(isoformat) else None
+
+
+def parked_payload(signature: Mapping[str, Any], serializer: str | None) -> bytes:
+    """A task's signature as the parking lot keeps it: ``content type\\nencoding\\nbody``,
+    the body serialized by kombu with ``serializer`` (the task's own), so that a releaser
+    or ``celery throttle parked`` reads it back without knowing the task."""
+    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+        dict(signature), serializer=serializer
+    )
+    head = f"{content_type}\n{encoding}\n".encode()
+    return head + (body if isinstance(body, bytes) else body.encode())
+
+
+def parked_signature(payload: bytes) -> dict[str, Any]:
+    """The signature in a parked payload (:func:`parked_payload`), as ``app.signature``
+    takes it.
+
+    Unlike the headers, it raises on a payload it cannot read: ``ValueError`` when the
+    payload is not of that shape (no two lines of head, a head that is not UTF-8, a body
+    that is not a mapping), kombu's ``DecodeError`` or ``ContentDisallowed`` when the body
+    does not decode as its content type says (or this process refuses that serializer).
+    The releaser logs it and keeps the task parked; the command shows it as unreadable."""
+    parts = payload.split(b"\n", 2)
+    if len(parts) != 3:
+        raise ValueError("a parked payload has the lines: content type, encoding, body")
+    content_type, encoding, body = parts
+    signature = loads(  # type: ignore[no-untyped-call]
+        body, content_type.decode(), encoding.decode()
+    )
+    if not isinstance(signature, dict):
+        raise ValueError(f"a parked payload holds a task signature, not {type(signature).__name__}")
+    return signature

@@ -16,10 +16,9 @@ import time
 from collections.abc import Sequence
 
 from celery import Celery
-from kombu.serialization import loads
 
 from throttle.celery.arrival import POLL_S, release_poll_s
-from throttle.celery.message import H_PARKED, H_PUBLISH, LANE_SUFFIX
+from throttle.celery.message import H_PARKED, H_PUBLISH, LANE_SUFFIX, parked_signature
 from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError
@@ -152,11 +151,7 @@ class Releaser(threading.Thread):
         """Send claimed tasks to the broker now, each with its parking token and publish
         id (they were parked until ``park_lead`` before their slot)."""
         for item in claimed:
-            content_type, encoding, body = item.payload.split(b"\n", 2)
-            options = loads(  # type: ignore[no-untyped-call]
-                body, content_type.decode(), encoding.decode()
-            )
-            sig = self.app.signature(options)
+            sig = self.app.signature(parked_signature(item.payload))
             queue = sig.options.get("queue")
             if isinstance(queue, str) and queue.endswith(LANE_SUFFIX):  # declared as its queue
                 lane_queue(self.app, queue[: -len(LANE_SUFFIX)])

@@ -34,7 +34,6 @@ from typing import Any, NoReturn
 
 from celery import signals
 from celery.exceptions import Ignore, Retry
-from kombu.serialization import dumps
 
 from throttle.celery.arrival import park_lead_s
 from throttle.celery.execution import Execution
@@ -48,6 +47,7 @@ from throttle.celery.message import (
     H_PUBLISH,
     count_header,
     eta_value,
+    parked_payload,
 )
 from throttle.celery.routing import lane_queue
 from throttle.decision import Decision
@@ -95,15 +95,11 @@ def defer(
     route = route_of(execution)
     if countdown_s > settings.park_after_s and execution.throttler.releasing:
         sig = task.signature_from_request(request, headers=headers, **route)
-        content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
-            dict(sig), serializer=task.serializer
-        )
-        payload = f"{content_type}\n{encoding}\n".encode() + (
-            body if isinstance(body, bytes) else body.encode()
-        )
         lead_s = park_lead_s(settings) if slot else 0.0
         execution.throttler.parking.park(
-            payload, (wait_s if slot else countdown_s) - lead_s, task_id=request.id
+            parked_payload(sig, task.serializer),
+            (wait_s if slot else countdown_s) - lead_s,
+            task_id=request.id,
         )
         how = "park"
     else:

@@ -1,0 +1,223 @@
+"""``celery throttle set``, ``reset``, ``pause``, ``resume`` and ``check``: steering a
+fleet's limits at run time, and validating a limits file before a fleet loads it.
+
+The first four write to the fleet's Redis at once; workers follow within
+``settings.refresh`` (a rate) or ``settings.pause_recheck`` (a pause), and nothing
+restarts. ``check`` reads only the file (and, with ``-A``, the app's tasks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+from throttle.admin import reset as reset_state
+from throttle.celery.runtime import declared_by
+from throttle.cli.base import (
+    EXIT_ERRORS,
+    amount,
+    app_option,
+    counted,
+    duration,
+    known_limits,
+    lookup,
+    one_line_errors,
+    plain,
+    rate_spec,
+    throttler_of,
+)
+from throttle.config import ThrottleConfig
+from throttle.errors import ConfigError
+from throttle.spec import Algorithm, Limit
+
+
+def _which(limit: str, key: str | None) -> str:
+    """What a command acts on: ``key 'acme' of limit 'api'``, or ``limit 'api'``."""
+    return f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r}"
+
+
+@click.command("set")
+@click.argument("limit")
+@click.argument("rate", required=False)
+@click.option("--default", "default", is_flag=True, help="Go back to the limits file's rate.")
+@click.pass_context
+def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) -> None:
+    """Change LIMIT's RATE for the whole fleet, at run time ("1000/h", "10/s burst 1").
+
+    Workers follow within settings.refresh; nothing restarts. A RATE without "burst" gets
+    the smaller of the file's burst and its own count: a burst-1 shaper stays burst 1, a
+    lowered "3500/m" gets burst 100 at "100/m". The change lasts until `set LIMIT --default`.
+    """
+    if (rate is None) == (not default):
+        raise click.UsageError("give a RATE, or --default to go back to the file's rate")
+    app, throttler = throttler_of(ctx)
+    entry = lookup(known_limits(app, throttler), limit)
+    configured = entry.rule.limit
+    refresh = duration(throttler.settings.refresh_s)
+    if default:
+        with one_line_errors():
+            throttler.rates.clear(limit)
+        click.echo(
+            f"limit {limit!r}: back to {rate_spec(configured)} burst {amount(configured.capacity)}"
+            f" (the configured rate); workers follow within {refresh} (settings.refresh)"
+        )
+        return
+    assert rate is not None
+    try:
+        changed = Limit.parse(rate, name=limit, algorithm=configured.algorithm)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="RATE") from None
+    # Without "burst", Limit.parse would make the burst the new count: "set github 2/s" on a
+    # "1/s burst 1" shaper would let 2 calls through at once. A change of rate never makes
+    # a limit burstier than its file unless RATE says so.
+    if (
+        "burst" not in rate.lower()
+        and configured.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
+        and configured.capacity < changed.count
+    ):
+        rate = f"{rate.strip()} burst {plain(configured.capacity)}"
+        changed = Limit.parse(rate, name=limit, algorithm=configured.algorithm)
+    cost = entry.rule.cost
+    if isinstance(cost, float) and cost > changed.capacity:
+        # Every task would fail with CostExceedsCapacity: refuse rather than break them.
+        raise click.BadParameter(
+            f"the burst {amount(changed.capacity)} of {rate!r} is below the cost "
+            f"{amount(cost)} that each task of limit {limit!r} takes: no task could run",
+            param_hint="RATE",
+        )
+    with one_line_errors():
+        throttler.rates.set(configured, rate)
+    click.echo(
+        f"limit {limit!r}: {rate_spec(changed)} burst {amount(changed.capacity)} for the whole "
+        f"fleet (configured {rate_spec(configured)} burst {amount(configured.capacity)}); "
+        f"workers follow within {refresh} (settings.refresh)"
+    )
+
+
+@click.command()
+@click.argument("limit")
+@click.argument("key", required=False)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def reset(ctx: click.Context, limit: str, key: str | None, yes: bool) -> None:
+    """Delete LIMIT's state in Redis (and its plans), of KEY or of every key: it starts
+    afresh, full.
+
+    Holds, pauses and rates set at run time stay. Tasks that already reserved a slot still
+    run at it, so right after a reset the limit can admit up to a burst more than usual.
+    """
+    app, throttler = throttler_of(ctx)
+    lookup(known_limits(app, throttler), limit)
+    what = _which(limit, key) + (" (every key)" if key is None else "")
+    if not yes:
+        click.confirm(f"Reset {what}? Its tokens, windows and holders are forgotten", abort=True)
+    limiter = throttler.limiter
+    with one_line_errors():
+        deleted = reset_state(limiter.client, limiter.keyspace, limit, key)
+    click.echo(
+        f"reset {what}: {counted(deleted, 'Redis key')} deleted "
+        "(holds and run-time rates unchanged)"
+    )
+
+
+@click.command()
+@click.argument("limit")
+@click.argument("key", required=False)
+@click.pass_context
+def pause(ctx: click.Context, limit: str, key: str | None) -> None:
+    """Admit nothing of LIMIT (of its KEY only, when given) until `resume`.
+
+    Its tasks are not lost: workers defer them, and each looks again every
+    settings.pause_recheck (plus up to half of it of jitter).
+    """
+    app, throttler = throttler_of(ctx)
+    lookup(known_limits(app, throttler), limit)
+    with one_line_errors():
+        throttler.limiter.hold(limit, key, None)
+    what = _which(limit, key)
+    recheck = duration(throttler.settings.pause_recheck_s)
+    click.echo(
+        f"paused {what}: its tasks are deferred and look again every {recheck} "
+        f"(settings.pause_recheck); none is lost. Undo: celery{app_option(ctx)} throttle "
+        f"resume {limit}" + (f" {key}" if key is not None else "")
+    )
+
+
+@click.command()
+@click.argument("limit")
+@click.argument("key", required=False)
+@click.pass_context
+def resume(ctx: click.Context, limit: str, key: str | None) -> None:
+    """Lift the pause (or a timed hold) of LIMIT, or of its KEY."""
+    app, throttler = throttler_of(ctx)
+    lookup(known_limits(app, throttler), limit)
+    limiter = throttler.limiter
+    what = _which(limit, key)
+    with one_line_errors():
+        before = limiter.holds()
+        limiter.unhold(limit, key)
+        after = limiter.holds()
+    held = before.get((limit, key))
+    if held is None:
+        click.echo(f"{what} was neither paused nor held: nothing to do")
+    else:
+        recheck = throttler.settings.pause_recheck_s
+        lifted = "pause" if math.isinf(held) else f"hold ({duration(held)} left)"
+        click.echo(
+            f"resumed {what} (lifted its {lifted}): paused tasks come back within "
+            f"{duration(recheck * 1.5)} (settings.pause_recheck plus jitter)"
+        )
+    for (name, other), left in sorted(after.items(), key=str):
+        if name == limit:
+            which = f"key {other!r} of limit" if other is not None else "limit"
+            state = "paused" if math.isinf(left) else f"held {duration(left)}"
+            click.echo(f"  still {state}: {which} {limit!r}")
+
+
+@click.command()
+@click.argument("file")
+@click.pass_context
+def check(ctx: click.Context, file: str) -> None:
+    """Validate a limits FILE: print every error with its place, exit 1 if any.
+
+    With an app (-A), also that every limit its tasks name in @throttled is in the file,
+    which a worker of the app checks when it starts.
+    """
+    errors = [str(error) for error in ThrottleConfig.check(file)]
+    config = None
+    if not errors:
+        config = ThrottleConfig.load(file)
+        app = getattr(ctx.obj, "app", None)
+        if app is not None:
+            app.loader.import_default_modules()
+            errors += _task_errors(app, config, file)
+    for error in errors:
+        click.echo(error)
+    if errors:
+        click.echo(f"{counted(len(errors), 'error')} in {file}", err=True)
+        ctx.exit(EXIT_ERRORS)
+    assert config is not None
+    counts = {"limit": config.rules, "queue": config.queues, "task": config.tasks}
+    click.echo(f"{file}: OK: " + ", ".join(counted(len(v), k) for k, v in counts.items()))
+
+
+def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
+    defined = ", ".join(sorted(config.rules)) or "none"
+    errors = []
+    for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
+        spec = declared_by(task)
+        for name in spec.names if spec is not None else ():
+            if name not in config.rules:
+                errors.append(
+                    str(
+                        ConfigError(
+                            f"task {task.name!r} names a limit the file does not define; "
+                            f"it defines {defined}",
+                            value=name,
+                            source=file,
+                        )
+                    )
+                )
+    return errors

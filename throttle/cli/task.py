@@ -1,0 +1,150 @@
+"""``celery throttle task TASK_ID``: where the throttler has one task, and why it waits.
+
+Read from Redis alone: the parking lot's index (parked, being released), the task's lease
+record (its reserved slot and limits: sleeping, running, re-published, done) and its trail
+(the last deferral or time out, kept an hour past its due time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+from urllib.parse import unquote
+
+import click
+
+from throttle.celery.runtime import Throttler
+from throttle.cli.base import moment, one_line_errors, throttler_of
+from throttle.cli.parked import read_parked
+from throttle.redis.client import wrap_errors
+
+
+def _task_limits(keys: list[bytes | None], base: str) -> list[str]:
+    """The limit names of a lease record's state keys (``base code:limit:key``)."""
+    names = []
+    for raw in keys:
+        if raw is None:
+            continue
+        key = raw.decode(errors="replace")
+        if key.startswith(base):
+            parts = key[len(base) :].split(":")
+            if len(parts) >= 2:
+                names.append(unquote(parts[1]))
+    return names
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
+    """Where task ``task_id`` is, as far as the throttler's Redis knows (see ``task``)."""
+    limiter = throttler.limiter
+    keyspace = limiter.keyspace
+    client = limiter.client
+    now_us = throttler.parking.now_us()
+    now = now_us / 1e6
+    out: dict[str, Any] = {"task_id": task_id, "now": round(now, 3), "limits": []}
+
+    found = throttler.parking.find(task_id)
+    if found is not None:
+        task = read_parked(app, throttler, found)
+        out.update(name=task.name, queue=task.queue, limits=list(task.limits))
+        if found.due_us is None:
+            return {**out, "state": "releasing", "until": None}
+        return {**out, "state": "parked", "until": round(found.due_us / 1e6, 3)}
+
+    lease = {_text(k): _bytes(v) for k, v in client.hgetall(keyspace.lease_key(task_id)).items()}
+    if lease:
+        count = int(lease.get("n", b"0"))
+        out["limits"] = _task_limits(
+            [lease.get(f"k{i}") for i in range(1, count + 1)], keyspace.base
+        )
+        slot = int(lease.get("at", b"0")) / 1e6
+        out["slot"] = round(slot, 3)
+    if lease.get("s") == b"1":
+        if slot > now + throttler.settings.sleep_max_s:
+            return {**out, "state": "republished", "until": round(slot, 3)}
+        if slot > now:
+            return {**out, "state": "sleeping", "until": round(slot, 3)}
+        ttl = client.pttl(keyspace.lease_key(task_id))
+        return {**out, "state": "running", "until": round(now + max(ttl, 0) / 1000, 3)}
+
+    trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
+    if trail:
+        limits = [str(name) for name in json.loads(trail.get("limits", "[]"))]
+        until = float(trail.get("until", "0"))
+        out.update(limits=limits, at=float(trail.get("at", "0")), until=round(until, 3))
+        how = trail.get("how")
+        if how in ("fail", "dead_letter", "expired"):
+            return {**out, "state": "timed_out", "action": how}
+        holds = limiter.holds()
+        for name in limits:
+            left = holds.get((name, None))
+            if left is not None:
+                state = "paused" if math.isinf(left) else "held"
+                until_held = None if math.isinf(left) else round(now + left, 3)
+                return {**out, "state": state, "held_by": name, "until": until_held}
+        if how == "park":  # released: back at the broker (or running) since
+            return {**out, "state": "released"}
+        return {**out, "state": "republished" if until > now else "released"}
+    if lease.get("s") == b"2":
+        return {**out, "state": "done", "until": None}
+    return {**out, "state": "unknown", "until": None}
+
+
+_SAYS = {
+    "parked": "parked in Redis until {until}: then a releaser sends it to its lane",
+    "releasing": "being published to the broker by a releaser right now",
+    "sleeping": "in a worker, sleeping to its slot at {until}",
+    "running": "running (its slot at {slot} passed); its lease ends by {until}",
+    "republished": "re-published to the broker, due back at {until}",
+    "released": "sent back to the broker at {until}: queued, or running",
+    "held": "held by limit {held_by} until {until}: it comes back then",
+    "paused": "held by limit {held_by}, paused until `celery throttle resume {held_by}`",
+    "timed_out": "timed out at {at} ({action})",
+    "done": "finished: its slot at {slot} was settled",
+    "unknown": (
+        "unknown: never throttled, finished more than its lease ago, or not a task of this "
+        "fleet (prefix and namespace)"
+    ),
+}
+
+
+@click.command()
+@click.argument("task_id", metavar="TASK_ID")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Why is TASK_ID waiting? Where the throttler has it, from Redis.
+
+    One of: parked until T, being released, sleeping to its slot at T, running, re-published
+    for T, held by limit L until T (or paused), timed out, done, unknown. Read from the
+    parking lot's index, the task's lease record (its reserved slot and limits) and its
+    trail (the last deferral or time out, kept an hour past its due time).
+    """
+    if not task_id.strip():
+        raise click.BadParameter("the task id is empty", param_hint="TASK_ID")
+    app, throttler = throttler_of(ctx)
+    with one_line_errors():
+        data = wrap_errors(lambda: task_status(app, throttler, task_id))
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    now_us = round(data["now"] * 1e6)
+
+    def stamp(value: Any) -> str:
+        return "?" if value is None else moment(round(value * 1e6), now_us)
+
+    fields = {k: stamp(data.get(k)) for k in ("until", "slot", "at")}
+    fields.update(held_by=data.get("held_by"), action=data.get("action"))
+    click.echo(f"task {task_id}: " + _SAYS[data["state"]].format(**fields))
+    if data.get("name") or data.get("queue"):
+        click.echo(f"  task {data.get('name') or '?'}  queue {data.get('queue') or '?'}")
+    if data["limits"]:
+        click.echo("  limits " + ", ".join(data["limits"]))
