@@ -20,7 +20,7 @@ had none), not the throttler's own.
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
 When the limiter's Redis fails, the rules' ``on_redis_down`` decide
-(:mod:`throttle.celery.outage`).
+(:mod:`throttle.celery.redis_down`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from throttle.celery.message import (
     id_header,
     planned_header,
 )
-from throttle.celery.outage import run_while_down
 from throttle.celery.plan import Plan, hand_back, plan_at, plan_id
+from throttle.celery.redis_down import run_while_down
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
