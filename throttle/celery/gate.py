@@ -54,7 +54,6 @@ from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
-from throttle.spec import Algorithm
 
 logger = logging.getLogger("throttle")
 
@@ -271,7 +270,7 @@ class Gate:
             return tolerance
         spacing = math.inf
         for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
-            if limit.algorithm in (Algorithm.GCRA, Algorithm.TOKEN_BUCKET):
+            if limit.algorithm.reserves:
                 if not rule.guarded:
                     return tolerance
                 spacing = min(spacing, limit.period_s / limit.count * cost)
