@@ -426,12 +426,6 @@ def set_deadlines(execution: Execution) -> None:
     execution.deadline = _earliest(execution.timeout_at, execution.expires)
 
 
-def deadline_of(execution: Execution) -> float | None:
-    """The execution's deadline on the Redis clock (epoch s): the earlier of its
-    ``max_wait`` deadline and its ``expires``."""
-    return _earliest(timeout_of(execution), expires_of(execution))
-
-
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
