@@ -12,15 +12,11 @@ its reservation instead of paying twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from throttle.celery.execution import Ticket
 from throttle.celery.plan import hand_back, rule_name
+from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
 from throttle.errors import BackendError
-
-if TYPE_CHECKING:
-    from throttle.celery.runtime import Throttler
 
 
 def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
