@@ -43,7 +43,7 @@ from throttle.errors import ConfigError
 from throttle.redis.client import RedisClient, run_script, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.redis.scripts import operation_source
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 from throttle.units import parse_duration, real
 
 __all__ = [
@@ -136,7 +136,7 @@ class Adaptive:
     def check(self, limit: Limit) -> None:
         """This learning applied to ``limit``: a ConfigError for a concurrency limit (it
         has no rate) or a floor above the configured rate."""
-        if limit.algorithm is Algorithm.CONCURRENCY:
+        if limit.algorithm.holds_units:
             raise ConfigError(
                 "a concurrency limit has no rate to learn", field="adaptive", value=True,
                 limit=limit.name,
@@ -177,7 +177,7 @@ def parse_adaptive(
         options["floor_per_s"] = Limit.parse(
             floor, name=name, source=source, field="floor"
         ).rate_per_s
-        if Limit.parse(floor, name=name).algorithm is Algorithm.CONCURRENCY:
+        if Limit.parse(floor, name=name).algorithm.holds_units:
             raise bad("must be a rate such as '2/s'", "floor")
     if "decrease" in config:
         number = real(config["decrease"])

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 from throttle.units import parse_duration, real
 
 __all__ = [
@@ -312,7 +312,7 @@ class Rule:
         object.__setattr__(self, "fail_open_s", fail_open_s)
         dead_letter = timeout.partition(":")[2] if timeout.startswith("dead_letter:") else None
         object.__setattr__(self, "dead_letter_queue", dead_letter)
-        if policy is RedisDown.LOCAL and self.limit.algorithm is Algorithm.CONCURRENCY:
+        if policy is RedisDown.LOCAL and self.limit.algorithm.holds_units:
             raise ConfigError(
                 "'local' needs a rate; a concurrency limit has none: use 'defer' or 'allow'",
                 field="on_redis_down", value=self.on_redis_down, limit=name,
@@ -330,7 +330,7 @@ class Rule:
                 field="cold_start", value=self.cold_start, limit=name,
             )  # fmt: skip
         if self.cold_start == "empty" and (
-            self.key is not None or self.limit.algorithm is Algorithm.CONCURRENCY
+            self.key is not None or self.limit.algorithm.holds_units
         ):
             raise ConfigError(
                 "'empty' is for unkeyed rate limits: per-key states cannot be listed once "
@@ -344,7 +344,7 @@ class Rule:
                 "limits)",
                 field="spacing_guard", value=self.spacing_guard, limit=name,
             )  # fmt: skip
-        if self.spacing_guard and self.limit.algorithm is Algorithm.CONCURRENCY:
+        if self.spacing_guard and self.limit.algorithm.holds_units:
             raise ConfigError(
                 "a concurrency limit has no spacing to guard",
                 field="spacing_guard", value=self.spacing_guard, limit=name,
@@ -360,10 +360,7 @@ class Rule:
         default: GCRA and token bucket limits of burst 1)."""
         if self.spacing_guard is not None:
             return self.spacing_guard
-        return self.limit.capacity == 1 and self.limit.algorithm in (
-            Algorithm.GCRA,
-            Algorithm.TOKEN_BUCKET,
-        )
+        return self.limit.capacity == 1 and self.limit.algorithm.reserves
 
     @property
     def estimated(self) -> bool:

@@ -49,6 +49,26 @@ class Algorithm(str, Enum):
     CONCURRENCY = "concurrency"
     """At most ``count`` units in flight, held under an expiring lease."""
 
+    @property
+    def reserves(self) -> bool:
+        """Whether a denied acquire may reserve the next free slot: token bucket and GCRA.
+
+        The state runs into debt for the slot, and the caller waits for it (sleeps, or is
+        re-published to arrive just before it) instead of asking again later, as a denial
+        by a window or a concurrency limit does. These are also the algorithms whose
+        capacity (``burst``) is apart from their rate, that may be ``fair``, and whose
+        spacing the call-time guard keeps."""
+        return self in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
+
+    @property
+    def holds_units(self) -> bool:
+        """Whether acquiring holds units until they are given back: a concurrency limit.
+
+        Its units come back when the task settles, or when their lease ends. It has no
+        rate: no period, no refill, no spacing, nothing to reserve, to learn (``adaptive``)
+        or to share out among processes (``on_redis_down: local``)."""
+        return self is Algorithm.CONCURRENCY
+
 
 _ALIASES = {"leaky_bucket": Algorithm.GCRA, "token-bucket": Algorithm.TOKEN_BUCKET}
 # Each algorithm's short name: in Redis key names, and in the scripts (ALGO[code]).
@@ -170,7 +190,7 @@ def _weights(
         raise ConfigError(
             "must be true or false", field="fair", value=fair, limit=limit, source=source
         )
-    if fair and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+    if fair and not algorithm.reserves:
         raise ConfigError(
             f"fair applies to token_bucket and gcra limits only, not {algorithm.value}",
             field="fair", value=fair, limit=limit, source=source,
@@ -257,7 +277,7 @@ class Limit:
         algorithm = _algorithm(self.algorithm, name, None)
         count = _positive(self.count, "count", name, None, high=MAX_AMOUNT)
         period_s = 1.0
-        if algorithm is not Algorithm.CONCURRENCY:
+        if not algorithm.holds_units:
             period_s = _positive(self.period_s, "period_s", name, None, high=MAX_PERIOD_S)
             if period_s < MIN_PERIOD_S:
                 raise ConfigError(
@@ -273,7 +293,7 @@ class Limit:
         burst = count
         if self.burst is not None:
             burst = _positive(self.burst, "burst", name, None, high=MAX_AMOUNT)
-            if burst != count and algorithm not in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+            if burst != count and not algorithm.reserves:
                 raise ConfigError(
                     f"burst applies to token_bucket and gcra only, not {algorithm.value}",
                     field="burst", value=self.burst, limit=name,

@@ -47,7 +47,7 @@ from throttle.adaptive import Adaptive, Learned, LearnedRates
 from throttle.errors import BackendError, RequestError, Throttled
 from throttle.limiter import Limiter
 from throttle.rates import RateBook
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 
 __all__ = [
     "DEFAULT_HOLD_S",
@@ -400,12 +400,12 @@ def _lowered(current: Limit, configured: Limit, signal: UpstreamSignal) -> str |
     stated = signal.rate_per_s
     if stated is None or signal.quota is None or signal.window_s is None:
         return None
-    if current.algorithm is Algorithm.CONCURRENCY:
+    if current.algorithm.holds_units:
         return None
     if not (stated < current.rate_per_s and stated <= configured.rate_per_s):
         return None
     spec = f"{_rate_text(signal.quota)}/{_rate_text(signal.window_s)}s"
-    if current.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+    if current.algorithm.reserves:
         # Keep the shape (a burst-1 shaper stays strict) but never more than the quota.
         burst = min(current.capacity, max(signal.quota, 1.0))
         spec += f" burst {_rate_text(burst)}"

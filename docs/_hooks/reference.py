@@ -5,7 +5,7 @@ each is replaced by a Markdown table built from the one source of truth: the fie
 limits-file loader accepts (``throttle.config``), the defaults of ``Settings`` and ``Rule``,
 and their docstrings (``throttle.config.Settings``, ``throttle.rules.Rule``,
 ``throttle.spec``). A field added to the loader shows up here, and a field without a
-docstring entry fails the build. ``tests/unit/test_docs_reference.py`` checks the tables.
+docstring entry fails the build. ``tests/unit/test_docs.py`` checks the tables.
 """
 
 from __future__ import annotations

@@ -49,6 +49,30 @@ def test_concurrency_spec() -> None:
     assert Limit.parse("8 concurrent", algorithm="concurrency").algorithm is Algorithm.CONCURRENCY
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "reserves", "holds_units"),
+    [
+        (Algorithm.TOKEN_BUCKET, True, False),
+        (Algorithm.GCRA, True, False),
+        (Algorithm.SLIDING_WINDOW, False, False),
+        (Algorithm.FIXED_WINDOW, False, False),
+        (Algorithm.CONCURRENCY, False, True),
+    ],
+    ids=lambda value: value.value if isinstance(value, Algorithm) else None,
+)
+def test_what_each_algorithm_does(algorithm: Algorithm, reserves: bool, holds_units: bool) -> None:
+    """Only the reserving algorithms take a burst apart from their rate; only a concurrency
+    limit is written 'N concurrent'."""
+    assert (algorithm.reserves, algorithm.holds_units) == (reserves, holds_units)
+    spec = "2 concurrent" if holds_units else "2/s"
+    assert Limit.parse(spec, name="x", algorithm=algorithm).algorithm is algorithm
+    if reserves:
+        assert Limit.parse("2/s burst 5", name="x", algorithm=algorithm).capacity == 5
+    elif not holds_units:
+        with pytest.raises(ConfigError, match="burst applies"):
+            Limit.parse("2/s burst 5", name="x", algorithm=algorithm)
+
+
 def test_from_mapping() -> None:
     limit = Limit.from_mapping(
         {"algorithm": "gcra", "rate": "20/s", "burst": 2}, name="github", source="f.yaml"

@@ -33,7 +33,8 @@ How the package is laid out, in the order a task meets it:
 - :mod:`~throttle.celery.runtime`: the ``Throttler`` of a process (config, limiter, rules).
 - :mod:`~throttle.celery.gate`: acquire, then run now, sleep to the slot, or come back.
 - :mod:`~throttle.celery.reschedule`: re-publish through the lane, park, time out.
-- :mod:`~throttle.celery.outage`: the limiter's Redis is away (``on_redis_down``).
+- :mod:`~throttle.celery.redis_down`: the rules' ``on_redis_down``, for a task that met an
+  outage of the limiter's Redis; :mod:`~throttle.celery.outage`: what a process knows of it.
 - :mod:`~throttle.celery.settle`: after the body, the actual cost.
 - :mod:`~throttle.celery.observe`: events, fleet stats and metrics behind one interface.
 - :mod:`~throttle.celery.steps`, :mod:`~throttle.celery.releaser`,

@@ -13,17 +13,15 @@ import contextvars
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Task
 
 from throttle.celery.message import queue_of
+from throttle.celery.runtime import Throttler
 from throttle.config import Settings
 from throttle.decision import Acquisition
 from throttle.rules import Rule, Target
-
-if TYPE_CHECKING:
-    from throttle.celery.runtime import Throttler
 
 
 @dataclass

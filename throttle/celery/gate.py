@@ -20,7 +20,7 @@ had none), not the throttler's own.
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
 When the limiter's Redis fails, the rules' ``on_redis_down`` decide
-(:mod:`throttle.celery.outage`).
+(:mod:`throttle.celery.redis_down`).
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ from throttle.celery.message import (
     id_header,
     planned_header,
 )
-from throttle.celery.outage import run_while_down
 from throttle.celery.plan import Plan, hand_back, plan_at, plan_id
+from throttle.celery.redis_down import run_while_down
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
-from throttle.spec import Algorithm
 
 logger = logging.getLogger("throttle")
 
@@ -271,7 +270,7 @@ class Gate:
             return tolerance
         spacing = math.inf
         for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
-            if limit.algorithm in (Algorithm.GCRA, Algorithm.TOKEN_BUCKET):
+            if limit.algorithm.reserves:
                 if not rule.guarded:
                     return tolerance
                 spacing = min(spacing, limit.period_s / limit.count * cost)
@@ -425,12 +424,6 @@ def set_deadlines(execution: Execution) -> None:
     execution.timeout_at = timeout_of(execution)
     execution.expires = expires_of(execution)
     execution.deadline = _earliest(execution.timeout_at, execution.expires)
-
-
-def deadline_of(execution: Execution) -> float | None:
-    """The execution's deadline on the Redis clock (epoch s): the earlier of its
-    ``max_wait`` deadline and its ``expires``."""
-    return _earliest(timeout_of(execution), expires_of(execution))
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -21,31 +21,51 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from celery import Task
 
 from throttle import metrics
 from throttle.redis.keys import KeySpace
+from throttle.rules import Rule, Target
 from throttle.stats import StatsBook
 
-if TYPE_CHECKING:
-    from throttle.celery.execution import Execution
-
 logger = logging.getLogger("throttle")
+
+
+class Observed(Protocol):
+    """What an observer reads of one execution of a task: the hooks are given a
+    :class:`throttle.celery.execution.Execution`. (The throttler holds its observers, and
+    an execution its throttler: naming that class here would close an import circle.)"""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def request(self) -> Any: ...
+
+    @property
+    def rules(self) -> tuple[Rule, ...]: ...
+
+    @property
+    def targets(self) -> list[Target]:
+        """Each rule's (limit in force, key, cost); empty when the gate did not evaluate
+        them (``defer_task``)."""
 
 
 class Observer:
     """Hooks on what the throttler decides; each does nothing here. Times in s."""
 
-    def allowed(self, execution: Execution, wait_s: float) -> None:
+    def allowed(self, execution: Observed, wait_s: float) -> None:
         """The execution may run after ``wait_s`` (0: at once)."""
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         """The task comes back in ``wait_s``, re-published (``how``: ``"republish"``) or
         parked (``"park"``), for the ``count``-th time, held by ``limits``."""
 
-    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         """The task passed its deadline: ``action`` is ``"fail"``, ``"dead_letter"`` or
         ``"expired"`` (its ``expires`` came before its slot: revoked)."""
 
@@ -59,16 +79,16 @@ class Observer:
 class PrometheusReporter(Observer):
     """The worker's Prometheus counters and histograms (:mod:`throttle.metrics`)."""
 
-    def allowed(self, execution: Execution, wait_s: float) -> None:
+    def allowed(self, execution: Observed, wait_s: float) -> None:
         if metrics.counting():  # every admitted task comes here: no list while metrics are off
             metrics.allowed([rule.name for rule in execution.rules], wait_s)
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         metrics.deferred(limits, how, wait_s)
 
-    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         metrics.timed_out(limits, action)
 
     def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
@@ -83,7 +103,7 @@ class FlowerReporter(Observer):
     counts the events in ``flower_events_total``."""
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         # defer_task() (an upstream's word, after the body ran) has no targets.
         targets = {limit.name: (key, cost) for limit, key, cost in execution.targets}
@@ -114,11 +134,11 @@ class FleetStatsReporter(Observer):
         self.on_error = on_error
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         self._record(limits, ("denied", "parked") if how == "park" else ("denied",))
 
-    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         self._record(limits, ("timeout",))
 
     def _record(self, limits: Sequence[str], events: Sequence[str]) -> None:
@@ -148,16 +168,16 @@ class TaskTrailReporter(Observer):
         self.client, self.keyspace, self.now = client, keyspace, now
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         self._write(execution, how, limits, wait_s, wait_s + TRAIL_AFTER_S, count)
 
-    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         self._write(execution, action, limits, 0.0, TRAIL_TIMEOUT_S, None)
 
     def _write(
         self,
-        execution: Execution,
+        execution: Observed,
         how: str,
         limits: Sequence[str],
         wait_s: float,
@@ -201,7 +221,7 @@ class Observers(Observer):
         if type(observer).allowed is not Observer.allowed:
             self._allowed.append(observer)
 
-    def allowed(self, execution: Execution, wait_s: float) -> None:
+    def allowed(self, execution: Observed, wait_s: float) -> None:
         for observer in self._allowed:
             try:
                 observer.allowed(execution, wait_s)
@@ -209,11 +229,11 @@ class Observers(Observer):
                 logger.debug("throttle: %s failed: %s", type(observer).__name__, exc)
 
     def deferred(
-        self, execution: Execution, limits: Sequence[str], how: str, wait_s: float, count: int
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         self._each(lambda observer: observer.deferred(execution, limits, how, wait_s, count))
 
-    def timed_out(self, execution: Execution, limits: Sequence[str], action: str) -> None:
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         self._each(lambda observer: observer.timed_out(execution, limits, action))
 
     def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:

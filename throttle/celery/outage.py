@@ -1,13 +1,11 @@
-"""When the limiter's Redis is away: one warning per outage, and each rule's policy.
+"""When the limiter's Redis is away: what one process knows of the outage.
 
 :class:`OutageWatch` notes every failure and every answer of Redis in one process; the
 processes of one worker share a marker file, so that the worker logs one warning when an
-outage begins and one when it ends. :func:`run_while_down` applies the rules'
-``on_redis_down`` to a task that met the outage (:class:`throttle.rules.RedisDown`):
-``allow`` runs it for a bounded time, ``local`` takes from per-process buckets
-(:mod:`throttle.fallback`) at the limit's rate divided by the fleet's processes, and
-``defer`` (the default) re-publishes it until Redis may be back. :func:`check_cold_start`
-drains the ``cold_start: empty`` limits of a Redis that came back without its data.
+outage begins and one when it ends. It keeps what the rules' ``on_redis_down`` needs
+during the outage (when it began, the fleet's size, the local buckets); the policy itself
+is :func:`throttle.celery.redis_down.run_while_down`. When Redis answers again, the
+throttler checks whether it lost its data (``Throttler.check_cold_start``).
 """
 
 from __future__ import annotations
@@ -18,18 +16,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from throttle.celery.reschedule import defer_down
 from throttle.config import Settings
 from throttle.errors import BackendError
 from throttle.fallback import LocalBuckets
-from throttle.redis.client import wrap_errors
-from throttle.rules import RedisDown, Rule, targets
-
-if TYPE_CHECKING:
-    from throttle.celery.execution import Execution
-    from throttle.celery.runtime import Throttler
 
 logger = logging.getLogger("throttle")
 
@@ -40,8 +31,6 @@ POOL_ENV = "THROTTLE_POOL_SIZE"
 """The worker's pool size, for the share of ``on_redis_down: local``."""
 PING_TIMEOUT_S = 0.5
 """How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
-BACKEND_RETRY_S = 5.0
-"""How long a task deferred because Redis is unreachable waits before trying again, in s."""
 
 
 class OutageWatch:
@@ -184,84 +173,3 @@ def ping_fleet(app: Any) -> int:
         logger.warning("throttle: cannot count the fleet for 'local': %s", exc)
         replies = []
     return len(replies)
-
-
-def run_while_down(execution: Execution, exc: BackendError) -> None:
-    """Redis failed: apply each rule's ``on_redis_down``, and return if the task may run
-    (there is nothing in Redis to settle). All rules must let it run: ``allow`` within its
-    bound, ``local`` when every local bucket admits; any other rule defers it (fail
-    closed): re-published until Redis may be back (raises)."""
-    throttler = execution.throttler
-    watch = throttler.watch
-    watch.note(exc)
-    throttler.observer.redis_error(rule.name for rule in execution.rules)
-    settings = execution.settings
-    open_for = time.time() - watch.since()
-    local: list[Rule] = []
-    for rule in execution.rules:
-        if rule.redis_down is RedisDown.LOCAL:
-            local.append(rule)
-        elif rule.redis_down is not RedisDown.ALLOW or open_for >= (
-            settings.fail_open_for_s if rule.fail_open_s is None else rule.fail_open_s
-        ):
-            defer_down(execution, exc, BACKEND_RETRY_S)
-    share = watch.share() if local else 1
-    if share is None:
-        defer_down(execution, exc, BACKEND_RETRY_S)  # cannot count the fleet
-    # The configured rates (a rate changed at run time lives in the Redis that is down).
-    wanted = targets(local, execution.fn, execution.args, execution.kwargs)
-    while wanted:
-        wait = watch.local.take(wanted, share, time.monotonic())
-        if wait == 0.0:
-            break
-        if wait > settings.sleep_max_s and not execution.eager:
-            defer_down(execution, exc, wait)
-        time.sleep(wait)  # the child is single-threaded: the tokens are there on waking
-
-
-def cold_start_rules(throttler: Throttler) -> list[Rule]:
-    """The rules with ``cold_start: empty``: the file's, then inline ones."""
-    found = {r.name: r for r in throttler.config.rules.values() if r.cold_start == "empty"}
-    for declared in throttler.declared():
-        for rule in declared.rules:
-            if rule.cold_start == "empty":
-                found.setdefault(rule.name, rule)
-    return list(found.values())
-
-
-def check_cold_start(throttler: Throttler) -> list[str]:
-    """Drain the ``cold_start: empty`` limits if Redis has lost its data.
-
-    The throttler keeps a marker key (``PREFIX:{NAMESPACE}:alive``, no TTL) in Redis.
-    Missing, Redis is new or restarted empty: every limit's state is gone, so a bucket
-    would be full and hand a whole burst to the fleet at once. The process that writes
-    the marker again (``SET NX``: one in the fleet) takes each such limit's whole
-    capacity once, through the limit's own script: a token bucket is then empty and
-    refills at its rate, a GCRA limit's next slot is a burst away, a window counts as
-    spent until it ends (for a daily quota, the rest of the day: the safe reading of
-    "we no longer know what was spent"). Not a hold: after a hold, the missing state
-    would still be a full bucket. Returns the names of the limits drained."""
-    rules = cold_start_rules(throttler)
-    if not rules:
-        return []
-    limiter = throttler.limiter
-    client = limiter.client
-    marker = limiter.keyspace.alive_key()
-    if not wrap_errors(lambda: client.set(marker, repr(time.time()), nx=True)):
-        return []
-    for rule in rules:
-        limit = throttler.rates.current(rule.limit)
-        # Reserved as far ahead as it takes: within the restart fence a missing state of a
-        # token bucket or GCRA limit reads as in debt until the fence's end, and must be
-        # drained all the same (windows admit or deny now).
-        refill_s = limit.capacity * limit.period_s / limit.count
-        limiter.acquire(
-            limit, None, cost=limit.capacity, max_wait_s=limiter.fence_s + refill_s + 1.0
-        )
-    names = [rule.name for rule in rules]
-    logger.warning(
-        "throttle: Redis has no marker key (new, or restarted without its data): "
-        "limits %s start empty (cold_start: empty)",
-        ", ".join(names),
-    )
-    return names

@@ -48,9 +48,7 @@ from dataclasses import dataclass
 from throttle.decision import Settlement
 from throttle.limiter import Limiter
 from throttle.rules import Rule, Target
-from throttle.spec import PLAN_SUFFIX, Algorithm, Limit
-
-_RESERVING = (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
+from throttle.spec import PLAN_SUFFIX, Limit
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ def _narrow(
 ) -> tuple[int, ...] | None:
     """The indices of the narrow limits (keyed, reserving, not shared), or None when there
     is no plan: a concurrency limit, no narrow limit or no shared one."""
-    if any(limit.algorithm is Algorithm.CONCURRENCY for limit in limits):
+    if any(limit.algorithm.holds_units for limit in limits):
         return None
     templated = [f for f in fields if f is not None]
 
@@ -134,9 +132,7 @@ def _narrow(
             return True  # its rate is every key's: taken when due, as an unkeyed limit
         return not keyed[i] or (mine is not None and any(mine < f for f in templated))
 
-    narrow = tuple(
-        i for i in range(len(limits)) if not shared(i) and limits[i].algorithm in _RESERVING
-    )
+    narrow = tuple(i for i in range(len(limits)) if not shared(i) and limits[i].algorithm.reserves)
     if not narrow or not any(shared(i) for i in range(len(limits))):
         return None
     return narrow

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from throttle.celery.plan import plan_shape
 from throttle.rules import Rule
-from throttle.spec import Algorithm
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,6 @@ class RuleSet:
             by_name=any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules),
             adaptive=any(rule.adaptive for rule in rules),
             guarded=tuple(i for i, rule in enumerate(rules) if rule.guarded),
-            concurrency=any(rule.limit.algorithm is Algorithm.CONCURRENCY for rule in rules),
+            concurrency=any(rule.limit.algorithm.holds_units for rule in rules),
             plan=plan_shape(rules),
         )

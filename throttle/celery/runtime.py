@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from celery import Celery, Task
 
 from throttle.adaptive import LearnedRates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
-from throttle.celery.outage import WORKER_ENV, OutageWatch, check_cold_start, ping_fleet
+from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
 from throttle.config import Settings, ThrottleConfig
@@ -26,6 +27,7 @@ from throttle.errors import ConfigError
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.redis.client import wrap_errors
 from throttle.redis.clock import RedisClock
 from throttle.redis.urls import redact
 from throttle.rules import Declared, Rule
@@ -231,10 +233,53 @@ class Throttler:
         :meth:`OutageWatch.note`."""
         self.watch.note(exc)
 
+    def cold_start_rules(self) -> list[Rule]:
+        """The rules with ``cold_start: empty``: the file's, then inline ones."""
+        found = {r.name: r for r in self.config.rules.values() if r.cold_start == "empty"}
+        for declared in self.declared():
+            for rule in declared.rules:
+                if rule.cold_start == "empty":
+                    found.setdefault(rule.name, rule)
+        return list(found.values())
+
     def check_cold_start(self) -> list[str]:
-        """Drain the ``cold_start: empty`` limits if Redis lost its data (see
-        :func:`throttle.celery.outage.check_cold_start`); the names of those drained."""
-        return check_cold_start(self)
+        """Drain the ``cold_start: empty`` limits if Redis has lost its data.
+
+        The throttler keeps a marker key (``PREFIX:{NAMESPACE}:alive``, no TTL) in Redis.
+        Missing, Redis is new or restarted empty: every limit's state is gone, so a bucket
+        would be full and hand a whole burst to the fleet at once. The process that writes
+        the marker again (``SET NX``: one in the fleet) takes each such limit's whole
+        capacity once, through the limit's own script: a token bucket is then empty and
+        refills at its rate, a GCRA limit's next slot is a burst away, a window counts as
+        spent until it ends (for a daily quota, the rest of the day: the safe reading of
+        "we no longer know what was spent"). Not a hold: after a hold, the missing state
+        would still be a full bucket. Run at worker start, by the releaser, and when Redis
+        answers again after an outage (:class:`OutageWatch`). Returns the names of the
+        limits drained."""
+        rules = self.cold_start_rules()
+        if not rules:
+            return []
+        limiter = self.limiter
+        client = limiter.client
+        marker = limiter.keyspace.alive_key()
+        if not wrap_errors(lambda: client.set(marker, repr(time.time()), nx=True)):
+            return []
+        for rule in rules:
+            limit = self.rates.current(rule.limit)
+            # Reserved as far ahead as it takes: within the restart fence a missing state of
+            # a token bucket or GCRA limit reads as in debt until the fence's end, and must be
+            # drained all the same (windows admit or deny now).
+            refill_s = limit.capacity * limit.period_s / limit.count
+            limiter.acquire(
+                limit, None, cost=limit.capacity, max_wait_s=limiter.fence_s + refill_s + 1.0
+            )
+        names = [rule.name for rule in rules]
+        logger.warning(
+            "throttle: Redis has no marker key (new, or restarted without its data): "
+            "limits %s start empty (cold_start: empty)",
+            ", ".join(names),
+        )
+        return names
 
     def validate(self) -> None:
         """Check at worker start what can only be checked against the app: every named

@@ -12,16 +12,11 @@ its reservation instead of paying twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from throttle.celery.execution import Ticket
 from throttle.celery.plan import hand_back, rule_name
+from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
 from throttle.errors import BackendError
-from throttle.spec import Algorithm
-
-if TYPE_CHECKING:
-    from throttle.celery.runtime import Throttler
 
 
 def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
@@ -76,4 +71,4 @@ def actual_costs(ticket: Ticket, acquisition: Acquisition, failed: bool) -> list
 def holds_units(acquisition: Acquisition) -> bool:
     """Whether the acquisition holds concurrency units (given back only by a settle, or by
     the lease's end)."""
-    return any(limit.algorithm is Algorithm.CONCURRENCY for limit, _ in acquisition.targets)
+    return any(limit.algorithm.holds_units for limit, _ in acquisition.targets)

@@ -19,7 +19,7 @@ import click
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.errors import ThrottleError
 from throttle.rules import Rule
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 
 EXIT_ERRORS = 1
 """Errors found: a bad limits file, Redis unreachable, a reset not confirmed."""
@@ -106,7 +106,7 @@ def plain(number: float) -> str:
 def rate_spec(limit: Limit) -> str:
     """The rate of ``limit`` in the grammar of :meth:`Limit.parse`, without its burst:
     ``50/s``, ``1/3h``, ``8 concurrent``."""
-    if limit.algorithm is Algorithm.CONCURRENCY:
+    if limit.algorithm.holds_units:
         return f"{plain(limit.count)} concurrent"
     for unit, size in _UNITS:
         multiple = limit.period_s / size

@@ -30,7 +30,7 @@ from throttle.cli.base import (
 )
 from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
-from throttle.spec import Algorithm, Limit
+from throttle.spec import Limit
 
 
 def _which(limit: str, key: str | None) -> str:
@@ -74,7 +74,7 @@ def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) ->
     # a limit burstier than its file unless RATE says so.
     if (
         "burst" not in rate.lower()
-        and configured.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA)
+        and configured.algorithm.reserves
         and configured.capacity < changed.count
     ):
         rate = f"{rate.strip()} burst {plain(configured.capacity)}"
