@@ -10,6 +10,7 @@ policy when that is slower.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -19,41 +20,41 @@ from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.errors import Throttled
 from throttle.spec import Limit
-from throttle.upstream import (
-    UpstreamSignal,
-    _expect_limit,
-    _judge,
-    _log_hold,
-    _log_rate,
-    _plan,
-    _reserved_s,
-    _stated_for,
-    _Target,
-    logger,
-    read_response,
+from throttle.upstream.headers import UpstreamSignal, read_response
+from throttle.upstream.policy import (
+    Target,
+    expect_limit,
+    judge,
+    log_hold,
+    log_rate,
+    plan,
+    stated_for,
+    wants_reserved,
 )
 
 __all__ = ["apply_upstream", "upstream_hook"]
 
+logger = logging.getLogger("throttle")
+
 
 async def _answer(
-    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: Target
 ) -> bool:
     reserved_s = 0.0
-    if _reserved_s(target):
+    if wants_reserved(target):
         reserved_s = (await limiter.peek(target.current, target.key)).reset_after_s
     answer = await learned.refused(
         target.ceiling or target.configured, target.key, target.adaptive,
         rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
     )  # fmt: skip
-    return _judge(signal, target, answer)
+    return judge(signal, target, answer)
 
 
-async def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target) -> None:
+async def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: Target) -> None:
     if target.adaptive is None:
         return
     ceiling = target.ceiling or target.configured
-    stated = _stated_for(signal, target)
+    stated = stated_for(signal, target)
     if stated is not None:
         await learned.stated(ceiling, target.key, target.adaptive, stated)
     else:
@@ -64,10 +65,10 @@ async def _apply(
     limiter: Limiter,
     rates: RateBook | None,
     signal: UpstreamSignal,
-    targets: Sequence[_Target],
+    targets: Sequence[Target],
     learned: LearnedRates | None = None,
 ) -> None:
-    for target, spec in _plan(signal, targets, rates is not None):
+    for target, spec in plan(signal, targets, rates is not None):
         hold = signal.hold_s > 0
         if learned is not None:
             if signal.refused:
@@ -76,10 +77,10 @@ async def _apply(
                 await _learn(learned, signal, target)
         if hold:
             await limiter.hold(target.current.name, target.key, signal.hold_s)
-            _log_hold(signal, target)
+            log_hold(signal, target)
         if rates is not None and spec is not None:
             await rates.set(target.configured, spec)
-            _log_rate(signal, target, spec)
+            log_rate(signal, target, spec)
 
 
 async def apply_upstream(
@@ -104,12 +105,12 @@ async def apply_upstream(
     ``limit`` the configured limit. Returns what the response said (None: nothing). Raises
     :class:`~throttle.BackendError` when Redis fails.
     """
-    _expect_limit(limit)
+    expect_limit(limit)
     ceiling = limit if rates is None else await rates.current(limit)
     current = ceiling
     if learned is not None and adaptive is not None:
         current = await learned.current(ceiling, key, adaptive)
-    target = _Target(current, limit, key, True, adaptive, ceiling)
+    target = Target(current, limit, key, True, adaptive, ceiling)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:
@@ -122,7 +123,7 @@ async def apply_upstream(
 async def _release(response: Any) -> None:
     """Read a refused response's (short) body and close it, so that its connection goes
     back to the pool before :class:`Throttled` leaves the request (see
-    :func:`throttle.upstream._release`)."""
+    :func:`throttle.celery.upstream.report_upstream`)."""
     try:
         if getattr(response, "is_stream_consumed", True) is False:
             await response.aread()
@@ -163,7 +164,7 @@ def upstream_hook(
     usual. Redis errors propagate (:class:`~throttle.BackendError`): unlike the Celery
     hook, nothing here decides for the caller what an outage means.
     """
-    _expect_limit(limit)  # now, not on the first response
+    expect_limit(limit)  # now, not on the first response
 
     async def hook(response: Any) -> None:
         signal = await apply_upstream(
