@@ -85,6 +85,11 @@ def test_a_stated_token_limit_moves_the_tokens_limit_only_down_and_back_up(
     assert rates.current(TOKENS).rate_per_s == 1500
     provider.answer(200, openai(150000))  # more than configured: the configured rate
     assert rates.overrides() == {} and rates.current(TOKENS) == TOKENS
+    # A response that states no tokens limit (requests only) leaves a followed rate alone
+    provider.answer(200, openai(60000))
+    requests_only = {k: v for k, v in openai().items() if k.endswith("-requests")}
+    provider.answer(200, requests_only)
+    assert rates.current(TOKENS).rate_per_s == 1000
 
 
 def test_the_operators_rate_is_the_ceiling_and_the_last_word(provider: Provider) -> None:

@@ -81,7 +81,8 @@ class UpstreamSignal:
         again (None: it does not say).
     dimension:
         The dimension ``quota`` and ``window_s`` are in, for a signal as a limit following
-        a dimension sees it (:meth:`follow`); None for the response as a whole.
+        a dimension sees it (:meth:`follow`) when that dimension states its quota; None
+        otherwise (the response as a whole, or a dimension that states no rate).
     """
 
     refused: bool
@@ -130,11 +131,10 @@ class UpstreamSignal:
             hold_s, source = own.hold_s, own.source
         elif refused:
             hold_s, source = self.hold_s, self.source
-        quota = window_s = None
-        if own is not None and own.rate_per_s is not None:
-            quota, window_s = own.limit, own.window_s
+        if own is None or own.rate_per_s is None:  # its dimension states no rate here
+            return UpstreamSignal(refused, hold_s, source, should_retry=self.should_retry)
         return UpstreamSignal(
-            refused, hold_s, source, quota, window_s, (), self.should_retry, dimension
+            refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension
         )
 
 
