@@ -128,7 +128,12 @@ class RateBookBase:
         limit stays in force rather than failing every task.
         """
         ceiling = self.ceiling(limit)
-        followed = self._built_of(limit, self._followed.get(limit.name))
+        spec = self._followed.get(limit.name)
+        if spec is None:
+            return ceiling
+        followed = self._built_of(limit, spec)
+        if followed is limit:  # written by hand, and it does not parse: not in force
+            return ceiling
         return followed if followed.rate_per_s < ceiling.rate_per_s else ceiling
 
 

@@ -107,6 +107,13 @@ def test_the_operators_rate_is_the_ceiling_and_the_last_word(provider: Provider)
     provider.answer(200, openai(60000))
     rates.clear("openai-tokens")  # back to the file: both gone
     assert rates.overrides() == {} and rates.current(TOKENS) == TOKENS
+    # An operator above the file: the provider's word may follow up to it
+    rates.set(TOKENS, "180000/m")
+    provider.answer(200, openai(150000))
+    assert rates.current(TOKENS).rate_per_s == 2500
+    # A followed rate written by hand that does not parse is not in force
+    provider.rates.client.hset(provider.limiter.keyspace.followed_rates_key(), "openai-tokens", "x")
+    assert rates.current(TOKENS).rate_per_s == 3000
 
 
 def test_a_refusal_holds_only_the_dimension_it_blames(provider: Provider, clock: FakeClock) -> None:
