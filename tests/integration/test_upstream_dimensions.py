@@ -281,3 +281,25 @@ def test_report_upstream_steers_each_limit_by_its_dimension(
     spent = openai(x_ratelimit_remaining_tokens="0", x_ratelimit_reset_tokens="1m0s")
     complete.delay(4000, spent).get()
     assert set(limiter.holds()) == {("openai-tokens", None)}
+    limiter.client.delete(limiter.keyspace.holds_key())
+
+
+def test_a_refusal_that_blames_a_dimension_holds_it_at_once(
+    eager: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """The binding answers refusals in proportion (one 429 of a call early by jitter holds
+    nothing), but a 429 whose headers say the tokens are spent is no jitter: the tokens
+    limit is held at the first one, the requests limit is not."""
+
+    @eager.task(shared=False)
+    @throttled("openai-requests", "openai-tokens")
+    def complete(estimate: int, headers: dict[str, str]) -> None:
+        report_upstream(httpx.Response(429, headers=headers))
+
+    complete.delay(4000, openai(x_ratelimit_remaining_tokens="0", retry_after_ms="1500")).get()
+    limiter = Limiter(client, prefix=prefix)
+    assert limiter.holds() == {("openai-tokens", None): pytest.approx(1.5, abs=0.2)}
+    # The same 429 blaming no dimension is judged as before: one refusal holds nothing
+    limiter.client.delete(limiter.keyspace.holds_key())
+    complete.delay(4000, openai(retry_after_ms="1500")).get()
+    assert limiter.holds() == {}

@@ -112,8 +112,8 @@ def test_openai_429_for_tokens_holds_only_what_follows_tokens() -> None:
     signal = parsed(429, headers)
     assert (signal.refused, signal.hold_s, signal.source) == (True, 1.5, "Retry-After-Ms")
     tokens, requests = signal.follow("tokens"), signal.follow("requests")
-    assert (tokens.refused, tokens.hold_s) == (True, 1.5)
-    assert (requests.refused, requests.hold_s) == (False, 0.0)  # not its dimension
+    assert (tokens.refused, tokens.hold_s, tokens.blamed) == (True, 1.5, True)
+    assert (requests.refused, requests.hold_s, requests.blamed) == (False, 0.0, False)
     assert requests.rate_per_s == pytest.approx(10.0)  # its stated rate still applies
 
 
@@ -121,7 +121,7 @@ def test_openai_429_that_blames_no_dimension_is_everyones() -> None:
     signal = parsed(429, {**OPENAI_OK, "retry-after-ms": "800"})
     for dimension in ("tokens", "requests", None):
         seen = signal.follow(dimension)
-        assert (seen.refused, seen.hold_s) == (True, 0.8)
+        assert (seen.refused, seen.hold_s, seen.blamed) == (True, 0.8, False)
     # ...unless the policy blames one: a call of 5,000 tokens with 3,000 left.
     requests = signal.follow("requests", frozenset({"tokens"}))
     assert (requests.refused, requests.hold_s) == (False, 0.0)

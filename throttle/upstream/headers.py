@@ -83,6 +83,10 @@ class UpstreamSignal:
         The dimension ``quota`` and ``window_s`` are in, for a signal as a limit following
         a dimension sees it (:meth:`follow`) when that dimension states its quota; None
         otherwise (the response as a whole, or a dimension that states no rate).
+    blamed:
+        A refusal that names this signal's dimension (spent, or left with less than the
+        call took): for a limit following a dimension (:meth:`follow`), the upstream's
+        explicit word, which holds the limit rather than being judged as jitter.
     """
 
     refused: bool
@@ -93,6 +97,7 @@ class UpstreamSignal:
     readings: tuple[Reading, ...] = ()
     should_retry: bool | None = None
     dimension: str | None = None
+    blamed: bool = False
 
     @property
     def rate_per_s(self) -> float | None:
@@ -131,11 +136,15 @@ class UpstreamSignal:
             hold_s, source = own.hold_s, own.source
         elif refused:
             hold_s, source = self.hold_s, self.source
+        named = refused and dimension in blamed
         if own is None or own.rate_per_s is None:  # its dimension states no rate here
-            return UpstreamSignal(refused, hold_s, source, should_retry=self.should_retry)
+            return UpstreamSignal(
+                refused, hold_s, source, should_retry=self.should_retry, blamed=named
+            )
         return UpstreamSignal(
-            refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension
-        )
+            refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension,
+            named,
+        )  # fmt: skip
 
 
 # -- the parser: pure, never raises ------------------------------------------------------
