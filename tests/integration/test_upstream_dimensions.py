@@ -15,10 +15,11 @@ import redis.asyncio
 from celery import Celery
 
 from tests.support.clock import FakeClock
+from tests.support.eager import eager_app
 from throttle import Limit, Limiter
 from throttle import aio as throttle_aio
 from throttle.adaptive import Adaptive, LearnedRates
-from throttle.celery import ThrottledTask, throttled
+from throttle.celery import throttled
 from throttle.rates import RateBook
 from throttle.upstream import apply_upstream, parse_upstream, report_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S
@@ -248,22 +249,12 @@ def test_a_github_403_is_read_by_its_body_in_an_async_hook(
 
 @pytest.fixture
 def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
-    app = Celery("dimensions-eager", set_as_current=False, task_cls=ThrottledTask)
-    app.conf.update(
-        task_always_eager=True,
-        throttle_redis_url=redis_url,
-        throttle_config={
-            "settings": {"prefix": prefix},
-            "limits": {
-                "openai-requests": {"rate": "600/m", "burst": 10, "upstream": "requests"},
-                "openai-tokens": {"rate": "120000/m", "cost": "estimate", "upstream": "tokens"},
-            },
-        },
-    )
-    yield app
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
+    limits = {
+        "openai-requests": {"rate": "600/m", "burst": 10, "upstream": "requests"},
+        "openai-tokens": {"rate": "120000/m", "cost": "estimate", "upstream": "tokens"},
+    }
+    with eager_app("dimensions-eager", redis_url, prefix, limits) as app:
+        yield app
 
 
 def test_report_upstream_steers_each_limit_by_its_dimension(
