@@ -203,6 +203,11 @@ class RateBook(RateBookBase):
         the upstream's stated one when slower."""
         return self._merged(*self._fetch())
 
+    def followed_rates(self) -> dict[str, str]:
+        """The rates the upstream states for the limits that follow it (limit name ->
+        spec, :meth:`follow`), read afresh."""
+        return self._book(self._fetch()[1])
+
     def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
         def read() -> list[Any]:
             with self.client.pipeline(transaction=False) as pipe:
