@@ -12,8 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from throttle import Limit
+from throttle.rates import RateBookBase
+from throttle.redis.keys import KeySpace
 from throttle.upstream import MAX_HOLD_S, PREEMPT_MIN_S, UpstreamSignal, parse_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S, PER_MINUTE_S, Reading
+from throttle.upstream.policy import Target, plan
 from throttle.upstream.values import go_duration, rfc3339
 
 NOW = 1_763_776_800.0  # epoch s, 2025-11-22 02:00 UTC
@@ -350,3 +354,49 @@ def test_value_readers_are_total(text: str) -> None:
     assert duration is None or duration >= 0
     stamp = rfc3339(text)
     assert stamp is None or math.isfinite(stamp)
+
+
+LIMITS = [
+    Limit.parse("120000/m", name="tokens"),
+    Limit.parse("20/s burst 1", name="shaper", algorithm="gcra"),
+    Limit.parse("5000/h", name="window", algorithm="fixed_window"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    status=STATUS,
+    headers=st.lists(
+        st.tuples(
+            st.sampled_from([*EVERY_NAME, "x-ratelimit-limit", "ratelimit-policy"]),
+            st.one_of(
+                VALUES,
+                st.floats(0, 1e16).map(lambda q: f"{q:f};w=60"),
+                st.floats(0, 1e-3).map(lambda q: f"{q:.12f}"),  # a quota of almost nothing
+                st.floats(0, 1e-3).map(lambda q: f"{q:.12f};w=1"),
+            ),
+        ),
+        max_size=12,
+    ),
+    dimension=st.sampled_from([None, "tokens", "requests", "core", "route", "global-rate"]),
+    cost=st.floats(0, 1e6),
+)
+def test_what_any_response_asks_of_a_limit_is_a_rate_it_can_store(
+    status: int, headers: list[tuple[str, str]], dimension: str | None, cost: float
+) -> None:
+    """The policy's part of totality: whatever the headers state, the rates it would
+    store parse (a store that raised would fail the task that reported the answer)."""
+    signal = parse_upstream(status, headers, now=NOW)
+    if signal is None:
+        return
+    book = RateBookBase(KeySpace())
+    targets = [
+        Target(limit, limit, None, per_call, dimension=dimension, cost=cost)
+        for limit in LIMITS
+        for per_call in (True, False)
+    ]
+    for step in plan(signal, targets, book):
+        for spec in (step.lowered, step.followed):
+            if spec is not None:
+                stored = Limit.parse(spec, algorithm=step.target.configured.algorithm)
+                assert stored.rate_per_s < step.target.configured.rate_per_s

@@ -39,6 +39,8 @@ from throttle.upstream import values
 
 __all__ = [
     "GITHUB_SECONDARY_S",
+    "MAX_COUNT",
+    "MIN_QUOTA",
     "PER_MINUTE_S",
     "Reading",
     "dimension_name",
@@ -55,6 +57,10 @@ GITHUB_SECONDARY_S = 60.0
 "wait for at least one minute before retrying", say GitHub's docs."""
 MAX_COUNT = 1e15
 """The largest limit or remaining count taken from a header; a larger one is ignored."""
+MIN_QUOTA = 1e-6
+"""The smallest stated limit that states a rate (a millionth of a call or token per
+window); a smaller one is no rate anyone means, and is not stored (rate specs carry six
+decimals)."""
 
 _DIMENSION = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _OPENAI = ("requests", "tokens")
@@ -101,7 +107,7 @@ class Reading:
     @property
     def rate_per_s(self) -> float | None:
         """The stated quota's sustained rate, units per second, or None."""
-        if self.limit is None or self.window_s is None or self.limit <= 0:
+        if self.limit is None or self.window_s is None or self.limit < MIN_QUOTA:
             return None
         return self.limit / self.window_s
 
@@ -134,7 +140,7 @@ def _reading(
     """A reading of what was said, or None when nothing was."""
     if limit is None and remaining is None and reset_s is None:
         return None
-    if limit is None or limit <= 0:
+    if limit is None or limit < MIN_QUOTA:
         window_s = None  # no quota stated: no rate
     return Reading(dimension, limit, remaining, reset_s, window_s, remaining == 0.0, 0.0, source)
 

@@ -217,7 +217,7 @@ def _policy(headers: Mapping[str, str]) -> tuple[float, float] | None:
             if (
                 quota is not None
                 and window is not None
-                and 0 < quota < 1e12
+                and dialects.MIN_QUOTA <= quota < 1e12
                 and 1e-3 <= window <= MAX_WINDOW_S
             ):
                 found.append((quota, window))
