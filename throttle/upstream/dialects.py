@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from throttle.upstream import values
 
@@ -227,12 +227,9 @@ def _discord(fields: Mapping[str, str], now: float) -> list[Reading]:
         None,  # Discord states a bucket's count, not its window
         source,
     )
-    if route is not None or scope == "user":
-        route = route or Reading("route", source="X-RateLimit-Scope")
-        if scope == "user" and not route.spent:
-            route = Reading(
-                "route", route.limit, route.remaining, route.reset_s, None, True, 0.0, route.source
-            )
+    if scope == "user":  # a 429 of the route's own limit: it is to blame
+        route = replace(route or Reading("route", source="X-RateLimit-Scope"), spent=True)
+    if route is not None:
         found.append(route)
     if is_global or scope == "global":
         found.append(Reading("global", spent=True, source="X-RateLimit-Global"))
