@@ -11,22 +11,15 @@ dimension's reading only (:meth:`throttle.upstream.headers.UpstreamSignal.follow
 The readers are pure and total, like the rest of the parser: header text in (names
 lower-cased, :func:`throttle.upstream.values.normalize`), readings out, never an exception.
 
-=========  ===================================================  ======================
-provider   headers                                              dimensions
-=========  ===================================================  ======================
-OpenAI     ``x-ratelimit-{limit,remaining,reset}-{requests,      ``requests``,
-           tokens}`` (reset a Go duration: ``6m0s``)             ``tokens``
-Anthropic  ``anthropic-ratelimit-{dimension}-{limit,remaining,  ``requests``,
-           reset}`` (reset an RFC 3339 time)                     ``tokens``,
-                                                                ``input-tokens``,
-                                                                ``output-tokens``
-GitHub     ``x-ratelimit-{limit,remaining,used,reset}`` with     the resource
-           ``x-ratelimit-resource``                             (``core``, ``search``)
-Stripe     ``stripe-rate-limited-reason`` (on a 429)            the reason
-                                                                (``global-rate``...)
-Discord    ``x-ratelimit-{limit,remaining,reset,reset-after}``  ``route``, ``global``,
-           with ``x-ratelimit-bucket``, ``-scope``, ``-global``  ``shared``
-=========  ===================================================  ======================
+- OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset a Go duration,
+  ``6m0s``): ``requests``, ``tokens``.
+- Anthropic: ``anthropic-ratelimit-{dimension}-{limit,remaining,reset}`` (reset an RFC 3339
+  time): ``requests``, ``tokens``, ``input-tokens``, ``output-tokens``.
+- GitHub: ``x-ratelimit-{limit,remaining,used,reset}`` with ``x-ratelimit-resource``: the
+  resource (``core``, ``search``, ``graphql``...).
+- Stripe: ``stripe-rate-limited-reason`` on a 429: the reason (``global-rate``...).
+- Discord: ``x-ratelimit-{limit,remaining,reset,reset-after}`` with
+  ``x-ratelimit-bucket``, ``-scope``, ``-global``: ``route``, ``global``, ``shared``.
 """
 
 from __future__ import annotations
