@@ -1,6 +1,7 @@
-"""The upstream's word (throttle/upstream.py): the header parser (a table, and fuzzed), holds
-and lowered rates through a real Redis, the Celery form in eager mode, and a real
-``celery worker`` fleet that follows an API lowering its limit mid-run."""
+"""The upstream's word (throttle/upstream/, throttle/celery/upstream.py): the header parser
+(a table, and fuzzed), holds and lowered rates through a real Redis, the Celery form in
+eager mode, and a real ``celery worker`` fleet that follows an API lowering its limit
+mid-run."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ policy when that is slower.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -19,41 +20,43 @@ from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.errors import Throttled
 from throttle.spec import Limit
-from throttle.upstream import (
-    UpstreamSignal,
-    _expect_limit,
-    _judge,
-    _log_hold,
-    _log_rate,
-    _plan,
-    _reserved_s,
-    _stated_for,
-    _Target,
-    logger,
-    read_response,
+from throttle.upstream.headers import UpstreamSignal, read_response, wants_body
+from throttle.upstream.policy import (
+    Target,
+    expect_dimension,
+    expect_limit,
+    judge,
+    log_follow,
+    log_hold,
+    log_rate,
+    plan,
+    stated_for,
+    wants_reserved,
 )
 
 __all__ = ["apply_upstream", "upstream_hook"]
 
+logger = logging.getLogger("throttle")
+
 
 async def _answer(
-    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: _Target
+    limiter: Limiter, learned: LearnedRates, signal: UpstreamSignal, target: Target
 ) -> bool:
     reserved_s = 0.0
-    if _reserved_s(target):
+    if wants_reserved(target):
         reserved_s = (await limiter.peek(target.current, target.key)).reset_after_s
     answer = await learned.refused(
         target.ceiling or target.configured, target.key, target.adaptive,
         rate_per_s=target.current.rate_per_s, reserved_s=reserved_s,
     )  # fmt: skip
-    return _judge(signal, target, answer)
+    return judge(signal, target, answer)
 
 
-async def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: _Target) -> None:
+async def _learn(learned: LearnedRates, signal: UpstreamSignal | None, target: Target) -> None:
     if target.adaptive is None:
         return
     ceiling = target.ceiling or target.configured
-    stated = _stated_for(signal, target)
+    stated = stated_for(signal, target)
     if stated is not None:
         await learned.stated(ceiling, target.key, target.adaptive, stated)
     else:
@@ -64,22 +67,26 @@ async def _apply(
     limiter: Limiter,
     rates: RateBook | None,
     signal: UpstreamSignal,
-    targets: Sequence[_Target],
+    targets: Sequence[Target],
     learned: LearnedRates | None = None,
 ) -> None:
-    for target, spec in _plan(signal, targets, rates is not None):
-        hold = signal.hold_s > 0
+    for step in plan(signal, targets, rates):
+        target, seen = step.target, step.signal
+        hold = seen.hold_s > 0
         if learned is not None:
-            if signal.refused:
-                hold = await _answer(limiter, learned, signal, target) and hold
+            if seen.refused:
+                hold = await _answer(limiter, learned, seen, target) and hold
             else:
-                await _learn(learned, signal, target)
+                await _learn(learned, seen, target)
         if hold:
-            await limiter.hold(target.current.name, target.key, signal.hold_s)
-            _log_hold(signal, target)
-        if rates is not None and spec is not None:
-            await rates.set(target.configured, spec)
-            _log_rate(signal, target, spec)
+            await limiter.hold(target.current.name, target.key, seen.hold_s)
+            log_hold(seen, target)
+        if rates is not None and step.lowered is not None:
+            await rates.set(target.configured, step.lowered)
+            log_rate(seen, target, step.lowered)
+        if rates is not None and step.follow:
+            await rates.follow(target.configured, step.followed)
+            log_follow(seen, target, step.followed)
 
 
 async def apply_upstream(
@@ -91,6 +98,8 @@ async def apply_upstream(
     rates: RateBook | None = None,
     learned: LearnedRates | None = None,
     adaptive: Adaptive | None = None,
+    dimension: str | None = None,
+    cost: float = 1.0,
     now: float | None = None,
 ) -> UpstreamSignal | None:
     """Hold ``limit`` (of ``key`` only, when given) for the upstream's time, and with
@@ -101,15 +110,19 @@ async def apply_upstream(
     adaptive)`` is then the limit to acquire).
 
     ``response`` is an ``httpx.Response`` (anything with ``status_code`` and ``headers``);
-    ``limit`` the configured limit. Returns what the response said (None: nothing). Raises
-    :class:`~throttle.BackendError` when Redis fails.
+    ``limit`` the configured limit; ``dimension`` and ``cost`` as for
+    :func:`throttle.upstream.apply_upstream`. Returns what the response said (None:
+    nothing). Raises :class:`~throttle.BackendError` when Redis fails.
     """
-    _expect_limit(limit)
+    expect_limit(limit)
+    dimension = expect_dimension(dimension)
     ceiling = limit if rates is None else await rates.current(limit)
     current = ceiling
     if learned is not None and adaptive is not None:
         current = await learned.current(ceiling, key, adaptive)
-    target = _Target(current, limit, key, True, adaptive, ceiling)
+    target = Target(current, limit, key, True, adaptive, ceiling, dimension, cost)
+    if wants_body(response):  # a GitHub 403: its message tells a secondary limit
+        await _read_body(response)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:
@@ -119,10 +132,19 @@ async def apply_upstream(
     return signal
 
 
+async def _read_body(response: Any) -> None:
+    """Read an async response's body, so that :func:`read_response` can look at it."""
+    try:
+        if getattr(response, "is_stream_consumed", True) is False:
+            await response.aread()
+    except Exception as exc:  # best effort: unread, the 403 reads as a plain one
+        logger.debug("throttle: could not read an upstream response: %s", exc)
+
+
 async def _release(response: Any) -> None:
     """Read a refused response's (short) body and close it, so that its connection goes
     back to the pool before :class:`Throttled` leaves the request (see
-    :func:`throttle.upstream._release`)."""
+    :func:`throttle.celery.upstream.report_upstream`)."""
     try:
         if getattr(response, "is_stream_consumed", True) is False:
             await response.aread()
@@ -141,6 +163,7 @@ def upstream_hook(
     rates: RateBook | None = None,
     learned: LearnedRates | None = None,
     adaptive: Adaptive | None = None,
+    dimension: str | None = None,
     retry: bool = False,
 ) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """An async response hook that calls :func:`apply_upstream` on every response::
@@ -153,7 +176,9 @@ def upstream_hook(
     or spent quota, and follows a slower stated policy. With ``learned``, a refusal is
     answered in proportion (a hold only when refusals persist, the quota is spent or the
     limit is faster than the stated policy), and with ``adaptive`` the limit learns its
-    rate: acquire ``await learned.current(limit, key, adaptive)`` then.
+    rate: acquire ``await learned.current(limit, key, adaptive)`` then. With
+    ``dimension`` (``"tokens"``...), the limit follows that dimension of the provider's
+    headers only (:func:`throttle.upstream.apply_upstream`).
 
     With ``retry=True`` a refused call (429; 403 or 503 with ``Retry-After`` or a spent
     quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the
@@ -163,12 +188,14 @@ def upstream_hook(
     usual. Redis errors propagate (:class:`~throttle.BackendError`): unlike the Celery
     hook, nothing here decides for the caller what an outage means.
     """
-    _expect_limit(limit)  # now, not on the first response
+    expect_limit(limit)  # now, not on the first response
+    expect_dimension(dimension)
 
     async def hook(response: Any) -> None:
         signal = await apply_upstream(
-            limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive
-        )
+            limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive,
+            dimension=dimension,
+        )  # fmt: skip
         if retry and signal is not None and signal.refused:
             await _release(response)
             raise Throttled(signal.hold_s, [limit.name])

@@ -1,0 +1,176 @@
+"""The upstream's word from inside a throttled task: :func:`report_upstream` and
+:func:`upstream_hook`.
+
+The Celery binding of :mod:`throttle.upstream`: it finds the running task's limits (its
+ticket), applies the signal to them (:func:`throttle.upstream.policy.apply_signal`), and
+with ``retry=True`` re-publishes a refused task through
+:func:`~throttle.celery.task.defer_task`.
+Users import these from :mod:`throttle.upstream`, as before::
+
+    from throttle.upstream import report_upstream, upstream_hook
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery._state import get_current_task
+
+from throttle.celery.execution import current_ticket
+from throttle.celery.runtime import Throttler
+from throttle.celery.task import defer_task
+from throttle.errors import BackendError, RequestError, Throttled
+from throttle.spec import Limit
+from throttle.upstream.headers import UpstreamSignal, read_response
+from throttle.upstream.policy import Target, apply_signal, learn
+
+__all__ = ["report_upstream", "upstream_hook"]
+
+logger = logging.getLogger("throttle")
+
+
+def _release(response: Any) -> None:
+    """Give a refused response's connection back before the task leaves it. Hooks run
+    before the body is read, and a socket closed with its body unread is reset (the upstream
+    sees a broken connection, the client's pool loses it): read the (short) 429 body, then
+    close."""
+    try:
+        if hasattr(response, "iter_content"):  # requests
+            _ = response.content
+        elif getattr(response, "is_stream_consumed", True) is False:  # httpx
+            response.read()
+        close = getattr(response, "close", None)
+        if callable(close):
+            close()
+    except Exception as exc:  # best effort (an AsyncClient's response refuses a sync read)
+        logger.debug("throttle: could not release an upstream response: %s", exc)
+
+
+def report_upstream(
+    response: Any, *, limit: str | Limit | None = None, retry: bool = False
+) -> UpstreamSignal | None:
+    """Hand the upstream's answer to the throttler, from inside a throttled task.
+
+    ``response`` is a ``requests.Response`` or an ``httpx.Response`` (anything with
+    ``status_code`` and ``headers``); see :func:`throttle.upstream.headers.parse_upstream`
+    for what is read.
+
+    * **Hold**: the task's limits (``limit``: only the one of this name) are held for the
+      upstream's time, fleet-wide: a keyed limit for the task's key only, a limit without
+      key as a whole. Reserved slots that fall inside the hold are voided when their tasks
+      reach them, so the fleet stops at once, not after the slots already handed out.
+      A refusal holds only when the upstream says its quota is spent (a hold longer than
+      :data:`~throttle.upstream.headers.PREEMPT_MIN_S` and
+      :data:`~throttle.upstream.policy.SPENT_SPACINGS` spacings:
+      :func:`~throttle.upstream.policy.quota_spent`),
+      when the limit is faster than the policy the upstream states, or when refusals
+      *persist*: the refusals of the limit (and key), counted fleet-wide on the
+      Redis clock, reach half of the calls the limit makes at its rate in a window of a
+      second (or ten spacings, when longer), and at least three
+      (:meth:`throttle.adaptive.LearnedRates.persist_for`). Any other refusal is one
+      that the limiter's schedule explains (a call a few ms early or late: jitter): the
+      refused task alone comes back (with ``retry=True``) and the fleet goes on.
+      A response that is no refusal but says the quota is spent holds as before.
+    * **Learn** (``adaptive: true`` limits, :mod:`throttle.adaptive`): a refusal lowers the
+      limit's learned rate once per episode, every other answer lets it probe up, a stated
+      policy replaces it.
+    * **Rate**: when the upstream states a policy slower than a held limit's rate, the
+      limit's run-time rate is lowered to it, fleet-wide, within ``settings.refresh``
+      (``RateBook.set``). Only for limits without key that charge one unit per call (a
+      token budget counts other units than the upstream's requests); never above the
+      configured rate, and never raised again by this function: when the upstream's limit
+      is back up, an operator goes back to the configured rate with
+      ``RateBook(client, keyspace).clear(name)`` (a warning in the worker's log names the
+      limit when it is lowered).
+    * **Retry** (``retry=True``): when the upstream refused the call, the task is run again
+      after the hold: re-published with the same id, arguments, options and links, through
+      the queue's lane, without spending ``max_retries``
+      (:func:`throttle.celery.task.defer_task`).
+      A refusal that held nothing re-publishes it at once, to take the limit's next free
+      slot: its ``Retry-After`` (whole seconds, rounded up) says no more than "within
+      rounding", and the limit's spacing keeps it from the calls before it.
+      This raises celery's ``Retry``: let it propagate. The task's ``max_wait`` or
+      ``expires`` still bounds it (ThrottleTimeout, or ``on_timeout``); an upstream that
+      refuses for ever is otherwise retried for ever. In eager mode, direct calls, and
+      tasks that are not throttled, it raises :class:`Throttled` with the hold instead.
+
+    Outside a throttled task this holds nothing (like ``report_cost``). Redis errors are
+    logged, not raised: the call is made already. Returns what the response said (None:
+    nothing to act on).
+    """
+    signal = read_response(response)
+    ticket = current_ticket()
+    if ticket is None or ticket.acquisition is None:
+        if signal is not None and retry and signal.refused:
+            _release(response)
+            raise Throttled(signal.hold_s)
+        return signal
+    name = limit.name if isinstance(limit, Limit) else limit
+    acquisition = ticket.acquisition
+    rules = {rule.name: rule for rule in ticket.rules}
+    picked = [
+        (current, key, cost, rules.get(current.name))
+        for (current, key), cost in zip(acquisition.targets, acquisition.costs, strict=True)
+        if name is None or current.name == name
+    ]
+    if not picked:  # checked on every response: a misspelt name fails on the first call
+        names = ", ".join(repr(current.name) for current, _ in acquisition.targets)
+        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {names})")
+    adaptive = any(rule is not None and rule.adaptive for *_, rule in picked)
+    if signal is None and not adaptive:
+        return None
+    task = get_current_task()
+    throttler = Throttler.of(task.app)
+    held = True  # Redis failing: the task comes back after the upstream's time
+    try:
+        targets = []
+        for current, key, cost, rule in picked:
+            configured = current if rule is None else rule.limit
+            ceiling = throttler.rates.current(configured)
+            learning = None if rule is None else rule.adaptive
+            dimension = None if rule is None else rule.upstream
+            targets.append(
+                Target(current, configured, key, cost == 1.0, learning, ceiling, dimension, cost)
+            )
+        if signal is None:
+            for target in targets:
+                learn(throttler.learned, None, target)
+        else:
+            held = apply_signal(
+                throttler.limiter, throttler.rates, signal, targets, throttler.learned
+            )
+    except BackendError as exc:
+        throttler.outage(exc)
+    if signal is None:
+        return None
+    if retry and signal.refused:
+        _release(response)
+        # A refusal that held nothing is one the limit's schedule explains (jitter), and
+        # its Retry-After (whole seconds, rounded up) says no more than "within rounding":
+        # the task takes the limit's next free slot at once. Waiting out the rounded
+        # second instead idles the limit at the end of a backlog (eager mode and direct
+        # calls, which have no slot to take, are told the upstream's time).
+        eager = task.request.is_eager or task.request.called_directly
+        countdown = signal.hold_s if held or eager else 0.0
+        defer_task(countdown, [target.current.name for target in targets])
+    return signal
+
+
+def upstream_hook(*, limit: str | Limit | None = None, retry: bool = False) -> Callable[..., None]:
+    """A response hook that calls :func:`report_upstream` on every response::
+
+        session.hooks["response"].append(upstream_hook(retry=True))          # requests
+        httpx.Client(event_hooks={"response": [upstream_hook(retry=True)]})  # httpx
+
+    With ``retry=True`` a refused call never returns to the task body: the task is
+    re-published for after the hold (see :func:`report_upstream`). The hook returns None,
+    which requests needs (a value would replace the response). For ``httpx.AsyncClient``
+    outside Celery: :func:`throttle.aio.upstream_hook`.
+    """
+
+    def hook(response: Any, *args: Any, **kwargs: Any) -> None:
+        report_upstream(response, limit=limit, retry=retry)
+
+    return hook
