@@ -72,6 +72,7 @@ __all__ = [
     "ThrottleCollector",
     "allowed",
     "available",
+    "counter_totals",
     "default_base_dir",
     "deferred",
     "process_exited",
@@ -353,6 +354,28 @@ def _read_files(directory: Path) -> list[Metric]:
         for m in MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
         if m.name.startswith(PREFIX)
     ]
+
+
+def counter_totals(directories: Iterable[Path], name: str, **labels: str) -> dict[str, float]:
+    """The samples of counter ``name`` (``..._total``) carrying ``labels``, summed per
+    ``limit`` over the workers' files in ``directories`` (the limits page's admitted
+    rate). A directory that cannot be read right now (a file being written or wiped) is
+    skipped this time."""
+    totals: dict[str, float] = {}
+    for directory in directories:
+        try:
+            found = _read_files(directory)
+        except Exception:
+            continue
+        for metric in found:
+            for sample in metric.samples:
+                if sample.name != name or "limit" not in sample.labels:
+                    continue
+                if any(sample.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                limit = sample.labels["limit"]
+                totals[limit] = totals.get(limit, 0.0) + sample.value
+    return totals
 
 
 class ThrottleCollector:
