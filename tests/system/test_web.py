@@ -41,6 +41,14 @@ settings:
 limits:
   live: {{algorithm: gcra, rate: 10/s, burst: 1}}
   fair: {{algorithm: gcra, rate: 10/s, burst: 1, key: "{{tenant}}", fair: true}}
+  # the other limits the test app's tasks name
+  slow: {{algorithm: gcra, rate: 4/s, burst: 1}}
+  tokens: {{rate: 10000/d, key: "{{tenant}}", cost: estimate, on_error: refund}}
+  deadline: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 2s}}
+  dlq: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 1s, on_timeout: "dead_letter:dead"}}
+  parked: {{algorithm: gcra, rate: 3/s, burst: 1}}
+  strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
+  held: {{algorithm: gcra, rate: 4/s, burst: 1}}
 """
 TOKEN = "a-test-token-of-32-characters-xx"
 APP = "tests.apps.celery_app"
@@ -176,7 +184,7 @@ def browser() -> Iterator[WebDriver]:
 
 
 def cell(browser: WebDriver, limit: str, name: str) -> str:
-    return str(browser.find_element(By.CSS_SELECTOR, f'tr[data-limit="{limit}"] td.{name}').text)
+    return str(browser.find_element(By.CSS_SELECTOR, f'tr[data-limit="{limit}"] .{name}').text)
 
 
 def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: WebDriver) -> None:

@@ -18,7 +18,6 @@ import click
 from throttle.cli.base import one_line_errors, throttler_of
 from throttle.cli.status import DEFAULT_MINUTES
 from throttle.stats import MAX_MINUTES
-from throttle.web import LimitsPage, Sampler
 
 TOKEN_ENV = "THROTTLE_WEB_TOKEN"
 """The control token, when not in ``--token-file`` (at least 16 characters)."""
@@ -115,6 +114,10 @@ def web(
     admitted per second against the limit. Read-only unless --allow-control: then pause
     and resume want the token. Everything is served by this command (no CDN).
     """
+    # Here, not at the top: throttle.web reads through throttle.cli.status, and this
+    # package imports this module while it initialises.
+    from throttle.web import LimitsPage, Sampler  # noqa: PLC0415
+
     app, throttler = throttler_of(ctx)
     token, made_up = _token(allow_control, token_file)
     sampler = Sampler(app, throttler, timeout_s=timeout, minutes=minutes)

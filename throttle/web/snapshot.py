@@ -151,7 +151,11 @@ class Sampler:
         found: dict[str, collections.Counter[str | None]] = {}
         if self.timeout_s <= 0:
             return found
-        replies = self.app.control.inspect(timeout=self.timeout_s).scheduled() or {}
+        # A connection of its own, closed after: kombu's reply consumer on the app's
+        # shared one was seen to keep draining past the timeout from this thread.
+        with self.app.connection_for_write() as connection:
+            inspect = self.app.control.inspect(timeout=self.timeout_s, connection=connection)
+            replies = inspect.scheduled() or {}
         for entries in replies.values():
             for entry in entries or ():
                 request = entry.get("request") if isinstance(entry, Mapping) else None
