@@ -18,6 +18,7 @@ Two kinds of numbers, from two places:
   ``throttle_refunded_tokens_total``      counter    limit
   ``throttle_charged_tokens_total``       counter    limit
   ``throttle_redis_errors_total``         counter    limit
+  ``throttle_upstream_deferrals_total``   counter    limit
   ======================================  =========  =====================================
 
 * **Gauges read from Redis at scrape time** (fleet-wide, the same wherever scraped):
@@ -82,6 +83,7 @@ __all__ = [
     "settled",
     "setup_worker",
     "timed_out",
+    "upstream_deferred",
     "worker_dirs",
 ]
 
@@ -210,6 +212,7 @@ class _Instruments:
     refunded: Counter
     charged: Counter
     redis_errors: Counter
+    upstream: Counter
 
 
 def _build() -> _Instruments:
@@ -244,6 +247,11 @@ def _build() -> _Instruments:
         refunded=counter("throttle_refunded_tokens", "Reserved cost given back on settle"),
         charged=counter("throttle_charged_tokens", "Cost taken beyond the estimate on settle"),
         redis_errors=counter("throttle_redis_errors", "Redis errors met by the gate"),
+        upstream=counter(
+            "throttle_upstream_deferrals",
+            "Tasks deferred by the upstream's word (defer_task: report_upstream(retry=True) "
+            "after a 429), counted in throttle_reschedules_total too",
+        ),
     )
 
 
@@ -280,6 +288,17 @@ def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
             m.decisions.labels(limit, "denied").inc()
             m.wait.labels(limit).observe(max(wait_s, 0.0))
             m.reschedules.labels(limit, how).inc()
+
+    _record(update)
+
+
+def upstream_deferred(limits: Iterable[str]) -> None:
+    """A running task was deferred by the upstream's word (:func:`defer_task`, what
+    ``report_upstream(retry=True)`` does on a 429), under ``limits``."""
+
+    def update(m: _Instruments) -> None:
+        for limit in limits:
+            m.upstream.labels(limit).inc()
 
     _record(update)
 
