@@ -17,7 +17,8 @@ def test_promtool_accepts_the_alerting_rules() -> None:
     if promtool is None:
         pytest.fail("promtool is missing: `make test` installs it (apt-get install prometheus)")
     done = subprocess.run(
-        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
-    )
+        [promtool, "check", "rules", str(RULES)],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 6 rules found" in done.stdout, done.stdout

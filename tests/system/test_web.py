@@ -244,7 +244,7 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
         or True,
         5, "a click",
     )  # fmt: skip
-    until(lambda: cell(browser, "live", "hold") == "–", 5, "the pause lifted")
+    until(lambda: cell(browser, "live", "hold") == "\u2013", 5, "the pause lifted")  # a dash
     until(lambda: float(cell(browser, "live", "now").split("/")[0] or 0) > 2, 10, "admitted again")
 
     # The keyed limit: its waiting or parked tasks per key, or its running ones
