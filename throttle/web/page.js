@@ -2,7 +2,7 @@
 // written with textContent (limit names and keys come from users' data).
 "use strict";
 
-const W = 220, H = 44;
+const W = 260, H = 56;
 let interval = 2000;
 let control = false;
 
@@ -115,6 +115,7 @@ function row(limit, history) {
   const admitted = el("td", {class: "admitted"}, chart(limit.name, history),
     el("span", {class: "sub now"}, limit.admitted_per_s === null ? "–"
       : num(limit.admitted_per_s) + "/s" + (limit.admitted_source === "tokens" ? " (est. from tokens)" : "")));
+  if (limit.rate_per_s !== null) admitted.append(el("span", {class: "sub"}, "limit " + num(limit.rate_per_s) + "/s"));
   const actions = el("td", {class: "actions"});
   if (control) {
     const paused = limit.hold && limit.hold.paused;
@@ -160,7 +161,11 @@ function draw(data) {
     `${data.parked} tasks parked in Redis, ${data.releasing} being released · ` +
     (data.workers === null ? "workers not asked" : `${data.workers} workers replied`) +
     ` · refused: deferred per minute over the last ${data.minutes} whole minutes` +
-    ` · chart: the last ${dur((data.history || []).length * (data.interval_s || 2))}`;
+    ` · chart: the last ${span(data.history || [])}`;
+}
+
+function span(history) {
+  return history.length < 2 ? "–" : dur(history[history.length - 1].t - history[0].t);
 }
 
 let timer = null;
