@@ -26,30 +26,24 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
+from tests.apps.celery_limits import LIMITS
 from tests.support.servers import RedisServer, free_port
 from workers.harness import ROOT, Worker, wait_ready
 from workers.screenshot import CHROMIUM_FLAGS
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
+CONFIG = (
+    """
 settings:
   sleep_max: 0.3s
   metrics: true
   metrics_dir: {metrics_dir}
   pause_recheck: 0.5s
 limits:
-  live: {{algorithm: gcra, rate: 10/s, burst: 1}}
-  fair: {{algorithm: gcra, rate: 10/s, burst: 1, key: "{{tenant}}", fair: true}}
-  # the other limits the test app's tasks name
-  slow: {{algorithm: gcra, rate: 4/s, burst: 1}}
-  tokens: {{rate: 10000/d, key: "{{tenant}}", cost: estimate, on_error: refund}}
-  deadline: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 2s}}
-  dlq: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 1s, on_timeout: "dead_letter:dead"}}
-  parked: {{algorithm: gcra, rate: 3/s, burst: 1}}
-  strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
-  held: {{algorithm: gcra, rate: 4/s, burst: 1}}
 """
+    + LIMITS
+)
 TOKEN = "a-test-token-of-32-characters-xx"
 APP = "tests.apps.celery_app"
 

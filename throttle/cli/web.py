@@ -16,8 +16,7 @@ from pathlib import Path
 import click
 
 from throttle.cli.base import one_line_errors, throttler_of
-from throttle.cli.status import DEFAULT_MINUTES
-from throttle.stats import MAX_MINUTES
+from throttle.cli.status import minutes_option, timeout_option
 
 TOKEN_ENV = "THROTTLE_WEB_TOKEN"
 """The control token, when not in ``--token-file`` (at least 16 characters)."""
@@ -73,22 +72,8 @@ def _token(allow: bool, token_file: Path | None) -> tuple[str | None, bool]:
     metavar="S",
     help="Seconds between two snapshots of the fleet.",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0),
-    default=0.5,
-    show_default=True,
-    metavar="S",
-    help="Seconds to wait for the workers' replies; 0: do not ask.",
-)
-@click.option(
-    "--minutes",
-    type=click.IntRange(1, MAX_MINUTES),
-    default=DEFAULT_MINUTES,
-    show_default=True,
-    metavar="M",
-    help="Refusals are averaged over M minutes.",
-)
+@timeout_option(0.5)
+@minutes_option
 @click.option(
     "--allow-control", is_flag=True, help="Allow pause and resume from the page, with a token."
 )

@@ -12,9 +12,10 @@ Each :meth:`Sampler.sample` takes one snapshot:
 * **admitted per second** of each limit since the previous snapshot: from the workers'
   Prometheus counters (``throttle_decisions_total{decision="allowed"}``) when they are on
   this host (``settings.metrics``; the same files Flower sums), else estimated from the
-  tokens a limit without a key spent (exact while it stays below its burst, so while it
-  binds, which is when the chart matters; an undercount when it idles near full). The
-  snapshot says which (``admitted_source``).
+  level of a limit without a key (its tokens, less the slots it handed out ahead): exact
+  while it binds at both snapshots, which is when the chart matters; an undercount when
+  it fills up and is drained between two snapshots. The snapshot says which
+  (``admitted_source``).
 
 The sampler keeps the last :data:`HISTORY` snapshots' admitted rates for the chart. It
 reads Redis and asks the workers (``inspect``), so it runs in one background thread of the
@@ -77,7 +78,7 @@ class Sampler:
         self._latest: dict[str, Any] | None = None
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self._previous: tuple[float, dict[str, float], dict[str, float]] | None = None
-        """(monotonic s, admitted counters per limit, tokens per limit) of the last sample."""
+        """(monotonic s, admitted counters per limit, level per limit) of the last sample."""
 
     def latest(self) -> dict[str, Any] | None:
         """The last snapshot with the chart's history (None before the first)."""
@@ -117,7 +118,7 @@ class Sampler:
         parked = self._parked()
         now = time.monotonic()
         counters = self._counters()
-        tokens: dict[str, float] = {}
+        levels: dict[str, float] = {}
         previous = self._previous
         for row in data["limits"]:
             name = row["name"]
@@ -128,12 +129,13 @@ class Sampler:
             row["rate_per_s"] = None if limit.algorithm.holds_units else round(rate, 6)
             row["waiting"] = _by_key(waiting.get(name, {}))
             row["parked"] = _by_key(parked.get(name, {}))
-            if row["tokens"] is not None:
-                tokens[name] = row["tokens"]
+            if row["tokens"] is not None and row["next_slot_s"] is not None:
+                # The bucket's level: below 0 by the slots already handed out ahead.
+                levels[name] = row["tokens"] - row["next_slot_s"] * rate
             row["admitted_per_s"], row["admitted_source"] = _admitted(
-                name, limit, rate, now, counters, tokens.get(name), previous
+                name, limit, rate, now, counters, levels.get(name), previous
             )
-        self._previous = (now, counters, tokens)
+        self._previous = (now, counters, levels)
         data["control"] = None  # the server fills it in
         return data
 
@@ -226,24 +228,29 @@ def _admitted(
     rate_per_s: float,
     now: float,
     counters: Mapping[str, float],
-    tokens: float | None,
+    level: float | None,
     previous: tuple[float, Mapping[str, float], Mapping[str, float]] | None,
 ) -> tuple[float | None, str | None]:
     """Tasks admitted per s since the last snapshot, and from what: ``counters`` (the
-    workers' own count) or ``tokens`` (estimated from what a limit without a key spent);
+    workers' own count) or ``tokens`` (estimated from the ``level`` of a limit without a
+    key: its tokens less the slots handed out ahead, now and at the last snapshot);
     (None, None) for the first snapshot, or when neither can tell."""
     if previous is None:
         return None, None
-    then, old_counters, old_tokens = previous
+    then, old_counters, old_levels = previous
     elapsed = now - then
     if elapsed <= 0:
         return None, None
     if name in counters and name in old_counters:
         # A restarted worker starts from 0: its drop is not a negative rate.
         return round(max(counters[name] - old_counters[name], 0.0) / elapsed, 3), "counters"
-    if tokens is None or name not in old_tokens or limit.algorithm.holds_units:
+    if level is None or name not in old_levels or limit.algorithm.holds_units:
         return None, None
     if not math.isfinite(rate_per_s):
         return None, None
-    refilled = min(limit.capacity, old_tokens[name] + rate_per_s * elapsed)
-    return round(max(refilled - tokens, 0.0) / elapsed, 3), "tokens"
+    refilled = old_levels[name] + rate_per_s * elapsed
+    if old_levels[name] >= 1 or level >= 1:
+        # Not binding at both ends: the refill beyond the burst was not there to spend (an
+        # undercount when the bucket filled up and was drained within the interval).
+        refilled = min(limit.capacity, refilled)
+    return round(max(refilled - level, 0.0) / elapsed, 3), "tokens"
