@@ -28,21 +28,31 @@ def test_admitted_from_the_workers_counters() -> None:
     assert _admitted("api", GCRA, 10.0, 12.0, {"api": 118.0}, 0.0, previous) == (9.0, "counters")
     # a restarted worker's counters drop: not a negative rate
     assert _admitted("api", GCRA, 10.0, 12.0, {"api": 3.0}, 0.0, previous) == (0.0, "counters")
+    # a limit that admitted nothing before has no sample yet: it counts from 0
+    assert _admitted("api", GCRA, 10.0, 12.0, {"api": 4.0}, 0.0, (10.0, {}, {})) == (
+        2.0, "counters",
+    )  # fmt: skip
 
 
 def test_admitted_estimated_from_the_level_of_the_bucket() -> None:
     # Binding at both ends (the level is tokens less the slots handed out ahead): 2 s
     # refilled 20, the level went from -3 to -4: 21 taken in 2 s
-    assert _admitted("api", GCRA, 10.0, 2.0, {}, -4.0, (0.0, {}, {"api": -3.0})) == (
+    assert _admitted("api", GCRA, 10.0, 2.0, None, -4.0, (0.0, None, {"api": -3.0})) == (
         10.5, "tokens",
     )  # fmt: skip
     # Idle at full: nothing spent (the refill beyond the burst is not counted as use)
-    assert _admitted("api", GCRA, 10.0, 2.0, {}, 5.0, (0.0, {}, {"api": 5.0})) == (0.0, "tokens")
+    assert _admitted("api", GCRA, 10.0, 2.0, None, 5.0, (0.0, None, {"api": 5.0})) == (
+        0.0,
+        "tokens",
+    )
     # Full, then 2 taken: the burst caps the refill
-    assert _admitted("api", GCRA, 10.0, 2.0, {}, 3.0, (0.0, {}, {"api": 5.0})) == (1.0, "tokens")
+    assert _admitted("api", GCRA, 10.0, 2.0, None, 3.0, (0.0, None, {"api": 5.0})) == (
+        1.0,
+        "tokens",
+    )
     # No earlier snapshot, or a concurrency limit (tokens are free slots, not a rate)
-    assert _admitted("api", GCRA, 10.0, 2.0, {}, 5.0, None) == (None, None)
-    assert _admitted("pool", SLOTS, 4.0, 2.0, {}, 1.0, (0.0, {}, {"pool": 4.0})) == (None, None)
+    assert _admitted("api", GCRA, 10.0, 2.0, None, 5.0, None) == (None, None)
+    assert _admitted("pool", SLOTS, 4.0, 2.0, None, 1.0, (0.0, None, {"pool": 4.0})) == (None, None)
 
 
 def test_the_busiest_keys_first() -> None:

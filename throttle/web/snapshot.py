@@ -77,7 +77,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._latest: dict[str, Any] | None = None
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
-        self._previous: tuple[float, dict[str, float], dict[str, float]] | None = None
+        self._previous: tuple[float, dict[str, float] | None, dict[str, float]] | None = None
         """(monotonic s, admitted counters per limit, level per limit) of the last sample."""
 
     def latest(self) -> dict[str, Any] | None:
@@ -139,14 +139,16 @@ class Sampler:
         data["control"] = None  # the server fills it in
         return data
 
-    def _counters(self) -> dict[str, float]:
+    def _counters(self) -> dict[str, float] | None:
         """Tasks admitted so far per limit, summed over this host's workers' counter files
-        (empty when metrics are off here or prometheus_client is missing)."""
+        (a limit that admitted nothing yet is absent); None when there are none to read:
+        metrics off, prometheus_client missing, or no worker counts on this host."""
         if not self.throttler.settings.metrics or not metrics.available():
-            return {}
-        return metrics.counter_totals(
-            (directory for _, directory in worker_dirs(self.app)), ADMITTED, decision="allowed"
-        )
+            return None
+        directories = [directory for _, directory in worker_dirs(self.app)]
+        if not directories:
+            return None
+        return metrics.counter_totals(directories, ADMITTED, decision="allowed")
 
     def _waiting(self) -> dict[str, collections.Counter[str | None]]:
         """Tasks the workers hold until their ETA, per limit and key."""
@@ -227,9 +229,9 @@ def _admitted(
     limit: Limit,
     rate_per_s: float,
     now: float,
-    counters: Mapping[str, float],
+    counters: Mapping[str, float] | None,
     level: float | None,
-    previous: tuple[float, Mapping[str, float], Mapping[str, float]] | None,
+    previous: tuple[float, Mapping[str, float] | None, Mapping[str, float]] | None,
 ) -> tuple[float | None, str | None]:
     """Tasks admitted per s since the last snapshot, and from what: ``counters`` (the
     workers' own count) or ``tokens`` (estimated from the ``level`` of a limit without a
@@ -241,9 +243,10 @@ def _admitted(
     elapsed = now - then
     if elapsed <= 0:
         return None, None
-    if name in counters and name in old_counters:
+    if counters is not None and old_counters is not None:
         # A restarted worker starts from 0: its drop is not a negative rate.
-        return round(max(counters[name] - old_counters[name], 0.0) / elapsed, 3), "counters"
+        admitted = counters.get(name, 0.0) - old_counters.get(name, 0.0)
+        return round(max(admitted, 0.0) / elapsed, 3), "counters"
     if level is None or name not in old_levels or limit.algorithm.holds_units:
         return None, None
     if not math.isfinite(rate_per_s):
