@@ -27,6 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.apps.celery_limits import LIMITS
+from tests.support.http import post_json
 from tests.support.servers import RedisServer, free_port
 from workers.harness import ROOT, Worker, wait_ready
 from workers.screenshot import CHROMIUM_FLAGS
@@ -55,18 +56,6 @@ def browser_paths() -> tuple[str, str]:
     if chromium is None or driver is None:
         pytest.fail("chromium and chromedriver are missing: `make test` installs them (apt-get)")
     return chromium, driver
-
-
-def post(url: str, body: dict[str, Any], token: str | None = None) -> tuple[int, dict[str, Any]]:
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
 
 
 def state(url: str) -> dict[str, Any]:
@@ -250,15 +239,15 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
 
 def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
     read_only = fleet.page()
-    status, answer = post(f"{read_only}/api/pause", {"limit": "live"}, TOKEN)
+    status, answer = post_json(f"{read_only}/api/pause", {"limit": "live"}, TOKEN)
     assert status == 403 and "--allow-control" in answer["error"]
     assert state(read_only)["control"] is False
 
     controlled = fleet.page("--allow-control")
     for token in (None, "", TOKEN[:-1] + "y"):
-        status, answer = post(f"{controlled}/api/pause", {"limit": "live"}, token)
+        status, answer = post_json(f"{controlled}/api/pause", {"limit": "live"}, token)
         assert status == 401 and "token" in answer["error"], (token, answer)
-    status, answer = post(f"{controlled}/api/pause", {"limit": "nope"}, TOKEN)
+    status, answer = post_json(f"{controlled}/api/pause", {"limit": "nope"}, TOKEN)
     assert status == 400 and "unknown limit 'nope'" in answer["error"]
     assert not {row["name"]: row for row in state(controlled)["limits"]}["live"]["hold"]
 

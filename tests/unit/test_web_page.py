@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.http import post_json
 from throttle.spec import Limit
 from throttle.web import LimitsPage
 from throttle.web.server import _finite
@@ -108,18 +109,6 @@ def controlled() -> Iterator[tuple[str, _Sampler]]:
     yield from _page(TOKEN)
 
 
-def _post(url: str, body: object, token: str | None = None) -> tuple[int, dict[str, Any]]:
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
-
-
 def test_the_page_and_its_files_are_served_with_safe_headers(read_only: Any) -> None:
     url, _ = read_only
     for path, kind in (
@@ -138,7 +127,7 @@ def test_the_page_and_its_files_are_served_with_safe_headers(read_only: Any) -> 
 
 def test_read_only_refuses_control_even_with_a_token(read_only: Any) -> None:
     url, sampler = read_only
-    status, answer = _post(url + "/api/pause", {"limit": "api"}, TOKEN)
+    status, answer = post_json(url + "/api/pause", {"limit": "api"}, TOKEN)
     assert status == 403 and "--allow-control" in answer["error"]
     assert sampler.held == []
 
@@ -146,16 +135,16 @@ def test_read_only_refuses_control_even_with_a_token(read_only: Any) -> None:
 def test_control_wants_the_token_and_a_known_limit(controlled: Any) -> None:
     url, sampler = controlled
     for token in (None, "", "wrong", TOKEN + "x"):
-        status, answer = _post(url + "/api/pause", {"limit": "api"}, token)
+        status, answer = post_json(url + "/api/pause", {"limit": "api"}, token)
         assert status == 401 and "token" in answer["error"]
-    assert _post(url + "/api/pause", {"limit": "nope"}, TOKEN)[0] == 400
-    assert _post(url + "/api/pause", ["api"], TOKEN)[0] == 400
-    assert _post(url + "/api/pause", {"limit": "api", "key": ""}, TOKEN)[0] == 400
+    assert post_json(url + "/api/pause", {"limit": "nope"}, TOKEN)[0] == 400
+    assert post_json(url + "/api/pause", ["api"], TOKEN)[0] == 400
+    assert post_json(url + "/api/pause", {"limit": "api", "key": ""}, TOKEN)[0] == 400
     assert sampler.held == []
-    assert _post(url + "/api/pause", {"limit": "api"}, TOKEN) == (
+    assert post_json(url + "/api/pause", {"limit": "api"}, TOKEN) == (
         200, {"ok": True, "action": "pause", "limit": "api", "key": None}
     )  # fmt: skip
-    assert _post(url + "/api/resume", {"limit": "api"}, TOKEN)[0] == 200
+    assert post_json(url + "/api/resume", {"limit": "api"}, TOKEN)[0] == 200
     assert sampler.held == [("hold", "api"), ("unhold", "api")]
 
 
