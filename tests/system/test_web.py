@@ -175,6 +175,10 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
     url = fleet.page("--allow-control")
     handles = [fleet.send("live", x) for x in range(100)]
     handles += [fleet.send("fair_call", tenant, x) for x in range(6) for tenant in ("acme", "zeta")]
+    # and under the keyed "tokens" (10000/d), 6000 each: one call per tenant runs, the
+    # others wait hours (parked)
+    tenants = ("acme", "zeta", "acme", "zeta", "acme")
+    spent = [fleet.send("spend", tenant, 6000, 6000) for tenant in tenants]
 
     # When the page is loaded in the browser
     browser.get(url + "/")
@@ -230,9 +234,16 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
     until(lambda: cell(browser, "live", "hold") == "\u2013", 5, "the pause lifted")  # a dash
     until(lambda: float(cell(browser, "live", "now").split("/")[0] or 0) > 2, 10, "admitted again")
 
-    # The keyed limit: its waiting or parked tasks per key, or its running ones
-    fair = {row["name"]: row for row in state(url)["limits"]}["fair"]
-    assert fair["key"] == "{tenant}" and fair["tokens"] is None
+    # A keyed limit: its parked tasks per key, the busiest first
+    shown = ["3", "acme: 2", "zeta: 1"]
+    until(lambda: cell(browser, "tokens", "parked").split("\n") == shown, 10, "parked per key")
+    parked = {row["name"]: row for row in state(url)["limits"]}["tokens"]["parked"]
+    assert parked == {
+        "total": 3, "keys": [{"key": "acme", "count": 2}, {"key": "zeta", "count": 1}],
+        "more_keys": 0,
+    }  # fmt: skip
+    assert cell(browser, "tokens", "tokens") == "per key"
+    assert [spent[0].get(timeout=10), spent[1].get(timeout=10)] == [6000, 6000]
     for handle in handles[-12:]:
         handle.get(timeout=30)
 

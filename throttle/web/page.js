@@ -39,9 +39,9 @@ function holdText(hold) {
                      : el("span", {class: "held"}, "held " + dur(hold.held_s));
 }
 
-function counts(c) {
+function counts(c, cls) {
   // A count, and under it the busiest keys of a keyed limit.
-  const cell = el("td", {class: "num"}, c.total);
+  const cell = el("td", {class: "num " + cls}, c.total);
   for (const k of c.keys) cell.append(el("span", {class: "sub"}, k.key + ": " + k.count));
   if (c.more_keys) cell.append(el("span", {class: "sub"}, "+" + c.more_keys + " keys"));
   return cell;
@@ -135,7 +135,7 @@ function row(limit, history) {
     el("td", {class: "slot"}, nextSlot),
     hold,
     el("td", {class: "num running"}, limit.in_flight === null ? "?" : limit.in_flight),
-    counts(limit.waiting), counts(limit.parked), refused, admitted, actions,
+    counts(limit.waiting, "waiting"), counts(limit.parked, "parked"), refused, admitted, actions,
   );
   return tr;
 }
