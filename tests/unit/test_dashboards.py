@@ -90,3 +90,13 @@ def test_every_metric_the_alerts_query_is_exported() -> None:
 def test_the_check_catches_an_unknown_name() -> None:
     assert NAME.findall('rate(throttle_made_up_total{limit="x"}[5m])') == ["throttle_made_up_total"]
     assert "throttle_made_up_total" not in exported()
+
+
+def test_the_dashboard_imports_into_any_grafana() -> None:
+    board = json.loads((DASHBOARDS / "grafana.json").read_text())
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids))
+    # No data source uid of one installation: the panels follow the ${datasource} variable
+    sources = {t["datasource"]["uid"] for p in board["panels"] for t in p["targets"]}
+    assert sources == {"${datasource}"}
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "limit"}

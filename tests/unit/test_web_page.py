@@ -82,6 +82,9 @@ class _Sampler:
         )
         self.throttler = SimpleNamespace(limiter=limiter)
 
+    def names(self) -> list[str]:
+        return ["api"]
+
     def latest(self) -> dict[str, Any]:
         return {"limits": [{"name": "api", "hold": None}], "history": []}
 

@@ -163,10 +163,10 @@ class LimitsPage:
             return HTTPStatus.BAD_REQUEST, {"error": "the body is not JSON"}
         limit = request.get("limit") if isinstance(request, dict) else None
         key = request.get("key") if isinstance(request, dict) else None
-        known = {row["name"] for row in self.state().get("limits", [])}
+        known = self.sampler.names()
         if not isinstance(limit, str) or limit not in known:
             return HTTPStatus.BAD_REQUEST, {
-                "error": f"unknown limit {limit!r}; known limits: {', '.join(sorted(known))}"
+                "error": f"unknown limit {limit!r}; known limits: {', '.join(known)}"
             }
         if key is not None and (not isinstance(key, str) or not key):
             return HTTPStatus.BAD_REQUEST, {"error": "key must be a non-empty string or null"}

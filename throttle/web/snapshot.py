@@ -80,6 +80,11 @@ class Sampler:
         self._previous: tuple[float, dict[str, float] | None, dict[str, float]] | None = None
         """(monotonic s, admitted counters per limit, level per limit) of the last sample."""
 
+    def names(self) -> list[str]:
+        """The limits the page knows (the file's and the tasks' inline ones), as
+        ``celery throttle`` knows them: what pause and resume may name."""
+        return list(known_limits(self.app, self.throttler))
+
     def latest(self) -> dict[str, Any] | None:
         """The last snapshot with the chart's history (None before the first)."""
         with self._lock:
