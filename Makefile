@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate
+.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate
 
 setup: system-deps $(STAMP)
 
@@ -46,10 +46,23 @@ CELERY_SDIST := $(VENV)/celery-$(CELERY_VERSION).tar.gz
 $(CELERY_SDIST): constraints.txt | $(STAMP)
 	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV) celery==$(CELERY_VERSION)
 
-pytest: setup $(CELERY_SDIST)
+pytest: setup test-deps $(CELERY_SDIST)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck docs-check pytest
+test: test-deps lint typecheck docs-check pytest
+
+# What only `make test` needs from apt-get, when missing: Debian's chromium and
+# chromium-driver (tests/system/test_web.py drives the limits page in a real browser) and
+# prometheus, whose package carries promtool (tests/integration/test_alert_rules.py).
+test-deps:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 # The documentation site (mkdocs.yml, docs/): `make docs` builds it into site/; `make test`
 # builds it with --strict, so a broken link, a missing page or a bad reference fails. The
@@ -75,6 +88,12 @@ screenshot: setup
 	@command -v chromium >/dev/null || { echo "installing: chromium"; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 	$(PY) -m workers.screenshot
+
+# docs/web.png: the limits page (`celery throttle web`) of the same demo stack.
+screenshot-web: setup
+	@command -v chromium >/dev/null || { echo "installing: chromium"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+	$(PY) -m workers.screenshot --page web
 
 # The limiter alone, without Celery: processes sharing one limit in Redis.
 demo-core: setup

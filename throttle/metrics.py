@@ -18,6 +18,7 @@ Two kinds of numbers, from two places:
   ``throttle_refunded_tokens_total``      counter    limit
   ``throttle_charged_tokens_total``       counter    limit
   ``throttle_redis_errors_total``         counter    limit
+  ``throttle_upstream_deferrals_total``   counter    limit
   ======================================  =========  =====================================
 
 * **Gauges read from Redis at scrape time** (fleet-wide, the same wherever scraped):
@@ -72,6 +73,7 @@ __all__ = [
     "ThrottleCollector",
     "allowed",
     "available",
+    "counter_totals",
     "default_base_dir",
     "deferred",
     "process_exited",
@@ -81,6 +83,7 @@ __all__ = [
     "settled",
     "setup_worker",
     "timed_out",
+    "upstream_deferred",
     "worker_dirs",
 ]
 
@@ -209,6 +212,7 @@ class _Instruments:
     refunded: Counter
     charged: Counter
     redis_errors: Counter
+    upstream: Counter
 
 
 def _build() -> _Instruments:
@@ -243,6 +247,11 @@ def _build() -> _Instruments:
         refunded=counter("throttle_refunded_tokens", "Reserved cost given back on settle"),
         charged=counter("throttle_charged_tokens", "Cost taken beyond the estimate on settle"),
         redis_errors=counter("throttle_redis_errors", "Redis errors met by the gate"),
+        upstream=counter(
+            "throttle_upstream_deferrals",
+            "Tasks deferred by the upstream's word (defer_task: report_upstream(retry=True) "
+            "after a 429), counted in throttle_reschedules_total too",
+        ),
     )
 
 
@@ -279,6 +288,17 @@ def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
             m.decisions.labels(limit, "denied").inc()
             m.wait.labels(limit).observe(max(wait_s, 0.0))
             m.reschedules.labels(limit, how).inc()
+
+    _record(update)
+
+
+def upstream_deferred(limits: Iterable[str]) -> None:
+    """A running task was deferred by the upstream's word (:func:`defer_task`, what
+    ``report_upstream(retry=True)`` does on a 429), under ``limits``."""
+
+    def update(m: _Instruments) -> None:
+        for limit in limits:
+            m.upstream.labels(limit).inc()
 
     _record(update)
 
@@ -353,6 +373,28 @@ def _read_files(directory: Path) -> list[Metric]:
         for m in MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
         if m.name.startswith(PREFIX)
     ]
+
+
+def counter_totals(directories: Iterable[Path], name: str, **labels: str) -> dict[str, float]:
+    """The samples of counter ``name`` (``..._total``) carrying ``labels``, summed per
+    ``limit`` over the workers' files in ``directories`` (the limits page's admitted
+    rate). A directory that cannot be read right now (a file being written or wiped) is
+    skipped this time."""
+    totals: dict[str, float] = {}
+    for directory in directories:
+        try:
+            found = _read_files(directory)
+        except Exception:
+            continue
+        for metric in found:
+            for sample in metric.samples:
+                if sample.name != name or "limit" not in sample.labels:
+                    continue
+                if any(sample.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                limit = sample.labels["limit"]
+                totals[limit] = totals.get(limit, 0.0) + sample.value
+    return totals
 
 
 class ThrottleCollector:

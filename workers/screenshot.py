@@ -1,4 +1,6 @@
-"""``make screenshot``: Flower's tasks page while the demo stack throttles, as docs/flower.png.
+"""``make screenshot``: Flower's tasks page while the demo stack throttles, as docs/flower.png;
+with ``--page web``, the limits page (``celery throttle web``) of the same stack, as
+docs/web.png.
 
 It runs the stack of ``make demo`` (``workers/stack.py``: redis, mock API, two workers with
 task events, Flower, the producer) with one change: the demo's ``upstream`` limit lowered
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,8 +33,8 @@ from typing import Any
 
 import yaml
 
-from workers.harness import ROOT, LocalStack
-from workers.stack import services
+from workers.harness import ROOT, LocalStack, Process
+from workers.stack import APP, services
 
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -65,13 +68,48 @@ def shoot(url: str, out: Path, size: str = "1400,900", timeout_s: float = 90.0) 
         raise RuntimeError(f"chromium failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
+def shoot_web(local: LocalStack, logs: Path, out: Path, seconds: float = 40.0) -> None:
+    """Start ``celery throttle web`` beside the stack, let its chart fill for ``seconds``
+    (with a pause of the upstream limit in the middle, so the chart shows it), and shoot."""
+    from tests.support.servers import free_port  # noqa: PLC0415 (as LocalStack does)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ("python", "-m", "celery", "-A", APP, "throttle", "web", "--port", str(port))
+    page = Process("web", argv, local.env, log=logs / "web.log").start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/state", timeout=5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the limits page did not answer") from None
+                time.sleep(0.5)
+        command = [sys.executable, "-m", "celery", "-A", APP, "throttle"]
+        env = {**os.environ, **local.env}
+        time.sleep(seconds / 2)
+        for action in ("pause", "resume"):
+            subprocess.run([*command, action, "upstream"], cwd=ROOT, env=env, check=True,
+                           capture_output=True, timeout=60)  # fmt: skip
+            time.sleep(6)
+        time.sleep(seconds / 2)
+        print(f"shooting the limits page {url}/")
+        shoot(f"{url}/", out, size="1500,300")
+    finally:
+        page.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "flower.png")
+    parser.add_argument("--page", choices=("flower", "web"), default="flower")
+    parser.add_argument("--out", type=Path, help="default: docs/flower.png or docs/web.png")
     parser.add_argument("--rate", default="4/s", help="the upstream limit while shooting")
     parser.add_argument("--tasks", type=int, default=400)
     parser.add_argument("--min-throttled", type=int, default=20, help="throttled tasks to wait for")
     args = parser.parse_args(argv)
+    out: Path = args.out or ROOT / "docs" / f"{args.page}.png"
 
     logs = Path(tempfile.mkdtemp(prefix="throttle-screenshot-"))
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
@@ -95,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         else:
             raise TimeoutError(f"Flower never showed throttled tasks: {dict(states)}")
-        print(f"Flower sees {dict(states)}; shooting {local.flower_url}/tasks")
-        shoot(f"{local.flower_url}/tasks", args.out)
-    print(f"screenshot: {args.out}")
+        if args.page == "web":
+            shoot_web(local, logs, out)
+        else:
+            print(f"Flower sees {dict(states)}; shooting {local.flower_url}/tasks")
+            shoot(f"{local.flower_url}/tasks", out)
+    print(f"screenshot: {out}")
     return 0
 
 

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tests.apps.celery_limits import LIMITS
 from tests.support.servers import RedisServer, free_port
 from throttle.config import Settings
 from throttle.errors import ConfigError, Throttled
@@ -35,7 +36,8 @@ from throttle.redis.keys import KeySpace
 from throttle.stats import StatsBook
 from workers.harness import ROOT, Worker, wait_ready
 
-CONFIG = """
+CONFIG = (
+    """
 settings:
   sleep_max: 0.3s
   park_after: 1.5s
@@ -43,17 +45,9 @@ settings:
   metrics: true
   metrics_dir: {metrics_dir}
 limits:
-  upstream: {{algorithm: gcra, rate: 20/s, burst: 1}}
-  slow: {{algorithm: gcra, rate: 4/s, burst: 1}}
-  tokens: {{rate: 10000/d, key: "{{tenant}}", cost: estimate, on_error: refund}}
-  deadline: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 2s}}
-  dlq: {{algorithm: gcra, rate: 1/h, burst: 1, max_wait: 1s, on_timeout: "dead_letter:dead"}}
-  parked: {{algorithm: gcra, rate: 3/s, burst: 1}}
-  live: {{algorithm: gcra, rate: 10/s, burst: 1}}
-  strict: {{algorithm: gcra, rate: 10/s, burst: 1}}
-  held: {{algorithm: gcra, rate: 4/s, burst: 1}}
-  fair: {{algorithm: gcra, rate: 10/s, burst: 1, key: "{{tenant}}", fair: true}}
 """
+    + LIMITS
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -397,7 +391,9 @@ def test_forked_children_count_into_their_own_files_and_are_summed(tmp_path: Pat
         import os, prometheus_client
         from prometheus_client import values
         from pathlib import Path
+        from types import SimpleNamespace
         from throttle import metrics
+        from throttle.celery.observe import PrometheusReporter
         assert not values.ValueClass._multiprocess
         directory = metrics.setup_worker(Path({str(tmp_path)!r}), "w1@host")
         assert values.ValueClass._multiprocess
@@ -406,6 +402,12 @@ def test_forked_children_count_into_their_own_files_and_are_summed(tmp_path: Pat
             if pid == 0:
                 for _ in range(n):
                     metrics.deferred(["api"], "park", 2.0)
+                # A deferral by defer_task (no targets: the upstream's word) and one by
+                # the gate (targets): only the first is an upstream deferral
+                reporter = PrometheusReporter()
+                for targets in ([], [("limit", None, 1.0)]):
+                    execution = SimpleNamespace(targets=targets)
+                    reporter.deferred(execution, ["api"], "republish", 1.0, 1)
                 os._exit(0)
             os.waitpid(pid, 0)
         collector = metrics.ThrottleCollector(lambda: [(None, directory)], lambda: None)
@@ -418,7 +420,9 @@ def test_forked_children_count_into_their_own_files_and_are_summed(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "throttle_reschedules_total [('how', 'park'), ('limit', 'api')] 7.0" in out
-    assert "throttle_wait_seconds_count [('limit', 'api')] 7.0" in out
+    assert "throttle_reschedules_total [('how', 'republish'), ('limit', 'api')] 4.0" in out
+    assert "throttle_upstream_deferrals_total [('limit', 'api')] 2.0" in out
+    assert "throttle_wait_seconds_count [('limit', 'api')] 11.0" in out
     assert "files ['counter', 'counter', 'histogram', 'histogram']" in out
 
 

@@ -87,6 +87,8 @@ class PrometheusReporter(Observer):
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
         metrics.deferred(limits, how, wait_s)
+        if not execution.targets:  # defer_task(): the upstream's word, after the body ran
+            metrics.upstream_deferred(limits)
 
     def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         metrics.timed_out(limits, action)

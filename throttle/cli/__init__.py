@@ -11,6 +11,7 @@
     celery -A proj throttle task TASK_ID [--json]
     celery -A proj throttle parked [--queue Q] [--limit L] [--json] [--max N]
     celery -A proj throttle purge (--queue Q | --limit L | --all) [--yes]
+    celery -A proj throttle web [--port P] [--host H] [--allow-control]
 
 A subcommand of the ``celery`` program, installed through the ``celery.commands`` entry
 point. The app is the one ``-A`` names (celery's ``CLIContext``, ``ctx.obj.app``); its
@@ -25,14 +26,14 @@ Laid out as Celery's ``celery/bin/``: this module is the group and registers eac
 :mod:`throttle.cli.base` holds what they share (the app, its limits, formatting), and
 each command family has a module: :mod:`~throttle.cli.status`, :mod:`~throttle.cli.control`
 (set, reset, pause, resume, check), :mod:`~throttle.cli.parked` (parked, purge) and
-:mod:`~throttle.cli.task`.
+:mod:`~throttle.cli.task` and :mod:`~throttle.cli.web` (the limits page).
 """
 
 from __future__ import annotations
 
 import click
 
-from throttle.cli import control, parked, status, task
+from throttle.cli import control, parked, status, task, web
 
 __all__ = ["throttle"]
 
@@ -40,7 +41,7 @@ __all__ = ["throttle"]
 @click.group()
 def throttle() -> None:
     """Fleet-wide rate limits (celery-throttled): status, set, reset, pause, resume, check,
-    task, parked, purge."""
+    task, parked, purge, web."""
 
 
 throttle.add_command(status.status)
@@ -52,3 +53,4 @@ throttle.add_command(control.check)
 throttle.add_command(task.task)
 throttle.add_command(parked.parked)
 throttle.add_command(parked.purge)
+throttle.add_command(web.web)

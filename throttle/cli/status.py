@@ -14,11 +14,12 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
 import click
+from click.decorators import FC
 
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler, declared_by
@@ -278,6 +279,29 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     return "\n".join(out)
 
 
+def timeout_option(default_s: float) -> Callable[[FC], FC]:
+    """``--timeout S``: how long to wait for the workers' replies (``status``, ``web``)."""
+    return click.option(
+        "--timeout",
+        type=click.FloatRange(min=0),
+        default=default_s,
+        show_default=True,
+        metavar="S",
+        help="Seconds to wait for the workers' replies on their tasks; 0: do not ask.",
+    )
+
+
+minutes_option = click.option(
+    "--minutes",
+    type=click.IntRange(1, MAX_MINUTES),
+    default=DEFAULT_MINUTES,
+    show_default=True,
+    metavar="M",
+    help="The deferrals per minute (DENIED/MIN) are averaged over the last M whole minutes.",
+)
+"""``--minutes M`` (``status``, ``web``)."""
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option(
@@ -286,22 +310,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     metavar="N",
     help="Redraw every N seconds until Ctrl-C (with --json: one JSON document per line).",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds to wait for the workers' replies on their running tasks; 0: do not ask.",
-)
-@click.option(
-    "--minutes",
-    type=click.IntRange(1, MAX_MINUTES),
-    default=DEFAULT_MINUTES,
-    show_default=True,
-    metavar="M",
-    help="DENIED/MIN is averaged over the last M whole minutes.",
-)
+@timeout_option(1.0)
+@minutes_option
 @click.pass_context
 def status(
     ctx: click.Context, as_json: bool, watch: float | None, timeout: float, minutes: int

@@ -1,0 +1,269 @@
+"""The limits page (``celery throttle web``) in a real browser: headless Debian chromium
+driven by Selenium through chromium-driver (``make test`` installs both). A real
+``celery worker`` (1 x 2 prefork children) runs tasks of a live fleet against a private
+redis-server; the page is served by the command, as an operator starts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+
+from tests.apps.celery_limits import LIMITS
+from tests.support.http import post_json
+from tests.support.servers import RedisServer, free_port
+from workers.harness import ROOT, Worker, wait_ready
+from workers.screenshot import CHROMIUM_FLAGS
+
+pytestmark = pytest.mark.slow
+
+CONFIG = (
+    """
+settings:
+  sleep_max: 0.3s
+  metrics: true
+  metrics_dir: {metrics_dir}
+  pause_recheck: 0.5s
+limits:
+"""
+    + LIMITS
+)
+TOKEN = "a-test-token-of-32-characters-xx"
+APP = "tests.apps.celery_app"
+
+
+def browser_paths() -> tuple[str, str]:
+    """Debian's chromium and chromedriver (``make test`` installs them when missing)."""
+    chromium = shutil.which("chromium")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.fail("chromium and chromedriver are missing: `make test` installs them (apt-get)")
+    return chromium, driver
+
+
+def state(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/api/state", timeout=10) as response:
+        data: dict[str, Any] = json.load(response)
+        return data
+
+
+def until(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except Exception:  # a row redrawn under the driver's hand: look again
+            found = None
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"not seen within {timeout_s} s: {what}")
+
+
+class Fleet:
+    """A worker, two pages (read-only and with control), a producer, on a private Redis."""
+
+    def __init__(self, tmp: Path, server: RedisServer) -> None:
+        self.tmp = tmp
+        config = tmp / "limits.yaml"
+        config.write_text(CONFIG.format(metrics_dir=tmp / "metrics"))
+        self.env = {"DEMO_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config)}
+        self.worker = Worker(
+            "web", {**self.env, "THROTTLE_METRICS_PORT": str(free_port())}, concurrency=2,
+            queues="celery", app=APP, log=tmp / "worker.log",
+        )  # fmt: skip
+        self.pages: list[subprocess.Popen[bytes]] = []
+        self.producer = Celery("web", broker=server.url, backend=server.url, set_as_current=False)
+        self.producer.conf.task_default_queue = "celery"
+        self.client = redis.Redis.from_url(server.url)
+
+    def page(self, *extra: str) -> str:
+        """Start ``celery throttle web`` and return its URL once it answers."""
+        port = free_port()
+        log = self.tmp / f"web-{port}.log"
+        env = {**os.environ, **self.env, "THROTTLE_WEB_TOKEN": TOKEN}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", APP, "throttle", "web",
+                 "--port", str(port), "--interval", "0.5", *extra],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.pages.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the page exited: {log.read_text()[-2000:]}")
+            try:
+                state(url)
+                return url
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"the page did not answer in 30 s: {log.read_text()[-2000:]}")
+
+    def send(self, task: str, *args: Any) -> Any:
+        return self.producer.send_task(f"{APP}.{task}", args)
+
+    def stop(self) -> None:
+        for proc in self.pages:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.worker.stop()
+        self.client.close()
+        self.producer.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with RedisServer() as server:
+        fleet = Fleet(tmp_path_factory.mktemp("web"), server)
+        try:
+            fleet.worker.start()
+            wait_ready(fleet.producer, [fleet.worker])
+            yield fleet
+        finally:
+            fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    chromium, driver = browser_paths()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        if not flag.startswith("--virtual-time-budget"):
+            options.add_argument(flag)
+    options.add_argument("--window-size=1400,900")
+    with tempfile.TemporaryDirectory(prefix="throttle-chromium-") as profile:
+        options.add_argument(f"--user-data-dir={profile}")
+        # SE_OFFLINE: Selenium Manager must not look for a driver or browser to download.
+        os.environ.setdefault("SE_OFFLINE", "true")
+        chrome = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+        try:
+            yield chrome
+        finally:
+            chrome.quit()
+
+
+def cell(browser: WebDriver, limit: str, name: str) -> str:
+    return str(browser.find_element(By.CSS_SELECTOR, f'tr[data-limit="{limit}"] .{name}').text)
+
+
+def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: WebDriver) -> None:
+    # Given a fleet running tasks under "live" (10/s burst 1) and keyed "fair" tasks
+    url = fleet.page("--allow-control")
+    handles = [fleet.send("live", x) for x in range(100)]
+    handles += [fleet.send("fair_call", tenant, x) for x in range(6) for tenant in ("acme", "zeta")]
+    # and under the keyed "tokens" (10000/d), 6000 each: one call per tenant runs, the
+    # others wait hours (parked)
+    tenants = ("acme", "zeta", "acme", "zeta", "acme")
+    spent = [fleet.send("spend", tenant, 6000, 6000) for tenant in tenants]
+
+    # When the page is loaded in the browser
+    browser.get(url + "/")
+    assert browser.title.startswith("Limits")
+
+    # Then it shows the limit, its configured rate, and tasks being admitted
+    until(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="live"]'), 15, "a row")
+    assert cell(browser, "live", "configured").startswith("10/s burst 1")
+    assert cell(browser, "live", "rate") == "10/s"
+    admitted = until(
+        lambda: float(cell(browser, "live", "now").split("/")[0] or 0) > 2
+        and cell(browser, "live", "now"),
+        20, "tasks admitted per second",
+    )  # fmt: skip
+    assert "est." not in admitted  # from the workers' counters (metrics on, same host)
+    points = browser.find_element(By.CSS_SELECTOR, 'tr[data-limit="live"] svg.chart')
+    assert int(points.get_attribute("data-points") or 0) >= 1
+    assert browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="live"] svg polyline.limit')
+
+    # And it updates by itself
+    stamp = browser.find_element(By.ID, "updated").get_attribute("data-taken")
+    until(
+        lambda: browser.find_element(By.ID, "updated").get_attribute("data-taken") != stamp,
+        5, "a newer snapshot",
+    )  # fmt: skip
+
+    # When pause is clicked without the token, the server refuses and the page says why
+    until(lambda: browser.find_element(By.CSS_SELECTOR, "button.pause").click() or True, 5, "")
+    until(lambda: "token is required" in browser.find_element(By.ID, "message").text, 5,
+          "the refusal")  # fmt: skip
+    assert {row["name"]: row for row in state(url)["limits"]}["live"]["hold"] is None
+
+    # When the token is given and pause clicked
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    until(
+        lambda: browser.find_element(By.CSS_SELECTOR, 'button.pause[data-limit="live"]').click()
+        or True,
+        5, "a click",
+    )  # fmt: skip
+
+    # Then the limit is paused in Redis, the page shows it, and the fleet admits nothing
+    until(lambda: cell(browser, "live", "hold") == "paused", 5, "the pause on the page")
+    paused = {row["name"]: row for row in state(url)["limits"]}["live"]
+    assert paused["hold"] == {"paused": True, "held_s": None}
+    until(lambda: cell(browser, "live", "now") == "0/s", 5, "nothing admitted while paused")
+
+    # When resumed from the page, tasks flow again
+    until(
+        lambda: browser.find_element(By.CSS_SELECTOR, 'button.resume[data-limit="live"]').click()
+        or True,
+        5, "a click",
+    )  # fmt: skip
+    until(lambda: cell(browser, "live", "hold") == "\u2013", 5, "the pause lifted")  # a dash
+    until(lambda: float(cell(browser, "live", "now").split("/")[0] or 0) > 2, 10, "admitted again")
+
+    # A keyed limit: its parked tasks per key, the busiest first
+    shown = ["3", "acme: 2", "zeta: 1"]
+    until(lambda: cell(browser, "tokens", "parked").split("\n") == shown, 10, "parked per key")
+    parked = {row["name"]: row for row in state(url)["limits"]}["tokens"]["parked"]
+    assert parked == {
+        "total": 3, "keys": [{"key": "acme", "count": 2}, {"key": "zeta", "count": 1}],
+        "more_keys": 0,
+    }  # fmt: skip
+    assert cell(browser, "tokens", "tokens") == "per key"
+    assert [spent[0].get(timeout=10), spent[1].get(timeout=10)] == [6000, 6000]
+    for handle in handles[-12:]:
+        handle.get(timeout=30)
+
+
+def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
+    read_only = fleet.page()
+    status, answer = post_json(f"{read_only}/api/pause", {"limit": "live"}, TOKEN)
+    assert status == 403 and "--allow-control" in answer["error"]
+    assert state(read_only)["control"] is False
+
+    controlled = fleet.page("--allow-control")
+    for token in (None, "", TOKEN[:-1] + "y"):
+        status, answer = post_json(f"{controlled}/api/pause", {"limit": "live"}, token)
+        assert status == 401 and "token" in answer["error"], (token, answer)
+    status, answer = post_json(f"{controlled}/api/pause", {"limit": "nope"}, TOKEN)
+    assert status == 400 and "unknown limit 'nope'" in answer["error"]
+    assert not {row["name"]: row for row in state(controlled)["limits"]}["live"]["hold"]
+
+    # A page of another site cannot read it through DNS rebinding: the Host is checked
+    request = urllib.request.Request(f"{controlled}/api/state", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 421
