@@ -34,7 +34,11 @@ How the package is laid out, in the order a task meets it:
 - :mod:`~throttle.celery.gate`: acquire, then run now, sleep to the slot, or come back.
 - :mod:`~throttle.celery.reschedule`: re-publish through the lane, park, time out.
 - :mod:`~throttle.celery.outage`: the limiter's Redis is away (``on_redis_down``).
-- :mod:`~throttle.celery.settle`: after the body, the actual cost.
+- :mod:`~throttle.celery.settle`: after the body, the actual cost;
+  :mod:`~throttle.celery.usage` reads it from an SDK's reply or stream
+  (``report_usage``, ``metered``).
+- :mod:`~throttle.celery.upstream`: the upstream's answers (``report_upstream``,
+  ``upstream_hook``).
 - :mod:`~throttle.celery.observe`: events, fleet stats and metrics behind one interface.
 - :mod:`~throttle.celery.steps`, :mod:`~throttle.celery.releaser`,
   :mod:`~throttle.celery.exporter`: the worker's bootsteps, the releaser of parked
@@ -58,14 +62,17 @@ from throttle.celery.task import (
     slot_time,
     throttled,
 )
+from throttle.celery.usage import metered, report_usage
 
 __all__ = [
     "ThrottledTask",
     "Throttler",
     "defer_task",
     "install",
+    "metered",
     "register_metrics",
     "report_cost",
+    "report_usage",
     "slot_time",
     "throttled",
 ]

@@ -36,7 +36,8 @@ def rfc3339(epoch_s: float) -> str:
 
 
 def input_tokens(request: Mapping[str, Any]) -> int:
-    chars = len(json.dumps(request.get("system") or ""))
+    system = request.get("system")
+    chars = 0 if not system else len(system) if isinstance(system, str) else len(json.dumps(system))
     for message in request.get("messages") or []:
         content = message.get("content") if isinstance(message, dict) else None
         chars += len(content) if isinstance(content, str) else len(json.dumps(content))
