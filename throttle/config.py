@@ -24,6 +24,7 @@ objects; every error names the file, the limit and the field::
         floor: 100/m           # ... never below this (default: a tenth of the rate)
         decrease: 0.8          # ... a refusal episode multiplies the rate by this
         recover: 10s           # ... successes climb back to the refused rate in this time
+        upstream: tokens       # the upstream's dimension it follows (throttle.upstream.dialects)
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -63,7 +64,7 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
-    "spacing_guard",
+    "spacing_guard", "upstream",
 )  # fmt: skip
 _SETTINGS_FIELDS = {
     "redis_url": "str",

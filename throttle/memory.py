@@ -996,7 +996,8 @@ class MemoryRedis:
 
 
 class _Pipeline:
-    """The pipelines of :class:`throttle.stats.StatsBook` and ``ParkingLot.counts``."""
+    """The pipelines of :class:`throttle.stats.StatsBook`, ``ParkingLot.counts`` and the
+    rate book."""
 
     def __init__(self, server: MemoryRedis) -> None:
         self.server = server
@@ -1016,6 +1017,12 @@ class _Pipeline:
 
     def hgetall(self, key: str) -> None:
         self.calls.append(lambda: self.server.hgetall(key))
+
+    def hset(self, key: str, field: Any, value: Any) -> None:
+        self.calls.append(lambda: self.server.hset(key, field, value))
+
+    def hdel(self, key: str, *fields: Any) -> None:
+        self.calls.append(lambda: self.server.hdel(key, *fields))
 
     def zcard(self, key: str) -> None:
         self.calls.append(lambda: 0)  # nothing is ever parked

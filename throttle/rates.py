@@ -5,12 +5,21 @@ process re-reads the book at most every ``refresh_s`` seconds and uses the new r
 then on, without a restart. The book is one Redis hash per namespace: limit name -> rate
 spec. It holds operator decisions, so it has no TTL; :meth:`RateBook.clear` goes back to
 the configured rate.
+
+A second hash holds the rates the upstream states for limits that follow one of its
+dimensions (``upstream: tokens``, :meth:`RateBook.follow`): they go down and back up
+with the upstream's word, never above the operator's (or the configured) rate, and never
+touch the operator's hash. The rate in force is the lower of the two. An operator's
+:meth:`RateBook.set` or :meth:`RateBook.clear` drops the upstream's rate of that limit
+too: the operator's word is the last.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
@@ -32,9 +41,11 @@ class RateBookBase:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key = keyspace.rates_key()
+        self.followed_key = keyspace.followed_rates_key()
         self.refresh_s = refresh_s
         self._monotonic = monotonic
         self._cached: dict[str, str] = {}
+        self._followed: dict[str, str] = {}
         self._read_at = -float("inf")
         # Limits built from the book, by (configured limit, spec): built once per change.
         self._built: dict[tuple[Limit, str], Limit] = {}
@@ -64,18 +75,23 @@ class RateBookBase:
                 continue  # written by hand, not by set(): ignored like any bad rate
         return book
 
-    def _read(self, raw: dict[bytes, bytes], now: float) -> None:
-        """Cache a reply of HGETALL read at ``now``."""
+    def _read(self, raw: dict[bytes, bytes], followed: dict[bytes, bytes], now: float) -> None:
+        """Cache the replies of HGETALL on both hashes, read at ``now``."""
         self._cached = self._book(raw)
+        self._followed = self._book(followed)
         self._read_at = now
 
-    def _resolve(self, limit: Limit) -> Limit:
-        """``limit`` with the cached run-time rate, if one is stored.
+    @classmethod
+    def _merged(cls, raw: dict[bytes, bytes], followed: dict[bytes, bytes]) -> dict[str, str]:
+        """The spec in force per limit name: the operator's, or the upstream's when slower."""
+        book = cls._book(raw)
+        for name, spec in cls._book(followed).items():
+            if name not in book or _rate_of(spec) < _rate_of(book[name]):
+                book[name] = spec
+        return book
 
-        A stored rate that does not parse (written by hand) is ignored: the configured
-        limit stays in force rather than failing every task.
-        """
-        spec = self._cached.get(limit.name)
+    def _built_of(self, limit: Limit, spec: str | None) -> Limit:
+        """``limit`` with the rate ``spec`` (None, or a spec that does not parse: ``limit``)."""
         if spec is None:
             return limit
         built = self._built.get((limit, spec))
@@ -92,6 +108,36 @@ class RateBookBase:
                 return limit
             self._built[(limit, spec)] = built
         return built
+
+    def ceiling(self, limit: Limit) -> Limit:
+        """``limit`` with the operator's cached run-time rate, if one is stored: the
+        highest the upstream's stated rate may bring it back to (no refresh: call
+        :meth:`RateBook.current` first)."""
+        return self._built_of(limit, self._cached.get(limit.name))
+
+    def followed(self, name: str) -> str | None:
+        """The cached rate the upstream stated for limit ``name`` (:meth:`RateBook.follow`),
+        or None."""
+        return self._followed.get(name)
+
+    def _resolve(self, limit: Limit) -> Limit:
+        """``limit`` with the cached run-time rate, if one is stored: the operator's, or
+        the upstream's when that is slower.
+
+        A stored rate that does not parse (written by hand) is ignored: the configured
+        limit stays in force rather than failing every task.
+        """
+        ceiling = self.ceiling(limit)
+        followed = self._built_of(limit, self._followed.get(limit.name))
+        return followed if followed.rate_per_s < ceiling.rate_per_s else ceiling
+
+
+def _rate_of(spec: str) -> float:
+    """A stored spec's rate per s (infinite when it does not parse: it is not in force)."""
+    try:
+        return Limit.parse(spec).rate_per_s
+    except ValueError:
+        return math.inf
 
 
 class RateBook(RateBookBase):
@@ -112,18 +158,55 @@ class RateBook(RateBookBase):
         """Store a new rate for ``limit`` (``"10/s"``, ``"1000/h burst 5"``); returns the limit
         the fleet will use. Validated first: a bad rate raises ConfigError, nothing stored."""
         changed = self._checked(limit, rate)
-        wrap_errors(lambda: self.client.hset(self.key, limit.name, rate))
+
+        def write() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key, limit.name, rate)
+                pipe.hdel(self.followed_key, limit.name)
+                pipe.execute()
+
+        wrap_errors(write)
         self._changed()
         return changed
 
     def clear(self, name: str) -> None:
-        """Go back to the configured rate of limit ``name``."""
-        wrap_errors(lambda: self.client.hdel(self.key, name))
+        """Go back to the configured rate of limit ``name`` (the upstream's stated rate of
+        it too, until the upstream states one again)."""
+
+        def write() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.key, name)
+                pipe.hdel(self.followed_key, name)
+                pipe.execute()
+
+        wrap_errors(write)
+        self._changed()
+
+    def follow(self, limit: Limit, rate: str | None) -> None:
+        """Store the rate the upstream states for ``limit`` (None: it states the
+        operator's or the configured rate, or faster: drop it). Validated first: a bad rate
+        raises ConfigError, nothing stored. The operator's rate is left alone."""
+        if rate is None:
+            wrap_errors(lambda: self.client.hdel(self.followed_key, limit.name))
+        else:
+            self._checked(limit, rate)
+            wrap_errors(lambda: self.client.hset(self.followed_key, limit.name, rate))
         self._changed()
 
     def overrides(self) -> dict[str, str]:
-        """The stored rates (limit name -> spec), read afresh."""
-        return self._book(wrap_errors(lambda: self.client.hgetall(self.key)))
+        """The stored rates in force (limit name -> spec), read afresh: the operator's, or
+        the upstream's stated one when slower."""
+        return self._merged(*self._fetch())
+
+    def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+        def read() -> list[Any]:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.key)
+                pipe.hgetall(self.followed_key)
+                return list(pipe.execute())
+
+        raw, followed = wrap_errors(read)
+        return raw, followed
 
     def current(self, limit: Limit) -> Limit:
         """``limit`` with its run-time rate, if one is stored (re-read every refresh_s).
@@ -133,5 +216,5 @@ class RateBook(RateBookBase):
         """
         now = self._stale()
         if now is not None:
-            self._read(wrap_errors(lambda: self.client.hgetall(self.key)), now)
+            self._read(*self._fetch(), now)
         return self._resolve(limit)

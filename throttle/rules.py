@@ -31,6 +31,7 @@ from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
 from throttle.spec import Algorithm, Limit
 from throttle.units import parse_duration, real
+from throttle.upstream.dialects import dimension_name
 
 __all__ = [
     "Declared",
@@ -222,6 +223,18 @@ class Rule:
         a floor and the limit's rate. Needs the upstream hook
         (:func:`throttle.upstream.upstream_hook`) on the task's calls; not for
         concurrency limits.
+    upstream:
+        The dimension of the upstream's limit this limit follows, as the provider's
+        headers name it (:mod:`throttle.upstream.dialects`): ``requests``, ``tokens``,
+        ``input-tokens``, ``output-tokens`` (OpenAI, Anthropic), a GitHub resource
+        (``core``, ``search``, ``graphql``...), a Stripe reason (``global-rate``...),
+        Discord's ``global``, ``route`` or ``shared``. A response then holds the limit
+        only when that dimension is spent (or the refusal blames none), and its stated
+        quota sets the limit's rate in the limit's own units, down and back up, never
+        above the configured (or ``celery throttle set``) rate: an unkeyed tokens limit
+        whose cost is an estimate follows the provider's tokens per minute. ``None``
+        (the default): the response speaks for the limit as a whole, as without
+        dimensions. Needs the upstream hook on the task's calls.
     """
 
     limit: Limit
@@ -234,6 +247,7 @@ class Rule:
     cold_start: ColdStart = "full"
     spacing_guard: bool | None = None
     adaptive: Adaptive | None = None
+    upstream: str | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -324,6 +338,17 @@ class Rule:
                     value=self.adaptive, limit=name,
                 )  # fmt: skip
             self.adaptive.check(self.limit)
+        if self.upstream is not None:
+            dimension = dimension_name(self.upstream)
+            if dimension is None:
+                raise ConfigError(
+                    "must be the name of a dimension of the upstream's limit, as its headers "
+                    "name it: requests, tokens, input-tokens, output-tokens, a GitHub "
+                    "resource (core, search...), a Stripe reason (global-rate...) or "
+                    "Discord's global, route or shared",
+                    field="upstream", value=self.upstream, limit=name,
+                )  # fmt: skip
+            object.__setattr__(self, "upstream", dimension)
         if self.cold_start not in ("full", "empty"):
             raise ConfigError(
                 "must be 'full' (a fresh burst) or 'empty' (start at the rate)",

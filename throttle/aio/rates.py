@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio
 
@@ -36,26 +36,57 @@ class RateBook(RateBookBase):
     async def set(self, limit: Limit, rate: str) -> Limit:
         """Store a new rate for ``limit``: :meth:`throttle.rates.RateBook.set`."""
         changed = self._checked(limit, rate)
-        await wrap_errors_async(lambda: self.client.hset(self.key, limit.name, rate))
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key, limit.name, rate)
+                pipe.hdel(self.followed_key, limit.name)
+                await pipe.execute()
+
+        await wrap_errors_async(write)
         self._changed()
         return changed
 
     async def clear(self, name: str) -> None:
-        """Go back to the configured rate of limit ``name``."""
-        await wrap_errors_async(lambda: self.client.hdel(self.key, name))
+        """Go back to the configured rate of limit ``name``
+        (:meth:`throttle.rates.RateBook.clear`)."""
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.key, name)
+                pipe.hdel(self.followed_key, name)
+                await pipe.execute()
+
+        await wrap_errors_async(write)
+        self._changed()
+
+    async def follow(self, limit: Limit, rate: str | None) -> None:
+        """Store the rate the upstream states for ``limit``
+        (:meth:`throttle.rates.RateBook.follow`)."""
+        if rate is None:
+            await wrap_errors_async(lambda: self.client.hdel(self.followed_key, limit.name))
+        else:
+            self._checked(limit, rate)
+            await wrap_errors_async(lambda: self.client.hset(self.followed_key, limit.name, rate))
         self._changed()
 
     async def overrides(self) -> dict[str, str]:
-        """The stored rates (limit name -> spec), read afresh."""
-        return self._book(await self._hgetall())
+        """The stored rates in force (limit name -> spec), read afresh."""
+        return self._merged(*await self._fetch())
 
     async def current(self, limit: Limit) -> Limit:
         """``limit`` with its run-time rate, if one is stored (re-read every refresh_s)."""
         now = self._stale()
         if now is not None:
-            self._read(await self._hgetall(), now)
+            self._read(*await self._fetch(), now)
         return self._resolve(limit)
 
-    async def _hgetall(self) -> dict[bytes, bytes]:
-        raw = await wrap_errors_async(lambda: self.client.hgetall(self.key))
-        return cast("dict[bytes, bytes]", raw)
+    async def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+        async def read() -> list[Any]:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.key)
+                pipe.hgetall(self.followed_key)
+                return list(await pipe.execute())
+
+        raw, followed = await wrap_errors_async(read)
+        return cast("dict[bytes, bytes]", raw), cast("dict[bytes, bytes]", followed)

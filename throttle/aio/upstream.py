@@ -20,11 +20,13 @@ from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.errors import Throttled
 from throttle.spec import Limit
-from throttle.upstream.headers import UpstreamSignal, read_response
+from throttle.upstream.headers import UpstreamSignal, read_response, wants_body
 from throttle.upstream.policy import (
     Target,
+    expect_dimension,
     expect_limit,
     judge,
+    log_follow,
     log_hold,
     log_rate,
     plan,
@@ -68,19 +70,23 @@ async def _apply(
     targets: Sequence[Target],
     learned: LearnedRates | None = None,
 ) -> None:
-    for target, spec in plan(signal, targets, rates is not None):
-        hold = signal.hold_s > 0
+    for step in plan(signal, targets, rates):
+        target, seen = step.target, step.signal
+        hold = seen.hold_s > 0
         if learned is not None:
-            if signal.refused:
-                hold = await _answer(limiter, learned, signal, target) and hold
+            if seen.refused:
+                hold = await _answer(limiter, learned, seen, target) and hold
             else:
-                await _learn(learned, signal, target)
+                await _learn(learned, seen, target)
         if hold:
-            await limiter.hold(target.current.name, target.key, signal.hold_s)
-            log_hold(signal, target)
-        if rates is not None and spec is not None:
-            await rates.set(target.configured, spec)
-            log_rate(signal, target, spec)
+            await limiter.hold(target.current.name, target.key, seen.hold_s)
+            log_hold(seen, target)
+        if rates is not None and step.lowered is not None:
+            await rates.set(target.configured, step.lowered)
+            log_rate(seen, target, step.lowered)
+        if rates is not None and step.follow:
+            await rates.follow(target.configured, step.followed)
+            log_follow(seen, target, step.followed)
 
 
 async def apply_upstream(
@@ -92,6 +98,8 @@ async def apply_upstream(
     rates: RateBook | None = None,
     learned: LearnedRates | None = None,
     adaptive: Adaptive | None = None,
+    dimension: str | None = None,
+    cost: float = 1.0,
     now: float | None = None,
 ) -> UpstreamSignal | None:
     """Hold ``limit`` (of ``key`` only, when given) for the upstream's time, and with
@@ -102,15 +110,19 @@ async def apply_upstream(
     adaptive)`` is then the limit to acquire).
 
     ``response`` is an ``httpx.Response`` (anything with ``status_code`` and ``headers``);
-    ``limit`` the configured limit. Returns what the response said (None: nothing). Raises
-    :class:`~throttle.BackendError` when Redis fails.
+    ``limit`` the configured limit; ``dimension`` and ``cost`` as for
+    :func:`throttle.upstream.apply_upstream`. Returns what the response said (None:
+    nothing). Raises :class:`~throttle.BackendError` when Redis fails.
     """
     expect_limit(limit)
+    dimension = expect_dimension(dimension)
     ceiling = limit if rates is None else await rates.current(limit)
     current = ceiling
     if learned is not None and adaptive is not None:
         current = await learned.current(ceiling, key, adaptive)
-    target = Target(current, limit, key, True, adaptive, ceiling)
+    target = Target(current, limit, key, True, adaptive, ceiling, dimension, cost)
+    if wants_body(response):  # a GitHub 403: its message tells a secondary limit
+        await _read_body(response)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:
@@ -118,6 +130,15 @@ async def apply_upstream(
         return None
     await _apply(limiter, rates, signal, [target], learned)
     return signal
+
+
+async def _read_body(response: Any) -> None:
+    """Read an async response's body, so that :func:`read_response` can look at it."""
+    try:
+        if getattr(response, "is_stream_consumed", True) is False:
+            await response.aread()
+    except Exception as exc:  # best effort: unread, the 403 reads as a plain one
+        logger.debug("throttle: could not read an upstream response: %s", exc)
 
 
 async def _release(response: Any) -> None:
@@ -142,6 +163,7 @@ def upstream_hook(
     rates: RateBook | None = None,
     learned: LearnedRates | None = None,
     adaptive: Adaptive | None = None,
+    dimension: str | None = None,
     retry: bool = False,
 ) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """An async response hook that calls :func:`apply_upstream` on every response::
@@ -165,11 +187,13 @@ def upstream_hook(
     hook, nothing here decides for the caller what an outage means.
     """
     expect_limit(limit)  # now, not on the first response
+    expect_dimension(dimension)
 
     async def hook(response: Any) -> None:
         signal = await apply_upstream(
-            limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive
-        )
+            limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive,
+            dimension=dimension,
+        )  # fmt: skip
         if retry and signal is not None and signal.refused:
             await _release(response)
             raise Throttled(signal.hold_s, [limit.name])

@@ -179,7 +179,10 @@ def report_upstream(
             configured = current if rule is None else rule.limit
             ceiling = throttler.rates.current(configured)
             learning = None if rule is None else rule.adaptive
-            targets.append(Target(current, configured, key, cost == 1.0, learning, ceiling))
+            dimension = None if rule is None else rule.upstream
+            targets.append(
+                Target(current, configured, key, cost == 1.0, learning, ceiling, dimension, cost)
+            )
         if signal is None:
             for target in targets:
                 learn(throttler.learned, None, target)

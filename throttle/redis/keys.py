@@ -233,6 +233,13 @@ class KeySpace:
         """The HASH of rates changed at run time: limit name -> rate spec."""
         return f"{self.base}rates"
 
+    def followed_rates_key(self) -> str:
+        """The HASH of rates the upstream stated for the limits that follow one of its
+        dimensions (``upstream:``): limit name -> rate spec. Apart from the operator's
+        (:meth:`rates_key`), so that following the upstream up and down never overwrites
+        an operator's decision."""
+        return f"{self.base}rates:followed"
+
     def parking_keys(self) -> tuple[str, str, str, str]:
         """The parking lot: parked (ZSET token -> due us), messages (HASH token -> payload),
         claimed (ZSET token -> claim expiry us), publish ids (HASH token -> id)."""

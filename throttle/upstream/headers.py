@@ -7,25 +7,26 @@ signal asks of the limits is decided in :mod:`throttle.upstream.policy`.
 
 from __future__ import annotations
 
-import email.utils
 import math
-import re
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from datetime import timezone
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from throttle.errors import RequestError
+from throttle.upstream import dialects, values
+from throttle.upstream.dialects import Reading
 
 __all__ = [
     "DEFAULT_HOLD_S",
     "MAX_HOLD_S",
     "MAX_WINDOW_S",
     "PREEMPT_MIN_S",
+    "Reading",
     "UpstreamSignal",
     "parse_upstream",
     "read_response",
+    "wants_body",
 ]
 
 MAX_HOLD_S = 86400.0
@@ -45,16 +46,9 @@ the 429 is what the headers are for."""
 MAX_WINDOW_S = 31 * 86400.0
 """The longest policy window taken from the headers, in s (a monthly quota); a longer one
 is ignored rather than lowering a rate for ever on a typo."""
-_EPOCH_S = 1e9
-"""Reset values from this on are epoch seconds (2001-09-09 onwards), as GitHub sends; below,
-delta seconds. A delta that large (31 years) could not be meant."""
-_EPOCH_MS = 1e12
-"""Reset values from this on are epoch milliseconds."""
 _REFUSALS = (403, 429, 503)
 """Statuses that refuse a call for its rate: 429 always; 403 (GitHub's primary and secondary
 limits) and 503 only with ``Retry-After`` or a spent quota in the headers."""
-
-_DECIMAL = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*")
 
 
 @dataclass(frozen=True)
@@ -68,13 +62,26 @@ class UpstreamSignal:
         a spent quota): the call was not served and may be made again later.
     hold_s:
         How long to admit nothing of the limit, in s, from when the response is read (0: no
-        hold). At most :data:`MAX_HOLD_S`.
+        hold). At most :data:`MAX_HOLD_S`. For a limit that follows no dimension: the
+        longest of what the response says of any dimension.
     source:
         The header the hold came from (``Retry-After``, ``X-RateLimit-Reset``, ...), or
         ``default`` for a bare 429 (:data:`DEFAULT_HOLD_S`), or ``""`` without a hold.
     quota, window_s:
         The upstream's stated policy, ``quota`` units per ``window_s`` seconds (the slowest
-        when it states several), or None.
+        when it states several), or None. Read from the generic headers
+        (``RateLimit-Policy``, ``X-RateLimit-Limit`` with a window): in the upstream's
+        requests, unless ``dimension`` says otherwise.
+    readings:
+        What the response says per dimension, in the providers' own headers
+        (:class:`~throttle.upstream.dialects.Reading`, :mod:`throttle.upstream.dialects`);
+        empty for a response in the generic headers only.
+    should_retry:
+        Stripe's ``Stripe-Should-Retry``: whether the provider says the call may be made
+        again (None: it does not say).
+    dimension:
+        The dimension ``quota`` and ``window_s`` are in, for a signal as a limit following
+        a dimension sees it (:meth:`follow`); None for the response as a whole.
     """
 
     refused: bool
@@ -82,6 +89,9 @@ class UpstreamSignal:
     source: str = ""
     quota: float | None = None
     window_s: float | None = None
+    readings: tuple[Reading, ...] = ()
+    should_retry: bool | None = None
+    dimension: str | None = None
 
     @property
     def rate_per_s(self) -> float | None:
@@ -90,81 +100,45 @@ class UpstreamSignal:
             return None
         return self.quota / self.window_s
 
+    def reading(self, dimension: str) -> Reading | None:
+        """The reading of ``dimension``, or None when the response does not report it."""
+        for reading in self.readings:
+            if reading.dimension == dimension:
+                return reading
+        return None
+
+    def follow(self, dimension: str | None, blamed: frozenset[str] | None = None) -> UpstreamSignal:
+        """The signal as a limit that follows ``dimension`` sees it.
+
+        ``blamed``: the dimensions the refusal is for (default: the spent readings; the
+        policy adds those left with less than a call's cost,
+        :func:`throttle.upstream.policy.seen_by`). A limit following no dimension, or a
+        response without per-dimension readings, sees the whole signal (as before
+        dimensions). Otherwise the limit sees: a refusal only when its dimension is
+        blamed, or when no dimension is (the refusal's cause is unknown: it is everyone's);
+        its own dimension's hold (a spent dimension), else the refusal's hold when it is
+        refused; and its own dimension's stated quota, in that dimension's units.
+        """
+        if dimension is None or not self.readings:
+            return self
+        if blamed is None:
+            blamed = frozenset(reading.dimension for reading in self.readings if reading.spent)
+        own = self.reading(dimension)
+        refused = self.refused and (dimension in blamed or not blamed)
+        hold_s, source = 0.0, ""
+        if own is not None and own.hold_s > 0:
+            hold_s, source = own.hold_s, own.source
+        elif refused:
+            hold_s, source = self.hold_s, self.source
+        quota = window_s = None
+        if own is not None and own.rate_per_s is not None:
+            quota, window_s = own.limit, own.window_s
+        return UpstreamSignal(
+            refused, hold_s, source, quota, window_s, (), self.should_retry, dimension
+        )
+
 
 # -- the parser: pure, never raises ------------------------------------------------------
-
-
-def _seconds(text: str) -> float | None:
-    """A non-negative decimal number (delta seconds), or None."""
-    match = _DECIMAL.fullmatch(text)
-    return float(match[1]) if match else None
-
-
-def _http_date(text: str) -> float | None:
-    """An HTTP-date (``Wed, 21 Oct 2015 07:28:00 GMT``) as epoch seconds, or None."""
-    try:
-        stamp = email.utils.parsedate_to_datetime(text)
-        if stamp.tzinfo is None:  # "-0000": UTC, says RFC 5322
-            stamp = stamp.replace(tzinfo=timezone.utc)
-        return stamp.timestamp()
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-
-
-def _split(value: str, separator: str) -> list[str]:
-    """Split on ``separator`` outside double-quoted strings (structured fields, RFC 8941)."""
-    parts: list[str] = []
-    current: list[str] = []
-    quoted = escaped = False
-    for char in value:
-        if escaped:
-            escaped = False
-        elif quoted and char == "\\":
-            escaped = True
-        elif char == '"':
-            quoted = not quoted
-        elif char == separator and not quoted:
-            parts.append("".join(current))
-            current = []
-            continue
-        current.append(char)
-    parts.append("".join(current))
-    return parts
-
-
-def _members(value: str) -> list[tuple[str, dict[str, str]]]:
-    """A structured-field list, leniently: each member's item and its ``;key=value``
-    parameters (a key without a value is ``?1``, true). Nothing here raises."""
-    members = []
-    for raw in _split(value, ","):
-        parts = _split(raw, ";")
-        item = parts[0].strip().strip('"')
-        params: dict[str, str] = {}
-        for part in parts[1:]:
-            name, has_value, param = part.partition("=")
-            params[name.strip().lower()] = param.strip().strip('"') if has_value else "?1"
-        members.append((item, params))
-    return members
-
-
-def _reset_s(text: str, now: float) -> float | None:
-    """A reset header as seconds from now: delta seconds, or epoch seconds (from 1e9) or
-    epoch milliseconds (from 1e12), or None. A reset in the past is 0."""
-    value = _seconds(text)
-    if value is None:
-        return None
-    if value >= _EPOCH_MS:
-        value = value / 1000.0 - now
-    elif value >= _EPOCH_S:
-        value -= now
-    return max(value, 0.0)
-
-
-def _is_zero(text: str | None) -> bool:
-    if text is None:
-        return False
-    value = _seconds(_split(text, ",")[0])  # "0" or "0, 0;w=60": the first member
-    return value == 0.0
 
 
 def _spent(headers: Mapping[str, str], now: float) -> tuple[float, str] | None:
@@ -175,37 +149,34 @@ def _spent(headers: Mapping[str, str], now: float) -> tuple[float, str] | None:
     # its earlier dictionary form: RateLimit: limit=100, remaining=0, reset=3.
     value = headers.get("ratelimit")
     if value is not None:
-        members = _members(value)
+        members = values.members(value)
         fields = {}
         for item, params in members:
             name, is_pair, number = item.partition("=")
             if is_pair:
                 fields[name.strip().lower()] = number.strip()
-            remaining = _seconds(params.get("r", ""))
+            remaining = values.seconds(params.get("r", ""))
             if remaining == 0.0:
-                reset = _seconds(params.get("t", ""))
+                reset = values.seconds(params.get("t", ""))
                 found.append((math.nan if reset is None else reset, "RateLimit"))
-        if _seconds(fields.get("remaining", "")) == 0.0:
-            reset = _seconds(fields.get("reset", ""))
+        if values.seconds(fields.get("remaining", "")) == 0.0:
+            reset = values.seconds(fields.get("reset", ""))
             found.append((math.nan if reset is None else reset, "RateLimit"))
     for prefix, resets in (
         ("ratelimit-", ("ratelimit-reset",)),
         # Discord's fractional delta first: the most precise.
         ("x-ratelimit-", ("x-ratelimit-reset-after", "x-ratelimit-reset")),
     ):
-        if _is_zero(headers.get(prefix + "remaining")):
+        if values.is_zero(headers.get(prefix + "remaining")):
             for name in resets:
                 text = headers.get(name)
-                reset = None if text is None else _reset_s(_split(text, ",")[0], now)
+                reset = None if text is None else values.reset_s(values.split(text, ",")[0], now)
                 if reset is not None:
-                    found.append((reset, _title(name)))
+                    found.append((reset, values.title(name)))
                     break
             else:
-                found.append((math.nan, _title(prefix + "remaining")))
-    if not found:
-        return None
-    timed = [item for item in found if not math.isnan(item[0])]
-    return max(timed) if timed else found[0]
+                found.append((math.nan, values.title(prefix + "remaining")))
+    return _longest(found)
 
 
 def _any_reset(headers: Mapping[str, str], now: float) -> tuple[float, str] | None:
@@ -213,9 +184,9 @@ def _any_reset(headers: Mapping[str, str], now: float) -> tuple[float, str] | No
     for name in ("x-ratelimit-reset-after", "x-ratelimit-reset", "ratelimit-reset"):
         text = headers.get(name)
         if text is not None:
-            reset = _reset_s(_split(text, ",")[0], now)
+            reset = values.reset_s(values.split(text, ",")[0], now)
             if reset is not None:
-                return reset, _title(name)
+                return reset, values.title(name)
     return None
 
 
@@ -231,9 +202,9 @@ def _policy(headers: Mapping[str, str]) -> tuple[float, float] | None:
         value = headers.get(name)
         if value is None:
             continue
-        for item, params in _members(value):
-            quota = _seconds(params.get("q", "")) if "q" in params else _seconds(item)
-            window = _seconds(params.get("w", ""))
+        for item, params in values.members(value):
+            quota = values.seconds(params.get("q", "")) if "q" in params else values.seconds(item)
+            window = values.seconds(params.get("w", ""))
             if (
                 quota is not None
                 and window is not None
@@ -248,22 +219,27 @@ def _policy(headers: Mapping[str, str]) -> tuple[float, float] | None:
     return min(found, key=lambda policy: policy[0] / policy[1])
 
 
-def _title(name: str) -> str:
-    """A header's usual spelling, for messages: ``x-ratelimit-reset`` -> ``X-RateLimit-Reset``."""
-    parts = name.split("-")
-    return "-".join("RateLimit" if part == "ratelimit" else part.title() for part in parts)
+def _retry_after(fields: Mapping[str, str], reference: float) -> tuple[float, str] | None:
+    """The refusal's own time: ``retry-after-ms`` (OpenAI, Anthropic: the precise one),
+    else ``Retry-After`` (delta seconds, or an HTTP-date), or None."""
+    delay_ms = values.seconds(fields.get("retry-after-ms", ""))
+    if delay_ms is not None:
+        return delay_ms / 1000.0, "Retry-After-Ms"
+    text = fields.get("retry-after", "")
+    delta = values.seconds(text)
+    if delta is None and text:
+        stamp = values.http_date(text)
+        delta = None if stamp is None else max(stamp - reference, 0.0)
+    return None if delta is None else (delta, "Retry-After")
 
 
-def _normalize(headers: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, str]:
-    """Header names lower-cased (requests keeps their case, httpx lowers them); repeated
-    headers joined with ", " as HTTP allows; bytes read as latin-1."""
-    items = headers.items() if isinstance(headers, Mapping) else headers
-    normalized: dict[str, str] = {}
-    for name, value in items:
-        key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).strip().lower()
-        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
-        normalized[key] = f"{normalized[key]}, {text}" if key in normalized else text
-    return normalized
+def _longest(found: Sequence[tuple[float, str]]) -> tuple[float, str] | None:
+    """The longest of several (reset s, header) of spent quotas; (nan, header) when none
+    gives its reset."""
+    if not found:
+        return None
+    timed = [item for item in found if not math.isnan(item[0])]
+    return max(timed) if timed else found[0]
 
 
 def parse_upstream(
@@ -271,6 +247,7 @@ def parse_upstream(
     headers: Mapping[str, Any] | Iterable[tuple[str, Any]],
     *,
     now: float | None = None,
+    body: str | bytes | None = None,
 ) -> UpstreamSignal | None:
     """Read a response's status code and headers: how long to hold, and the stated policy.
 
@@ -278,45 +255,64 @@ def parse_upstream(
 
     The hold, in this order:
 
-    * a refusal (429; 403 or 503 with ``Retry-After`` or a spent quota): ``Retry-After``
-      (delta seconds, or an HTTP-date), else the reset of a spent quota, else (429 only) any
-      reset header, else :data:`DEFAULT_HOLD_S`;
+    * a refusal (429; 403 or 503 with ``Retry-After`` or a spent quota; a GitHub 403
+      whose ``body`` says it is the secondary rate limit): ``retry-after-ms``, else
+      ``Retry-After`` (delta seconds, or an HTTP-date), else GitHub's secondary limit
+      (:data:`~throttle.upstream.dialects.GITHUB_SECONDARY_S`), else the reset of a spent
+      quota, else (429 only) any reset header, else :data:`DEFAULT_HOLD_S`;
     * any other status: the reset of a spent quota (``remaining`` 0), when it is more than
       :data:`PREEMPT_MIN_S` away (see there why not nearer).
 
     A spent quota is ``RateLimit: "p";r=0;t=3`` (IETF draft), ``RateLimit-Remaining: 0``
     with ``RateLimit-Reset``, or ``X-RateLimit-Remaining: 0`` with
-    ``X-RateLimit-Reset-After`` (fractional delta, Discord) or ``X-RateLimit-Reset``. Reset
+    ``X-RateLimit-Reset-After`` (fractional delta, Discord) or ``X-RateLimit-Reset``, or a
+    provider's dimension with nothing left (:mod:`throttle.upstream.dialects`). Reset
     values below 1e9 are delta seconds; from 1e9, epoch seconds (GitHub); from 1e12, epoch
     milliseconds. Several spent quotas: the longest reset. Holds are clamped to
     :data:`MAX_HOLD_S`.
 
+    Each dimension the response reports in a provider's own headers is a
+    :class:`~throttle.upstream.dialects.Reading` of :attr:`UpstreamSignal.readings`; a
+    spent one gets its own hold (a refusal's time, else its reset), which limits
+    following that dimension see (:meth:`UpstreamSignal.follow`).
+
     Dates and epochs are read against the response's ``Date`` header when it has one (the
     upstream's own clock: worker clock skew does not enter), else ``now`` (epoch s, default
-    ``time.time()``).
+    ``time.time()``). ``body`` (text or bytes, optional) is read only to tell GitHub's
+    secondary rate limit from a plain 403 (:func:`read_response` passes it when needed).
 
     Returns None when the response says nothing to act on (no refusal, no hold, no policy).
     """
     try:
-        fields = _normalize(headers)
+        fields = values.normalize(headers)
     except (TypeError, ValueError, AttributeError):
         return None  # not headers at all: nothing to read
     clock = time.time() if now is None else now
-    date = _http_date(fields["date"]) if "date" in fields else None
+    date = values.http_date(fields["date"]) if "date" in fields else None
     reference = clock if date is None else date
-    spent = _spent(fields, reference)
+    readings = dialects.readings(fields, reference)
+    secondary = dialects.github_secondary(status, fields, body)
+    generic = _spent(fields, reference)
+    spent = _longest(
+        [
+            *([] if generic is None else [generic]),
+            *[
+                (math.nan if reading.reset_s is None else reading.reset_s, reading.source)
+                for reading in readings
+                if reading.spent
+            ],
+        ]
+    )
+    retry = _retry_after(fields, reference)
     refused = status == 429 or (
-        status in _REFUSALS and ("retry-after" in fields or spent is not None)
+        status in _REFUSALS and (retry is not None or spent is not None or secondary)
     )
     hold: tuple[float, str] | None = None
     if refused:
-        text = fields.get("retry-after", "")
-        delta = _seconds(text)
-        if delta is None and text:
-            stamp = _http_date(text)
-            delta = None if stamp is None else max(stamp - reference, 0.0)
-        if delta is not None:
-            hold = (delta, "Retry-After")
+        if retry is not None:
+            hold = retry
+        elif secondary:
+            hold = (dialects.GITHUB_SECONDARY_S, "GitHub secondary limit")
         elif spent is not None and not math.isnan(spent[0]):
             hold = spent
         elif status == 429:
@@ -326,17 +322,75 @@ def parse_upstream(
     elif spent is not None and not math.isnan(spent[0]) and spent[0] > PREEMPT_MIN_S:
         hold = spent
     policy = _policy(fields)
-    if not refused and hold is None and policy is None:
-        return None
     hold_s, source = hold if hold is not None else (0.0, "")
     hold_s = min(hold_s, MAX_HOLD_S)
+    readings = [_held(reading, refused, retry, hold_s) for reading in readings]
+    if (
+        not refused
+        and hold is None
+        and policy is None
+        and not any(reading.hold_s > 0 or reading.rate_per_s for reading in readings)
+    ):
+        return None
     quota, window_s = policy if policy is not None else (None, None)
-    return UpstreamSignal(refused, hold_s, source, quota, window_s)
+    return UpstreamSignal(
+        refused, hold_s, source, quota, window_s, tuple(readings), dialects.should_retry(fields)
+    )
+
+
+def _held(
+    reading: Reading, refused: bool, retry: tuple[float, str] | None, hold_s: float
+) -> Reading:
+    """``reading`` with its hold: a spent dimension of a refusal, the refusal's time (else
+    the dimension's reset, else the refusal's hold); of any other response, its reset
+    when more than :data:`PREEMPT_MIN_S` away."""
+    if not reading.spent:
+        return reading
+    own: tuple[float, str] | None = None
+    if refused:
+        if retry is not None:
+            own = retry
+        elif reading.reset_s is not None:
+            own = (reading.reset_s, reading.source)
+        else:
+            own = (hold_s, reading.source)
+    elif reading.reset_s is not None and reading.reset_s > PREEMPT_MIN_S:
+        own = (reading.reset_s, reading.source)
+    if own is None:
+        return reading
+    return replace(reading, hold_s=min(own[0], MAX_HOLD_S), source=own[1])
+
+
+def wants_body(response: Any) -> bool:
+    """Whether :func:`read_response` reads ``response``'s body: only a GitHub 403 with
+    quota left and no ``Retry-After`` (its message tells the secondary rate limit from a
+    plain "forbidden"). An asyncio caller reads such a body first (``await
+    response.aread()``), as :mod:`throttle.aio.upstream` does."""
+    if getattr(response, "status_code", None) != 403:
+        return False
+    try:
+        return dialects.wants_body(403, values.normalize(response.headers))
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def _body(response: Any) -> str | None:
+    """The (short) body of a refused response, read if it can be, else None: a hook runs
+    before a client reads the body; reading it there is what requests and httpx allow
+    (an async response not read yet refuses: then None)."""
+    try:
+        if getattr(response, "is_stream_consumed", True) is False:
+            response.read()
+        text = response.text
+    except Exception:  # a closed or async stream: no body, a plain 403
+        return None
+    return text if isinstance(text, str) else None
 
 
 def read_response(response: Any, *, now: float | None = None) -> UpstreamSignal | None:
     """:func:`parse_upstream` of a ``requests.Response`` or ``httpx.Response`` (anything with
-    ``status_code`` and ``headers``)."""
+    ``status_code`` and ``headers``). The body is read only when it decides the answer
+    (:func:`wants_body`)."""
     status = getattr(response, "status_code", None)
     headers = getattr(response, "headers", None)
     if not isinstance(status, int) or headers is None:
@@ -344,4 +398,5 @@ def read_response(response: Any, *, now: float | None = None) -> UpstreamSignal 
             f"an upstream response needs status_code and headers, as requests' and httpx's "
             f"have (got {type(response).__name__})"
         )
-    return parse_upstream(status, headers, now=now)
+    body = _body(response) if wants_body(response) else None
+    return parse_upstream(status, headers, now=now, body=body)

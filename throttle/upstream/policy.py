@@ -24,23 +24,28 @@ from typing import Any
 from throttle.adaptive import Adaptive, Learned, LearnedRates
 from throttle.errors import RequestError
 from throttle.limiter import Limiter
-from throttle.rates import RateBook
+from throttle.rates import RateBook, RateBookBase
 from throttle.spec import Algorithm, Limit
+from throttle.upstream.dialects import dimension_name
 from throttle.upstream.headers import PREEMPT_MIN_S, UpstreamSignal, read_response
 
 __all__ = [
     "SPENT_SPACINGS",
+    "Step",
     "Target",
     "answer_refusal",
     "apply_signal",
     "apply_upstream",
+    "expect_dimension",
     "expect_limit",
     "judge",
     "learn",
+    "log_follow",
     "log_hold",
     "log_rate",
     "plan",
     "quota_spent",
+    "seen_by",
     "stated_for",
     "wants_reserved",
 ]
@@ -58,6 +63,16 @@ def _rate_text(number: float) -> str:
     return f"{number:.6f}".rstrip("0").rstrip(".")
 
 
+def _spec(quota: float, window_s: float, shape: Limit) -> str:
+    """The rate spec of ``quota`` per ``window_s`` s, keeping ``shape``'s burst (a burst-1
+    shaper stays strict) but never more than the quota."""
+    spec = f"{_rate_text(quota)}/{_rate_text(window_s)}s"
+    if shape.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+        burst = min(shape.capacity, max(quota, 1.0))
+        spec += f" burst {_rate_text(burst)}"
+    return spec
+
+
 def _lowered(current: Limit, configured: Limit, signal: UpstreamSignal) -> str | None:
     """The rate spec to store when the upstream states a slower rate than ``current`` (and
     than ``configured``: never above it), or None."""
@@ -68,12 +83,20 @@ def _lowered(current: Limit, configured: Limit, signal: UpstreamSignal) -> str |
         return None
     if not (stated < current.rate_per_s and stated <= configured.rate_per_s):
         return None
-    spec = f"{_rate_text(signal.quota)}/{_rate_text(signal.window_s)}s"
-    if current.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
-        # Keep the shape (a burst-1 shaper stays strict) but never more than the quota.
-        burst = min(current.capacity, max(signal.quota, 1.0))
-        spec += f" burst {_rate_text(burst)}"
-    return spec
+    return _spec(signal.quota, signal.window_s, current)
+
+
+def _followed(ceiling: Limit, signal: UpstreamSignal) -> str | None:
+    """The rate spec the upstream states for a limit that follows its dimension: its
+    quota per window when slower than ``ceiling`` (the operator's or the configured
+    rate), with ``ceiling``'s burst at most; None when it is as fast or faster (the
+    ceiling is in force)."""
+    stated = signal.rate_per_s
+    if stated is None or signal.quota is None or signal.window_s is None:
+        return None
+    if stated >= ceiling.rate_per_s * (1 - 1e-9):
+        return None
+    return _spec(signal.quota, signal.window_s, ceiling)
 
 
 @dataclass(frozen=True)
@@ -86,21 +109,83 @@ class Target:
     per_call: bool  # charged one unit per call: its units are the upstream's requests
     adaptive: Adaptive | None = None
     ceiling: Limit | None = None  # the rate in force before learning (default: configured)
+    dimension: str | None = None  # the upstream's dimension it follows (Rule.upstream)
+    cost: float = 1.0  # what the call took of it, in its units (a refusal blames a
+    # dimension left with less than this)
+
+    def follows(self, signal: UpstreamSignal) -> bool:
+        """Whether ``signal`` (as this target sees it) states a rate in this limit's units:
+        the limit follows the dimension the signal speaks for."""
+        return self.dimension is not None and signal.dimension == self.dimension
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a signal asks of one target.
+
+    Attributes
+    ----------
+    target:
+        The limit.
+    signal:
+        The signal as the target sees it (:meth:`UpstreamSignal.follow`): whether it is
+        refused, how long to hold (``signal.hold_s``), the stated rate in its units.
+    lowered:
+        A rate spec to store with :meth:`RateBook.set <throttle.rates.RateBook.set>` (a
+        limit that follows no dimension: lowered, never raised), or None.
+    follow:
+        Whether to store ``followed`` with :meth:`RateBook.follow
+        <throttle.rates.RateBook.follow>` (a limit that follows a dimension: down and back
+        up with the upstream's word).
+    followed:
+        That spec; None drops the upstream's rate (it states the ceiling or more).
+    """
+
+    target: Target
+    signal: UpstreamSignal
+    lowered: str | None = None
+    follow: bool = False
+    followed: str | None = None
+
+
+def seen_by(signal: UpstreamSignal, targets: Sequence[Target]) -> list[UpstreamSignal]:
+    """The signal as each target sees it (:meth:`UpstreamSignal.follow`). A refusal blames
+    the dimensions the upstream says are spent, and those left with less than what the
+    call took of a target that follows them (OpenAI refuses a call of 5,000 tokens when
+    3,000 are left: ``remaining`` is not 0)."""
+    if not signal.readings:
+        return [signal for _ in targets]
+    blamed = {reading.dimension for reading in signal.readings if reading.spent}
+    if signal.refused:
+        for target in targets:
+            reading = None if target.dimension is None else signal.reading(target.dimension)
+            left = None if reading is None else reading.remaining
+            if left is not None and left < target.cost:
+                blamed.add(str(target.dimension))
+    frozen = frozenset(blamed)
+    return [signal.follow(target.dimension, frozen) for target in targets]
 
 
 def plan(
-    signal: UpstreamSignal, targets: Sequence[Target], rates: bool
-) -> list[tuple[Target, str | None]]:
-    """What ``signal`` asks of each target: the target, and the rate spec to store for it
-    (None: none; always None without a rate book). Whether to hold is ``signal.hold_s``.
-    The pure part of :func:`apply_signal` and of its awaited twin in :mod:`throttle.aio`."""
-    steps: list[tuple[Target, str | None]] = []
-    for target in targets:
-        spec = None
+    signal: UpstreamSignal, targets: Sequence[Target], rates: RateBookBase | None
+) -> list[Step]:
+    """What ``signal`` asks of each target (:class:`Step`): how it sees the signal, and
+    the rate to store for it (none without a rate book). ``rates``' cache is read (its
+    ``current`` was called for the targets), not Redis. The pure part of
+    :func:`apply_signal` and of its awaited twin in :mod:`throttle.aio`."""
+    steps: list[Step] = []
+    for target, seen in zip(targets, seen_by(signal, targets), strict=True):
+        step = Step(target, seen)
         # One rate per limit for all its keys: a keyed limit's key speaks for itself only.
-        if rates and target.key is None and target.per_call:
-            spec = _lowered(target.current, target.configured, signal)
-        steps.append((target, spec))
+        shaped = target.current.algorithm is not Algorithm.CONCURRENCY
+        if rates is not None and target.key is None and shaped:
+            if target.follows(seen):
+                spec = _followed(rates.ceiling(target.configured), seen)
+                if spec != rates.followed(target.configured.name):
+                    step = Step(target, seen, follow=True, followed=spec)
+            elif target.per_call:
+                step = Step(target, seen, _lowered(target.current, target.configured, seen))
+        steps.append(step)
     return steps
 
 
@@ -120,9 +205,28 @@ def log_rate(signal: UpstreamSignal, target: Target, spec: str) -> None:
     logger.warning(
         "throttle: upstream states %s; rate of %s lowered from %g/s to %s "
         "(RateBook.clear(%r) goes back)",
-        f"{_rate_text(signal.quota or 0)} per {_rate_text(signal.window_s or 0)} s",
-        name, target.current.rate_per_s, spec, name,
+        _policy_text(signal), name, target.current.rate_per_s, spec, name,
     )  # fmt: skip
+
+
+def log_follow(signal: UpstreamSignal, target: Target, spec: str | None) -> None:
+    """Log a limit's rate following its dimension of the upstream (a warning when it goes
+    down, info when it goes back up to the operator's or the configured rate)."""
+    name = target.current.name
+    if spec is None:
+        logger.info(
+            "throttle: upstream states %s %s: rate of %s back to %g/s",
+            _policy_text(signal), signal.dimension, name, target.configured.rate_per_s,
+        )  # fmt: skip
+        return
+    logger.warning(
+        "throttle: upstream states %s %s; rate of %s follows it: %s",
+        _policy_text(signal), signal.dimension, name, spec,
+    )  # fmt: skip
+
+
+def _policy_text(signal: UpstreamSignal) -> str:
+    return f"{_rate_text(signal.quota or 0)} per {_rate_text(signal.window_s or 0)} s"
 
 
 def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
@@ -182,8 +286,12 @@ def answer_refusal(
 
 
 def stated_for(signal: UpstreamSignal | None, target: Target) -> float | None:
-    """The rate an answer that is no refusal states for ``target`` (None: a success)."""
-    return None if signal is None or not target.per_call else signal.rate_per_s
+    """The rate an answer that is no refusal states for ``target`` (None: a success): the
+    generic policy for a limit charged one unit per call, its dimension's for a limit that
+    follows one."""
+    if signal is None or not (target.per_call or target.follows(signal)):
+        return None
+    return signal.rate_per_s
 
 
 def learn(learned: LearnedRates, signal: UpstreamSignal | None, target: Target) -> None:
@@ -206,23 +314,42 @@ def apply_signal(
     targets: Sequence[Target],
     learned: LearnedRates | None = None,
 ) -> bool:
-    """Act on ``signal`` for each target; returns whether it held any of them."""
+    """Act on ``signal`` for each target (:func:`plan`): hold, learn, store a rate;
+    returns whether it held any of them."""
     held = False
-    for target, spec in plan(signal, targets, rates is not None):
-        hold = signal.hold_s > 0
+    for step in plan(signal, targets, rates):
+        target, seen = step.target, step.signal
+        hold = seen.hold_s > 0
         if learned is not None:
-            if signal.refused:
-                hold = answer_refusal(limiter, learned, signal, target) and hold
+            if seen.refused:
+                hold = answer_refusal(limiter, learned, seen, target) and hold
             else:
-                learn(learned, signal, target)
+                learn(learned, seen, target)
         if hold:
-            limiter.hold(target.current.name, target.key, signal.hold_s)
-            log_hold(signal, target)
+            limiter.hold(target.current.name, target.key, seen.hold_s)
+            log_hold(seen, target)
             held = True
-        if rates is not None and spec is not None:
-            rates.set(target.configured, spec)
-            log_rate(signal, target, spec)
+        if rates is not None and step.lowered is not None:
+            rates.set(target.configured, step.lowered)
+            log_rate(seen, target, step.lowered)
+        if rates is not None and step.follow:
+            rates.follow(target.configured, step.followed)
+            log_follow(seen, target, step.followed)
     return held
+
+
+def expect_dimension(dimension: object) -> str | None:
+    """The dimension argument of :func:`apply_upstream` (and of its twins) checked and
+    spelt as readings spell it (lower-case)."""
+    if dimension is None:
+        return None
+    name = dimension_name(dimension)
+    if name is None:
+        raise RequestError(
+            f"expected the name of an upstream dimension such as 'tokens' or 'requests' "
+            f"(got {dimension!r})"
+        )
+    return name
 
 
 def expect_limit(limit: object) -> None:
@@ -240,6 +367,8 @@ def apply_upstream(
     rates: RateBook | None = None,
     learned: LearnedRates | None = None,
     adaptive: Adaptive | None = None,
+    dimension: str | None = None,
+    cost: float = 1.0,
     now: float | None = None,
 ) -> UpstreamSignal | None:
     """Without Celery: hold ``limit`` (of ``key`` only, when given) for the upstream's time,
@@ -250,16 +379,25 @@ def apply_upstream(
     goes back to the configured rate). With ``learned``, a refusal is answered in
     proportion, as by :func:`throttle.celery.upstream.report_upstream` (a hold only when
     refusals persist or the quota is spent), and with ``adaptive`` the limit learns its rate
-    (``learned.current(limit, key, adaptive)`` is then the limit to acquire). Returns
-    what the response said (None: nothing). Raises :class:`BackendError` when Redis
-    fails. For asyncio code: :func:`throttle.aio.apply_upstream`.
+    (``learned.current(limit, key, adaptive)`` is then the limit to acquire).
+
+    ``dimension`` (``"tokens"``, ``"requests"``, a GitHub resource...): the dimension of
+    the upstream the limit follows, as ``upstream:`` does in a limits file: only that
+    dimension's spent quota holds it, and with ``rates`` its stated quota sets the
+    limit's rate, in the limit's units, down and back up (:meth:`RateBook.follow
+    <throttle.rates.RateBook.follow>`). ``cost``: what the call took of the limit, in
+    its units (a refusal blames a dimension left with less than it).
+
+    Returns what the response said (None: nothing). Raises :class:`BackendError` when
+    Redis fails. For asyncio code: :func:`throttle.aio.apply_upstream`.
     """
     expect_limit(limit)
+    dimension = expect_dimension(dimension)
     ceiling = limit if rates is None else rates.current(limit)
     current = ceiling
     if learned is not None and adaptive is not None:
         current = learned.current(ceiling, key, adaptive)
-    target = Target(current, limit, key, True, adaptive, ceiling)
+    target = Target(current, limit, key, True, adaptive, ceiling, dimension, cost)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:

@@ -1,0 +1,288 @@
+"""The providers' own rate-limit headers, read per dimension.
+
+Many APIs limit more than one thing at once and say so per dimension: OpenAI counts
+requests and tokens, Anthropic requests, input and output tokens, GitHub each resource
+(``core``, ``search``, ``graphql``...) on its own, Stripe names the limit that refused a
+call, Discord tells a route's bucket from its global limit. Each reader here turns one
+provider's headers into :class:`Reading` s, one per dimension it reports; a limit that
+follows a dimension (``upstream: tokens`` in a limits file) is then steered by that
+dimension's reading only (:meth:`throttle.upstream.headers.UpstreamSignal.follow`).
+
+The readers are pure and total, like the rest of the parser: header text in (names
+lower-cased, :func:`throttle.upstream.values.normalize`), readings out, never an exception.
+
+=========  ===================================================  ======================
+provider   headers                                              dimensions
+=========  ===================================================  ======================
+OpenAI     ``x-ratelimit-{limit,remaining,reset}-{requests,      ``requests``,
+           tokens}`` (reset a Go duration: ``6m0s``)             ``tokens``
+Anthropic  ``anthropic-ratelimit-{dimension}-{limit,remaining,  ``requests``,
+           reset}`` (reset an RFC 3339 time)                     ``tokens``,
+                                                                ``input-tokens``,
+                                                                ``output-tokens``
+GitHub     ``x-ratelimit-{limit,remaining,used,reset}`` with     the resource
+           ``x-ratelimit-resource``                             (``core``, ``search``)
+Stripe     ``stripe-rate-limited-reason`` (on a 429)            the reason
+                                                                (``global-rate``...)
+Discord    ``x-ratelimit-{limit,remaining,reset,reset-after}``  ``route``, ``global``,
+           with ``x-ratelimit-bucket``, ``-scope``, ``-global``  ``shared``
+=========  ===================================================  ======================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from throttle.upstream import values
+
+__all__ = [
+    "GITHUB_SECONDARY_S",
+    "PER_MINUTE_S",
+    "Reading",
+    "dimension_name",
+    "github_secondary",
+    "readings",
+    "should_retry",
+]
+
+PER_MINUTE_S = 60.0
+"""The window of OpenAI's and Anthropic's stated limits, in s: both publish their limits
+per minute (requests, tokens per minute) and state the count only, not the window."""
+GITHUB_SECONDARY_S = 60.0
+"""The hold after GitHub's secondary rate limit when it gives no ``Retry-After``, in s:
+"wait for at least one minute before retrying", say GitHub's docs."""
+MAX_COUNT = 1e15
+"""The largest limit or remaining count taken from a header; a larger one is ignored."""
+
+_DIMENSION = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_OPENAI = ("requests", "tokens")
+_ANTHROPIC = ("requests", "tokens", "input-tokens", "output-tokens")
+_SECONDARY_TEXT = "secondary rate limit"
+_BODY_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one response says of one dimension of the upstream's limit.
+
+    Attributes
+    ----------
+    dimension:
+        Its name, lower-case (``requests``, ``tokens``, a GitHub resource, a Stripe reason,
+        Discord's ``route``, ``global`` or ``shared``): what ``upstream:`` of a limit names.
+    limit, remaining:
+        The stated quota and what is left of it, in the dimension's units (None: not said).
+    reset_s:
+        Seconds from the response until the dimension is replenished (None: not said).
+    window_s:
+        The window the quota is per, in s, when the provider's limits have a known one
+        (OpenAI and Anthropic: a minute); None otherwise (then the quota states no rate).
+    spent:
+        The upstream says this dimension is spent: ``remaining`` 0, or it is named as the
+        reason of a refusal (Stripe's reason, Discord's scope).
+    hold_s:
+        How long to hold a limit that follows this dimension, in s (0: no hold): set by
+        :func:`throttle.upstream.headers.parse_upstream` for a spent dimension.
+    source:
+        The header the reset or the blame came from, for messages.
+    """
+
+    dimension: str
+    limit: float | None = None
+    remaining: float | None = None
+    reset_s: float | None = None
+    window_s: float | None = None
+    spent: bool = False
+    hold_s: float = 0.0
+    source: str = ""
+
+    @property
+    def rate_per_s(self) -> float | None:
+        """The stated quota's sustained rate, units per second, or None."""
+        if self.limit is None or self.window_s is None or self.limit <= 0:
+            return None
+        return self.limit / self.window_s
+
+
+def dimension_name(text: object) -> str | None:
+    """A dimension's name as limits and readings spell it (lower-case letters, digits,
+    ``_``, ``-``, ``.``; up to 64 characters), or None for anything else."""
+    if not isinstance(text, str):
+        return None
+    name = text.strip().lower()
+    return name if _DIMENSION.fullmatch(name) else None
+
+
+def _count(text: str | None) -> float | None:
+    """A count header (its first member): a non-negative number below :data:`MAX_COUNT`."""
+    if text is None:
+        return None
+    value = values.seconds(values.split(text, ",")[0])
+    return value if value is not None and value < MAX_COUNT else None
+
+
+def _reading(
+    dimension: str,
+    limit: float | None,
+    remaining: float | None,
+    reset_s: float | None,
+    window_s: float | None,
+    source: str,
+) -> Reading | None:
+    """A reading of what was said, or None when nothing was."""
+    if limit is None and remaining is None and reset_s is None:
+        return None
+    if limit is None or limit <= 0:
+        window_s = None  # no quota stated: no rate
+    return Reading(dimension, limit, remaining, reset_s, window_s, remaining == 0.0, 0.0, source)
+
+
+def _openai(fields: Mapping[str, str]) -> list[Reading]:
+    found = []
+    for dimension in _OPENAI:
+        reset_name = f"x-ratelimit-reset-{dimension}"
+        reset_text = fields.get(reset_name)
+        reading = _reading(
+            dimension,
+            _count(fields.get(f"x-ratelimit-limit-{dimension}")),
+            _count(fields.get(f"x-ratelimit-remaining-{dimension}")),
+            None if reset_text is None else values.go_duration(reset_text),
+            PER_MINUTE_S,
+            values.title(reset_name),
+        )
+        if reading is not None:
+            found.append(reading)
+    return found
+
+
+def _anthropic(fields: Mapping[str, str], now: float) -> list[Reading]:
+    found = []
+    for dimension in _ANTHROPIC:
+        base = f"anthropic-ratelimit-{dimension}-"
+        reset_text = fields.get(base + "reset")
+        stamp = None if reset_text is None else values.rfc3339(reset_text)
+        reading = _reading(
+            dimension,
+            _count(fields.get(base + "limit")),
+            _count(fields.get(base + "remaining")),
+            None if stamp is None else max(stamp - now, 0.0),
+            PER_MINUTE_S,
+            values.title(base + "reset"),
+        )
+        if reading is not None:
+            found.append(reading)
+    return found
+
+
+def _github(fields: Mapping[str, str], now: float) -> list[Reading]:
+    resource = dimension_name(fields.get("x-ratelimit-resource"))
+    if resource is None:
+        return []
+    limit = _count(fields.get("x-ratelimit-limit"))
+    remaining = _count(fields.get("x-ratelimit-remaining"))
+    used = _count(fields.get("x-ratelimit-used"))
+    if remaining is None and limit is not None and used is not None:
+        remaining = max(limit - used, 0.0)
+    reset_text = fields.get("x-ratelimit-reset")
+    reset = None if reset_text is None else values.reset_s(values.split(reset_text, ",")[0], now)
+    # GitHub states no window (core is per hour, search per minute...): no rate.
+    reading = _reading(resource, limit, remaining, reset, None, "X-RateLimit-Reset")
+    return [] if reading is None else [reading]
+
+
+def _stripe(fields: Mapping[str, str]) -> list[Reading]:
+    reason = dimension_name(fields.get("stripe-rate-limited-reason"))
+    if reason is None:
+        return []
+    return [Reading(reason, spent=True, source="Stripe-Rate-Limited-Reason")]
+
+
+def _discord(fields: Mapping[str, str], now: float) -> list[Reading]:
+    scope = dimension_name(fields.get("x-ratelimit-scope"))
+    is_global = fields.get("x-ratelimit-global", "").strip().lower() == "true"
+    if "x-ratelimit-bucket" not in fields and scope is None and not is_global:
+        return []  # the generic X-RateLimit-* reader speaks for it
+    found = []
+    reset: float | None = None
+    source = "X-RateLimit-Reset-After"
+    after = fields.get("x-ratelimit-reset-after")
+    if after is not None:
+        reset = values.seconds(values.split(after, ",")[0])
+    if reset is None and "x-ratelimit-reset" in fields:
+        reset = values.reset_s(values.split(fields["x-ratelimit-reset"], ",")[0], now)
+        source = "X-RateLimit-Reset"
+    route = _reading(
+        "route",
+        _count(fields.get("x-ratelimit-limit")),
+        _count(fields.get("x-ratelimit-remaining")),
+        reset,
+        None,  # Discord states a bucket's count, not its window
+        source,
+    )
+    if route is not None or scope == "user":
+        route = route or Reading("route", source="X-RateLimit-Scope")
+        if scope == "user" and not route.spent:
+            route = Reading(
+                "route", route.limit, route.remaining, route.reset_s, None, True, 0.0, route.source
+            )
+        found.append(route)
+    if is_global or scope == "global":
+        found.append(Reading("global", spent=True, source="X-RateLimit-Global"))
+    if scope == "shared":
+        found.append(Reading("shared", spent=True, source="X-RateLimit-Scope"))
+    return found
+
+
+def readings(fields: Mapping[str, str], now: float) -> list[Reading]:
+    """Every dimension the response reports, in every dialect it speaks (a response
+    rarely speaks two, but nothing stops a proxy from adding its own). ``now``: the
+    response's time, epoch s (its ``Date``), for resets given as times."""
+    return [
+        *_openai(fields),
+        *_anthropic(fields, now),
+        *_github(fields, now),
+        *_stripe(fields),
+        *_discord(fields, now),
+    ]
+
+
+def _is_github(fields: Mapping[str, str]) -> bool:
+    return "x-ratelimit-resource" in fields or "x-github-request-id" in fields
+
+
+def wants_body(status: int, fields: Mapping[str, str]) -> bool:
+    """Whether the body decides if the response is a refusal: a GitHub 403 with quota
+    left and no ``Retry-After`` is a secondary rate limit, or a plain "forbidden", and
+    only its message tells which."""
+    return (
+        status == 403
+        and _is_github(fields)
+        and "retry-after" not in fields
+        and not values.is_zero(fields.get("x-ratelimit-remaining"))
+    )
+
+
+def github_secondary(status: int, fields: Mapping[str, str], body: str | bytes | None) -> bool:
+    """Whether a response is GitHub's secondary rate limit without ``Retry-After``: a 429
+    from GitHub with quota left, or a 403 whose body says so. (A 403 or 429 with
+    ``remaining`` 0 is the primary limit spent; one with ``Retry-After`` says its time.)"""
+    if status == 429:
+        return (
+            _is_github(fields)
+            and "retry-after" not in fields
+            and not values.is_zero(fields.get("x-ratelimit-remaining"))
+        )
+    if body is None or not wants_body(status, fields):
+        return False
+    text = body[:_BODY_CHARS]
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return _SECONDARY_TEXT in text.lower()
+
+
+def should_retry(fields: Mapping[str, str]) -> bool | None:
+    """Stripe's ``Stripe-Should-Retry`` (``true``/``false``), or None when absent or other."""
+    text = fields.get("stripe-should-retry", "").strip().lower()
+    return True if text == "true" else False if text == "false" else None
