@@ -144,7 +144,9 @@ def report_upstream(
     nothing to act on).
     """
     answer = answer_of(response)
-    signal = read_response(response if answer is None else answer)
+    if answer is not None:
+        response = answer  # an SDK's exception: its HTTP response, or what it kept of it
+    signal = read_response(response)
     ticket = current_ticket()
     if ticket is None or ticket.acquisition is None:
         if signal is not None and retry and signal.refused:
