@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -57,8 +55,9 @@ from typing import Any
 import redis
 from celery import Celery
 
+from bench.celery_fleet import MockProcess
 from bench.checkout import start_worker, stop, wait_started
-from tests.support.servers import RedisServer, free_port
+from tests.support.servers import RedisServer
 from workers.harness import ROOT
 
 APP = "bench.providers_app"
@@ -92,48 +91,14 @@ generic headers, as before the dialects)."""
 DEFAULT_SCENARIOS = "openai-steady,openai-halve,anthropic-halve"
 
 
-class ProviderProcess:
-    """``python -m workers.providers KIND`` on a free port, read through ``/_mock/``."""
+class ProviderProcess(MockProcess):
+    """``python -m workers.providers KIND`` (:class:`~bench.celery_fleet.MockProcess`),
+    the limits of :data:`REQUESTS_PER_MIN` and :data:`TOKENS_PER_MIN` in 2 s buckets."""
 
     def __init__(self, kind: str, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.providers", kind,
-                 "--port", self.url.rsplit(":", 1)[1],
-                 "--requests-per-min", str(REQUESTS_PER_MIN),
-                 "--tokens-per-min", str(TOKENS_PER_MIN), "--burst-s", "2"],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.get("/_mock/stats")
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the mock provider did not start (see {log})") from None
-                time.sleep(0.05)
-
-    def _open(self, request: urllib.request.Request | str) -> Any:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
-
-    def get(self, path: str) -> Any:
-        return self._open(self.url + path)
-
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        data = json.dumps(body).encode()
-        return self._open(urllib.request.Request(self.url + path, data=data, method="POST"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        argv = ["workers.providers", kind, "--requests-per-min", str(REQUESTS_PER_MIN),
+                "--tokens-per-min", str(TOKENS_PER_MIN), "--burst-s", "2"]  # fmt: skip
+        super().__init__(argv, log, "/_mock/stats")
 
 
 @dataclass

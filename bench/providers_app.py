@@ -19,6 +19,7 @@ from celery import Celery, signals
 
 from throttle.celery import install, report_usage, throttled
 from throttle.upstream import upstream_hook
+from workers.harness import WORKER_SETTINGS
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")
 URL = os.environ.get("MOCK_PROVIDER_URL", "http://127.0.0.1:8080")
@@ -26,13 +27,7 @@ SDK_RETRIES = int(os.environ.get("SDK_MAX_RETRIES", "0"))
 
 app = Celery("providers", broker=BROKER, backend=BROKER)
 app.conf.update(
-    throttle_config=os.environ.get("THROTTLE_CONFIG"),
-    task_default_queue="upstream",
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    task_ignore_result=True,
+    WORKER_SETTINGS, throttle_config=os.environ.get("THROTTLE_CONFIG"), task_ignore_result=True
 )
 install(app)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import github
+import httpx
 import httpx2
 import openai
 import pytest
@@ -134,6 +134,8 @@ def test_stripe_sdk_rate_limit_error_carries_the_reason_and_idempotency_replays(
         assert error.headers["Stripe-Should-Retry"] == "false"
         answer = answer_of(error)
         assert answer is not None and answer.status_code == 429
+        signal = report_upstream(error)
+        assert signal is not None and signal.refused
         assert mock.charges() == {"t1": 1} and mock.stats()["refused"] == 1
     finally:
         running.stop()
@@ -160,6 +162,10 @@ def test_pygithub_primary_and_secondary_limits() -> None:
             client.get_repo("octo/hello")
         assert info.value.status == 403 and "secondary" in str(info.value.data)
         assert info.value.headers is not None and "retry-after" not in info.value.headers
+        # read by report_upstream (outside a task: the signal alone): a secondary limit
+        # without Retry-After, told by its message, waits a minute
+        signal = report_upstream(info.value)
+        assert signal is not None and signal.refused and signal.hold_s == 60.0
     finally:
         primary.stop()
         secondary.stop()
@@ -189,23 +195,26 @@ def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
         cached[1].limiter.client.close()
 
 
-def test_the_hook_on_httpx2_clients_sync_and_async(eager: Celery, openai_mock: Running) -> None:
+@pytest.mark.parametrize("module", [httpx2, httpx], ids=["httpx2", "httpx"])
+def test_one_hook_on_sync_and_async_clients(
+    eager: Celery, openai_mock: Running, module: Any
+) -> None:
     url = openai_mock.url + "/v1/chat/completions"
     body = {"model": "m", "messages": [], "max_tokens": 1}
 
     @eager.task(shared=False)
     @throttled("api")
     def sync_call() -> int:
-        with httpx2.Client(event_hooks={"response": [upstream_hook(retry=True)]}) as http:
-            return http.post(url, json=body).status_code
+        with module.Client(event_hooks={"response": [upstream_hook(retry=True)]}) as http:
+            return int(http.post(url, json=body).status_code)
 
     @eager.task(shared=False)
     @throttled("api")
     def async_call() -> int:
         async def call() -> int:
             hooks = {"response": [upstream_hook(retry=True)]}
-            async with httpx2.AsyncClient(event_hooks=hooks) as http:
-                return (await http.post(url, json=body)).status_code
+            async with module.AsyncClient(event_hooks=hooks) as http:
+                return int((await http.post(url, json=body)).status_code)
 
         return asyncio.run(call())
 
@@ -337,11 +346,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     }  # fmt: skip
     env = {"THROTTLE_CONFIG": str(config)}
     env.update({f"MOCK_{name.upper()}_URL": mock.url for name, mock in mocks.items()})
-    with RedisServer() as server:
+    with RedisServer() as server, pytest.MonkeyPatch.context() as patch:
         env["SDK_BROKER_URL"] = server.url
         worker = Worker("sdk1", env, app="tests.apps.sdk_app", queues="sdk", log=tmp / "sdk1.log")
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)  # the test process is the producer, of the same app
+        for name, value in env.items():
+            patch.setenv(name, value)  # the test process is the producer, of the same app
         from tests.apps.sdk_app import app  # noqa: PLC0415
 
         app.conf.broker_url = app.conf.result_backend = server.url
@@ -355,11 +364,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             for mock in mocks.values():
                 mock.stop()
             fleet.client.close()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 def _run_all(handles: list[Any], timeout_s: float = 60) -> list[dict[str, Any]]:
