@@ -214,6 +214,7 @@ def collect_status(
     limiter = throttler.limiter
     known = _known(app, throttler)
     overrides = throttler.rates.overrides()
+    followed = throttler.rates.followed_rates()
     learned = throttler.learned.states()
     holds = limiter.holds()
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
@@ -249,6 +250,7 @@ def collect_status(
                 "burst": configured.capacity,
                 "override": override,
                 "override_ignored": ignored,
+                "followed": override is not None and followed.get(name) == override,
                 "effective_rate": rate_spec(effective),
                 "effective_burst": effective.capacity,
                 "adaptive": entry.rule.adaptive is not None,
@@ -316,6 +318,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
     rate = row["effective_rate"]
     if row["override"] is not None and row["override_ignored"]:
         rate = f"{row['rate']} (set {row['override']!r} ignored: bad rate)"
+    elif row["followed"]:
+        rate = f"{rate} (upstream; file {row['rate']})"
     elif row["override"] is not None:
         rate = f"{rate} (set; file {row['rate']})"
     learned = row["learned_per_s"]
@@ -446,8 +450,9 @@ def status(
     """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight, denials.
 
     The limits are the limits file's and the tasks' inline ones. RATE is the one in force:
-    a rate set at run time (`set`) shows with the file's, and the rate an adaptive limit
-    learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
+    a rate set at run time (`set`) shows with the file's, as does a rate that follows the
+    upstream's stated limit (`upstream:`, "upstream; file ..."), and the rate an adaptive
+    limit learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
     from Redis without taking anything; a limit with a key template has a state per key
     ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
     the limit. DENIED/MIN is how many of its tasks the fleet deferred per minute (and timed

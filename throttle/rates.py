@@ -128,7 +128,12 @@ class RateBookBase:
         limit stays in force rather than failing every task.
         """
         ceiling = self.ceiling(limit)
-        followed = self._built_of(limit, self._followed.get(limit.name))
+        spec = self._followed.get(limit.name)
+        if spec is None:
+            return ceiling
+        followed = self._built_of(limit, spec)
+        if followed is limit:  # written by hand, and it does not parse: not in force
+            return ceiling
         return followed if followed.rate_per_s < ceiling.rate_per_s else ceiling
 
 
@@ -197,6 +202,11 @@ class RateBook(RateBookBase):
         """The stored rates in force (limit name -> spec), read afresh: the operator's, or
         the upstream's stated one when slower."""
         return self._merged(*self._fetch())
+
+    def followed_rates(self) -> dict[str, str]:
+        """The rates the upstream states for the limits that follow it (limit name ->
+        spec, :meth:`follow`), read afresh."""
+        return self._book(self._fetch()[1])
 
     def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
         def read() -> list[Any]:

@@ -316,6 +316,23 @@ def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     assert "back to 2/s burst 1" in result.output
 
 
+def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: Cli) -> None:
+    book = RateBook(cli.limiter.client, cli.limiter.keyspace)
+    book.follow(cli.limit("shaper"), "1/1s burst 1")  # as the upstream hook stores it
+    row = _rows(_status(cli))["shaper"]
+    assert (row["override"], row["followed"], row["effective_rate"]) == (
+        "1/1s burst 1",
+        True,
+        "1/s",
+    )
+    text = cli("status", "--timeout", "0")
+    assert "1/s (upstream; file 2/s)" in text.output
+    assert cli("set", "shaper", "3/s").exit_code == 0  # the operator's word is the last
+    row = _rows(_status(cli))["shaper"]
+    assert (row["override"], row["followed"]) == ("3/s burst 1", False)
+    assert book.followed_rates() == {}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

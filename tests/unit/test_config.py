@@ -493,6 +493,21 @@ BAD_DOCUMENTS = [
         id="adaptive-floor-malformed",
     ),
     pytest.param(
+        "limits:\n  api: {rate: 20/s, upstream: 5}\n",
+        "api", "upstream", 5, "must be the name of a dimension of the upstream's limit",
+        id="upstream-not-a-name",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, upstream: input tokens}\n",
+        "api", "upstream", "input tokens", "must be the name of a dimension",
+        id="upstream-with-a-space",
+    ),
+    pytest.param(
+        "limits:\n  api: {rate: 20/s, upstream: ''}\n",
+        "api", "upstream", "", "must be the name of a dimension",
+        id="upstream-empty",
+    ),
+    pytest.param(
         "limits:\n  api: {rate: 20/s, floor: 2/s}\n",
         "api", "floor", "2/s", "applies only with adaptive: true",
         id="floor-without-adaptive",
@@ -515,6 +530,17 @@ def test_an_adaptive_limit_maps_its_fields(tmp_path: Path) -> None:
     learning = default.rules["api"].adaptive
     assert learning == Adaptive()
     assert learning.floor_for(default.rules["api"].limit) == 2.0
+
+
+def test_a_limit_names_the_upstream_dimension_it_follows() -> None:
+    config = ThrottleConfig.load(CONFIGS / "limits.yaml")
+    assert config.rules["openai-tokens"].upstream == "tokens"
+    assert config.rules["openai-requests"].upstream == "requests"
+    assert config.rules["github"].upstream == "core"
+    assert config.rules["stripe"].upstream is None  # the response speaks for the whole
+    spelt = ThrottleConfig.from_mapping({"limits": {"llm": {"rate": "1/s", "upstream": " Tokens"}}})
+    assert spelt.rules["llm"].upstream == "tokens"  # as the headers spell it
+    assert Rule(spelt.rules["llm"].limit, upstream="input-tokens").upstream == "input-tokens"
 
 
 def test_the_spacing_guard_is_on_for_burst_1_rate_limits_by_default() -> None:

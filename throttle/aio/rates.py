@@ -74,6 +74,10 @@ class RateBook(RateBookBase):
         """The stored rates in force (limit name -> spec), read afresh."""
         return self._merged(*await self._fetch())
 
+    async def followed_rates(self) -> dict[str, str]:
+        """The rates the upstream states for the limits that follow it, read afresh."""
+        return self._book((await self._fetch())[1])
+
     async def current(self, limit: Limit) -> Limit:
         """``limit`` with its run-time rate, if one is stored (re-read every refresh_s)."""
         now = self._stale()

@@ -176,7 +176,9 @@ def upstream_hook(
     or spent quota, and follows a slower stated policy. With ``learned``, a refusal is
     answered in proportion (a hold only when refusals persist, the quota is spent or the
     limit is faster than the stated policy), and with ``adaptive`` the limit learns its
-    rate: acquire ``await learned.current(limit, key, adaptive)`` then.
+    rate: acquire ``await learned.current(limit, key, adaptive)`` then. With
+    ``dimension`` (``"tokens"``...), the limit follows that dimension of the provider's
+    headers only (:func:`throttle.upstream.apply_upstream`).
 
     With ``retry=True`` a refused call (429; 403 or 503 with ``Retry-After`` or a spent
     quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the

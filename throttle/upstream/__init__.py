@@ -31,7 +31,9 @@ The package has three layers, one module each:
 
 - :mod:`throttle.upstream.headers`: the pure part, status code and headers in, an
   :class:`UpstreamSignal` (or None) out (:func:`parse_upstream`); it never raises,
-  whatever the header values.
+  whatever the header values. The providers' own headers (OpenAI, Anthropic, GitHub,
+  Stripe, Discord) are read per dimension by :mod:`throttle.upstream.dialects`, the
+  values by :mod:`throttle.upstream.values`.
 - :mod:`throttle.upstream.policy`: what a signal asks of the limits (holds, lowered and
   learned rates), :func:`apply_upstream` for one limit without Celery.
 - :mod:`throttle.celery.upstream`: :func:`report_upstream` and :func:`upstream_hook`,
@@ -48,6 +50,7 @@ from throttle.upstream.headers import (
     MAX_HOLD_S,
     MAX_WINDOW_S,
     PREEMPT_MIN_S,
+    Reading,
     UpstreamSignal,
     parse_upstream,
     read_response,
@@ -63,6 +66,7 @@ __all__ = [
     "MAX_WINDOW_S",
     "PREEMPT_MIN_S",
     "SPENT_SPACINGS",
+    "Reading",
     "UpstreamSignal",
     "apply_upstream",
     "parse_upstream",

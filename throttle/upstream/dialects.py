@@ -11,34 +11,29 @@ dimension's reading only (:meth:`throttle.upstream.headers.UpstreamSignal.follow
 The readers are pure and total, like the rest of the parser: header text in (names
 lower-cased, :func:`throttle.upstream.values.normalize`), readings out, never an exception.
 
-=========  ===================================================  ======================
-provider   headers                                              dimensions
-=========  ===================================================  ======================
-OpenAI     ``x-ratelimit-{limit,remaining,reset}-{requests,      ``requests``,
-           tokens}`` (reset a Go duration: ``6m0s``)             ``tokens``
-Anthropic  ``anthropic-ratelimit-{dimension}-{limit,remaining,  ``requests``,
-           reset}`` (reset an RFC 3339 time)                     ``tokens``,
-                                                                ``input-tokens``,
-                                                                ``output-tokens``
-GitHub     ``x-ratelimit-{limit,remaining,used,reset}`` with     the resource
-           ``x-ratelimit-resource``                             (``core``, ``search``)
-Stripe     ``stripe-rate-limited-reason`` (on a 429)            the reason
-                                                                (``global-rate``...)
-Discord    ``x-ratelimit-{limit,remaining,reset,reset-after}``  ``route``, ``global``,
-           with ``x-ratelimit-bucket``, ``-scope``, ``-global``  ``shared``
-=========  ===================================================  ======================
+- OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset a Go duration,
+  ``6m0s``): ``requests``, ``tokens``.
+- Anthropic: ``anthropic-ratelimit-{dimension}-{limit,remaining,reset}`` (reset an RFC 3339
+  time): ``requests``, ``tokens``, ``input-tokens``, ``output-tokens``.
+- GitHub: ``x-ratelimit-{limit,remaining,used,reset}`` with ``x-ratelimit-resource``: the
+  resource (``core``, ``search``, ``graphql``...).
+- Stripe: ``stripe-rate-limited-reason`` on a 429: the reason (``global-rate``...).
+- Discord: ``x-ratelimit-{limit,remaining,reset,reset-after}`` with
+  ``x-ratelimit-bucket``, ``-scope``, ``-global``: ``route``, ``global``, ``shared``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from throttle.upstream import values
 
 __all__ = [
     "GITHUB_SECONDARY_S",
+    "MAX_COUNT",
+    "MIN_QUOTA",
     "PER_MINUTE_S",
     "Reading",
     "dimension_name",
@@ -55,6 +50,10 @@ GITHUB_SECONDARY_S = 60.0
 "wait for at least one minute before retrying", say GitHub's docs."""
 MAX_COUNT = 1e15
 """The largest limit or remaining count taken from a header; a larger one is ignored."""
+MIN_QUOTA = 1e-6
+"""The smallest stated limit that states a rate (a millionth of a call or token per
+window); a smaller one is no rate anyone means, and is not stored (rate specs carry six
+decimals)."""
 
 _DIMENSION = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _OPENAI = ("requests", "tokens")
@@ -101,7 +100,7 @@ class Reading:
     @property
     def rate_per_s(self) -> float | None:
         """The stated quota's sustained rate, units per second, or None."""
-        if self.limit is None or self.window_s is None or self.limit <= 0:
+        if self.limit is None or self.window_s is None or self.limit < MIN_QUOTA:
             return None
         return self.limit / self.window_s
 
@@ -134,7 +133,7 @@ def _reading(
     """A reading of what was said, or None when nothing was."""
     if limit is None and remaining is None and reset_s is None:
         return None
-    if limit is None or limit <= 0:
+    if limit is None or limit < MIN_QUOTA:
         window_s = None  # no quota stated: no rate
     return Reading(dimension, limit, remaining, reset_s, window_s, remaining == 0.0, 0.0, source)
 
@@ -221,12 +220,9 @@ def _discord(fields: Mapping[str, str], now: float) -> list[Reading]:
         None,  # Discord states a bucket's count, not its window
         source,
     )
-    if route is not None or scope == "user":
-        route = route or Reading("route", source="X-RateLimit-Scope")
-        if scope == "user" and not route.spent:
-            route = Reading(
-                "route", route.limit, route.remaining, route.reset_s, None, True, 0.0, route.source
-            )
+    if scope == "user":  # a 429 of the route's own limit: it is to blame
+        route = replace(route or Reading("route", source="X-RateLimit-Scope"), spent=True)
+    if route is not None:
         found.append(route)
     if is_global or scope == "global":
         found.append(Reading("global", spent=True, source="X-RateLimit-Global"))

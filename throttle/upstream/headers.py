@@ -81,7 +81,12 @@ class UpstreamSignal:
         again (None: it does not say).
     dimension:
         The dimension ``quota`` and ``window_s`` are in, for a signal as a limit following
-        a dimension sees it (:meth:`follow`); None for the response as a whole.
+        a dimension sees it (:meth:`follow`) when that dimension states its quota; None
+        otherwise (the response as a whole, or a dimension that states no rate).
+    blamed:
+        A refusal that names this signal's dimension (spent, or left with less than the
+        call took): for a limit following a dimension (:meth:`follow`), the upstream's
+        explicit word, which holds the limit rather than being judged as jitter.
     """
 
     refused: bool
@@ -92,6 +97,7 @@ class UpstreamSignal:
     readings: tuple[Reading, ...] = ()
     should_retry: bool | None = None
     dimension: str | None = None
+    blamed: bool = False
 
     @property
     def rate_per_s(self) -> float | None:
@@ -130,12 +136,15 @@ class UpstreamSignal:
             hold_s, source = own.hold_s, own.source
         elif refused:
             hold_s, source = self.hold_s, self.source
-        quota = window_s = None
-        if own is not None and own.rate_per_s is not None:
-            quota, window_s = own.limit, own.window_s
+        named = refused and dimension in blamed
+        if own is None or own.rate_per_s is None:  # its dimension states no rate here
+            return UpstreamSignal(
+                refused, hold_s, source, should_retry=self.should_retry, blamed=named
+            )
         return UpstreamSignal(
-            refused, hold_s, source, quota, window_s, (), self.should_retry, dimension
-        )
+            refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension,
+            named,
+        )  # fmt: skip
 
 
 # -- the parser: pure, never raises ------------------------------------------------------
@@ -208,7 +217,7 @@ def _policy(headers: Mapping[str, str]) -> tuple[float, float] | None:
             if (
                 quota is not None
                 and window is not None
-                and 0 < quota < 1e12
+                and dialects.MIN_QUOTA <= quota < 1e12
                 and 1e-3 <= window <= MAX_WINDOW_S
             ):
                 found.append((quota, window))

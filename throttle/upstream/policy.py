@@ -246,8 +246,9 @@ def wants_reserved(target: Target) -> bool:
 
 def judge(signal: UpstreamSignal, target: Target, answer: Learned) -> bool:
     """Whether a refusal of ``target``, counted fleet-wide as ``answer``, holds the whole
-    limit (its key): when the refusals persist, the quota is spent, or the limit is faster
-    than the upstream's stated policy. Otherwise the refused call is one that the limiter's
+    limit (its key): when the refusals persist, the quota is spent, the limit is faster
+    than the upstream's stated policy, or the provider's headers blame the dimension the
+    limit follows. Otherwise the refused call is one that the limiter's
     schedule explains (early or late by jitter): the refused task alone comes back for the
     limit's next free slot, and the fleet goes on (an adaptive limit at its lowered rate).
     The pure part of :func:`answer_refusal` and of its awaited twin in :mod:`throttle.aio`."""
@@ -261,8 +262,8 @@ def judge(signal: UpstreamSignal, target: Target, answer: Learned) -> bool:
     stated = signal.rate_per_s
     if stated is not None and target.current.rate_per_s > stated * (1 + 1e-9):
         return True  # the limit is above the upstream's word: not jitter, a wrong rate
-    if answer.persist or quota_spent(signal, target.current):
-        return True
+    if answer.persist or quota_spent(signal, target.current) or signal.blamed:
+        return True  # (blamed: the provider's headers say this dimension is spent)
     logger.debug(
         "throttle: upstream refused %s%s (%d in the window): no hold, the call comes back",
         target.current.name, where, answer.refusals,
