@@ -11,7 +11,6 @@ come from the environment (``MOCK_OPENAI_URL``...), the limits file from
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import anthropic
@@ -148,8 +147,9 @@ class StandInError(Exception):
 
 
 def _stand_in_call(url: str, task_id: str, attempts: int = 3) -> requests.Response:
-    """An SDK stand-in: catches ``Exception`` around the call (the hook's too), waits, and
-    tries again; after ``attempts`` it raises an error of its own."""
+    """An SDK stand-in: catches ``Exception`` around the call (the hook's too) and tries
+    again at once (so a refused call meets the provider's 429 again); after ``attempts``
+    it raises an error of its own."""
     session: requests.Session | None = _clients.get("stand-in")
     if session is None:
         session = _clients["stand-in"] = requests.Session()
@@ -159,7 +159,7 @@ def _stand_in_call(url: str, task_id: str, attempts: int = 3) -> requests.Respon
             return session.post(url, json={"model": "mock", "messages": [], "max_tokens": 8},
                                 headers={"X-Task-Id": task_id}, timeout=10)  # fmt: skip
         except Exception:
-            time.sleep(0.2)
+            continue
     raise StandInError(f"gave up after {attempts} attempts")
 
 
