@@ -230,8 +230,12 @@ def test_the_rate_book_on_the_cluster(cluster_client: RedisCluster, namespace: s
     lowered = book.set(TOKEN_BUCKET, "1/s")
     assert book.current(TOKEN_BUCKET) == lowered and lowered.count == 1
     assert book.overrides() == {"tb": "1/s"}
+    book.follow(TOKEN_BUCKET, "1/2s")  # the upstream's rate: its own hash, in the same slot
+    assert book.current(TOKEN_BUCKET).rate_per_s == 0.5
+    assert book.followed_rates() == {"tb": "1/2s"}
     book.clear("tb")
     assert book.current(TOKEN_BUCKET) is TOKEN_BUCKET
+    assert book.followed_rates() == {}
 
 
 def test_every_script_comes_back_after_script_flush_on_every_master(

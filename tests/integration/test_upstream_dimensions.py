@@ -178,6 +178,7 @@ def test_the_asyncio_twin_follows_a_dimension(clocked: Limiter, redis_url: str) 
             hooks = {"response": [hook]}
             async with httpx.AsyncClient(transport=transport, event_hooks=hooks) as http:
                 await http.get("https://api.openai.test/v1/models")
+            assert await rates.followed_rates() == await rates.overrides()
             return await rates.overrides()
         finally:
             await aclient.aclose()
