@@ -3,6 +3,9 @@ running task may call (:func:`report_cost`, :func:`slot_time`, :func:`defer_task
 
 Every throttled execution goes through :func:`run`: the gate decides (run, sleep to the
 slot, or come back later), the body runs on its ticket, then the acquisition is settled.
+A body that exits by an exception after its upstream refused a call (recorded on the
+ticket by :func:`throttle.upstream.report_upstream`) comes back once, from here
+(:func:`come_back_if_refused`).
 """
 
 from __future__ import annotations
