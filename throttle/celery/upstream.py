@@ -65,15 +65,15 @@ _warned: set[str] = set()
 
 
 def _warn_retried(task: Any, why: str) -> None:
-    """Once per task name and process: a call was made again inside the task after the
-    upstream refused it. Such a call takes no slot of the limit (the task already holds
-    its one), so it is the SDK's retry the limiter never sees."""
+    """Once per task name and process: a call was made again inside the task (an SDK's
+    retry, or a call after a refusal). Such a call takes no slot of the limit (the task
+    already holds its one): the limiter never sees it."""
     name = getattr(task, "name", "?")
     if name in _warned:
         return
     _warned.add(name)
     logger.warning(
-        "throttle: task %s made a refused call again inside its body (%s): those calls "
+        "throttle: task %s called the upstream again inside its body (%s): such calls "
         "take no slot of the limit. Create the SDK's client with max_retries=0 (openai, "
         "anthropic; stripe: max_network_retries=0; PyGithub: retry=None) and let "
         "upstream_hook(retry=True) run the task again for its next slot",
@@ -136,8 +136,9 @@ def report_upstream(
       ``on_timeout``); an upstream that refuses for ever is otherwise retried for ever.
       In eager mode, direct calls, and tasks that are not throttled, the task raises
       :class:`Throttled` with the hold instead.
-      A call made again inside the body after a refusal (an SDK's own retries) logs a
-      warning once per task: create the SDK's client with ``max_retries=0``.
+      A call made again inside the body (an SDK's own retry, or any call after a
+      refusal) logs a warning once per task: create the SDK's client with
+      ``max_retries=0``.
 
     Outside a throttled task this holds nothing (like ``report_cost``). Redis errors are
     logged, not raised: the call is made already. Returns what the response said (None:
