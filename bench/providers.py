@@ -210,6 +210,11 @@ def one_run(scenario: str, logs: Path, args: argparse.Namespace) -> Run:
             client.close()
             producer.close()
             provider.stop()
+    if args.arrivals is not None:
+        args.arrivals.mkdir(parents=True, exist_ok=True)
+        (args.arrivals / f"{scenario}.json").write_text(
+            json.dumps({"stats": stats, "arrivals": every})
+        )
     changed = stats["changes"][0][0] if stats["changes"] else None
     arrivals = [a for a in every if a["at_s"] <= duration]
     metrics = measure(arrivals, changed, duration)
@@ -235,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--change-at-s", type=float, default=CHANGE_AT_S)
     parser.add_argument("--after-s", type=float, default=AFTER_S)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--arrivals", type=Path, default=None, help="a directory: each run's calls")
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     runs: list[Run] = []
