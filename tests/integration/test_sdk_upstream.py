@@ -22,9 +22,10 @@ import redis
 import stripe
 from celery import Celery
 
+from tests.support.eager import eager_app
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, Throttled
-from throttle.celery import ThrottledTask, metered, report_usage, throttled
+from throttle.celery import metered, report_usage, throttled
 from throttle.upstream import report_upstream, upstream_hook
 from throttle.upstream.answers import answer_of
 from workers.harness import Worker, wait_ready
@@ -176,23 +177,12 @@ def test_pygithub_primary_and_secondary_limits() -> None:
 
 @pytest.fixture
 def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
-    app = Celery("sdk-eager", set_as_current=False, task_cls=ThrottledTask)
-    app.conf.update(
-        task_always_eager=True,
-        throttle_redis_url=redis_url,
-        throttle_config={
-            "settings": {"prefix": prefix},
-            "limits": {
-                "api": {"algorithm": "gcra", "rate": "30/s", "burst": 1},
-                "tokens": {"algorithm": "fixed_window", "rate": "100000/h",
-                           "cost": "estimate"},
-            },
-        },
-    )  # fmt: skip
-    yield app
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
+    limits = {
+        "api": {"algorithm": "gcra", "rate": "30/s", "burst": 1},
+        "tokens": {"algorithm": "fixed_window", "rate": "100000/h", "cost": "estimate"},
+    }
+    with eager_app("sdk-eager", redis_url, prefix, limits) as app:
+        yield app
 
 
 @pytest.mark.parametrize("module", [httpx2, httpx], ids=["httpx2", "httpx"])
