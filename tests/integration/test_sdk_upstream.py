@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,25 @@ from workers.providers.stripe_api import StripeMock
 )
 def test_go_durations_as_openai_sends_them(seconds: float, text: str) -> None:
     assert go_duration(seconds) == text
+
+
+def test_a_mock_provider_runs_as_a_process_and_halves_its_limit_when_told() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.providers", "anthropic", "--port", "0",
+         "--tokens-per-min", "6000", "--halve-after", "0.2"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        time.sleep(0.5)
+        with urllib.request.urlopen(url + "/_mock/stats", timeout=10) as response:
+            stats = json.loads(response.read())
+        assert stats["limits"] == {"requests": 600, "tokens": 3000}
+        assert [change[1:] for change in stats["changes"]] == [["tokens", 3000]]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)  # waits, and closes its stdout
 
 
 @pytest.fixture
