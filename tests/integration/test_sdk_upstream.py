@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -240,6 +241,43 @@ def test_one_hook_on_sync_and_async_clients(
     with pytest.raises(Throttled):
         async_call.delay().get()
     assert openai_mock.provider.stats()["refused"] == 2
+
+
+@pytest.mark.parametrize(
+    ("after", "outcome"),
+    [
+        pytest.param("return", "returned", id="swallowed-then-returns: not run again"),
+        pytest.param("raise", Throttled, id="swallowed-then-raises: comes back"),
+        pytest.param("served-then-raise", ValueError, id="served-later-then-raises: fails"),
+    ],
+)
+def test_what_the_body_does_after_a_refusal_decides(
+    eager: Celery, openai_mock: Running, after: str, outcome: Any
+) -> None:
+    url = openai_mock.url + "/v1/chat/completions"
+    body = {"model": "m", "messages": [], "max_tokens": 1}
+
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> str:
+        with httpx2.Client(event_hooks={"response": [upstream_hook(retry=True)]}) as http:
+            for _ in range(3):  # the mock's bucket holds 2: the third is refused
+                with contextlib.suppress(Exception):  # a client that swallows the exception
+                    http.post(url, json=body)
+            if after == "return":
+                return "returned"
+            if after == "served-then-raise":
+                time.sleep(0.6)  # the mock's bucket refills one call in 0.5 s
+                assert http.post(url, json=body).status_code == 200
+            raise ValueError("the body's own error")
+
+    if isinstance(outcome, str):
+        assert call.delay().get() == outcome
+    else:
+        # eager mode: Throttled stands for the task coming back (re-published by a worker)
+        with pytest.raises(outcome):
+            call.delay().get()
+    assert openai_mock.provider.stats()["refused"] == 1
 
 
 def test_sdk_exceptions_are_read_by_report_upstream_in_a_task(
