@@ -324,6 +324,33 @@ def test_a_streamed_completion_settles_its_usage_when_the_stream_ends(
     assert remaining == 100000 - 31
 
 
+def test_an_anthropic_stream_settles_its_usage_when_it_ends(
+    eager: Celery, client: redis.Redis, prefix: str
+) -> None:
+    running = start(AnthropicMock({"requests": 600}, burst_s=1))
+    sdk = anthropic.Anthropic(base_url=running.url, api_key="k", max_retries=0)
+
+    @eager.task(shared=False)
+    @throttled("tokens")
+    def write(estimate: int) -> tuple[str, float | None]:
+        stream = sdk.messages.create(
+            model="m", max_tokens=40, stream=True, messages=[{"role": "user", "content": "abcd"}]
+        )
+        with metered(stream) as events:
+            text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+        return text, events.tokens
+
+    try:
+        # Given a message estimated at 1000 tokens, when its stream says 1 in and 30 out
+        text, tokens = write.delay(1000).get()
+    finally:
+        running.stop()
+    assert text.split() == ["token"] * 30 and tokens == 31
+    # Then the tokens limit was charged the usage, not the estimate
+    limit = Limit.parse("100000/h", name="tokens", algorithm="fixed_window")
+    assert Limiter(client, prefix=prefix).peek(limit).remaining == 100000 - 31
+
+
 # -- a real worker: every task once, whatever the SDK does with the hook's exception ------
 
 SDK_CONFIG = """

@@ -2,7 +2,9 @@
 
 * JSON replies (``"type": "message"``) with ``usage.input_tokens`` and
   ``usage.output_tokens``: the input counts one token per 4 characters of the messages (and
-  ``system``), the output ``fill`` x ``max_tokens``.
+  ``system``), the output ``fill`` x ``max_tokens``. With ``"stream": true``, the
+  server-sent events of a streamed message: ``message_start`` (the input tokens),
+  ``content_block_*``, ``message_delta`` (the output tokens, cumulative), ``message_stop``.
 * Limits per minute on any of ``requests``, ``tokens`` (input + output),
   ``input-tokens`` and ``output-tokens`` (each optional). A call charges each of them at
   its arrival.
@@ -92,11 +94,37 @@ class AnthropicMock(Provider):
             )
             error = {"type": "rate_limit_error", "message": message}
             return Reply(429, rate, {"type": "error", "error": error})
+        text = " ".join(["token"] * output)
         message_body = {
             "id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
             "model": str(request.get("model") or "mock-model"),
-            "content": [{"type": "text", "text": " ".join(["token"] * output)}],
+            "content": [{"type": "text", "text": text}],
             "stop_reason": "end_turn", "stop_sequence": None,
             "usage": {"input_tokens": given, "output_tokens": output},
         }  # fmt: skip
+        if request.get("stream"):
+            raw = _stream(message_body, text.split(" "), given, output)
+            return Reply(200, rate, raw=raw, content_type="text/event-stream")
         return Reply(200, rate, message_body)
+
+
+def _stream(message: dict[str, Any], words: list[str], given: int, output: int) -> bytes:
+    """The events of a streamed message, as Anthropic sends them."""
+
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+
+    start = {**message, "content": [], "stop_reason": None,
+             "usage": {"input_tokens": given, "output_tokens": 1}}  # fmt: skip
+    block = {"type": "text", "text": ""}
+    parts = [event("message_start", {"message": start}),
+             event("content_block_start", {"index": 0, "content_block": block})]  # fmt: skip
+    for i, word in enumerate(words):
+        delta = {"type": "text_delta", "text": word if i == 0 else " " + word}
+        parts.append(event("content_block_delta", {"index": 0, "delta": delta}))
+    parts.append(event("content_block_stop", {"index": 0}))
+    parts.append(event("message_delta", {"delta": {"stop_reason": "end_turn",
+                                                   "stop_sequence": None},
+                                         "usage": {"output_tokens": output}}))  # fmt: skip
+    parts.append(event("message_stop", {}))
+    return b"".join(parts)
