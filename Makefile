@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate
+.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers
 
 setup: system-deps $(STAMP)
 
@@ -163,6 +163,11 @@ bench-gate: setup
 # the mock API: first come first served, fair, fair with weights. About two minutes.
 bench-fair: setup
 	$(PY) -m bench.fair $(FAIR_ARGS)
+
+# A fleet calling mock LLM providers through the real openai and anthropic SDKs: steady, and
+# the provider halving its token limit (docs/benchmarks/providers.md). About 5 minutes.
+bench-providers: setup
+	$(PY) -m bench.providers $(PROVIDERS_ARGS)
 
 # An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
 # 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the

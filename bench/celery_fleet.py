@@ -119,30 +119,28 @@ VARIANTS = {
 # -- the mock API in its own process ------------------------------------------------------
 
 
-class ApiProcess:
-    """``python -m workers.mock_api`` on a free port, read through its HTTP endpoints."""
+class MockProcess:
+    """A mock server, ``python -m MODULE ARGS --port N`` on a free port, in a process of
+    its own (its clock and threads are not the benchmark's), read through its HTTP
+    endpoints; ready once ``probe`` answers."""
 
-    def __init__(
-        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False
-    ) -> None:
+    def __init__(self, module_args: Sequence[str], log: Path, probe: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        extra = ["--retry-after-only"] if retry_after_only else []
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.mock_api", "--port", str(self.port),
-                 "--rate", str(rate), "--burst", str(burst), *extra],
+                [sys.executable, "-m", *module_args, "--port", str(self.port)],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + 10
         while True:
             try:
-                self.get("/stats")
+                self.get(probe)
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"the mock API did not start (see {log})") from None
+                    raise RuntimeError(f"{module_args[0]} did not start (see {log})") from None
                 time.sleep(0.05)
 
     def _open(self, request: urllib.request.Request | str) -> Any:
@@ -152,12 +150,9 @@ class ApiProcess:
     def get(self, path: str) -> Any:
         return self._open(self.url + path)
 
-    def reset(self) -> float:
-        """Forget every arrival and refill the bucket; returns our monotonic time of the
-        API's new origin (arrival ``at_s`` values count from it), within a round trip."""
-        before = time.monotonic()
-        self._open(urllib.request.Request(self.url + "/reset", data=b"{}", method="POST"))
-        return (before + time.monotonic()) / 2
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        data = json.dumps(body).encode()
+        return self._open(urllib.request.Request(self.url + path, data=data, method="POST"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -167,6 +162,24 @@ class ApiProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+class ApiProcess(MockProcess):
+    """``python -m workers.mock_api`` (:class:`MockProcess`)."""
+
+    def __init__(
+        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False
+    ) -> None:
+        extra = ["--retry-after-only"] if retry_after_only else []
+        argv = ["workers.mock_api", "--rate", str(rate), "--burst", str(burst), *extra]
+        super().__init__(argv, log, "/stats")
+
+    def reset(self) -> float:
+        """Forget every arrival and refill the bucket; returns our monotonic time of the
+        API's new origin (arrival ``at_s`` values count from it), within a round trip."""
+        before = time.monotonic()
+        self._open(urllib.request.Request(self.url + "/reset", data=b"{}", method="POST"))
+        return (before + time.monotonic()) / 2
 
 
 # -- measuring ----------------------------------------------------------------------------

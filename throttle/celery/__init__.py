@@ -35,7 +35,11 @@ How the package is laid out, in the order a task meets it:
 - :mod:`~throttle.celery.reschedule`: re-publish through the lane, park, time out.
 - :mod:`~throttle.celery.redis_down`: the rules' ``on_redis_down``, for a task that met an
   outage of the limiter's Redis; :mod:`~throttle.celery.outage`: what a process knows of it.
-- :mod:`~throttle.celery.settle`: after the body, the actual cost.
+- :mod:`~throttle.celery.settle`: after the body, the actual cost;
+  :mod:`~throttle.celery.usage` reads it from an SDK's reply or stream
+  (``report_usage``, ``metered``).
+- :mod:`~throttle.celery.upstream`: the upstream's answers (``report_upstream``,
+  ``upstream_hook``).
 - :mod:`~throttle.celery.observe`: events, fleet stats and metrics behind one interface.
 - :mod:`~throttle.celery.steps`, :mod:`~throttle.celery.releaser`,
   :mod:`~throttle.celery.exporter`: the worker's bootsteps, the releaser of parked
@@ -59,14 +63,17 @@ from throttle.celery.task import (
     slot_time,
     throttled,
 )
+from throttle.celery.usage import metered, report_usage
 
 __all__ = [
     "ThrottledTask",
     "Throttler",
     "defer_task",
     "install",
+    "metered",
     "register_metrics",
     "report_cost",
+    "report_usage",
     "slot_time",
     "throttled",
 ]

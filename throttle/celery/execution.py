@@ -89,6 +89,19 @@ class Ticket:
     plan: list[Target] | None = None
     """The plan targets of a task that ran on a plan (:mod:`throttle.celery.plan`): what a
     cost settled lower hands back to the plan too (its record is ``id`` + ``.plan``)."""
+    refusal: Refusal | None = None
+    """The upstream refused the body's last call and the task is to come back
+    (``report_upstream(..., retry=True)``): answered once, when the body exits by an
+    exception (:func:`throttle.celery.task.run`); a later call that is served clears it."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An upstream refusal recorded on a ticket: come back in ``countdown_s`` seconds,
+    waiting for ``limits`` (their names)."""
+
+    countdown_s: float
+    limits: tuple[str, ...]
 
 
 _ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(

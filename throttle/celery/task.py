@@ -3,6 +3,9 @@ running task may call (:func:`report_cost`, :func:`slot_time`, :func:`defer_task
 
 Every throttled execution goes through :func:`run`: the gate decides (run, sleep to the
 slot, or come back later), the body runs on its ticket, then the acquisition is settled.
+A body that exits by an exception after its upstream refused a call (recorded on the
+ticket by :func:`throttle.upstream.report_upstream`) comes back once, from here
+(:func:`come_back_if_refused`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from typing import Any, ClassVar, TypeVar
 
 from celery import Task
 from celery._state import get_current_task
+from celery.exceptions import Ignore, Reject, Retry
 from celery.local import Proxy
 
 from throttle.celery.execution import (
     Execution,
+    Ticket,
     current_ticket,
     enter_ticket,
     leave_ticket,
@@ -56,6 +61,9 @@ def run(
         result = call()
         failed = False
         return result
+    except Exception as exc:
+        come_back_if_refused(ticket, exc)  # the upstream refused the call: re-published here
+        raise
     finally:
         leave_ticket(token)
         settle(gate.execution.throttler, ticket, failed)
@@ -196,3 +204,26 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
         if now + countdown_s > execution.deadline:
             time_out(execution, now, countdown_s, denied)
     defer(execution, countdown_s, countdown_s, denied)
+
+
+def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
+    """The body of ``ticket``'s task raised ``exc``: when the upstream refused its last call
+    (``report_upstream(..., retry=True)`` recorded it), the task comes back now, once, with
+    :func:`defer_task` (raises celery's ``Retry``, or :class:`Throttled` in eager mode).
+
+    The refusal is answered here, after control has left the HTTP client and the SDK
+    around it, and not in the hook that saw the 429: an SDK that wraps the hook's
+    exception, retries the request itself, or meets a 429 again in its own retry loop
+    cannot make the task come back twice, nor run on after its copy was published
+    (``anthropic`` wraps any exception of its HTTP client as ``APIConnectionError`` and
+    retries it). ``exc`` may be the hook's :class:`Throttled` or whatever the SDK made of
+    it. A body that ended with celery's ``Retry``, ``Ignore`` or ``Reject`` has decided
+    already (``self.retry()``, :func:`defer_task`): nothing more is published."""
+    refusal = ticket.refusal
+    if refusal is None or isinstance(exc, (Retry, Ignore, Reject)):
+        return
+    ticket.refusal = None
+    try:
+        defer_task(refusal.countdown_s, refusal.limits)
+    except Throttled as throttled:  # eager mode: no queue to come back through
+        raise throttled from exc

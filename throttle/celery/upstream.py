@@ -3,8 +3,9 @@
 
 The Celery binding of :mod:`throttle.upstream`: it finds the running task's limits (its
 ticket), applies the signal to them (:func:`throttle.upstream.policy.apply_signal`), and
-with ``retry=True`` re-publishes a refused task through
-:func:`~throttle.celery.task.defer_task`.
+with ``retry=True`` records a refusal on the ticket and raises :class:`Throttled`: the
+task is re-published once its body exits (:func:`throttle.celery.task.run`, through
+:func:`~throttle.celery.task.defer_task`), never from inside the HTTP client or SDK.
 Users import these from :mod:`throttle.upstream`, as before::
 
     from throttle.upstream import report_upstream, upstream_hook
@@ -13,16 +14,16 @@ Users import these from :mod:`throttle.upstream`, as before::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from celery._state import get_current_task
 
-from throttle.celery.execution import current_ticket
+from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
-from throttle.celery.task import defer_task
 from throttle.errors import BackendError, RequestError, Throttled
 from throttle.spec import Limit
+from throttle.upstream.answers import answer_of
 from throttle.upstream.headers import UpstreamSignal, read_response
 from throttle.upstream.policy import Target, apply_signal, learn
 
@@ -48,14 +49,48 @@ def _release(response: Any) -> None:
         logger.debug("throttle: could not release an upstream response: %s", exc)
 
 
+def _retried_by_client(response: Any) -> int:
+    """How many times the client had already sent this request (``x-stainless-retry-count``,
+    which the ``openai`` and ``anthropic`` SDKs send): 0 for a first attempt, or unknown."""
+    try:
+        request = getattr(response, "request", None)
+        value = request.headers.get("x-stainless-retry-count", "0") if request is not None else 0
+        return int(value)
+    except Exception:  # not an SDK request, or no request at all: a first attempt
+        return 0
+
+
+_warned: set[str] = set()
+"""Task names warned of in this process about calls made again inside the task."""
+
+
+def _warn_retried(task: Any, why: str) -> None:
+    """Once per task name and process: a call was made again inside the task (an SDK's
+    retry, or a call after a refusal). Such a call takes no slot of the limit (the task
+    already holds its one): the limiter never sees it."""
+    name = getattr(task, "name", "?")
+    if name in _warned:
+        return
+    _warned.add(name)
+    logger.warning(
+        "throttle: task %s called the upstream again inside its body (%s): such calls "
+        "take no slot of the limit. Create the SDK's client with max_retries=0 (openai, "
+        "anthropic; stripe: max_network_retries=0; PyGithub: retry=None) and let "
+        "upstream_hook(retry=True) run the task again for its next slot",
+        name, why,
+    )  # fmt: skip
+
+
 def report_upstream(
     response: Any, *, limit: str | Limit | None = None, retry: bool = False
 ) -> UpstreamSignal | None:
     """Hand the upstream's answer to the throttler, from inside a throttled task.
 
-    ``response`` is a ``requests.Response`` or an ``httpx.Response`` (anything with
-    ``status_code`` and ``headers``); see :func:`throttle.upstream.headers.parse_upstream`
-    for what is read.
+    ``response`` is a ``requests.Response``, an ``httpx`` or ``httpx2`` response, or the
+    exception an SDK raised for one: ``openai``'s and ``anthropic``'s ``APIStatusError``
+    (``RateLimitError``), ``stripe``'s ``RateLimitError``, PyGithub's ``GithubException``
+    (anything with a status code and headers: :func:`throttle.upstream.answers.answer_of`);
+    see :func:`throttle.upstream.headers.parse_upstream` for what is read.
 
     * **Hold**: the task's limits (``limit``: only the one of this name) are held for the
       upstream's time, fleet-wide: a keyed limit for the task's key only, a limit without
@@ -84,22 +119,34 @@ def report_upstream(
       is back up, an operator goes back to the configured rate with
       ``RateBook(client, keyspace).clear(name)`` (a warning in the worker's log names the
       limit when it is lowered).
-    * **Retry** (``retry=True``): when the upstream refused the call, the task is run again
-      after the hold: re-published with the same id, arguments, options and links, through
-      the queue's lane, without spending ``max_retries``
-      (:func:`throttle.celery.task.defer_task`).
+    * **Retry** (``retry=True``): when the upstream refused the call, this raises
+      :class:`Throttled` (the hold, the limits), and the task runs again after the hold:
+      when its body exits with an exception, whichever (the ``Throttled``, or what the
+      SDK made of it), it is re-published once, with the same id, arguments, options and
+      links, through the queue's lane, without spending ``max_retries``
+      (:func:`throttle.celery.task.defer_task`). Never from inside the HTTP client: an
+      SDK that wraps the exception, retries the request or meets a 429 again in its own
+      retry loop publishes no second copy. A later answer in the same body that is not a
+      refusal (the SDK's retry was served) cancels it, and a body that returns normally
+      is not run again.
       A refusal that held nothing re-publishes it at once, to take the limit's next free
       slot: its ``Retry-After`` (whole seconds, rounded up) says no more than "within
       rounding", and the limit's spacing keeps it from the calls before it.
-      This raises celery's ``Retry``: let it propagate. The task's ``max_wait`` or
-      ``expires`` still bounds it (ThrottleTimeout, or ``on_timeout``); an upstream that
-      refuses for ever is otherwise retried for ever. In eager mode, direct calls, and
-      tasks that are not throttled, it raises :class:`Throttled` with the hold instead.
+      The task's ``max_wait`` or ``expires`` still bounds it (ThrottleTimeout, or
+      ``on_timeout``); an upstream that refuses for ever is otherwise retried for ever.
+      In eager mode, direct calls, and tasks that are not throttled, the task raises
+      :class:`Throttled` with the hold instead.
+      A call made again inside the body (an SDK's own retry, or any call after a
+      refusal) logs a warning once per task: create the SDK's client with
+      ``max_retries=0``.
 
     Outside a throttled task this holds nothing (like ``report_cost``). Redis errors are
     logged, not raised: the call is made already. Returns what the response said (None:
     nothing to act on).
     """
+    answer = answer_of(response)
+    if answer is not None:
+        response = answer  # an SDK's exception: its HTTP response, or what it kept of it
     signal = read_response(response)
     ticket = current_ticket()
     if ticket is None or ticket.acquisition is None:
@@ -118,10 +165,15 @@ def report_upstream(
     if not picked:  # checked on every response: a misspelt name fails on the first call
         names = ", ".join(repr(current.name) for current, _ in acquisition.targets)
         raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {names})")
+    task = get_current_task()
+    again = _retried_by_client(response)
+    if again or ticket.refusal is not None:
+        _warn_retried(task, f"retry {again} of the client" if again else "after a refusal")
+    if signal is None or not signal.refused:
+        ticket.refusal = None  # this call was served: an earlier refusal is answered
     adaptive = any(rule is not None and rule.adaptive for *_, rule in picked)
     if signal is None and not adaptive:
         return None
-    task = get_current_task()
     throttler = Throttler.of(task.app)
     held = True  # Redis failing: the task comes back after the upstream's time
     try:
@@ -154,23 +206,58 @@ def report_upstream(
         # calls, which have no slot to take, are told the upstream's time).
         eager = task.request.is_eager or task.request.called_directly
         countdown = signal.hold_s if held or eager else 0.0
-        defer_task(countdown, [target.current.name for target in targets])
+        limits = tuple(target.current.name for target in targets)
+        # Recorded, not published: the task comes back when its body exits (run()).
+        ticket.refusal = Refusal(countdown, limits)
+        raise Throttled(countdown, limits)
     return signal
 
 
-def upstream_hook(*, limit: str | Limit | None = None, retry: bool = False) -> Callable[..., None]:
+def _is_async(response: Any) -> bool:
+    """Whether ``response`` came from an ``httpx``/``httpx2`` ``AsyncClient``: its stream
+    iterates only asynchronously (a sync client's, or a response built in memory, also
+    iterates synchronously)."""
+    stream = getattr(response, "stream", None)
+    return hasattr(stream, "__aiter__") and not hasattr(stream, "__iter__")
+
+
+async def _report_async(response: Any, limit: str | Limit | None, retry: bool) -> None:
+    """:func:`report_upstream` for a response of an ``AsyncClient``: a refusal's (short)
+    body is read and the response closed by awaiting, before the task leaves it. The
+    Redis calls block the event loop briefly, as the rest of a Celery task's do."""
+    if retry and response.status_code >= 400:  # an error body is short
+        await response.aread()
+    try:
+        report_upstream(response, limit=limit, retry=retry)
+    except Throttled:
+        await response.aclose()
+        raise
+
+
+def upstream_hook(
+    *, limit: str | Limit | None = None, retry: bool = False
+) -> Callable[..., Coroutine[Any, Any, None] | None]:
     """A response hook that calls :func:`report_upstream` on every response::
 
         session.hooks["response"].append(upstream_hook(retry=True))          # requests
         httpx.Client(event_hooks={"response": [upstream_hook(retry=True)]})  # httpx
+        httpx2.AsyncClient(event_hooks={"response": [upstream_hook(retry=True)]})
+        OpenAI(max_retries=0, http_client=DefaultHttpxClient(event_hooks=...))  # an SDK
 
-    With ``retry=True`` a refused call never returns to the task body: the task is
-    re-published for after the hold (see :func:`report_upstream`). The hook returns None,
+    The same hook serves ``requests``, ``httpx`` and ``httpx2``, sync and async clients
+    (for an ``AsyncClient``'s response it returns the awaitable the client awaits).
+    With ``retry=True`` a refused call never returns to the task body: it raises
+    :class:`Throttled`, and the task is re-published for after the hold when the body
+    exits (see :func:`report_upstream`); give an SDK ``max_retries=0`` (its retries would
+    call the upstream again without a slot). The hook returns None for a sync client,
     which requests needs (a value would replace the response). For ``httpx.AsyncClient``
     outside Celery: :func:`throttle.aio.upstream_hook`.
     """
 
-    def hook(response: Any, *args: Any, **kwargs: Any) -> None:
+    def hook(response: Any, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, None] | None:
+        if _is_async(response):
+            return _report_async(response, limit, retry)
         report_upstream(response, limit=limit, retry=retry)
+        return None
 
     return hook

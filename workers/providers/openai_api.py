@@ -1,0 +1,134 @@
+"""A mock of OpenAI's chat completions API (``POST /v1/chat/completions``), with its rate
+limits: requests and tokens per minute.
+
+* JSON, or a server-sent-event stream with ``"stream": true`` (``chat.completion.chunk``
+  events, the usage in a last chunk with ``stream_options.include_usage``, then
+  ``data: [DONE]``), as the ``openai`` SDK reads them.
+* Usage: the prompt counts one token per 4 characters of its messages (at least 1), the
+  reply ``fill`` x ``max_tokens`` (``max_completion_tokens``; default 16). A call charges
+  the ``tokens`` limit prompt + reply at its arrival, and ``requests`` 1.
+* Every answer carries OpenAI's headers: ``x-ratelimit-limit-{requests,tokens}`` (per
+  minute), ``x-ratelimit-remaining-*``, ``x-ratelimit-reset-*`` (until the bucket is full,
+  as a Go duration: ``20ms``, ``1.5s``, ``6m0s``). A refusal is a 429 with
+  ``retry-after-ms`` and ``retry-after`` and an error body whose ``type`` names the spent
+  limit (``requests`` or ``tokens``). A new limit shows in the next answer's headers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from workers.providers.base import Bucket, Provider, Reply, go_duration, json_body
+
+__all__ = ["OpenAIMock"]
+
+
+def prompt_tokens(request: Mapping[str, Any]) -> int:
+    """The prompt's tokens as the mock counts them: one per 4 characters of its messages."""
+    chars = 0
+    for message in request.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        chars += len(content) if isinstance(content, str) else len(json.dumps(content))
+    return max(math.ceil(chars / 4), 1)
+
+
+class OpenAIMock(Provider):
+    """``OpenAIMock(requests_per_min=600, tokens_per_min=120_000)``."""
+
+    name = "openai"
+
+    def __init__(
+        self,
+        requests_per_min: float = 600,
+        tokens_per_min: float = 120_000,
+        *,
+        burst_s: float = 60.0,
+        fill: float = 0.75,
+    ) -> None:
+        super().__init__({"requests": requests_per_min, "tokens": tokens_per_min}, burst_s=burst_s)
+        self.fill = fill
+
+    def rate_headers(self, buckets: Mapping[str, Bucket]) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for dim in ("requests", "tokens"):
+            bucket = buckets.get(dim)
+            if bucket is None:
+                continue
+            headers[f"x-ratelimit-limit-{dim}"] = f"{bucket.per_minute:.0f}"
+            headers[f"x-ratelimit-remaining-{dim}"] = str(bucket.remaining)
+            headers[f"x-ratelimit-reset-{dim}"] = go_duration(bucket.full_in_s())
+        return headers
+
+    def answer(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        if method != "POST" or path.split("?", 1)[0].rstrip("/") != "/v1/chat/completions":
+            return Reply(
+                404,
+                {},
+                {"error": {"message": f"no such path {path}", "type": "invalid_request_error"}},
+            )
+        request = json_body(body)
+        prompt = prompt_tokens(request)
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+        completion = max(round(int(max_tokens) * self.fill), 1)
+        refused_by, wait_s, buckets = self.take(
+            headers.get("x-task-id"), {"requests": 1, "tokens": prompt + completion}
+        )
+        rate = self.rate_headers(buckets)
+        rate["x-request-id"] = f"req_{uuid.uuid4().hex[:16]}"
+        if refused_by is not None:
+            rate["retry-after-ms"] = str(max(math.ceil(wait_s * 1000), 1))
+            rate["retry-after"] = str(max(math.ceil(wait_s), 1))
+            limit = buckets[refused_by].per_minute
+            message = (
+                f"Rate limit reached for mock-model on {refused_by} per min: Limit {limit:.0f}. "
+                f"Please try again in {go_duration(wait_s)}."
+            )
+            error = {
+                "message": message,
+                "type": refused_by,
+                "param": None,
+                "code": "rate_limit_exceeded",
+            }
+            return Reply(429, rate, {"error": error})
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}  # fmt: skip
+        model = str(request.get("model") or "mock-model")
+        ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        text = " ".join(["token"] * completion)
+        if request.get("stream"):
+            options = request.get("stream_options") or {}
+            raw = _stream(ident, model, text, usage if options.get("include_usage") else None)
+            return Reply(200, rate, raw=raw, content_type="text/event-stream")
+        completion_body = {
+            "id": ident, "object": "chat.completion", "created": 1_700_000_000, "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": usage,
+        }  # fmt: skip
+        return Reply(200, rate, completion_body)
+
+
+def _stream(ident: str, model: str, text: str, usage: dict[str, int] | None) -> bytes:
+    """The SSE events of a streamed completion: a role delta, one delta per word, the
+    finish, the usage chunk (asked for), ``[DONE]``."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        event = {"id": ident, "object": "chat.completion.chunk", "created": 1_700_000_000,
+                 "model": model, "choices": choices, **extra}  # fmt: skip
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def delta(content: dict[str, Any], finish: str | None = None) -> bytes:
+        return chunk([{"index": 0, "delta": content, "finish_reason": finish}])
+
+    parts = [delta({"role": "assistant", "content": ""})]
+    words = text.split(" ")
+    parts += [delta({"content": word if i == 0 else " " + word}) for i, word in enumerate(words)]
+    parts.append(delta({}, "stop"))
+    if usage is not None:
+        parts.append(chunk([], usage=usage))
+    parts.append(b"data: [DONE]\n\n")
+    return b"".join(parts)
