@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import httpx2
+import openai
 import pytest
 import redis
 import redis.asyncio
@@ -22,6 +24,7 @@ from throttle.adaptive import Adaptive
 from throttle.adaptive import LearnedRates as SyncLearnedRates
 from throttle.aio import LearnedRates, Limiter, RateBook, apply_upstream, upstream_hook
 from throttle.rates import RateBook as SyncRateBook
+from throttle.upstream import apply_upstream as sync_apply_upstream
 
 
 class Upstream:
@@ -247,3 +250,25 @@ def test_with_a_learned_book_the_hook_answers_in_proportion_and_learns(
     # and a blocking book reads the same learned state
     sync = SyncLearnedRates(clocked.client, clocked.keyspace, clock_us=clock)
     assert sync.read(limit, None, learning).rate_per_s == pytest.approx(10.0)
+
+
+def test_an_sdks_exception_holds_the_limit_as_its_response_would(
+    arun: Callable[[Callable[..., Any]], Any], clocked: SyncLimiter, clock: FakeClock
+) -> None:
+    # Given the error an SDK raised for a refused call (openai's, on httpx2)
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+    request = httpx2.Request("POST", "https://api.openai.com/v1/chat/completions")
+    refused = httpx2.Response(429, headers={"retry-after-ms": "1500"}, request=request)
+    error = openai.RateLimitError("rate limited", response=refused, body=None)
+
+    # When the asyncio code and the plain helper are handed the exception itself
+    async def body(limiter: Limiter, rates: RateBook) -> Any:
+        return await apply_upstream(limiter, error, limit, "acct-1")
+
+    signal = arun(body)
+    # Then the limit is held for the provider's time, for that key, fleet-wide
+    assert signal is not None and signal.hold_s == pytest.approx(1.5)
+    assert not clocked.acquire(limit, "acct-1").allowed
+    assert clocked.acquire(limit, "acct-2").allowed
+    assert sync_apply_upstream(clocked, error, limit, "acct-3") == signal
+    assert not clocked.acquire(limit, "acct-3").allowed

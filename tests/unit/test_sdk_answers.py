@@ -71,6 +71,8 @@ def test_an_sdks_exception_reads_as_its_answer(error: Exception) -> None:
     assert answer is not None
     signal = read_response(answer)
     assert signal is not None and signal.refused and signal.hold_s == 7.0
+    # read_response takes the exception itself, as apply_upstream and the asyncio twin do
+    assert read_response(error) == signal
 
 
 def test_a_response_is_its_own_answer_and_other_objects_none() -> None:

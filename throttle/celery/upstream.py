@@ -146,7 +146,7 @@ def report_upstream(
     """
     answer = answer_of(response)
     if answer is not None:
-        response = answer  # an SDK's exception: its HTTP response, or what it kept of it
+        response = answer  # an SDK's exception: its HTTP response (released below)
     signal = read_response(response)
     ticket = current_ticket()
     if ticket is None or ticket.acquisition is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from throttle.errors import RequestError
 from throttle.upstream import dialects, values
+from throttle.upstream.answers import answer_of
 from throttle.upstream.dialects import Reading
 
 __all__ = [
@@ -398,8 +399,12 @@ def _body(response: Any) -> str | None:
 
 def read_response(response: Any, *, now: float | None = None) -> UpstreamSignal | None:
     """:func:`parse_upstream` of a ``requests.Response`` or ``httpx.Response`` (anything with
-    ``status_code`` and ``headers``). The body is read only when it decides the answer
-    (:func:`wants_body`)."""
+    ``status_code`` and ``headers``), or of the exception an SDK raised for a refused call
+    (:func:`throttle.upstream.answers.answer_of`: ``openai``, ``anthropic``, ``stripe``,
+    PyGithub). The body is read only when it decides the answer (:func:`wants_body`)."""
+    answer = answer_of(response)
+    if answer is not None:
+        response = answer
     status = getattr(response, "status_code", None)
     headers = getattr(response, "headers", None)
     if not isinstance(status, int) or headers is None:
