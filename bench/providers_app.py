@@ -21,7 +21,7 @@ from throttle.celery import install, report_usage, throttled
 from throttle.upstream import upstream_hook
 from workers.harness import WORKER_SETTINGS
 
-BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")
+BROKER = os.environ["DEMO_BROKER_URL"]  # the benchmark's own redis-server
 URL = os.environ.get("MOCK_PROVIDER_URL", "http://127.0.0.1:8080")
 SDK_RETRIES = int(os.environ.get("SDK_MAX_RETRIES", "0"))
 

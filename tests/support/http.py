@@ -19,4 +19,5 @@ def post_json(url: str, body: object, token: str | None = None) -> tuple[int, An
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+        with exc:  # it holds the response's socket
+            return exc.code, json.load(exc)

@@ -266,4 +266,5 @@ def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
     request = urllib.request.Request(f"{controlled}/api/state", headers={"Host": "evil.example"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
+    refused.value.close()  # an HTTPError holds its response's socket
     assert refused.value.code == 421
