@@ -214,7 +214,12 @@ def test_status_json_reports_what_the_limiter_holds(cli: Cli) -> None:
     assert data["workers"] is None and api["in_flight"] is None  # --timeout 0
     assert data["prefix"] == cli.limiter.keyspace.prefix
     assert api["per_minute"] == {"denied": 5.0, "parked": 5.0, "timeout": 2.0}
-    assert rows["shaper"]["per_minute"] == {"denied": 0.0, "parked": 0.0, "timeout": 0.0}
+    assert rows["shaper"]["per_minute"] == {
+        "denied": 0.0,
+        "parked": 0.0,
+        "timeout": 0.0,
+        "waited": 0.0,
+    }
 
 
 def _last_minute(cli: Cli) -> StatsBook:

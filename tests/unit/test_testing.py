@@ -19,7 +19,7 @@ from celery import Celery
 from throttle import ConfigError, Limit, ThrottleTimeout
 from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
-from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep
+from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep, pool_name
 from throttle.testing import MemoryLimiter, memory_limiter, reset, use_memory
 
 LIMITS = {
@@ -197,6 +197,31 @@ def test_switched_off_tasks_run_unthrottled_without_redis(
     assert getattr(app, "_throttler", None) is None
 
 
-def test_a_worker_refuses_the_memory_limiter(app: Celery) -> None:
-    with pytest.raises(ConfigError, match="serves one process"):
-        ThrottleStep(SimpleNamespace(app=app, hostname="w@test", concurrency=2))
+def test_a_prefork_worker_of_several_children_refuses_the_memory_limiter(app: Celery) -> None:
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=2, pool_cls="prefork")
+    with pytest.raises(ConfigError, match="serves one process: the prefork pool with 2 child"):
+        ThrottleStep(worker)
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency"),
+    [("solo", 1), ("threads", 8), ("gevent", 100), ("eventlet", 100), ("prefork", 1)],
+)
+def test_a_one_process_worker_takes_the_memory_limiter(
+    app: Celery, pool: str, concurrency: int
+) -> None:
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=concurrency, pool_cls=pool)
+    step = ThrottleStep(worker)
+    assert step.in_memory  # no fence, no releaser: nothing is parked in memory
+    step.start(worker)
+    assert step.releaser is None
+
+
+def test_the_pool_is_named_from_an_alias_or_a_class() -> None:
+    from celery.concurrency.solo import TaskPool as Solo  # noqa: PLC0415
+    from celery.concurrency.thread import TaskPool as Threads  # noqa: PLC0415
+
+    assert pool_name(SimpleNamespace(pool_cls=Solo)) == "solo"
+    assert pool_name(SimpleNamespace(pool_cls=Threads)) == "threads"
+    assert pool_name(SimpleNamespace(pool_cls="threads")) == "threads"
+    assert pool_name(SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool")) == "prefork"
