@@ -102,6 +102,9 @@ class Throttler:
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
+        # peek("name") as hold("name"): the file's limits by name (inline ones: see
+        # known_limits).
+        limiter.limits.update({name: rule.limit for name, rule in config.rules.items()})
         self.in_memory = getattr(limiter, "server", None) is not None
         """The limiter is the in-memory one (``memory://``, :mod:`throttle.testing`): it
         never parks (no releaser in a one-process worker)."""
