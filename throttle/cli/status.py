@@ -261,8 +261,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     out.append(f"parked   {data['parked']} tasks in Redis, {data['releasing']} being released")
     span = counted(data["minutes"], "whole minute")
     out.append(
-        f"denied   tasks not admitted at once (waited for their slot, or deferred) per minute "
-        f"over the last {span}, fleet-wide"
+        f"denied   tasks per minute that waited for their slot or were deferred, "
+        f"fleet-wide, over the last {span}"
     )
     workers = data["workers"]
     if workers is None:
