@@ -28,10 +28,13 @@ from typing import Any
 from throttle import adaptive, config, rules, spec
 
 MARKER = re.compile(
-    r"(?P<open><!-- throttle-reference: (?P<name>\w+) -->\n)(?P<body>.*?)(?P<close><!-- /throttle-reference -->)",
+    r"(?P<open><!-- throttle-reference: (?P<name>\w+) -->\n)(?P<body>.*?)"
+    r"(?P<close><!-- /throttle-reference -->)",
     re.DOTALL,
 )
-EXAMPLE = re.compile(r"(?P<open><!-- throttle-example -->\n```yaml\n)(?P<body>.*?)(?P<close>^```)", re.M | re.S)
+EXAMPLE = re.compile(
+    r"(?P<open><!-- throttle-example -->\n```yaml\n)(?P<body>.*?)(?P<close>^```)", re.M | re.S
+)
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "configuration.md"
 

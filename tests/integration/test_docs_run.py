@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib
 import inspect
 import os
@@ -112,10 +113,15 @@ class Page:
         compiled = compile(
             self.local_text(code), block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         )
+        before = dict(self.namespace)
         if compiled.co_flags & inspect.CO_COROUTINE:
             self.loop.run_until_complete(eval(compiled, self.namespace))
         else:
             exec(compiled, self.namespace)
+        kept = {id(value) for value in self.namespace.values()}
+        for name, value in before.items():  # a name given to a new client: the old one ends
+            if id(value) not in kept and not name.startswith("__"):
+                self.release(value)
 
     def file(self, block: Block) -> None:
         assert block.path is not None
@@ -211,7 +217,27 @@ class Page:
             assert time.monotonic() < deadline, self.worker_log.read_text()[-3000:]
             time.sleep(0.1)
 
+    def release(self, value: Any) -> None:
+        """Close ``value`` if it is a client or a session (or holds one as ``client``)."""
+        for thing in (getattr(value, "client", None), value):
+            if thing is None or isinstance(thing, type) or inspect.ismodule(thing):
+                continue
+            closer = getattr(thing, "aclose", None)
+            if callable(closer) and inspect.iscoroutinefunction(closer):
+                self.loop.run_until_complete(closer())
+                continue
+            closer = getattr(thing, "close", None)
+            if callable(closer) and not inspect.iscoroutinefunction(closer):
+                with contextlib.suppress(TypeError):  # a close() wanting arguments: no resource
+                    closer()
+
     def close(self) -> None:
+        """Close what the page's code left open (clients, sessions: a reader's script
+        exits there), its event loop and its worker."""
+        for value in list(self.namespace.values()):
+            self.release(value)
+        self.namespace.clear()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
         if self.worker is not None:
             self.worker.send_signal(signal.SIGTERM)

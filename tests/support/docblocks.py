@@ -30,7 +30,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S)
+FENCE = re.compile(
+    r"^(?P<indent>[ ]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S
+)
 MARKER = re.compile(r"<!--\s*docs:\s*(?P<kind>skip|worker|setup)\b(?P<rest>.*?)-->", re.S)
 PATH_COMMENT = re.compile(r"#\s*(?P<path>[\w./-]+\.(?:py|ya?ml|cfg|toml|ini))\b")
 
