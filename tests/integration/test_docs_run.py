@@ -93,11 +93,23 @@ class Page:
         for name in os.environ:
             if name.startswith(("THROTTLE_", "CELERY_")):
                 monkeypatch.delenv(name)
+        # Belt and braces: Celery reads these before any URL in code, so no block can reach
+        # a broker or backend other than ours, whatever its text.
+        for name, db in (("CELERY_BROKER_URL", 0), ("CELERY_RESULT_BACKEND", 1)):
+            self.env[name] = f"redis://{self.local}/{db}"
+            monkeypatch.setenv(name, self.env[name])
+        for path in project.rglob("*"):  # the quick start's files: at our server
+            if path.is_file() and path.suffix in (".py", ".yaml"):
+                path.write_text(self.local_text(path.read_text()))
         monkeypatch.chdir(project)
         monkeypatch.syspath_prepend(str(project))
 
     def local_text(self, text: str) -> str:
-        return text.replace("localhost:6379", self.local)
+        """``text`` with the docs' Redis (``localhost:6379``) pointed at ours; any other
+        address of port 6379 (this machine's own Redis) is refused."""
+        text = text.replace("localhost:6379", self.local)
+        assert ":6379" not in text, f"a Redis at port 6379 that the runner did not start:\n{text}"
+        return text
 
     def shown_text(self, text: str) -> str:
         """An output as the page shows it: the private server as ``localhost:6379``."""
@@ -183,8 +195,15 @@ class Page:
             updates.append((block, "".join(shown)))
 
     def run(self, command: str) -> subprocess.CompletedProcess[str]:
+        """``command`` in the project, by bash; an UPPER_CASE string of the page's Python
+        (``TASK_ID = result.id``) is in its environment (``$TASK_ID``)."""
+        shared = {
+            name: value
+            for name, value in self.namespace.items()
+            if name.isupper() and isinstance(value, str)
+        }
         return subprocess.run(
-            ["bash", "-c", self.local_text(command)], cwd=self.project, env=self.env,
+            ["bash", "-c", self.local_text(command)], cwd=self.project, env={**self.env, **shared},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60,
             check=False,
         )  # fmt: skip
@@ -195,7 +214,10 @@ class Page:
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error",
              "--rootdir", str(self.project), *self.tests],
-            cwd=self.project, env=self.env, capture_output=True, text=True, timeout=60,
+            # As a user runs them: the app's own settings (its files point at our server),
+            # none from the environment.
+            cwd=self.project, capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in self.env.items() if not k.startswith("CELERY_")},
             check=False,
         )  # fmt: skip
         assert done.returncode == 0, f"the page's tests failed:\n{done.stdout[-6000:]}"

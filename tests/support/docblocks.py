@@ -184,7 +184,8 @@ def session(text: str) -> list[Step]:
 
 def matches(expected: str, actual: str) -> bool:
     """Whether ``actual`` output matches the page's ``expected``: line by line, trailing
-    spaces ignored; a line ``...`` matches any lines (none included)."""
+    spaces ignored; a line ``...`` matches any lines (none included), and ``...`` within
+    a line any text (an id, a time)."""
     want = [line.rstrip() for line in expected.rstrip("\n").split("\n")]
     got = [line.rstrip() for line in actual.rstrip("\n").split("\n")]
     return _match(want, got)
@@ -195,4 +196,11 @@ def _match(want: list[str], got: list[str]) -> bool:
         return not got
     if want[0] == "...":
         return any(_match(want[1:], got[i:]) for i in range(len(got) + 1))
-    return bool(got) and want[0] == got[0] and _match(want[1:], got[1:])
+    return bool(got) and _line(want[0], got[0]) and _match(want[1:], got[1:])
+
+
+def _line(want: str, got: str) -> bool:
+    if "..." not in want:
+        return want == got
+    pattern = ".*".join(re.escape(part) for part in want.split("..."))
+    return re.fullmatch(pattern, got) is not None
