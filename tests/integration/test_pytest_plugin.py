@@ -119,7 +119,7 @@ def test_holds_work_in_memory(celery_app, tasks, throttle_memory):
 def test_the_plugin_serves_celerys_test_worker_and_eager_tests(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_user=TESTS)
-    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
 
 
@@ -165,7 +165,7 @@ def test_throttle_redis_uses_a_prefix_of_its_own_and_cleans_up(
     with RedisServer() as server:
         client = server.client()
         client.set("theirs", "kept")
-        result = pytester.runpytest_inprocess(
+        result = pytester.runpytest_subprocess(
             "-q", "-p", "no:cacheprovider", "--throttle-redis-url", server.url,
             "test_redis.py::test_on_a_real_redis",
         )  # fmt: skip
@@ -173,6 +173,6 @@ def test_throttle_redis_uses_a_prefix_of_its_own_and_cleans_up(
         assert [key.decode() for key in client.scan_iter()] == ["theirs"]
         client.close()
     monkeypatch.delenv("THROTTLE_TEST_REDIS_URL", raising=False)
-    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-k", "without")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-k", "without")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*throttle_redis needs a Redis: set $THROTTLE_TEST_REDIS_URL*"])

@@ -86,3 +86,21 @@ def test_readme_links_to_files_that_exist() -> None:
     assert "make demo" in readme and "make test" in readme
     assert "pip install celery-throttled" in readme
     assert len(readme.splitlines()) < 200
+
+
+def test_the_command_synopsis_lists_every_registered_command() -> None:
+    from throttle.cli import throttle  # noqa: PLC0415
+
+    for page in ("docs/command.md", "docs/operations.md"):
+        (synopsis,) = (
+            b for b in _blocks((ROOT / page).read_text()) if "throttle status [--json]" in b
+        )
+        listed = {line.split()[4] for line in synopsis.splitlines() if line.strip()}
+        assert listed == set(throttle.commands), (page, listed ^ set(throttle.commands))
+
+
+def test_the_readme_links_no_site_that_is_not_published() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "readthedocs" not in readme
+    assert "raw.githubusercontent.com" not in readme
+    assert "](docs/demo.png)" in readme
