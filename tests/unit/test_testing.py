@@ -16,10 +16,11 @@ import pytest
 import redis
 from celery import Celery
 
-from throttle import ConfigError, Limit, ThrottleTimeout
+from throttle import ConfigError, Limit, RequestError, ThrottleTimeout
 from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep, pool_name
+from throttle.cli.task import _task_limits, finished
 from throttle.testing import MemoryLimiter, memory_limiter, reset, use_memory
 
 LIMITS = {
@@ -225,3 +226,39 @@ def test_the_pool_is_named_from_an_alias_or_a_class() -> None:
     assert pool_name(SimpleNamespace(pool_cls=Threads)) == "threads"
     assert pool_name(SimpleNamespace(pool_cls="threads")) == "threads"
     assert pool_name(SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool")) == "prefork"
+
+
+def test_peek_takes_a_limits_name_as_hold_does(app: Celery) -> None:
+    @app.task(shared=False)
+    @throttled("20/s burst 1", algorithm="gcra")
+    def inline() -> None: ...
+
+    limiter = memory_limiter(app)
+    assert limiter.peek("five").remaining == 1  # the file's limit, by name
+    (own,) = (name for name in limiter.limits if name.endswith(".inline"))  # its function's
+    assert limiter.peek(own).remaining == 1
+    limiter.hold("five", None, 60)
+    assert limiter.peek("five").retry_after_s == pytest.approx(60, abs=1)
+    with pytest.raises(RequestError, match="unknown limit 'nope': peek needs its rate; known"):
+        limiter.peek("nope")
+
+
+def test_a_task_state_shows_a_plans_limit_once() -> None:
+    base = "throttle:{default}:"
+    keys: list[bytes | None] = [
+        f"{base}tb:openai-tokens:acme".encode(),
+        f"{base}tb:openai-tokens.plan:acme".encode(),
+        f"{base}gcra:github".encode(),
+        None,
+    ]
+    assert _task_limits(keys, base) == ["openai-tokens", "github"]
+
+
+def test_a_finished_task_is_told_by_the_result_backend() -> None:
+    app = Celery("results", set_as_current=False, backend="cache+memory://")
+    app.backend.mark_as_done("done-id", 42)
+    app.backend.mark_as_started("running-id")
+    assert finished(app, "done-id") == "SUCCESS"
+    assert finished(app, "running-id") is None
+    assert finished(app, "never-seen") is None
+    assert finished(Celery("none", set_as_current=False), "done-id") is None  # no backend
