@@ -24,6 +24,9 @@ their own app overrides it in a ``conftest.py``::
 - ``throttle_recorder``: a :class:`~throttle.testing.Recorder` of the app's limiter (the
   in-memory one, unless the test also asks for ``throttle_redis``): which tasks were
   throttled and how long they were told to wait.
+- ``throttle_upstream``: :func:`throttle.testing.upstream_response`, a factory of a
+  provider's refusals (429 with OpenAI's, Anthropic's, GitHub's, Stripe's, Discord's or
+  the generic headers), to test a task's reaction without a network.
 
 Each fixture puts the app's settings back as they were when the test ends.
 """
@@ -163,3 +166,13 @@ def throttle_recorder(throttle_app: Any, request: pytest.FixtureRequest) -> Iter
         yield recorder
     finally:
         recorder.stop()
+
+
+@pytest.fixture
+def throttle_upstream() -> Any:
+    """:func:`throttle.testing.upstream_response`: ``throttle_upstream("openai",
+    dimension="tokens", retry_after_s=20)`` is the ``httpx.Response`` of OpenAI's 429 of
+    spent tokens."""
+    from throttle.testing import upstream_response  # noqa: PLC0415
+
+    return upstream_response

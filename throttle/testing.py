@@ -63,12 +63,15 @@ from throttle.memory import MemoryLimiter, MemoryRedis
 
 __all__ = [
     "MEMORY_URL",
+    "PROVIDERS",
     "MemoryLimiter",
     "MemoryRedis",
     "Recorder",
     "Seen",
+    "UpstreamError",
     "memory_limiter",
     "reset",
+    "upstream_response",
     "use_memory",
 ]
 
@@ -198,3 +201,107 @@ def _many(targets: Sequence[Any], *args: Any, **kwargs: Any) -> tuple[str, ...]:
 
 def _one(limit: Any, *args: Any, **kwargs: Any) -> tuple[str, ...]:
     return (getattr(limit, "name", str(limit)),)
+
+
+PROVIDERS = ("generic", "openai", "anthropic", "github", "stripe", "discord")
+"""The header dialects :func:`upstream_response` speaks (``throttle.upstream`` reads each)."""
+
+
+def upstream_response(
+    provider: str = "generic",
+    *,
+    status: int = 429,
+    retry_after_s: float | None = 2.0,
+    limit: int = 60,
+    remaining: int = 0,
+    reset_s: float = 2.0,
+    dimension: str = "requests",
+    now: float | None = None,
+) -> Any:
+    """An upstream's answer as the provider sends it, to test a task's reaction without a
+    network: an ``httpx.Response`` (a ``requests``-like stand-in without httpx) with
+    ``status`` and the provider's rate-limit headers: ``limit`` and ``remaining`` of
+    ``dimension`` (``requests`` or ``tokens`` for OpenAI and Anthropic), reset in
+    ``reset_s`` seconds, and ``Retry-After`` (None: none).
+
+    ``generic``: ``RateLimit-Limit``/``-Remaining``/``-Reset``; ``openai``:
+    ``x-ratelimit-*-{dimension}`` with Go durations and ``retry-after-ms``; ``anthropic``:
+    ``anthropic-ratelimit-{dimension}-*`` with an RFC 3339 reset; ``github``:
+    ``x-ratelimit-*`` with ``x-ratelimit-resource: core`` and an epoch reset; ``stripe``:
+    ``Stripe-Rate-Limited-Reason`` (``dimension`` is the reason); ``discord``: a bucket's
+    ``X-RateLimit-*`` with ``Reset-After`` and ``Scope: user``."""
+    import datetime  # noqa: PLC0415 (tests only)
+    import time  # noqa: PLC0415
+
+    at = time.time() if now is None else now
+    headers: dict[str, str] = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = f"{max(round(retry_after_s), 0)}"
+    if provider == "generic":
+        headers.update(
+            {"RateLimit-Limit": f"{limit}", "RateLimit-Remaining": f"{remaining}",
+             "RateLimit-Reset": f"{max(round(reset_s), 0)}"}
+        )  # fmt: skip
+    elif provider == "openai":
+        headers.update(
+            {f"x-ratelimit-limit-{dimension}": f"{limit}",
+             f"x-ratelimit-remaining-{dimension}": f"{remaining}",
+             f"x-ratelimit-reset-{dimension}": f"{reset_s:g}s"}
+        )  # fmt: skip
+        if retry_after_s is not None:
+            headers["retry-after-ms"] = f"{round(retry_after_s * 1000)}"
+    elif provider == "anthropic":
+        stamp = datetime.datetime.fromtimestamp(at + reset_s, tz=datetime.timezone.utc)
+        base = f"anthropic-ratelimit-{dimension}-"
+        headers.update(
+            {base + "limit": f"{limit}", base + "remaining": f"{remaining}",
+             base + "reset": stamp.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        )  # fmt: skip
+    elif provider == "github":
+        headers.update(
+            {"x-ratelimit-limit": f"{limit}", "x-ratelimit-remaining": f"{remaining}",
+             "x-ratelimit-used": f"{limit - remaining}", "x-ratelimit-resource": "core",
+             "x-ratelimit-reset": f"{int(at + reset_s)}"}
+        )  # fmt: skip
+    elif provider == "stripe":
+        headers["Stripe-Rate-Limited-Reason"] = dimension
+    elif provider == "discord":
+        headers.update(
+            {"X-RateLimit-Limit": f"{limit}", "X-RateLimit-Remaining": f"{remaining}",
+             "X-RateLimit-Reset-After": f"{reset_s:g}", "X-RateLimit-Bucket": "abcd1234",
+             "X-RateLimit-Scope": "user"}
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown provider {provider!r}; one of {', '.join(PROVIDERS)}")
+    try:
+        import httpx  # noqa: PLC0415
+    except ImportError:
+        return _Response(status, headers)
+    return httpx.Response(
+        status, headers=headers, request=httpx.Request("GET", "https://api.test/")
+    )
+
+
+class _Response:
+    """A response with ``status_code`` and case-insensitive ``headers``, as requests' has."""
+
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        from requests.structures import CaseInsensitiveDict  # noqa: PLC0415
+
+        self.status_code = status
+        self.headers = CaseInsensitiveDict(headers)
+        self.text = ""
+
+
+class UpstreamError(Exception):
+    """An SDK's error for a refused call, as OpenAI's and Anthropic's SDKs raise them
+    (``RateLimitError``): the response in ``.response``, its ``.status_code``. Raise it
+    from a stand-in client to test a task's ``except`` clause::
+
+        raise UpstreamError(upstream_response("openai", dimension="tokens"))
+    """
+
+    def __init__(self, response: Any) -> None:
+        super().__init__(f"upstream refused: {response.status_code}")
+        self.response = response
+        self.status_code = response.status_code

@@ -21,7 +21,16 @@ from throttle.celery import ThrottledTask, install, report_cost, slot_time, thro
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep, pool_name
 from throttle.cli.task import _task_limits, finished
-from throttle.testing import MemoryLimiter, memory_limiter, reset, use_memory
+from throttle.testing import (
+    PROVIDERS,
+    MemoryLimiter,
+    UpstreamError,
+    memory_limiter,
+    reset,
+    upstream_response,
+    use_memory,
+)
+from throttle.upstream import read_response
 
 LIMITS = {
     "five": {"algorithm": "gcra", "rate": "5/s", "burst": 1},
@@ -262,3 +271,20 @@ def test_a_finished_task_is_told_by_the_result_backend() -> None:
     assert finished(app, "running-id") is None
     assert finished(app, "never-seen") is None
     assert finished(Celery("none", set_as_current=False), "done-id") is None  # no backend
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_the_upstream_responses_speak_each_providers_dialect(provider: str) -> None:
+    now = 1_800_000_000.0
+    response = upstream_response(
+        provider, retry_after_s=None, reset_s=30, dimension="tokens", now=now
+    )
+    signal = read_response(response, now=now)
+    assert signal is not None and signal.refused, provider
+    assert signal.hold_s == pytest.approx(30, abs=1) or provider == "stripe", signal
+    with_retry = read_response(upstream_response(provider, retry_after_s=7, now=now), now=now)
+    assert with_retry is not None and with_retry.hold_s == pytest.approx(7, abs=1), provider
+    error = UpstreamError(response)
+    assert (error.status_code, error.response) == (429, response)
+    with pytest.raises(ValueError, match="unknown provider 'acme'; one of generic, openai"):
+        upstream_response("acme")
