@@ -86,9 +86,13 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
             return {**out, "state": "done", "result": result, "until": until}
         return {**out, "state": "started", "until": until}
 
+    if lease.get("s") == b"2":  # settled: it ran, whatever deferrals came before
+        return {**out, "state": "done", "result": finished(app, task_id), "until": None}
     trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
     if trail:
-        limits = [str(name) for name in json.loads(trail.get("limits", "[]"))]
+        limits = list(
+            dict.fromkeys(rule_name(str(n)) for n in json.loads(trail.get("limits", "[]")))
+        )
         until = float(trail.get("until", "0"))
         out.update(limits=limits, at=float(trail.get("at", "0")), until=round(until, 3))
         how = trail.get("how")
@@ -101,11 +105,13 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
                 state = "paused" if math.isinf(left) else "held"
                 until_held = None if math.isinf(left) else round(now + left, 3)
                 return {**out, "state": state, "held_by": name, "until": until_held}
-        if how == "park":  # released: back at the broker (or running) since
-            return {**out, "state": "released"}
-        return {**out, "state": "republished" if until > now else "released"}
-    if lease.get("s") == b"2":
-        return {**out, "state": "done", "result": finished(app, task_id), "until": None}
+        if until > now and how != "park":
+            return {**out, "state": "republished"}
+        # released (back at the broker, or running since), unless the results say it ended
+        result = finished(app, task_id)
+        if result is not None:
+            return {**out, "state": "done", "result": result, "until": None}
+        return {**out, "state": "released"}
     return {**out, "state": "unknown", "until": None}
 
 
