@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from throttle.adaptive import ADAPTIVE_FIELDS, parse_adaptive
-from throttle.errors import ConfigError
+from throttle.errors import ConfigError, did_you_mean
 from throttle.redis.keys import KeySpace, text_error
 from throttle.rules import Rule
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
@@ -343,7 +343,8 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
     """One entry of ``settings:``, validated: ``{Settings argument: value}``."""
     if not isinstance(key, str) or key not in _SETTINGS_FIELDS:
         raise ConfigError(
-            f"unknown setting; expected one of {', '.join(_SETTINGS_FIELDS)}",
+            f"unknown setting{did_you_mean(key, _SETTINGS_FIELDS)}; "
+            f"expected one of {', '.join(_SETTINGS_FIELDS)}",
             field=f"settings.{key}", value=value, source=source,
         )  # fmt: skip
     kind = _SETTINGS_FIELDS[key]
@@ -555,7 +556,10 @@ def _read(path: str | os.PathLike[str]) -> object:
         with open(path, "rb") as file:
             data = file.read(_MAX_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"cannot read the limits file: {exc.strerror}", source=source) from None
+        raise ConfigError(
+            f"cannot read the limits file {os.path.abspath(path)!r}: {exc.strerror}",
+            source=source,
+        ) from None
     if len(data) > _MAX_BYTES:
         raise ConfigError(f"larger than {_MAX_BYTES >> 20} MiB: not a limits file", source=source)
     try:
@@ -602,7 +606,8 @@ def _build(document: object, source: str | None, errors: Errors) -> ThrottleConf
             _report(
                 errors,
                 ConfigError(
-                    f"unknown section; expected one of {', '.join(_TOP_FIELDS)}",
+                    f"unknown section{did_you_mean(key, _TOP_FIELDS)}; "
+                    f"expected one of {', '.join(_TOP_FIELDS)}",
                     field=str(key), value=document[key], source=source,
                 ),
             )  # fmt: skip

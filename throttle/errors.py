@@ -15,9 +15,10 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
 
 from __future__ import annotations
 
+import difflib
 import math
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "BackendError",
@@ -59,6 +60,15 @@ class _Shown(reprlib.Repr):
 
 
 _shown = _Shown()
+
+
+def did_you_mean(given: object, known: Iterable[str]) -> str:
+    """`` (did you mean 'X'?)`` when ``given`` is a near miss of one of ``known`` (a typo:
+    ``on_eror``, ``refrsh``), else an empty string; to put in an error's problem."""
+    if not isinstance(given, str):
+        return ""
+    close = difflib.get_close_matches(given.lower(), list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class ThrottleError(Exception):

@@ -150,6 +150,10 @@ class RequestBuilder(Generic[_S]):
         spacing of a slot (or call) the lost state may have granted, and they refill from
         there. The cost: one GET per call, and after each loss of the data no slot for
         ``fence_s`` and no burst until refilled (see ``lua/prelude.lua``)."""
+        self.limits: dict[str, Limit] = {}
+        """Limits known by name, so that :meth:`Limiter.peek` takes a name as
+        :meth:`Limiter.hold` does. Empty for a limiter of your own (add yours); the Celery
+        layer fills it with the limits file's and the app's inline limits."""
         self._space_script: _S | None = None
         # register(function, source): an operation, called as the library's function or
         # as the script of that source. Registering sends nothing: the library or the
@@ -295,8 +299,19 @@ class RequestBuilder(Generic[_S]):
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
         return self._scripts_for(codes)[1], list(acquisition.keys), args, settlement
 
-    def _peek_request(self, limit: Limit, key: str | None, cost: float) -> Request[_S, LimitState]:
+    def _peek_request(
+        self, limit: Limit | str, key: str | None, cost: float
+    ) -> Request[_S, LimitState]:
         """The call of a peek (see :meth:`Limiter.peek`)."""
+        if isinstance(limit, str):
+            known = self.limits.get(limit)
+            if known is None:
+                names = ", ".join(sorted(self.limits)) or "none"
+                raise RequestError(
+                    f"unknown limit {limit!r}: peek needs its rate; known limits: {names} "
+                    "(add yours to Limiter.limits, or pass a Limit)"
+                )
+            limit = known
         if not isinstance(limit, Limit):
             raise RequestError(f"expected a Limit, e.g. Limit.parse('50/s') (got {limit!r})")
         if key is not None and (type(key) is not str or not key):
@@ -560,11 +575,13 @@ class Limiter(RequestBuilder[Routine[Script]]):
         """Settle at the reserved cost: release concurrency units, refund or charge nothing."""
         return self.settle(acquisition, None)
 
-    def peek(self, limit: Limit, key: str | None = None, *, cost: float = 1.0) -> LimitState:
+    def peek(self, limit: Limit | str, key: str | None = None, *, cost: float = 1.0) -> LimitState:
         """What an acquire of ``cost`` would be told now, taking nothing: the ``remaining``
         tokens now (units, for concurrency), ``retry_after_s`` until such a call could pass
         (the next free slot; ``inf`` while the limit is paused), ``reset_after_s`` until
-        full. For status displays and gauges: one round trip, like an acquire."""
+        full. For status displays and gauges: one round trip, like an acquire. ``limit``
+        is a :class:`Limit`, or the name of one in :attr:`limits` (a throttled app's
+        limiter knows its file's and inline limits)."""
         script, keys, args, decode = self._peek_request(limit, key, cost)
         return decode(self._call(script, keys, args))
 

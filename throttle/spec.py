@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from throttle.errors import ConfigError
+from throttle.errors import ConfigError, did_you_mean
 from throttle.units import real
 
 __all__ = ["FAIR_CODE", "PLAN_SUFFIX", "Algorithm", "Limit", "check_fields", "check_name"]
@@ -86,6 +86,10 @@ _UNITS_S = {
     "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
     "d": 86400.0, "day": 86400.0, "days": 86400.0,
 }  # fmt: skip
+UNIT_NAMES = (
+    "ms, s (sec, second), m (min, minute), h (hr, hour) or d (day), or a plural (mins, hours)"
+)
+"""The time units a rate accepts, as an error message lists them."""
 _NUMBER = r"\d+(?:\.\d+)?"
 _RATE_RE = re.compile(
     rf"(?P<count>{_NUMBER})\s*/\s*(?P<mult>{_NUMBER})?\s*(?P<unit>[a-z]+)"
@@ -108,7 +112,7 @@ def check_fields(config: object, known: tuple[str, ...], *, limit: str, source: 
     for key in config:
         if key not in known:
             raise ConfigError(
-                f"unknown field; expected one of {', '.join(known)}",
+                f"unknown field{did_you_mean(key, known)}; expected one of {', '.join(known)}",
                 field=str(key), value=config[key], limit=limit, source=source,
             )  # fmt: skip
 
@@ -125,7 +129,8 @@ def _algorithm(value: object, limit: str | None, source: str | None) -> Algorith
                 return algorithm
     known = ", ".join(a.value for a in Algorithm)
     raise ConfigError(
-        f"unknown algorithm; expected one of {known}",
+        f"unknown algorithm{did_you_mean(value, [*(a.value for a in Algorithm), *_ALIASES])}; "
+        f"expected one of {known}",
         field="algorithm", value=value, limit=limit, source=source,
     )  # fmt: skip
 
@@ -380,7 +385,8 @@ class Limit:
             unit = match["unit"].lower()
             if unit not in _UNITS_S:
                 raise ConfigError(
-                    f"unknown time unit {match['unit']!r}; use ms, s, m, h or d",
+                    f"unknown time unit {match['unit']!r}{did_you_mean(unit, _UNITS_S)}; "
+                    f"use {UNIT_NAMES}",
                     field=field, value=spec, limit=limit, source=source,
                 )  # fmt: skip
             count = float(match["count"])

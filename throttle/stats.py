@@ -7,13 +7,15 @@ without scraping every worker::
 
     book = StatsBook(client, KeySpace())
     book.record(["github"], "denied")           # one pipelined round trip
-    book.per_minute(5)    # {"github": {"denied": 2.4, "parked": 0.0, "timeout": 0.0}}
+    book.per_minute(5)    # {"github": {"denied": 2.4, "parked": 0.0, "timeout": 0.0, ...}}
 
 Events:
 
 * ``denied``: a task was deferred by the limit (re-published for later, or parked);
 * ``parked``: of those, the ones whose wait was parked in Redis (counted in ``denied`` too);
-* ``timeout``: a task's throttle deadline passed before its slot (failed or dead-lettered).
+* ``timeout``: a task's throttle deadline passed before its slot (failed or dead-lettered);
+* ``waited``: a task was admitted for a slot a moment ahead and slept to it in the worker
+  (a wait up to ``settings.sleep_max``, not deferred).
 
 The minute is taken in the recording process, not by a script from Redis ``TIME`` (a
 script building its own key name would break Redis Cluster's rule that scripts declare
@@ -33,7 +35,7 @@ from throttle.redis.keys import KeySpace
 
 __all__ = ["EVENTS", "MAX_MINUTES", "StatsBook"]
 
-EVENTS = ("denied", "parked", "timeout")
+EVENTS = ("denied", "parked", "timeout", "waited")
 """The events counted, in the order :meth:`StatsBook.per_minute` lists them."""
 MAX_MINUTES = 60
 """The most whole minutes :meth:`StatsBook.per_minute` averages over (the buckets live

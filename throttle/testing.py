@@ -31,14 +31,29 @@ Between tests, :func:`reset` forgets what the app's in-memory limiter counted::
         yield
         throttle.testing.reset(celery_app)
 
-What the in-memory limiter does not do: share anything with another process (a worker
-refuses ``memory://`` at start: each pool child would count alone); park tasks (an eager
-task waits in its caller, never parked); read another clock than this host's wall clock
-(the one Redis ``TIME`` stands for). Holds (``Limiter.hold``, an upstream's 429) and
-run-time rates work, in this process.
+A worker takes ``memory://`` when all its tasks run in its own process: Celery's test
+worker (``celery.contrib.testing.worker.start_worker``, the ``celery_worker`` fixture, a
+solo pool in a thread of the test process), and the solo, threads, gevent and eventlet
+pools. A prefork worker of several children refuses it at start (each child would count
+alone).
+
+:class:`Recorder` keeps every decision the app's limiter gave (which task waited, how long,
+which limit denied it), for a test to assert that a task was throttled. The pytest plugin
+(:mod:`throttle.pytest_plugin`) wraps all of this in fixtures.
+
+What the in-memory limiter does not do: share anything with another process; park tasks
+(an eager task waits in its caller; a worker re-publishes a long wait as an ETA message,
+never parked); read another clock than this host's wall clock (the one Redis ``TIME``
+stands for). Holds (``Limiter.hold``, an upstream's 429) and run-time rates work, in this
+process.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from celery import Celery
 
@@ -46,7 +61,19 @@ from throttle.celery.runtime import MEMORY_URL, Throttler, throttling_enabled
 from throttle.errors import ConfigError
 from throttle.memory import MemoryLimiter, MemoryRedis
 
-__all__ = ["MEMORY_URL", "MemoryLimiter", "MemoryRedis", "memory_limiter", "reset", "use_memory"]
+__all__ = [
+    "MEMORY_URL",
+    "PROVIDERS",
+    "MemoryLimiter",
+    "MemoryRedis",
+    "Recorder",
+    "Seen",
+    "UpstreamError",
+    "memory_limiter",
+    "reset",
+    "upstream_response",
+    "use_memory",
+]
 
 
 def use_memory(app: Celery) -> MemoryLimiter:
@@ -61,13 +88,17 @@ def memory_limiter(app: Celery) -> MemoryLimiter:
     """The in-memory limiter of ``app`` in this process (to peek at a limit, place a hold,
     or settle by hand). Raises :class:`ConfigError` when the app's limiter is not the
     in-memory one."""
-    limiter = Throttler.of(app).limiter
+    throttler = Throttler.of(app)
+    limiter = throttler.limiter
     if not isinstance(limiter, MemoryLimiter):
         raise ConfigError(
             "the app's limiter is not the in-memory one: set "
             f'app.conf.throttle_redis_url = "{MEMORY_URL}" (or call use_memory(app))',
             field="redis_url",
         )
+    for declared in throttler.declared():  # peek("proj.charge") for an inline limit too
+        for rule in declared.rules:
+            limiter.limits.setdefault(rule.name, rule.limit)
     return limiter
 
 
@@ -79,3 +110,198 @@ def reset(app: Celery) -> None:
     if throttling_enabled(app):
         memory_limiter(app).server.clear()  # for whoever kept a reference to it
         app._throttler = None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One decision of the limiter about a task, as :class:`Recorder` saw it."""
+
+    task_id: str | None
+    """The task's id (the acquisition's id); None for a call outside a task."""
+    limits: tuple[str, ...]
+    """The limits asked for, in order."""
+    allowed: bool
+    wait_s: float
+    """Allowed: how long until its slot (0: at once). Denied: how long until it may ask
+    again (``retry_after_s``; ``inf`` while paused)."""
+    denied_by: tuple[str, ...]
+    """The limits that denied it (empty when allowed)."""
+
+    @property
+    def throttled(self) -> bool:
+        """The task did not run at once: it was denied, or waited for its slot."""
+        return not self.allowed or self.wait_s > 0
+
+
+class Recorder:
+    """Every decision a limiter gives (``acquire`` and ``acquire_many``), from now until
+    :meth:`stop`: for a test to assert that a task was throttled and how long it was told
+    to wait. It wraps the limiter's two methods on this instance (nothing changes in what
+    they decide); eager tasks and Celery's test worker both reach them::
+
+        recorder = Recorder(memory_limiter(app))
+        result = fetch.delay("repo")
+        assert recorder.throttled(result.id)
+        assert recorder.wait_s(result.id) == pytest.approx(0.5, abs=0.05)
+    """
+
+    def __init__(self, limiter: Any) -> None:
+        self.limiter = limiter
+        self.seen: list[Seen] = []
+        self._wrapped = [self._wrap("acquire_many", _many), self._wrap("acquire", _one)]
+
+    def _wrap(self, name: str, asked: Callable[..., tuple[str, ...]]) -> str:
+        original = getattr(self.limiter, name)
+
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            decision = original(*args, **kwargs)
+            self.seen.append(
+                Seen(
+                    task_id=kwargs.get("acquisition_id"),
+                    limits=asked(*args, **kwargs),
+                    allowed=decision.allowed,
+                    wait_s=decision.wait_s if decision.allowed else decision.retry_after_s,
+                    denied_by=tuple(decision.denied_by),
+                )
+            )
+            return decision
+
+        setattr(self.limiter, name, recorded)
+        return name
+
+    def stop(self) -> None:
+        """Give the limiter its own methods back."""
+        for name in self._wrapped:
+            self.limiter.__dict__.pop(name, None)
+        self._wrapped = []
+
+    def of(self, task_id: str) -> list[Seen]:
+        """The decisions about task ``task_id``, in order."""
+        return [seen for seen in self.seen if seen.task_id == task_id]
+
+    def throttled(self, task_id: str) -> bool:
+        """Whether task ``task_id`` was denied or waited for its slot at least once."""
+        return any(seen.throttled for seen in self.of(task_id))
+
+    def wait_s(self, task_id: str) -> float:
+        """How long the limiter told task ``task_id`` to wait, in s: every denial's
+        ``retry_after_s`` plus its slot's wait (what it was told, not the wall time it
+        took: a worker's deferral also waits for the broker)."""
+        return sum(seen.wait_s for seen in self.of(task_id))
+
+    def denied_by(self, task_id: str) -> set[str]:
+        """The limits that denied task ``task_id`` at least once."""
+        return {name for seen in self.of(task_id) for name in seen.denied_by}
+
+
+def _many(targets: Sequence[Any], *args: Any, **kwargs: Any) -> tuple[str, ...]:
+    return tuple(target[0].name for target in targets)
+
+
+def _one(limit: Any, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+    return (getattr(limit, "name", str(limit)),)
+
+
+PROVIDERS = ("generic", "openai", "anthropic", "github", "stripe", "discord")
+"""The header dialects :func:`upstream_response` speaks (``throttle.upstream`` reads each)."""
+
+
+def upstream_response(
+    provider: str = "generic",
+    *,
+    status: int = 429,
+    retry_after_s: float | None = 2.0,
+    limit: int = 60,
+    remaining: int = 0,
+    reset_s: float = 2.0,
+    dimension: str = "requests",
+    now: float | None = None,
+) -> Any:
+    """An upstream's answer as the provider sends it, to test a task's reaction without a
+    network: an ``httpx.Response`` (a ``requests``-like stand-in without httpx) with
+    ``status`` and the provider's rate-limit headers: ``limit`` and ``remaining`` of
+    ``dimension`` (``requests`` or ``tokens`` for OpenAI and Anthropic), reset in
+    ``reset_s`` seconds, and ``Retry-After`` (None: none).
+
+    ``generic``: ``RateLimit-Limit``/``-Remaining``/``-Reset``; ``openai``:
+    ``x-ratelimit-*-{dimension}`` with Go durations and ``retry-after-ms``; ``anthropic``:
+    ``anthropic-ratelimit-{dimension}-*`` with an RFC 3339 reset; ``github``:
+    ``x-ratelimit-*`` with ``x-ratelimit-resource: core`` and an epoch reset; ``stripe``:
+    ``Stripe-Rate-Limited-Reason`` (``dimension`` is the reason); ``discord``: a bucket's
+    ``X-RateLimit-*`` with ``Reset-After`` and ``Scope: user``."""
+    import datetime  # noqa: PLC0415 (tests only)
+    import time  # noqa: PLC0415
+
+    at = time.time() if now is None else now
+    headers: dict[str, str] = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = f"{max(round(retry_after_s), 0)}"
+    if provider == "generic":
+        headers.update(
+            {"RateLimit-Limit": f"{limit}", "RateLimit-Remaining": f"{remaining}",
+             "RateLimit-Reset": f"{max(round(reset_s), 0)}"}
+        )  # fmt: skip
+    elif provider == "openai":
+        headers.update(
+            {f"x-ratelimit-limit-{dimension}": f"{limit}",
+             f"x-ratelimit-remaining-{dimension}": f"{remaining}",
+             f"x-ratelimit-reset-{dimension}": f"{reset_s:g}s"}
+        )  # fmt: skip
+        if retry_after_s is not None:
+            headers["retry-after-ms"] = f"{round(retry_after_s * 1000)}"
+    elif provider == "anthropic":
+        stamp = datetime.datetime.fromtimestamp(at + reset_s, tz=datetime.timezone.utc)
+        base = f"anthropic-ratelimit-{dimension}-"
+        headers.update(
+            {base + "limit": f"{limit}", base + "remaining": f"{remaining}",
+             base + "reset": stamp.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        )  # fmt: skip
+    elif provider == "github":
+        headers.update(
+            {"x-ratelimit-limit": f"{limit}", "x-ratelimit-remaining": f"{remaining}",
+             "x-ratelimit-used": f"{limit - remaining}", "x-ratelimit-resource": "core",
+             "x-ratelimit-reset": f"{int(at + reset_s)}"}
+        )  # fmt: skip
+    elif provider == "stripe":
+        headers["Stripe-Rate-Limited-Reason"] = dimension
+    elif provider == "discord":
+        headers.update(
+            {"X-RateLimit-Limit": f"{limit}", "X-RateLimit-Remaining": f"{remaining}",
+             "X-RateLimit-Reset-After": f"{reset_s:g}", "X-RateLimit-Bucket": "abcd1234",
+             "X-RateLimit-Scope": "user"}
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown provider {provider!r}; one of {', '.join(PROVIDERS)}")
+    try:
+        import httpx  # noqa: PLC0415
+    except ImportError:
+        return _Response(status, headers)
+    return httpx.Response(
+        status, headers=headers, request=httpx.Request("GET", "https://api.test/")
+    )
+
+
+class _Response:
+    """A response with ``status_code`` and case-insensitive ``headers``, as requests' has."""
+
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        from requests.structures import CaseInsensitiveDict  # noqa: PLC0415
+
+        self.status_code = status
+        self.headers = CaseInsensitiveDict(headers)
+        self.text = ""
+
+
+class UpstreamError(Exception):
+    """An SDK's error for a refused call, as OpenAI's and Anthropic's SDKs raise them
+    (``RateLimitError``): the response in ``.response``, its ``.status_code``. Raise it
+    from a stand-in client to test a task's ``except`` clause::
+
+        raise UpstreamError(upstream_response("openai", dimension="tokens"))
+    """
+
+    def __init__(self, response: Any) -> None:
+        super().__init__(f"upstream refused: {response.status_code}")
+        self.response = response
+        self.status_code = response.status_code

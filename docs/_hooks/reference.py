@@ -1,11 +1,17 @@
-"""An mkdocs hook: the configuration reference's tables, rendered at build time from the code.
+"""The configuration reference's tables, generated from the code into the page itself.
 
-``docs/configuration.md`` holds markers such as ``<!-- throttle-reference: settings -->``;
-each is replaced by a Markdown table built from the one source of truth: the fields the
-limits-file loader accepts (``throttle.config``), the defaults of ``Settings`` and ``Rule``,
-and their docstrings (``throttle.config.Settings``, ``throttle.rules.Rule``,
-``throttle.spec``). A field added to the loader shows up here, and a field without a
-docstring entry fails the build. ``tests/unit/test_docs.py`` checks the tables.
+``docs/configuration.md`` holds pairs of markers, ``<!-- throttle-reference: settings -->``
+... ``<!-- /throttle-reference -->``; between them, a Markdown table built from the one
+source of truth: the fields the limits-file loader accepts (``throttle.config``), the
+defaults of ``Settings`` and ``Rule``, and their docstrings (``throttle.config.Settings``,
+``throttle.rules.Rule``, ``throttle.spec``). The tables are in the repository's page, so it
+reads complete without a site build; ``tests/unit/test_docs.py`` fails when they are stale
+(a field added to the loader, a docstring changed), and so does a field without a
+docstring entry. Regenerate them with::
+
+    .venv/bin/python docs/_hooks/reference.py
+
+which also copies ``configs/limits.yaml`` into the page's annotated-example block.
 """
 
 from __future__ import annotations
@@ -21,7 +27,16 @@ from typing import Any
 
 from throttle import adaptive, config, rules, spec
 
-MARKER = re.compile(r"<!-- throttle-reference: (\w+) -->")
+MARKER = re.compile(
+    r"(?P<open><!-- throttle-reference: (?P<name>\w+) -->\n)(?P<body>.*?)"
+    r"(?P<close><!-- /throttle-reference -->)",
+    re.DOTALL,
+)
+EXAMPLE = re.compile(
+    r"(?P<open><!-- throttle-example -->\n```yaml\n)(?P<body>.*?)(?P<close>^```)", re.M | re.S
+)
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "configuration.md"
 
 
 def _markdown(text: str) -> str:
@@ -190,9 +205,15 @@ RENDERERS: dict[str, Callable[[], str]] = {
 
 
 def render(markdown: str) -> str:
-    """``markdown`` with every marker replaced by its table; an unknown marker is an error."""
-    return MARKER.sub(lambda m: RENDERERS[m.group(1)](), markdown)
+    """``markdown`` with the table of every pair of markers generated afresh between them
+    (an unknown marker is an error), and the annotated example's block made a copy of
+    ``configs/limits.yaml``."""
+    markdown = MARKER.sub(
+        lambda m: m["open"] + "\n" + RENDERERS[m["name"]]() + "\n\n" + m["close"], markdown
+    )
+    example = (ROOT / "configs" / "limits.yaml").read_text()
+    return EXAMPLE.sub(lambda m: m["open"] + example + m["close"], markdown)
 
 
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    return render(markdown)
+if __name__ == "__main__":
+    PAGE.write_text(render(PAGE.read_text()))

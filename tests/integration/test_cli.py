@@ -36,7 +36,7 @@ from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
-from throttle.spec import PLAN_SUFFIX
+from throttle.spec import PLAN_SUFFIX, UNIT_NAMES
 from throttle.stats import StatsBook
 from workers.harness import ROOT, Worker, wait_ready
 
@@ -213,8 +213,13 @@ def test_status_json_reports_what_the_limiter_holds(cli: Cli) -> None:
     assert data["parked"] == 1 and data["releasing"] == 0
     assert data["workers"] is None and api["in_flight"] is None  # --timeout 0
     assert data["prefix"] == cli.limiter.keyspace.prefix
-    assert api["per_minute"] == {"denied": 5.0, "parked": 5.0, "timeout": 2.0}
-    assert rows["shaper"]["per_minute"] == {"denied": 0.0, "parked": 0.0, "timeout": 0.0}
+    assert api["per_minute"] == {"denied": 5.0, "parked": 5.0, "timeout": 2.0, "waited": 0.0}
+    assert rows["shaper"]["per_minute"] == {
+        "denied": 0.0,
+        "parked": 0.0,
+        "timeout": 0.0,
+        "waited": 0.0,
+    }
 
 
 def _last_minute(cli: Cli) -> StatsBook:
@@ -495,11 +500,12 @@ def test_check_prints_every_error_with_its_place(tmp_path: Path) -> None:
         "tasks (got 1)",
         f"{f}: field 'settings.refresh': {duration} (got 'soon')",
         f"{f}: field 'settings.colour': unknown setting; expected one of {settings} (got 'blue')",
-        f"{f}: limit 'api': field 'rate': unknown time unit 'fortnight'; use ms, s, m, h or d "
+        f"{f}: limit 'api': field 'rate': unknown time unit 'fortnight'; use {UNIT_NAMES} "
         "(got '10/fortnight')",
         f"{f}: limit 'api': field 'on_error': must be 'keep' or 'refund' (got 'maybe')",
         f"{f}: limit 'github': field 'colour': unknown field; expected one of {fields} (got 'red')",
-        f"{f}: limit 'github': field 'algorithm': unknown algorithm; expected one of "
+        f"{f}: limit 'github': field 'algorithm': unknown algorithm (did you mean 'gcra'?); "
+        "expected one of "
         "token_bucket, gcra, sliding_window, fixed_window, concurrency (got 'gcrx')",
         f"{f}: limit 'github': field 'burst': must be a finite number > 0 (got 0)",
         f"{f}: limit 'github': field 'max_wait': {duration} (got 'ten minutes')",

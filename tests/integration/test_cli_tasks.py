@@ -141,7 +141,7 @@ def test_task_says_where_a_task_is(cli: Cli) -> None:
     assert far["state"] == "republished" and far["limits"] == ["shaper"]
     assert 3.0 <= far["until"] - far["now"] <= 3.5
     assert as_json(cli, "task", ids[1])["state"] == "sleeping"
-    assert as_json(cli, "task", ids[0])["state"] == "running"
+    assert as_json(cli, "task", ids[0])["state"] == "started"
     decision = cli.limiter.acquire_many([(shaper, None)], max_wait_s=10, acquisition_id="done")
     assert decision.acquisition is not None
     cli.limiter.settle(decision.acquisition, None)

@@ -46,14 +46,16 @@ def test_counts_are_averaged_over_the_last_whole_minutes(book: StatsBook, clock:
     clock.now += 90  # half-way through minute 3: minute 2 is the last whole one
     book.record(["github"], "denied", 100)  # the unfinished minute is not counted
     # Then the last whole minute, and the mean of the last two and three
-    assert book.per_minute(1) == {"stripe": {"denied": 0.0, "parked": 0.0, "timeout": 1.0}}
+    assert book.per_minute(1) == {
+        "stripe": {"denied": 0.0, "parked": 0.0, "timeout": 1.0, "waited": 0.0}
+    }
     assert book.per_minute(2) == {
-        "github": {"denied": 1.0, "parked": 1.5, "timeout": 0.0},
-        "stripe": {"denied": 0.0, "parked": 0.0, "timeout": 0.5},
+        "github": {"denied": 1.0, "parked": 1.5, "timeout": 0.0, "waited": 0.0},
+        "stripe": {"denied": 0.0, "parked": 0.0, "timeout": 0.5, "waited": 0.0},
     }
     assert book.per_minute(3) == {
-        "github": {"denied": 3.0, "parked": 1.0, "timeout": 0.0},
-        "stripe": {"denied": 1 / 3, "parked": 0.0, "timeout": 1 / 3},
+        "github": {"denied": 3.0, "parked": 1.0, "timeout": 0.0, "waited": 0.0},
+        "stripe": {"denied": 1 / 3, "parked": 0.0, "timeout": 1 / 3, "waited": 0.0},
     }
 
 
@@ -67,15 +69,17 @@ def test_buckets_live_in_the_namespace_hash_tag_and_expire(
     assert TTL_S - 5 <= client.ttl(key) <= TTL_S
     assert TTL_S > (MAX_MINUTES + 1) * 60  # per_minute(60) still finds its oldest minute
     clock.now += 60
-    assert book.per_minute() == {"a:b{c}": {"denied": 1.0, "parked": 0.0, "timeout": 0.0}}
+    assert book.per_minute() == {
+        "a:b{c}": {"denied": 1.0, "parked": 0.0, "timeout": 0.0, "waited": 0.0}
+    }
 
 
 def test_a_park_counts_as_denied_and_parked(book: StatsBook, clock: Clock) -> None:
     book.record_events(["x", "y"], ("denied", "parked"))
     clock.now += 60
     assert book.per_minute() == {
-        "x": {"denied": 1.0, "parked": 1.0, "timeout": 0.0},
-        "y": {"denied": 1.0, "parked": 1.0, "timeout": 0.0},
+        "x": {"denied": 1.0, "parked": 1.0, "timeout": 0.0, "waited": 0.0},
+        "y": {"denied": 1.0, "parked": 1.0, "timeout": 0.0, "waited": 0.0},
     }
 
 

@@ -339,7 +339,7 @@ def test_timeouts_refunds_and_charges_are_counted(mon: Monitored) -> None:
     assert total(worker, "throttle_charged_tokens_total", limit="tokens") == 500
     assert total(worker, "throttle_redis_errors_total") == 0
     stats = StatsBook(mon.client, KeySpace(), clock=lambda: time.time() + 60).per_minute(2)
-    assert stats["deadline"] == {"denied": 0.0, "parked": 0.0, "timeout": 0.5}
+    assert stats["deadline"] == {"denied": 0.0, "parked": 0.0, "timeout": 0.5, "waited": 0.0}
 
 
 # -- the pieces, without a fleet ----------------------------------------------------------

@@ -610,14 +610,47 @@ def test_missing_file_names_the_path(tmp_path: Path) -> None:
     path = tmp_path / "nowhere" / "limits.yaml"
     with pytest.raises(ConfigError) as caught:
         ThrottleConfig.load(path)
-    assert str(caught.value) == f"{path}: cannot read the limits file: No such file or directory"
+    assert str(caught.value) == (
+        f"{path}: cannot read the limits file '{path}': No such file or directory"
+    )
+
+
+def test_a_relative_path_is_shown_as_the_absolute_one_tried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        ThrottleConfig.load("limits.yaml")
+    assert str(caught.value) == (
+        f"limits.yaml: cannot read the limits file '{tmp_path / 'limits.yaml'}': "
+        "No such file or directory"
+    )
+
+
+def test_a_misspelt_name_gets_a_did_you_mean(tmp_path: Path) -> None:
+    path = tmp_path / "limits.yaml"
+    path.write_text(
+        "settings: {refrsh: 2}\n"
+        "limits:\n  api: {rate: 10/minuts, on_eror: refund}\n  b: {rate: 1/s, algorithm: gcr}\n"
+        "queus: {}\n"
+    )
+    messages = "\n".join(str(e) for e in ThrottleConfig.check(path))
+    assert "field 'settings.refrsh': unknown setting (did you mean 'refresh'?)" in messages
+    assert "field 'on_eror': unknown field (did you mean 'on_error'?)" in messages
+    assert "unknown time unit 'minuts' (did you mean 'minutes'?); use ms, s (sec" in messages
+    assert "m (min, minute), h (hr, hour)" in messages
+    assert "unknown algorithm (did you mean 'gcra'?)" in messages
+    assert "field 'queus': unknown section (did you mean 'queues'?)" in messages
+    # no suggestion for a name that resembles nothing
+    path.write_text("zzz: 1\n")
+    assert "did you mean" not in str(ThrottleConfig.check(path)[0])
 
 
 def test_unreadable_path_names_the_path(tmp_path: Path) -> None:
     # A directory cannot be read as a file, even by root (a chmod 000 file can be).
     with pytest.raises(ConfigError) as caught:
         ThrottleConfig.load(tmp_path)
-    assert str(caught.value).startswith(f"{tmp_path}: cannot read the limits file: ")
+    assert str(caught.value).startswith(f"{tmp_path}: cannot read the limits file '{tmp_path}': ")
     assert caught.value.source == str(tmp_path)
 
 

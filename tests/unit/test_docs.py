@@ -50,12 +50,18 @@ def test_limit_table_has_every_limit_and_rule_field() -> None:
     assert "| `decrease` |" in table and "| `0.8` |" in table and "| 10 s |" in table
 
 
-def test_configuration_page_markers_all_render() -> None:
+def test_configuration_page_holds_its_tables_up_to_date() -> None:
+    """The tables and the annotated example are in the page itself (it reads complete in
+    the repository); regenerate them with ``python docs/_hooks/reference.py``."""
     page = (ROOT / "docs/configuration.md").read_text()
-    rendered = _hook().render(page)
-    assert "throttle-reference" not in rendered
     for name in ("sections", "limit", "algorithms", "settings"):
         assert f"<!-- throttle-reference: {name} -->" in page
+    assert _hook().render(page) == page, (
+        "docs/configuration.md is stale: run .venv/bin/python docs/_hooks/reference.py"
+    )
+    assert (ROOT / "configs/limits.yaml").read_text() in page
+    assert "| `refresh` | duration | 2 s |" in page
+    assert "--8<--" not in page
 
 
 def _blocks(text: str) -> list[str]:
@@ -80,3 +86,21 @@ def test_readme_links_to_files_that_exist() -> None:
     assert "make demo" in readme and "make test" in readme
     assert "pip install celery-throttled" in readme
     assert len(readme.splitlines()) < 200
+
+
+def test_the_command_synopsis_lists_every_registered_command() -> None:
+    from throttle.cli import throttle  # noqa: PLC0415
+
+    for page in ("docs/command.md", "docs/operations.md"):
+        (synopsis,) = (
+            b for b in _blocks((ROOT / page).read_text()) if "throttle status [--json]" in b
+        )
+        listed = {line.split()[4] for line in synopsis.splitlines() if line.strip()}
+        assert listed == set(throttle.commands), (page, listed ^ set(throttle.commands))
+
+
+def test_the_readme_links_no_site_that_is_not_published() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "readthedocs" not in readme
+    assert "raw.githubusercontent.com" not in readme
+    assert "](docs/demo.png)" in readme

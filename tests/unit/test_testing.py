@@ -16,11 +16,21 @@ import pytest
 import redis
 from celery import Celery
 
-from throttle import ConfigError, Limit, ThrottleTimeout
+from throttle import ConfigError, Limit, RequestError, ThrottleTimeout
 from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
-from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep
-from throttle.testing import MemoryLimiter, memory_limiter, reset, use_memory
+from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep, pool_name
+from throttle.cli.task import _task_limits, finished
+from throttle.testing import (
+    PROVIDERS,
+    MemoryLimiter,
+    UpstreamError,
+    memory_limiter,
+    reset,
+    upstream_response,
+    use_memory,
+)
+from throttle.upstream import read_response
 
 LIMITS = {
     "five": {"algorithm": "gcra", "rate": "5/s", "burst": 1},
@@ -197,6 +207,93 @@ def test_switched_off_tasks_run_unthrottled_without_redis(
     assert getattr(app, "_throttler", None) is None
 
 
-def test_a_worker_refuses_the_memory_limiter(app: Celery) -> None:
-    with pytest.raises(ConfigError, match="serves one process"):
-        ThrottleStep(SimpleNamespace(app=app, hostname="w@test", concurrency=2))
+def test_a_prefork_worker_of_several_children_refuses_the_memory_limiter(app: Celery) -> None:
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=2, pool_cls="prefork")
+    with pytest.raises(ConfigError, match="serves one process: the prefork pool with 2 child"):
+        ThrottleStep(worker)
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency"),
+    [("solo", 1), ("threads", 8), ("gevent", 100), ("eventlet", 100), ("prefork", 1)],
+)
+def test_a_one_process_worker_takes_the_memory_limiter(
+    app: Celery, pool: str, concurrency: int
+) -> None:
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=concurrency, pool_cls=pool)
+    _own_tasks_only(app)
+    step = ThrottleStep(worker)
+    assert step.in_memory  # no fence, no releaser: nothing is parked in memory
+    step.start(worker)
+    assert step.releaser is None
+
+
+def _own_tasks_only(app: Celery) -> None:
+    """Drop the shared tasks other test modules registered (``@shared_task`` reaches every
+    app): their limits are not this app's, and a worker validates every task's."""
+    for name in list(app.tasks):
+        if not name.startswith(("celery.", __name__)):
+            del app.tasks[name]
+
+
+def test_the_pool_is_named_from_an_alias_or_a_class() -> None:
+    from celery.concurrency.solo import TaskPool as Solo  # noqa: PLC0415
+    from celery.concurrency.thread import TaskPool as Threads  # noqa: PLC0415
+
+    assert pool_name(SimpleNamespace(pool_cls=Solo)) == "solo"
+    assert pool_name(SimpleNamespace(pool_cls=Threads)) == "threads"
+    assert pool_name(SimpleNamespace(pool_cls="threads")) == "threads"
+    assert pool_name(SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool")) == "prefork"
+
+
+def test_peek_takes_a_limits_name_as_hold_does(app: Celery) -> None:
+    @app.task(shared=False)
+    @throttled("20/s burst 1", algorithm="gcra")
+    def inline() -> None: ...
+
+    limiter = memory_limiter(app)
+    assert limiter.peek("five").remaining == 1  # the file's limit, by name
+    (own,) = (name for name in limiter.limits if name.endswith("_hold_does.<locals>.inline"))
+    assert limiter.peek(own).remaining == 1
+    limiter.hold("five", None, 60)
+    assert limiter.peek("five").retry_after_s == pytest.approx(60, abs=1)
+    with pytest.raises(RequestError, match="unknown limit 'nope': peek needs its rate; known"):
+        limiter.peek("nope")
+
+
+def test_a_task_state_shows_a_plans_limit_once() -> None:
+    base = "throttle:{default}:"
+    keys: list[bytes | None] = [
+        f"{base}tb:openai-tokens:acme".encode(),
+        f"{base}tb:openai-tokens.plan:acme".encode(),
+        f"{base}gcra:github".encode(),
+        None,
+    ]
+    assert _task_limits(keys, base) == ["openai-tokens", "github"]
+
+
+def test_a_finished_task_is_told_by_the_result_backend() -> None:
+    app = Celery("results", set_as_current=False, backend="cache+memory://")
+    app.backend.mark_as_done("done-id", 42)
+    app.backend.mark_as_started("running-id")
+    assert finished(app, "done-id") == "SUCCESS"
+    assert finished(app, "running-id") is None
+    assert finished(app, "never-seen") is None
+    assert finished(Celery("none", set_as_current=False), "done-id") is None  # no backend
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_the_upstream_responses_speak_each_providers_dialect(provider: str) -> None:
+    now = 1_800_000_000.0
+    response = upstream_response(
+        provider, retry_after_s=None, reset_s=30, dimension="tokens", now=now
+    )
+    signal = read_response(response, now=now)
+    assert signal is not None and signal.refused, provider
+    assert signal.hold_s == pytest.approx(30, abs=1) or provider == "stripe", signal
+    with_retry = read_response(upstream_response(provider, retry_after_s=7, now=now), now=now)
+    assert with_retry is not None and with_retry.hold_s == pytest.approx(7, abs=1), provider
+    error = UpstreamError(response)
+    assert (error.status_code, error.response) == (429, response)
+    with pytest.raises(ValueError, match="unknown provider 'acme'; one of generic, openai"):
+        upstream_response("acme")

@@ -148,7 +148,9 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         """Settle at the reserved cost: :meth:`throttle.Limiter.release`."""
         return await self.settle(acquisition, None)
 
-    async def peek(self, limit: Limit, key: str | None = None, *, cost: float = 1.0) -> LimitState:
+    async def peek(
+        self, limit: Limit | str, key: str | None = None, *, cost: float = 1.0
+    ) -> LimitState:
         """What an acquire would be told now, taking nothing: :meth:`throttle.Limiter.peek`."""
         script, keys, args, decode = self._peek_request(limit, key, cost)
         return decode(await self._call(script, keys, args))

@@ -13,6 +13,7 @@ each reporter's errors.
   (:class:`throttle.stats.StatsBook`, read by ``celery throttle status``).
 - :class:`TaskTrailReporter`: per task, the last deferral or time out, in Redis for a
   while (read by ``celery throttle task ID``).
+- :class:`LogReporter`: a log line at INFO per task that waits for its slot or is deferred.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ class FleetStatsReporter(Observer):
         self.stats = stats
         self.on_error = on_error
 
+    def allowed(self, execution: Observed, wait_s: float) -> None:
+        if wait_s >= WAIT_LOGGED_S:
+            self._record([rule.name for rule in execution.rules], ("waited",))
+
     def deferred(
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
@@ -149,6 +154,41 @@ class FleetStatsReporter(Observer):
         except Exception as exc:  # BackendError, or anything else
             self.on_error.redis_error(limits)
             logger.debug("throttle: cannot record %s in the fleet stats: %s", events, exc)
+
+
+WAIT_LOGGED_S = 0.001
+"""A task admitted for a slot at least this far ahead (s) waited for it: logged, and counted
+as ``waited`` in the fleet stats. Below, it is the time the decision itself took."""
+
+
+class LogReporter(Observer):
+    """A line at INFO on the ``throttle`` logger for each task that waits for its slot (it
+    sleeps in the worker) or is deferred (re-published for later, or parked), with the
+    limits and the wait: what makes throttling visible in a worker's log. Celery itself then
+    logs a deferral as ``Task ... retry: Retry in 1.9s: Throttled(...)``."""
+
+    def allowed(self, execution: Observed, wait_s: float) -> None:
+        if wait_s >= WAIT_LOGGED_S:
+            logger.info(
+                "throttle: %s[%s] waits %.3f s for its slot (limits %s)",
+                execution.task.name, execution.request.id, wait_s,
+                ", ".join(rule.name for rule in execution.rules),
+            )  # fmt: skip
+
+    def deferred(
+        self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
+    ) -> None:
+        logger.info(
+            "throttle: %s[%s] deferred %.3f s by %s (%s, deferral %d)",
+            execution.task.name, execution.request.id, wait_s, ", ".join(limits),
+            "parked in Redis" if how == "park" else "re-published", count,
+        )  # fmt: skip
+
+    def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
+        logger.info(
+            "throttle: %s[%s] passed its deadline under %s: %s",
+            execution.task.name, execution.request.id, ", ".join(limits), action,
+        )  # fmt: skip
 
 
 TRAIL_AFTER_S = 3600.0
@@ -254,9 +294,9 @@ class Observers(Observer):
 
 
 def default_observers(stats: StatsBook, trail: TaskTrailReporter | None = None) -> Observers:
-    """The throttler's reporters: Prometheus, Flower events, fleet-wide stats, and the
-    tasks' trail when given."""
-    observers = Observers([PrometheusReporter(), FlowerReporter()])
+    """The throttler's reporters: the log, Prometheus, Flower events, fleet-wide stats, and
+    the tasks' trail when given."""
+    observers = Observers([LogReporter(), PrometheusReporter(), FlowerReporter()])
     observers.add(FleetStatsReporter(stats, on_error=observers))
     if trail is not None:
         observers.add(trail)

@@ -49,6 +49,7 @@ from throttle.celery.message import (
     eta_value,
     parked_payload,
 )
+from throttle.celery.plan import rule_name
 from throttle.celery.routing import lane_queue
 from throttle.decision import Decision
 from throttle.errors import BackendError, Throttled, ThrottleTimeout
@@ -91,7 +92,7 @@ def defer(
     count = headers[H_DEFERRALS] = count_header(headers) + 1
     if planned is not None:
         headers[H_PLANNED] = planned
-    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    limits = denied_limits(execution, decision)
     route = route_of(execution)
     if countdown_s > settings.park_after_s and execution.throttler.releasing:
         sig = task.signature_from_request(request, headers=headers, **route)
@@ -143,7 +144,7 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
     ``expires``, the task expires (:func:`expire`: it could never run); else (past
     ``max_wait``) fail it with ThrottleTimeout, or send it to the dead-letter queue of its
     rule's ``on_timeout`` (once: never from that queue)."""
-    limits = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    limits = denied_limits(execution, decision)
     if execution.expires is not None and now + needed_s > execution.expires:
         expire(execution, limits)
     left = max((execution.deadline or now) - now, 0.0)
@@ -222,3 +223,11 @@ def publish(sig: Any) -> None:
     throttler; the message, unacknowledgeable while the broker is away, comes back after
     the visibility timeout."""
     sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
+
+
+def denied_limits(execution: Execution, decision: Decision) -> tuple[str, ...]:
+    """The limits that denied the task, as users name them: a limit's plan
+    (``LIMIT.plan``, :mod:`throttle.celery.plan`) is its limit, each once; all the task's
+    limits when the decision names none."""
+    names = decision.denied_by or tuple(rule.name for rule in execution.rules)
+    return tuple(dict.fromkeys(rule_name(name) for name in names))

@@ -102,11 +102,15 @@ class Throttler:
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
-        self.releasing = any(
+        # peek("name") as hold("name"): the file's limits by name (inline ones: see
+        # known_limits).
+        limiter.limits.update({name: rule.limit for name, rule in config.rules.items()})
+        self.in_memory = getattr(limiter, "server", None) is not None
+        """The limiter is the in-memory one (``memory://``, :mod:`throttle.testing`): it
+        never parks (no releaser in a one-process worker)."""
+        self.releasing = not self.in_memory and any(
             getattr(step, "label", None) == RELEASER_STEP for step in app.steps["worker"]
         )
-        self.in_memory = getattr(limiter, "server", None) is not None
-        """The limiter is the in-memory one (``memory://``, :mod:`throttle.testing`)."""
         if os.environ.get(WORKER_ENV) and not self.in_memory:
             # In a worker, tasks sleep to reserved slots up to sleep_max (and call up to
             # late_tolerance after them): a Redis that loses its data must not hand out

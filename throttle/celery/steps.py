@@ -13,10 +13,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
-from celery import Celery, bootsteps, signals
+from celery import Celery, bootsteps, concurrency, signals
 
 from throttle import metrics
 from throttle.celery.exporter import (
@@ -30,6 +30,7 @@ from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.routing import declare_lanes, lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
+from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.client import wrap_errors
 from throttle.redis.clock import record_clock
@@ -58,20 +59,24 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
         self.hostname = worker.hostname
         self.releaser: Releaser | None = None
+        self.in_memory = False
         if not throttling_enabled(self.app):
             logger.info("throttle: throttling is off (throttle_enabled): tasks run unthrottled")
             return
-        throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
-        if throttler.in_memory:
-            raise ConfigError(
-                "the in-memory limiter serves one process (eager tests): a worker's pool "
-                "would count each child apart; give the worker a Redis",
-                field="redis_url", value=MEMORY_URL, source=throttler.config.source,
-            )  # fmt: skip
-        throttler.validate()
+        try:
+            throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
+            check_worker(throttler, worker)
+        except ConfigError as exc:
+            refuse_to_start(exc)
+        self.in_memory = throttler.in_memory
         if throttler.settings.lanes:
             # Before the pool forks: every process of the worker must know the lanes.
             declare_lanes(self.app)
+        if throttler.in_memory:
+            # One process, nothing parked (long waits stay ETA messages), no Redis that
+            # could restart or run on another clock: no fence, no releaser, no clock check.
+            logger.info("throttle: the in-memory limiter (memory://), this process only")
+            return
         if throttler.watch.file is not None:
             throttler.watch.file.unlink(missing_ok=True)  # a stale one of a reused pid
         try:
@@ -85,7 +90,7 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
             throttler.outage(exc)
 
     def start(self, worker: Any) -> None:
-        if not throttling_enabled(self.app):
+        if not throttling_enabled(self.app) or self.in_memory:
             return
         self.releaser = Releaser(self.app, worker=self.hostname)
         self.releaser.start()
@@ -96,6 +101,63 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)
+
+
+ONE_PROCESS_POOLS = frozenset({"solo", "threads", "gevent", "eventlet"})
+"""Pools whose tasks all run in the worker's own process: the in-memory limiter
+(``memory://``) counts right there. Celery's test worker
+(``celery.contrib.testing.worker.start_worker``, the ``celery_worker`` fixture) runs solo
+in a thread of the test process."""
+
+
+def pool_name(worker: Any) -> str:
+    """The name of ``worker``'s pool (``solo``, ``prefork``, ``threads``...): its alias when
+    given as one, else the module its class lives in (``celery.concurrency.prefork`` ->
+    ``prefork``)."""
+    pool = worker.pool_cls
+    if isinstance(pool, str):  # an alias, or "module:Class"; not imported (gevent may be absent)
+        module = concurrency.ALIASES.get(pool, pool).split(":")[0]
+    else:
+        module = str(getattr(pool, "__module__", ""))
+    name = module.rsplit(".", 1)[-1]
+    return "threads" if name == "thread" else name
+
+
+def check_worker(throttler: Throttler, worker: Any) -> None:
+    """What would make ``worker`` throttle wrongly, as a :class:`ConfigError`: the in-memory
+    limiter in a pool of several processes (each would count apart), a limit its tasks name
+    that the file lacks, settings that outlive the broker's visibility timeout
+    (:meth:`Throttler.validate`)."""
+    if throttler.in_memory:
+        pool = pool_name(worker)
+        if pool not in ONE_PROCESS_POOLS and (worker.concurrency or 1) > 1:
+            raise ConfigError(
+                f"the in-memory limiter serves one process: the {pool} pool with "
+                f"{worker.concurrency} child processes would count in each child apart; "
+                "give the worker a Redis, or use a one-process pool (solo, threads, "
+                "gevent, eventlet; Celery's test worker runs solo)",
+                field="redis_url", value=MEMORY_URL, source=throttler.config.source,
+            )  # fmt: skip
+    throttler.validate()
+
+
+def refuse_to_start(exc: ConfigError) -> NoReturn:
+    """Stop a worker on a bad limits file: under the ``celery`` program, every error of the
+    file, one line each (what ``celery throttle check`` prints), on stderr, and exit code 1,
+    rather than a traceback that shows only the first; elsewhere (a worker embedded in a
+    test) ``exc`` is raised."""
+    if click.get_current_context(silent=True) is None:
+        raise exc
+    errors: list[ConfigError] = []
+    if exc.source is not None and exc.source != "<mapping>":
+        errors = ThrottleConfig.check(exc.source)  # the file's own errors, all of them
+    if str(exc) not in map(str, errors):  # an error against the app (validate)
+        errors.append(exc)
+    for error in errors:
+        click.echo(f"throttle: {error}", err=True)
+    plural = "s" if len(errors) > 1 else ""
+    click.echo(f"throttle: {len(errors)} error{plural}: the worker does not start", err=True)
+    raise click.exceptions.Exit(1)
 
 
 def check_clock(throttler: Throttler, worker: str) -> float:
@@ -155,7 +217,10 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.directory: Path | None = None
         if not throttling_enabled(self.app):
             return
-        throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
+        try:
+            throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
+        except ConfigError as exc:
+            refuse_to_start(exc)
         if not throttler.settings.metrics:
             return
         source = throttler.config.source

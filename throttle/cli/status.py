@@ -223,7 +223,7 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         state.append(f"+{len(key_holds) - 2} keys")
     flight = "?" if row["in_flight"] is None else str(row["in_flight"])
     per_minute = row["per_minute"]
-    denied = _rate_of(per_minute["denied"])
+    denied = _rate_of(per_minute["denied"] + per_minute.get("waited", 0.0))
     if per_minute["timeout"]:
         denied += f" ({_rate_of(per_minute['timeout'])} timed out)"
     return [
@@ -261,7 +261,10 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     out.append("")
     out.append(f"parked   {data['parked']} tasks in Redis, {data['releasing']} being released")
     span = counted(data["minutes"], "whole minute")
-    out.append(f"denied   tasks deferred per minute over the last {span}, fleet-wide")
+    out.append(
+        f"denied   tasks per minute that waited for their slot or were deferred, "
+        f"fleet-wide, over the last {span}"
+    )
     workers = data["workers"]
     if workers is None:
         out.append("workers  not asked (--timeout 0): IN FLIGHT unknown")
@@ -324,10 +327,12 @@ def status(
     limit learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
     from Redis without taking anything; a limit with a key template has a state per key
     ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
-    the limit. DENIED/MIN is how many of its tasks the fleet deferred per minute (and timed
+    the limit. DENIED/MIN is how many of its tasks were not admitted at once, per minute,
+    fleet-wide: they waited in the worker for their slot, or were deferred (and timed
     out, when any did). In JSON, a hold is {"paused": true} until resumed, or {"held_s":
     seconds left}; next_slot_s is null while paused; in_flight is null with --timeout 0;
-    per_minute has the counts of "denied", "parked" (of the denied) and "timeout".
+    per_minute has the counts of "denied" (deferred), "parked" (of the denied), "timeout"
+    and "waited" (slept to their slot in the worker).
     """
     app, throttler = throttler_of(ctx)
 

@@ -13,7 +13,9 @@ from typing import Any
 from urllib.parse import unquote
 
 import click
+from celery.states import READY_STATES
 
+from throttle.celery.plan import rule_name
 from throttle.celery.runtime import Throttler
 from throttle.cli.base import moment, one_line_errors, throttler_of
 from throttle.cli.parked import read_parked
@@ -21,8 +23,9 @@ from throttle.redis.client import wrap_errors
 
 
 def _task_limits(keys: list[bytes | None], base: str) -> list[str]:
-    """The limit names of a lease record's state keys (``base code:limit:key``)."""
-    names = []
+    """The limit names of a lease record's state keys (``base code:limit:key``), each once: a
+    plan's state (``LIMIT.plan``, see :mod:`throttle.celery.plan`) is its limit's."""
+    names: list[str] = []
     for raw in keys:
         if raw is None:
             continue
@@ -30,7 +33,9 @@ def _task_limits(keys: list[bytes | None], base: str) -> list[str]:
         if key.startswith(base):
             parts = key[len(base) :].split(":")
             if len(parts) >= 2:
-                names.append(unquote(parts[1]))
+                name = rule_name(unquote(parts[1]))
+                if name not in names:
+                    names.append(name)
     return names
 
 
@@ -73,11 +78,21 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
         if slot > now:
             return {**out, "state": "sleeping", "until": round(slot, 3)}
         ttl = client.pttl(keyspace.lease_key(task_id))
-        return {**out, "state": "running", "until": round(now + max(ttl, 0) / 1000, 3)}
+        until = round(now + max(ttl, 0) / 1000, 3)
+        # The lease outlives the run (a redelivered copy must find its reservation), and the
+        # end of a run writes nothing to the throttler's Redis: the result backend tells.
+        result = finished(app, task_id)
+        if result is not None:
+            return {**out, "state": "done", "result": result, "until": until}
+        return {**out, "state": "started", "until": until}
 
+    if lease.get("s") == b"2":  # settled: it ran, whatever deferrals came before
+        return {**out, "state": "done", "result": finished(app, task_id), "until": None}
     trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
     if trail:
-        limits = [str(name) for name in json.loads(trail.get("limits", "[]"))]
+        limits = list(
+            dict.fromkeys(rule_name(str(n)) for n in json.loads(trail.get("limits", "[]")))
+        )
         until = float(trail.get("until", "0"))
         out.update(limits=limits, at=float(trail.get("at", "0")), until=round(until, 3))
         how = trail.get("how")
@@ -90,25 +105,44 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
                 state = "paused" if math.isinf(left) else "held"
                 until_held = None if math.isinf(left) else round(now + left, 3)
                 return {**out, "state": state, "held_by": name, "until": until_held}
-        if how == "park":  # released: back at the broker (or running) since
-            return {**out, "state": "released"}
-        return {**out, "state": "republished" if until > now else "released"}
-    if lease.get("s") == b"2":
-        return {**out, "state": "done", "until": None}
+        if until > now and how != "park":
+            return {**out, "state": "republished"}
+        # released (back at the broker, or running since), unless the results say it ended
+        result = finished(app, task_id)
+        if result is not None:
+            return {**out, "state": "done", "result": result, "until": None}
+        return {**out, "state": "released"}
     return {**out, "state": "unknown", "until": None}
+
+
+def finished(app: Any, task_id: str) -> str | None:
+    """The task's final state in the app's result backend (``SUCCESS``, ``FAILURE``,
+    ``REVOKED``), or None: not finished, no result backend, or the backend unreachable (a
+    status command does not fail for it)."""
+    backend = app.backend
+    if type(backend).__name__ == "DisabledBackend":
+        return None
+    try:
+        state = str(backend.get_task_meta(task_id).get("status"))
+    except Exception:  # any backend's error: the answer is only "not known"
+        return None
+    return state if state in READY_STATES else None
 
 
 _SAYS = {
     "parked": "parked in Redis until {until}: then a releaser sends it to its lane",
     "releasing": "being published to the broker by a releaser right now",
     "sleeping": "in a worker, sleeping to its slot at {until}",
-    "running": "running (its slot at {slot} passed); its lease ends by {until}",
+    "started": (
+        "started at its slot at {slot}: running, or finished with no result backend to tell "
+        "(its lease, kept against a second copy, ends by {until})"
+    ),
     "republished": "re-published to the broker, due back at {until}",
     "released": "sent back to the broker at {until}: queued, or running",
     "held": "held by limit {held_by} until {until}: it comes back then",
     "paused": "held by limit {held_by}, paused until `celery throttle resume {held_by}`",
     "timed_out": "timed out at {at} ({action})",
-    "done": "finished: its slot at {slot} was settled",
+    "done": "finished ({result}) after its slot at {slot}",
     "unknown": (
         "unknown: never throttled, finished more than its lease ago, or not a task of this "
         "fleet (prefix and namespace)"
@@ -123,7 +157,8 @@ _SAYS = {
 def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why is TASK_ID waiting? Where the throttler has it, from Redis.
 
-    One of: parked until T, being released, sleeping to its slot at T, running, re-published
+    One of: parked until T, being released, sleeping to its slot at T, started (finished,
+    with its result state, when the app has a result backend), re-published
     for T, held by limit L until T (or paused), timed out, done, unknown. Read from the
     parking lot's index, the task's lease record (its reserved slot and limits) and its
     trail (the last deferral or time out, kept an hour past its due time).
@@ -142,7 +177,11 @@ def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
         return "?" if value is None else moment(round(value * 1e6), now_us)
 
     fields = {k: stamp(data.get(k)) for k in ("until", "slot", "at")}
-    fields.update(held_by=data.get("held_by"), action=data.get("action"))
+    fields.update(
+        held_by=data.get("held_by"),
+        action=data.get("action"),
+        result=data.get("result") or "settled",
+    )
     click.echo(f"task {task_id}: " + _SAYS[data["state"]].format(**fields))
     if data.get("name") or data.get("queue"):
         click.echo(f"  task {data.get('name') or '?'}  queue {data.get('queue') or '?'}")

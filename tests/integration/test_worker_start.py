@@ -1,0 +1,88 @@
+"""A worker started on a bad limits file: one line per error, as ``celery throttle check``
+prints them, and exit code 1; no traceback. A real ``celery worker`` process (no server
+needed: it stops before connecting anywhere)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+APP = """
+from celery import Celery
+from throttle.celery import ThrottledTask, install
+
+app = Celery("proj", broker="memory://", task_cls=ThrottledTask)
+app.conf.throttle_config = "limits.yaml"
+app.conf.throttle_redis_url = "memory://"
+install(app)
+"""
+
+
+def _worker(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "worker", "--without-mingle",
+         "--without-gossip", *args],
+        cwd=project, env={**env, "PYTHONPATH": str(project)}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_a_bad_limits_file_stops_the_worker_with_one_line_per_error(tmp_path: Path) -> None:
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "celery.py").write_text(APP)
+    (tmp_path / "limits.yaml").write_text(
+        "settings: {refrsh: 2}\nlimits:\n  api: {rate: 10/minuts, on_eror: refund}\n"
+    )
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
+    assert lines == [
+        "throttle: limits.yaml: field 'settings.refrsh': unknown setting (did you mean "
+        f"'refresh'?); expected one of {', '.join(_settings())} (got 2)",
+        "throttle: limits.yaml: limit 'api': field 'on_eror': unknown field (did you mean "
+        f"'on_error'?); expected one of {', '.join(_fields())} (got 'refund')",
+        "throttle: limits.yaml: limit 'api': field 'rate': unknown time unit 'minuts' (did you "
+        f"mean 'minutes'?); use {_units()} (got '10/minuts')",
+        "throttle: 3 errors: the worker does not start",
+    ]
+    assert "Traceback" not in done.stderr + done.stdout
+
+    (tmp_path / "limits.yaml").unlink()
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1
+    assert (
+        f"throttle: limits.yaml: cannot read the limits file '{tmp_path / 'limits.yaml'}': "
+        "No such file or directory" in done.stderr
+    ), done.stderr
+
+    # A prefork pool of two children refuses the in-memory limiter, naming its pool
+    (tmp_path / "limits.yaml").write_text("limits: {}\n")
+    done = _worker(tmp_path, "-P", "prefork", "-c", "2")
+    assert done.returncode == 1
+    assert "the in-memory limiter serves one process: the prefork pool with 2 child" in (
+        done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def _settings() -> list[str]:
+    from throttle.config import _SETTINGS_FIELDS  # noqa: PLC0415
+
+    return list(_SETTINGS_FIELDS)
+
+
+def _fields() -> list[str]:
+    from throttle.adaptive import ADAPTIVE_FIELDS  # noqa: PLC0415
+    from throttle.config import _LIMIT_FIELDS, _RULE_FIELDS  # noqa: PLC0415
+
+    return [*_LIMIT_FIELDS, *_RULE_FIELDS, *ADAPTIVE_FIELDS]
+
+
+def _units() -> str:
+    from throttle.spec import UNIT_NAMES  # noqa: PLC0415
+
+    return UNIT_NAMES
