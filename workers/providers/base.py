@@ -301,6 +301,8 @@ class Running:
         self.server.shutdown()
         self.server.server_close()
 
+    close = stop
+
 
 def start(provider: Provider, host: str = "127.0.0.1", port: int = 0) -> Running:
     """Serve ``provider`` on ``host:port`` (0: a free port) in a daemon thread."""
