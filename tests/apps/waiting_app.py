@@ -1,0 +1,80 @@
+"""The Celery app of tests/system/test_waiting.py: throttled tasks wait in the worker's
+consumer, not in a pool slot. Run by real ``celery worker`` subprocesses (``-c 1``, every
+pool).
+
+Settings come from the environment, so that the producer (the test process) and the
+workers build the same app: ``WAITING_BROKER_URL`` (broker, results and limiter: a private
+redis-server), ``THROTTLE_CONFIG`` (the limits file the test writes) and
+``WAITING_VISIBILITY_S`` (the Redis transport's visibility timeout, s).
+
+Each body appends ``"<tag> <Redis time in s>"`` to the list ``waiting:log``, and counts
+itself in ``waiting:done`` (HASH tag -> count), so that the tests read the order of the
+calls on the Redis clock and see a body that ran twice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery
+
+from throttle.celery import install, throttled
+
+BROKER = os.environ.get("WAITING_BROKER_URL", "redis://127.0.0.1:6379/15")
+VISIBILITY_S = float(os.environ.get("WAITING_VISIBILITY_S", "8"))
+
+app = Celery("waiting", broker=BROKER, backend=BROKER)
+app.conf.update(
+    throttle_config=os.environ.get("THROTTLE_CONFIG"),
+    task_default_queue="waiting",
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY_S,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    result_expires=600,
+)
+install(app)
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def _redis() -> redis.Redis:
+    """One connection pool per process (made after the fork, never at import)."""
+    client = _clients.get(BROKER)
+    if client is None:
+        client = _clients[BROKER] = redis.Redis.from_url(BROKER)
+    return client
+
+
+def _log(tag: str) -> None:
+    client = _redis()
+    seconds, micros = client.time()
+    pipe = client.pipeline()
+    pipe.rpush("waiting:log", f"{tag} {seconds + micros / 1e6:.6f}")
+    pipe.hincrby("waiting:done", tag, 1)
+    pipe.execute()
+
+
+# shared=False: these tasks must not join the other test apps of the same pytest process.
+@app.task(shared=False)
+@throttled("spaced")
+def spaced(tag: str) -> None:
+    """Under ``spaced`` (GCRA, one call per spacing): the second of two waits."""
+    _log(tag)
+
+
+@app.task(bind=True, shared=False)
+@throttled("bulk")
+def bulk(self: Any, tag: str) -> None:
+    """Under ``bulk`` (a token bucket with room for all): never waits."""
+    _log(tag)
+
+
+@app.task(shared=False)
+def plain(tag: str) -> None:
+    """Not throttled."""
+    _log(tag)

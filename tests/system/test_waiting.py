@@ -1,0 +1,125 @@
+"""Throttled tasks wait in the worker's consumer, not in a pool slot
+(:mod:`throttle.celery.waiting`), with real ``celery worker`` subprocesses of one pool
+child (``-c 1``) on a private redis-server (broker, results, limiter); app:
+tests/apps/waiting_app.py.
+
+Judged on the Redis clock and on the order of the bodies, never on host speed: with one
+pool slot, an unthrottled task sent after a throttled one that waits for its slot runs
+before it only if that wait is not spent in the pool slot.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support.servers import RedisServer
+from workers.harness import Worker, running
+
+SPACING_S = 1.0
+VISIBILITY_S = 8.0
+# A task is held at most park_after + park_lead + sleep_max = 2.1 s: within half the
+# visibility timeout, as the worker requires.
+CONFIG = """
+settings:
+  sleep_max: 1.5s
+  park_after: 0.5s
+  park_lead: 0.1s
+limits:
+  spaced: {algorithm: gcra, rate: 1/s, burst: 1}
+  bulk: {rate: 1000/s, burst: 1000}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Path]]:
+    tmp = tmp_path_factory.mktemp("waiting")
+    config = tmp / "limits.yaml"
+    config.write_text(CONFIG)
+    with RedisServer() as server:
+        env = {
+            "WAITING_BROKER_URL": server.url,
+            "THROTTLE_CONFIG": str(config),
+            "WAITING_VISIBILITY_S": str(VISIBILITY_S),
+        }
+        os.environ.update(env)  # the test process is the producer: the same app
+        try:
+            yield server, tmp
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
+
+
+def worker(server: RedisServer, tmp: Path, name: str, pool: str) -> Worker:
+    env = {
+        "WAITING_BROKER_URL": server.url,
+        "THROTTLE_CONFIG": str(tmp / "limits.yaml"),
+        "WAITING_VISIBILITY_S": str(VISIBILITY_S),
+    }
+    return Worker(
+        name, env, concurrency=1, queues="waiting", app="tests.apps.waiting_app",
+        log=tmp / f"{name}.log", pool=pool,
+    )  # fmt: skip
+
+
+def log(client: redis.Redis) -> list[tuple[str, float]]:
+    entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
+    return [(tag, float(at)) for tag, at in entries]
+
+
+def wait_for(what: Any, timeout_s: float, step_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise TimeoutError(f"not true after {timeout_s} s: {what}")
+
+
+def fcalls(client: redis.Redis) -> int:
+    """The limiter's script calls so far (acquire, settle, space: one FCALL each)."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall",))
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
+    server: tuple[RedisServer, Path], pool: str
+) -> None:
+    from tests.apps.waiting_app import app, bulk, plain, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, f"w-{pool}", pool)]):
+        # Given one pool slot, and two tasks under a limit of one call per second: the
+        # second waits about a second for its slot
+        first = spaced.delay("t1")
+        first.get(timeout=30)
+        second = spaced.delay("t2")
+        # When an unthrottled task is sent after them, on the same queue
+        plain.delay("p").get(timeout=30)
+        second.get(timeout=30)
+        # Then it ran while the second waited: the wait did not hold the pool slot
+        order = log(client)
+        tags = [tag for tag, _ in order]
+        assert tags == ["t1", "p", "t2"], order
+        at = dict(order)
+        assert at["t2"] - at["t1"] >= SPACING_S - 0.05  # the limit kept (Redis time)
+        assert at["p"] < at["t2"]
+
+        # And the pool child takes no second round trip for what the consumer decided:
+        # tasks admitted at once cost one acquisition each, nothing more
+        before = fcalls(client)
+        for handle in [bulk.delay(f"b{i}") for i in range(20)]:
+            handle.get(timeout=30)
+        assert fcalls(client) - before == 20
+    assert all(int(n) == 1 for n in client.hvals("waiting:done"))
