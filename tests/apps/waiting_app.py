@@ -15,12 +15,13 @@ calls on the Redis clock and see a body that ran twice.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
-from throttle.celery import install, throttled
+from throttle.celery import install, slot_time, throttled
 
 BROKER = os.environ.get("WAITING_BROKER_URL", "redis://127.0.0.1:6379/15")
 VISIBILITY_S = float(os.environ.get("WAITING_VISIBILITY_S", "8"))
@@ -50,20 +51,43 @@ def _redis() -> redis.Redis:
     return client
 
 
-def _log(tag: str) -> None:
+_started: dict[str, float] = {}
+
+
+@signals.task_prerun.connect
+def _on_prerun(task_id: str = "", **kwargs: Any) -> None:
+    """When the pool child starts the task (before the throttler's gate), this host's
+    clock: the gate's sleep to the slot is ``slot_time()`` minus this."""
+    _started[task_id] = time.time()
+
+
+def _log(tag: str, task_id: str | None = None) -> None:
+    """Log the body's start; with ``task_id``, also how long the pool child slept before
+    the slot (s, this host's clock)."""
     client = _redis()
     seconds, micros = client.time()
+    slept = ""
+    slot, started = slot_time(), _started.pop(task_id or "", None)
+    if slot is not None and started is not None:
+        slept = f" {slot - started:.6f}"
     pipe = client.pipeline()
-    pipe.rpush("waiting:log", f"{tag} {seconds + micros / 1e6:.6f}")
+    pipe.rpush("waiting:log", f"{tag} {seconds + micros / 1e6:.6f}{slept}")
     pipe.hincrby("waiting:done", tag, 1)
     pipe.execute()
 
 
 # shared=False: these tasks must not join the other test apps of the same pytest process.
-@app.task(shared=False)
+@app.task(bind=True, shared=False)
 @throttled("spaced")
-def spaced(tag: str) -> None:
+def spaced(self: Any, tag: str) -> None:
     """Under ``spaced`` (GCRA, one call per spacing): the second of two waits."""
+    _log(tag, self.request.id)
+
+
+@app.task(shared=False)
+@throttled("slow")
+def slow(tag: str) -> None:
+    """Under ``slow`` (GCRA, one call per 2.5 s): held long enough to kill its worker."""
     _log(tag)
 
 

@@ -20,19 +20,24 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
+from throttle.celery.waiting import LEAD_S
 from workers.harness import Worker, running
 
 SPACING_S = 1.0
+SLOW_SPACING_S = 2.5
+TIMER_SLACK_S = 0.005
+"""How much earlier than asked a timer may fire (kombu's hub rounds its poll timeout)."""
 VISIBILITY_S = 8.0
-# A task is held at most park_after + park_lead + sleep_max = 2.1 s: within half the
+# A task is held at most park_after + park_lead + sleep_max = 3.6 s: within half the
 # visibility timeout, as the worker requires.
 CONFIG = """
 settings:
-  sleep_max: 1.5s
+  sleep_max: 3s
   park_after: 0.5s
   park_lead: 0.1s
 limits:
   spaced: {algorithm: gcra, rate: 1/s, burst: 1}
+  slow: {algorithm: gcra, rate: 24/m, burst: 1}
   bulk: {rate: 1000/s, burst: 1000}
 """
 
@@ -69,8 +74,15 @@ def worker(server: RedisServer, tmp: Path, name: str, pool: str) -> Worker:
 
 
 def log(client: redis.Redis) -> list[tuple[str, float]]:
+    """(tag, Redis time of the body's start) of every body, in order."""
     entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
-    return [(tag, float(at)) for tag, at in entries]
+    return [(tag, float(at)) for tag, at, *_ in entries]
+
+
+def slept(client: redis.Redis) -> dict[str, float]:
+    """How long each logged throttled body's pool child slept to its slot (s)."""
+    entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
+    return {tag: float(rest[0]) for tag, _, *rest in entries if rest}
 
 
 def wait_for(what: Any, timeout_s: float, step_s: float = 0.05) -> Any:
@@ -89,7 +101,7 @@ def fcalls(client: redis.Redis) -> int:
     return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall",))
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent", "eventlet", "solo"])
 def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
     server: tuple[RedisServer, Path], pool: str
 ) -> None:
@@ -115,6 +127,9 @@ def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
         at = dict(order)
         assert at["t2"] - at["t1"] >= SPACING_S - 0.05  # the limit kept (Redis time)
         assert at["p"] < at["t2"]
+        # and the pool child slept at most LEAD_S to the slot (plus the timer's slack:
+        # the consumer hands the task over no earlier than LEAD_S before its slot)
+        assert slept(client)["t2"] <= LEAD_S + TIMER_SLACK_S
 
         # And the pool child takes no second round trip for what the consumer decided:
         # tasks admitted at once cost one acquisition each, nothing more
@@ -123,3 +138,34 @@ def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
             handle.get(timeout=30)
         assert fcalls(client) - before == 20
     assert all(int(n) == 1 for n in client.hvals("waiting:done"))
+
+
+def held_ids(app: Any) -> set[str]:
+    """The ids of the tasks the workers hold in their consumer's timer."""
+    replies = app.control.inspect(timeout=0.5).scheduled() or {}
+    return {entry["request"]["id"] for entries in replies.values() for entry in entries}
+
+
+def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, slow  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    first = worker(redis_server, tmp, "w-killed", "prefork")
+    with running(app, [first], kill=True):
+        # Given a worker that holds a task in its consumer, waiting for its slot
+        slow.delay("k1").get(timeout=30)
+        held = slow.delay("k2")
+        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # When the worker is killed (SIGKILL) before the slot
+        first.kill()
+    assert client.hget("waiting:done", "k2") is None
+    # Then its message comes back (unacknowledged: after the visibility timeout) and
+    # another worker runs it, once
+    with running(app, [worker(redis_server, tmp, "w-next", "prefork")]):
+        held.get(timeout=VISIBILITY_S + 30)
+    assert client.hgetall("waiting:done") == {b"k1": b"1", b"k2": b"1"}
