@@ -123,11 +123,12 @@ class ApiProcess:
     """``python -m workers.mock_api`` on a free port, read through its HTTP endpoints."""
 
     def __init__(
-        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False
-    ) -> None:
+        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False,
+        extra: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        extra = ["--retry-after-only"] if retry_after_only else []
+        extra = [*(["--retry-after-only"] if retry_after_only else []), *extra]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "workers.mock_api", "--port", str(self.port),

@@ -4,8 +4,11 @@
    arguments, the rate in force from Redis when an operator changed it at run time.
 2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
    does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
-3. A slot within ``sleep_max``: the pool slot sleeps until it (looking once more just
-   before it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`.
+3. A slot within ``sleep_max``: the task sleeps until it (looking once more just before
+   it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`. In a worker,
+   the worker's consumer takes step 2 before the pool and holds the task until shortly
+   before its slot (:mod:`throttle.celery.waiting`): the gate gets that decision
+   (:class:`Admission`) and sleeps only the rest, at most ``waiting.LEAD_S``.
    Further ahead: the task is re-published for just before its slot
    (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
    up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
