@@ -21,7 +21,8 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from throttle.celery import install, slot_time, throttled
+from throttle.celery import slot_time, throttled
+from throttle.celery.waiting import WaitStep
 
 BROKER = os.environ.get("WAITING_BROKER_URL", "redis://127.0.0.1:6379/15")
 VISIBILITY_S = float(os.environ.get("WAITING_VISIBILITY_S", "8"))
@@ -38,7 +39,10 @@ app.conf.update(
     },
     result_expires=600,
 )
-install(app)
+# The step under test alone: install(app) would also run the releaser of parked tasks,
+# whose polls (a script call every 0.25 s) would blur the tests' count of script calls per
+# task; nothing here is parked.
+app.steps["consumer"].add(WaitStep)
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -101,4 +105,11 @@ def bulk(self: Any, tag: str) -> None:
 @app.task(shared=False)
 def plain(tag: str) -> None:
     """Not throttled."""
+    _log(tag)
+
+
+@app.task(shared=False)
+def busy(tag: str, seconds: float) -> None:
+    """Not throttled: holds its pool slot ``seconds``, then logs its end."""
+    time.sleep(seconds)
     _log(tag)

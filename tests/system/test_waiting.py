@@ -21,6 +21,7 @@ import redis
 
 from tests.support.servers import RedisServer
 from throttle.celery.waiting import LEAD_S
+from throttle.redis.keys import KeySpace
 from workers.harness import Worker, running
 
 SPACING_S = 1.0
@@ -138,6 +139,29 @@ def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
             handle.get(timeout=30)
         assert fcalls(client) - before == 20
     assert all(int(n) == 1 for n in client.hvals("waiting:done"))
+
+
+def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, Path]) -> None:
+    from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, "w-busy", "prefork")]):
+        # Given the only pool slot busy for a second
+        before = fcalls(client)
+        busy.delay("busy", 1.0)
+        # When a throttled task arrives meanwhile
+        handle = bulk.delay("b")
+        handle.get(timeout=30)
+        # Then its slot is taken when the pool can start it, not when it arrived: taken
+        # then, it would have passed while the task waited for the pool, and been given
+        # up for another (three script calls: acquire, give up, acquire)
+        slot_us = client.hget(KeySpace().lease_key(handle.id), "at")
+        assert slot_us is not None
+        assert float(slot_us) / 1e6 >= dict(log(client))["busy"] - 0.01
+        assert fcalls(client) - before == 1
 
 
 def held_ids(app: Any) -> set[str]:

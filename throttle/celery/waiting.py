@@ -20,6 +20,12 @@ goes through :meth:`Waiting.admit` first:
 3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
    one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
 
+The consumer decides when the pool can start the task: a task received while every pool
+slot is busy (running a body, or waiting for a free child: the prefetched messages) waits
+undecided in the consumer, first come first decided, until a slot frees (looked at every
+:data:`POLL_S`). Decided earlier, its slot would pass while it waits for a child, and it
+would have to give the slot up (capacity lost) and take another.
+
 The decision travels to the pool child in the request's dict (sealed:
 :func:`throttle.celery.execution.carry`), so the gate there pays no second round trip for
 it: it sleeps what is left to the slot (at most :data:`LEAD_S`, plus the time the pool
@@ -42,8 +48,10 @@ fails in the consumer, the task goes to the pool, whose gate applies ``on_redis_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from celery import Celery, Task, bootsteps
@@ -66,6 +74,10 @@ time the pool takes to start a task does not make the call late."""
 
 DEFAULT_STRATEGY = "celery.worker.strategy:default"
 
+POLL_S = 0.005
+"""How often the consumer looks for a free pool slot while throttled tasks wait for one,
+in s (only then: an idle or unsaturated worker does not poll)."""
+
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -84,23 +96,28 @@ class Waiting:
     """The consumer side of one throttled task: admits its requests before the pool, and
     holds those whose slot is near in the consumer's timer."""
 
-    def __init__(self, task: Task, consumer: Any) -> None:
+    def __init__(self, task: Task, consumer: Any, queue: Undecided) -> None:
         self.task = task
         self.consumer = consumer
         self.throttler = Throttler.of(task.app)
+        self.undecided = queue
 
     def strategy(self) -> Any:
         """Celery's default strategy for the task, over a view of the consumer whose
-        hand-over to the pool goes through :meth:`admit`."""
-        view = _ConsumerView(self.consumer, self.admit, self.on_eta)
+        hand-over to the pool goes through :meth:`admit` (once a pool slot is free)."""
+        view = _ConsumerView(self.consumer, self.on_request, self.on_eta)
         return default(self.task, self.task.app, view, task_reserved=_not_yet)
 
     # -- the hand-overs of the default strategy
 
+    def on_request(self, request: Any) -> None:
+        """A task may run (no ETA, or its ETA came): admit it when a pool slot is free."""
+        self.undecided.submit(self, request)
+
     def on_eta(self, request: Any) -> None:
         """The ETA of a task came (Celery's ``apply_eta_task``, which had raised the
-        prefetch count): admit it now."""
-        self.admit(request)
+        prefetch count)."""
+        self.on_request(request)
         self.consumer.qos.decrement_eventually()
 
     def admit(self, request: Any) -> None:
@@ -208,6 +225,56 @@ class Waiting:
         self.consumer.on_task_request(request)
 
 
+class Undecided:
+    """The throttled tasks of one consumer that wait for a free pool slot to be decided,
+    in arrival order. Dropped when the consumer stops (a lost broker connection, a
+    shutdown): their messages are unacknowledged, and the broker delivers them again."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.waiting: deque[tuple[Waiting, Any]] = deque()
+        self.entry: Any = None
+
+    def pool_free(self) -> bool:
+        """Whether the pool has a slot that no task holds (running, or handed over and
+        waiting for a child: Celery's reserved requests; held tasks are not in them)."""
+        size = getattr(self.consumer.pool, "num_processes", None) or 1
+        return len(state.reserved_requests) < size
+
+    def submit(self, waiting: Waiting, request: Any) -> None:
+        if not self.waiting and self.pool_free():
+            waiting.admit(request)
+            return
+        self.waiting.append((waiting, request))
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.entry is None:
+            self.entry = self.consumer.timer.call_after(
+                POLL_S, self._drain, priority=_TIMER_PRIORITY
+            )
+
+    def _drain(self) -> None:
+        self.entry = None
+        while self.waiting and self.pool_free():
+            waiting, request = self.waiting.popleft()
+            try:
+                if not request.revoked():
+                    waiting.admit(request)
+            except Exception:
+                logger.exception("throttle: admitting task %s", request.id)
+        if self.waiting:
+            self._arm()
+
+    def clear(self) -> None:
+        """Forget every waiting task (the consumer stops)."""
+        self.waiting.clear()
+        entry, self.entry = self.entry, None
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.timer.cancel(entry)
+
+
 def _not_yet(request: Any) -> None:
     """The default strategy marks a request reserved before it hands it over: here that
     waits until :meth:`Waiting.admit` hands it to the pool (a held request is scheduled)."""
@@ -225,13 +292,13 @@ class _ConsumerView:
         return getattr(self._consumer, name)
 
 
-def install_strategies(app: Celery, consumer: Any) -> list[str]:
+def install_strategies(app: Celery, consumer: Any, undecided: Undecided) -> list[str]:
     """Give every governed task of ``app`` its waiting strategy in ``consumer``; returns
     their names."""
     names = []
     for name, task in list(app.tasks.items()):
         if governed(task):
-            consumer.strategies[name] = Waiting(task, consumer).strategy()
+            consumer.strategies[name] = Waiting(task, consumer, undecided).strategy()
             names.append(name)
     return names
 
@@ -244,9 +311,21 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "throttle-waiting"
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        super().__init__(consumer, **kwargs)
+        self.undecided: Undecided | None = None
+
     def start(self, consumer: Any) -> None:
         app = consumer.app
         if not throttling_enabled(app):
             return
-        names = install_strategies(app, consumer)
+        self.undecided = undecided = Undecided(consumer)
+        names = install_strategies(app, consumer, undecided)
         logger.debug("throttle: %d throttled tasks wait in the consumer", len(names))
+
+    def stop(self, consumer: Any) -> None:
+        if self.undecided is not None:
+            self.undecided.clear()
+
+    def shutdown(self, consumer: Any) -> None:
+        self.stop(consumer)
