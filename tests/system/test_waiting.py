@@ -170,6 +170,34 @@ def held_ids(app: Any) -> set[str]:
     return {entry["request"]["id"] for entries in replies.values() for entry in entries}
 
 
+def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, slow  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, "w-revoke", "prefork")]):
+        # Given a task held in the consumer for its slot
+        slow.delay("r1").get(timeout=30)
+        held = slow.delay("r2")
+        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # When it is revoked, as one revokes a task with an ETA
+        app.control.revoke(held.id)
+        # Then, when its timer fires at its slot, it is not handed to the pool: its
+        # reservation is given up (settled: its lease record says so)
+        lease = KeySpace().lease_key(held.id)
+        wait_for(lambda: client.hget(lease, "s") == b"2", 2 * SLOW_SPACING_S)
+        # and it never runs: REVOKED (as Celery marks it when revoked), its message
+        # acknowledged
+        time.sleep(0.5)
+        assert held.state == "REVOKED"
+        assert client.hget("waiting:done", "r2") is None
+        assert client.hlen("unacked") == 0  # 2: settled
+
+
 def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
     server: tuple[RedisServer, Path],
 ) -> None:

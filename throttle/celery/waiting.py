@@ -20,6 +20,13 @@ goes through :meth:`Waiting.admit` first:
 3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
    one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
 
+While a task's limits have room (the consumer's last look, at most :data:`FRESH_S` ago,
+admitted at once and left room for :data:`ROOM_TASKS` more: :class:`Look`), its tasks go
+to the pool undecided and the pool child decides, as before this step: the consumer's loop
+serves the whole worker one message at a time, and a round trip there for a task that
+would run at once anyway costs the worker's throughput. Once a look finds them busy (a
+wait, a denial, little room), the consumer decides every task of it for :data:`BUSY_S`.
+
 The consumer decides when the pool can start the task: a task received while every pool
 slot is busy (running a body, or waiting for a free child: the prefetched messages) waits
 undecided in the consumer, first come first decided, until a slot frees (looked at every
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
@@ -61,8 +69,10 @@ from celery.worker.strategy import default
 
 from throttle.celery.execution import Admission, carry
 from throttle.celery.gate import Gate
+from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler, throttling_enabled
 from throttle.celery.task import gated_call
+from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
 
 logger = logging.getLogger("throttle")
@@ -73,6 +83,16 @@ child sleeps what is left (the most a pool slot waits, when the pool is free), s
 time the pool takes to start a task does not make the call late."""
 
 DEFAULT_STRATEGY = "celery.worker.strategy:default"
+
+FRESH_S = 0.05
+"""How long the consumer trusts a look at a task's limits that found room, in s
+(:class:`Look`): about one decision in the consumer per this time and queue while the
+limits have room, every task's while they are busy."""
+BUSY_S = 1.0
+"""How long after a decision that found a task's limits busy every task of it is decided
+in the consumer, in s."""
+ROOM_TASKS = 20
+"""The room a look must find in every limit, in tasks of the same cost."""
 
 POLL_S = 0.005
 """How often the consumer looks for a free pool slot while throttled tasks wait for one,
@@ -101,6 +121,8 @@ class Waiting:
         self.consumer = consumer
         self.throttler = Throttler.of(task.app)
         self.undecided = queue
+        self.looks: dict[str | None, Look] = {}
+        """What the last decisions said of the task's limits, per queue it came from."""
 
     def strategy(self) -> Any:
         """Celery's default strategy for the task, over a view of the consumer whose
@@ -111,7 +133,12 @@ class Waiting:
     # -- the hand-overs of the default strategy
 
     def on_request(self, request: Any) -> None:
-        """A task may run (no ETA, or its ETA came): admit it when a pool slot is free."""
+        """A task may run (no ETA, or its ETA came): admit it when a pool slot is free; or,
+        while its limits have room (:class:`Look`), hand it to the pool undecided."""
+        look = self.looks.get(queue_of(request.delivery_info))
+        if look is not None and look.roomy(time.monotonic()):
+            self._to_pool(request)
+            return
         self.undecided.submit(self, request)
 
     def on_eta(self, request: Any) -> None:
@@ -157,6 +184,11 @@ class Waiting:
             self._to_pool(request)
             return
         carry(request.request_dict, Admission(request.id, decision, now))
+        queue = queue_of(request.delivery_info)
+        look = self.looks.get(queue)
+        if look is None:
+            look = self.looks[queue] = Look()
+        look.saw(decision, time.monotonic())
         wait = decision.wait_s
         if (
             decision.allowed
@@ -223,6 +255,55 @@ class Waiting:
     def _to_pool(self, request: Any) -> None:
         state.task_reserved(request)
         self.consumer.on_task_request(request)
+
+
+class Look:
+    """What the consumer's last decisions said of one task's limits (on one queue): whether
+    they had room. While they have, the pool child decides, as it did before this step,
+    and the consumer's loop is spared the round trip (it serves every pool slot of the
+    worker one message at a time: a round trip there costs the whole worker's throughput,
+    where the pool children's overlap). They have room when the consumer's last decision,
+    at most :data:`FRESH_S` ago, admitted the task at once with room left for
+    :data:`ROOM_TASKS` more tasks in every limit, and no decision for :data:`BUSY_S`
+    said otherwise (a wait, a denial, less room: then the consumer decides every task).
+
+    The price: in the :data:`FRESH_S` after a last look that had room, a flood can take the
+    room, and the tasks handed over undecided then wait for their slot in their pool slot,
+    up to ``sleep_max``, as before this step, until the next look (the first task after
+    :data:`FRESH_S`) finds the limits busy."""
+
+    __slots__ = ("at", "busy_until", "room")
+
+    def __init__(self) -> None:
+        self.at = -math.inf
+        self.busy_until = -math.inf
+        self.room = False
+
+    def roomy(self, now: float) -> bool:
+        """Whether the limits had room at the last look (``now``: monotonic s)."""
+        return self.room and now - self.at < FRESH_S and now >= self.busy_until
+
+    def saw(self, decision: Decision, now: float) -> None:
+        """Note a decision of the consumer's, taken at ``now`` (monotonic s)."""
+        self.at = now
+        self.room = has_room(decision)
+        if not self.room:
+            self.busy_until = now + BUSY_S
+
+
+def has_room(decision: Decision) -> bool:
+    """Whether ``decision`` admitted at once and leaves room for :data:`ROOM_TASKS` more
+    tasks of the same cost in each of its limits."""
+    acquisition = decision.acquisition
+    if not decision.allowed or decision.wait_s > 0 or decision.held or acquisition is None:
+        return False
+    costs = acquisition.costs
+    limits = decision.limits
+    if len(costs) != len(limits):
+        return decision.remaining >= ROOM_TASKS * max(costs, default=1.0)
+    return all(
+        state.remaining >= ROOM_TASKS * cost for state, cost in zip(limits, costs, strict=True)
+    )
 
 
 class Undecided:
