@@ -10,11 +10,11 @@ API: the rate of the calls, (calls - 1) / (last - first arrival), beside the cei
 The variants explain a reading of 10 calls/s on ``-P gevent -c 10`` (issue 25):
 
 * ``gevent``: ``celery worker -P gevent``: Celery monkey-patches at start.
-* ``gevent, -P given twice``: ``celery worker -P prefork ... -P gevent``, as the test
+* ``gevent (-P given twice)``: ``celery worker -P prefork ... -P gevent``, as the test
   harness wrote the command before: ``celery`` patches by the *first* ``-P``
   (``celery.maybe_patch_concurrency``) and runs the pool of the last, so the greenlets
   share unpatched, blocking sockets: one call at a time per worker.
-* ``gevent, API backlog 5``: the mock API with socketserver's default listen backlog.
+* ``gevent (API backlog 5)``: the mock API with socketserver's default listen backlog.
 
 Run: ``.venv/bin/python -m bench.pools [--tasks 400] [--latency 0.1]``.
 """
@@ -46,8 +46,8 @@ VARIANTS: dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]] = {
     "prefork -c 4": ("prefork", 4, (), ()),
     "threads -c 10": ("threads", 10, (), ()),
     "gevent -c 10": ("gevent", 10, (), ()),
-    "gevent -c 10, -P given twice": ("prefork", 10, ("-P", "gevent"), ()),
-    "gevent -c 10, API backlog 5": ("gevent", 10, (), ("--backlog", "5")),
+    "gevent -c 10 (-P given twice)": ("prefork", 10, ("-P", "gevent"), ()),
+    "gevent -c 10 (API backlog 5)": ("gevent", 10, (), ("--backlog", "5")),
     "gevent -c 50": ("gevent", 50, (), ()),
 }
 
@@ -64,7 +64,7 @@ def fleet(
         argv = worker_argv(name, app=APP, concurrency=concurrency, pool=pool, extra=extra)
         argv[0] = sys.executable
         full = {**os.environ, **env, "POOLS_CONNECTIONS": str(concurrency + 10)}
-        with open(logs / f"{name}-{pool}-{concurrency}.log", "ab") as out:
+        with open(logs / f"{name}-{pool}-{concurrency}.log", "wb") as out:
             procs.append(
                 subprocess.Popen(argv, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT)
             )
@@ -72,9 +72,15 @@ def fleet(
     producer.conf.update(task_default_queue="upstream", broker_connection_retry_on_startup=True)
     try:
         deadline = time.monotonic() + 120
-        while len({n for r in producer.control.ping(timeout=1.0) or [] for n in r}) < 2:
+        # Ready when each says so in its log: a gevent pool over unpatched sockets (-P
+        # given twice) consumes tasks but never answers a ping.
+        while not all(
+            b" ready." in (logs / f"{name}-{pool}-{concurrency}.log").read_bytes()
+            for name in ("p1", "p2")
+        ):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"workers did not start (see {logs})")
+            time.sleep(0.2)
         yield producer
     finally:
         stop(procs)
