@@ -98,7 +98,8 @@ def slow(tag: str) -> None:
 @app.task(bind=True, shared=False)
 @throttled("bulk")
 def bulk(self: Any, tag: str) -> None:
-    """Under ``bulk`` (a token bucket with room for all): never waits."""
+    """Under ``bulk`` (a token bucket of burst 10 refilled at 1000/s): never waits, and
+    never has room for 20 more (the consumer decides every task of it)."""
     _log(tag)
 
 
