@@ -253,16 +253,18 @@ class Gate:
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         planned = self.planned
         first: Decision | None = None
+        first_slot = now
         if admission is not None:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
-            first, _ = admission.as_of(now)
+            first, first_slot = admission.as_of(now)
         elif planned is not None and self._wait_for_plan(planned):
             now = time.time()
         while True:
             decision = first if first is not None else self._acquire(*self._horizon())
             # The consumer's decision counts as held: its slot was reserved before the
             # pool took the task, which may have been late (a busy pool).
-            reserved = decision.held or first is not None
+            on_first = first is not None
+            reserved = decision.held or on_first
             first = None
             if (
                 decision.allowed
@@ -279,6 +281,7 @@ class Gate:
                 # off-slot.
                 self._give_up(decision)
                 decision = self._acquire(*self._horizon())
+                on_first = False
             self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
@@ -299,7 +302,9 @@ class Gate:
                     now = time.time()
                     continue
             plan = self.plan.plan if planned is not None and self.plan is not None else None
-            return Ticket(decision.acquisition, self.execution.rules, now + wait, plan=plan)
+            # The slot of the consumer's decision (its time, when it admitted at once).
+            slot_at = first_slot if on_first else now + wait
+            return Ticket(decision.acquisition, self.execution.rules, slot_at, plan=plan)
 
     def _late_tolerance(self) -> float:
         """How late a task may reach its reserved slot and still call on it, in s.
