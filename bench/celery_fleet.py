@@ -168,9 +168,10 @@ class ApiProcess(MockProcess):
     """``python -m workers.mock_api`` (:class:`MockProcess`)."""
 
     def __init__(
-        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False
-    ) -> None:
-        extra = ["--retry-after-only"] if retry_after_only else []
+        self, rate: float, burst: float, log: Path, *, retry_after_only: bool = False,
+        extra: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        extra = [*(["--retry-after-only"] if retry_after_only else []), *extra]
         argv = ["workers.mock_api", "--rate", str(rate), "--burst", str(burst), *extra]
         super().__init__(argv, log, "/stats")
 

@@ -65,11 +65,17 @@ def redis_now(client: redis.Redis) -> float:
 
 
 @contextlib.contextmanager
-def fleet(tree: Path, env: dict[str, str], logs: Path, tag: str) -> Iterator[Celery]:
-    """Two workers of 4 prefork children running ``tree``'s code, and a producer."""
+def fleet(
+    tree: Path, env: dict[str, str], logs: Path, tag: str, pool: str = "prefork",
+    concurrency: int = 4,
+) -> Iterator[Celery]:  # fmt: skip
+    """Two workers of ``concurrency`` (4 prefork children by default) running ``tree``'s
+    code, and a producer."""
     procs = []
+    if concurrency > 8:
+        env = {**env, "TENANTS_MAX_CONNECTIONS": str(concurrency + 10)}
     for name in ("w1", "w2"):
-        argv = worker_argv(name, app=APP, concurrency=4, queues=QUEUE)
+        argv = worker_argv(name, app=APP, concurrency=concurrency, queues=QUEUE, pool=pool)
         argv[0] = sys.executable
         full = {**os.environ, **env, "PYTHONPATH": str(tree)}
         with open(logs / f"{tag}-{name}.log", "wb") as out:
@@ -144,6 +150,64 @@ def tenants_run(
     }  # fmt: skip
 
 
+def queue_run(
+    producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The tenants on one queue, as a producer sends them: A's flood at once, then B's
+    trickle ``--after`` s later, one task every ``--spacing`` s, whatever is still queued
+    (A's tasks are, when the fleet takes them at A's rate)."""
+    origin = api.reset()
+    start = redis_now(client)
+    flood = [producer.send_task(f"{APP}.call", args=("A", n)) for n in range(args.flood)]
+    trickle, sent = [], []
+    queued = 0
+    for n in range(args.trickle):
+        due = start + args.after + n * args.spacing
+        while (now := redis_now(client)) < due:
+            time.sleep(min(0.01, due - now))
+        if n == 0:
+            queued = int(client.llen(QUEUE))
+        sent.append(redis_now(client))
+        trickle.append(producer.send_task(f"{APP}.call", args=("B", n)))
+    done = [h.get(timeout=args.timeout) for h in flood + trickle]
+    a = sorted(r["slot"] for r in done if r["tenant"] == "A")
+    b = [r["slot"] for r in sorted((r for r in done if r["tenant"] == "B"), key=lambda r: r["n"])]
+    waits = [slot - at for slot, at in zip(b, sent, strict=True)]
+    # B's own limit (15/s) lets task i start no earlier than this: its excess is the wait
+    # beyond it.
+    earliest: list[float] = []
+    for at in sent:
+        earliest.append(max(at, earliest[-1] + 1 / TENANT_RATE) if earliest else at)
+    excess = [slot - e for slot, e in zip(b, earliest, strict=True)]
+    for n, (wait, r) in enumerate(zip(waits, sorted(
+        (r for r in done if r["tenant"] == "B"), key=lambda r: r["n"]), strict=True)):  # fmt: skip
+        print(f"  B {n}: wait {wait:.2f} s, deferrals {r['deferrals']}, planned {r['planned']}")
+    allowed = demand_allowed(a, sent, b)
+    return {
+        "b_p50": statistics.median(waits), "b_p95": p(waits, 0.95),
+        "b_excess_p95": p(excess, 0.95), "b_max": max(waits),
+        "shared_use": len(a + b) / allowed, "a_rate": (len(a) - 1) / (a[-1] - a[0]),
+        "queued": queued, "refused": api.get("/stats")["violations"],
+        "unexplained": unexplained(api, origin, done),
+        "twice": sum(r["runs"] > 1 for r in done), "span": max(a[-1], b[-1]) - a[0],
+    }  # fmt: skip
+
+
+def demand_allowed(a: Sequence[float], b_sent: Sequence[float], b: Sequence[float]) -> float:
+    """What the keyed limits allowed the shared one, from A's first slot to the last call:
+    min(19.8, 15 x tenants with a task waiting) integrated (10 ms steps), + the shared
+    limit's burst. A waits from its first slot to its last; B while one of its tasks is sent
+    and not yet started (its trickle is slower than its limit)."""
+    total, t, step = 1.0, a[0], 0.01
+    end = max(a[-1], b[-1])
+    while t < end:
+        waiting_a = t <= a[-1]
+        waiting_b = sum(at <= t for at in b_sent) > sum(slot <= t for slot in b)
+        total += min(SHARED_RATE, TENANT_RATE * (waiting_a + waiting_b)) * step
+        t += step
+    return total
+
+
 def unexplained(api: ApiProcess, origin: float, done: list[dict[str, Any]]) -> int:
     """How many refusals calls on time cannot explain (the schedule's fault, not a late
     call's: :func:`tests.support.upstream.violations_explained`). An arrival's lateness is
@@ -184,6 +248,9 @@ def baseline_run(
     }  # fmt: skip
 
 
+DEFAULT_LIMITS = LIMITS[LIMITS.index("limits:") :]
+"""The tenants' limits under the default settings (the queue part)."""
+
 SHARED = "shared: {algorithm: gcra, rate: 19.8/s, burst: 1"
 GUARDS = {"default": LIMITS, "off": LIMITS.replace(SHARED, SHARED + ", spacing_guard: false")}
 """The limits file of each baseline variant (``--guard``): as is (the guard on, the default
@@ -198,7 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--baseline", type=int, default=300)
     parser.add_argument("--before", default=None, help="a git revision to run beside this tree")
     parser.add_argument("--timeout", type=float, default=240.0)
-    parser.add_argument("--parts", default="tenants,baseline", help="tenants, baseline or both")
+    parser.add_argument(
+        "--parts", default="tenants,baseline", help="queue, tenants, baseline (comma-separated)"
+    )
+    parser.add_argument(
+        "--pools", default="prefork:4,threads:8,gevent:50",
+        help="queue: the pools (POOL:CONCURRENCY, comma-separated) of the 2 workers",
+    )  # fmt: skip
+    parser.add_argument("--spacing", type=float, default=0.5, help="queue: B's send interval")
     parser.add_argument(
         "--guard", default="default,off", help="baseline variants: default (guard on), off"
     )
@@ -228,7 +302,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Its own process: the API stamps arrivals on time while this one waits for results.
         api = ApiProcess(API_RATE, API_BURST, logs / "api.log")
         stack.callback(api.stop)
+        queue_rows: list[tuple[str, str, dict[str, Any]]] = []
+        if "queue" in parts:
+            config = logs / "limits-default.yaml"
+            config.write_text(DEFAULT_LIMITS)
+            for pool_spec in args.pools.split(","):
+                pool, concurrency = pool_spec.split(":")
+                for version, tree in trees.items():
+                    with RedisServer() as server:
+                        env = {
+                            "TENANTS_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config),
+                            "MOCK_API_URL": api.url,
+                        }  # fmt: skip
+                        client = redis.Redis.from_url(server.url)
+                        tag = f"{version.split()[0]}-{pool}"
+                        with fleet(tree, env, logs, tag, pool, int(concurrency)) as producer:
+                            row = queue_run(producer, client, api, args)
+                        print(version, pool_spec, "queue", row)
+                        queue_rows.append((version, pool_spec, row))
+                        client.close()
         for version, tree in trees.items():
+            if parts == ["queue"]:
+                break
             tenants: dict[str, Any] | None = None
             bases: list[tuple[str, str, dict[str, Any]]] = []
             # A revision from before the spacing guard knows no such field (and no guard).
@@ -259,6 +354,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.after:g} s later; shared 19.8/s burst 1; API 20/s burst 2. Baseline: "
         f"{args.baseline} tasks under the shared limit alone."
     )
+    if "queue" in parts:
+        print()
+        print(
+            f"Tenants on one queue (default settings): A floods {args.flood} tasks (tenant "
+            f"15/s burst 1); {args.after:g} s later B sends {args.trickle}, one every "
+            f"{args.spacing:g} s, on the same queue; shared 19.8/s burst 1; API 20/s burst 2; "
+            "2 workers."
+        )
+        print()
+        print("| pool | version | A queued when B began | B wait p50 | B wait p95 | B max "
+              "| B p95 beyond its spacing | shared used / allowed | A's rate "
+              "| refused (unexplained) | twice |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for version, pool_spec, t in queue_rows:
+            print(
+                f"| {pool_spec.replace(':', ' -c ')} | {version} | {t['queued']} "
+                f"| {t['b_p50']:.2f} s | {t['b_p95']:.2f} s | {t['b_max']:.2f} s "
+                f"| {t['b_excess_p95']:.2f} s | {100 * t['shared_use']:.1f} % "
+                f"| {t['a_rate']:.2f}/s | {t['refused']} ({t['unexplained']}) | {t['twice']} |"
+            )
     if "tenants" in parts:
         print()
         print("| version | B wait p50 | B wait p95 | B p95 beyond its spacing "

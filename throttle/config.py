@@ -209,10 +209,11 @@ class Settings:
         How often a process re-reads rates changed at run time: the fleet follows a
         change within this time.
     sleep_max_s:
-        A slot at most this far ahead is waited for in the worker (the pool slot sleeps);
-        beyond, the task is rescheduled, to arrive shortly before its slot (at most three
-        quarters of ``sleep_max`` before it) and sleep the rest. Short: a sleeping pool slot
-        runs nothing else. At least :data:`MIN_SLEEP_MAX_S` (50 ms).
+        A slot at most this far ahead is waited for in the worker, in its consumer (not in
+        a pool slot: :mod:`throttle.celery.waiting`); beyond, the task is rescheduled, to
+        arrive shortly before its slot (at most three quarters of ``sleep_max`` before it)
+        and wait the rest. Long: more tasks held in workers' memory, unacknowledged. At
+        least :data:`MIN_SLEEP_MAX_S` (50 ms).
     park_after_s:
         A wait longer than this is parked in Redis and sent back on the Redis clock; a
         shorter one (beyond ``sleep_max``) is re-published as a Celery ETA message, which

@@ -150,7 +150,7 @@ class Process(_Child):
 
 @dataclass
 class Worker(_Child):
-    """One ``celery worker`` subprocess (``-P prefork``) consuming ``queues``.
+    """One ``celery worker`` subprocess (``-P prefork``, or ``pool``) consuming ``queues``.
 
     Its command is :func:`workers.stack.worker_argv`, the one the compose workers run.
     """
@@ -164,12 +164,13 @@ class Worker(_Child):
     extra: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     events: bool = False
+    pool: str = "prefork"
 
     @property
     def argv(self) -> list[str]:
         return worker_argv(
             self.name, app=self.app, concurrency=self.concurrency, queues=self.queues,
-            events=self.events, extra=tuple(self.extra),
+            events=self.events, extra=tuple(self.extra), pool=self.pool,
         )  # fmt: skip
 
     def start(self) -> Worker:

@@ -99,6 +99,9 @@ class MockApi:
     def __init__(self, rate: float, burst: float = 1.0, *, retry_after_only: bool = False) -> None:
         self.retry_after_only = retry_after_only
         """Send no rate-limit header: a 429 says only ``Retry-After``."""
+        self.latency_s = 0.0
+        """How long each call takes to answer, in s (judged when it arrives; the server
+        answers calls in threads of their own, so this latency overlaps)."""
         self.lock = threading.Lock()
         self.limit = UpstreamLimit(rate, burst)
         self.started = time.monotonic()
@@ -174,6 +177,8 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
 
         def _call(self) -> None:
             allowed, retry_after_s, tokens, limit = api.call(self.headers.get("X-Task-Id"))
+            if api.latency_s > 0:
+                time.sleep(api.latency_s)  # judged at arrival; this request's thread waits
             full_in_s = (limit.burst - tokens) / limit.rate
             remaining = str(max(math.floor(tokens), 0))
             quota, window = policy_of(limit.rate)
@@ -234,9 +239,18 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(api: MockApi, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+BACKLOG = 1024
+"""The server's listen backlog. socketserver's default, 5, is too short for a large pool of
+clients that each open a connection per call (``requests.get`` without a session): the
+kernel drops the connections beyond it, and the clients retry them a second later."""
+
+
+def serve(
+    api: MockApi, host: str = "127.0.0.1", port: int = 0, backlog: int = BACKLOG
+) -> ThreadingHTTPServer:
     """A server for ``api`` bound to ``host:port`` (0: a free port); call serve_forever()."""
-    server = ThreadingHTTPServer((host, port), _handler(api))
+    server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": backlog})
+    server: ThreadingHTTPServer = server_class((host, port), _handler(api))
     server.daemon_threads = True
     return server
 
@@ -258,9 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         "--retry-after-only", action="store_true",
         help="no rate-limit headers: a 429 says only Retry-After",
     )  # fmt: skip
+    parser.add_argument(
+        "--latency", type=float, default=0.0, metavar="S",
+        help="answer each call after S seconds (calls overlap: one thread each)",
+    )  # fmt: skip
+    parser.add_argument("--backlog", type=int, default=BACKLOG, help="the listen backlog")
     args = parser.parse_args(argv)
     api = MockApi(args.rate, args.burst, retry_after_only=args.retry_after_only)
-    server = serve(api, args.host, args.port)
+    api.latency_s = max(args.latency, 0.0)
+    server = serve(api, args.host, args.port, args.backlog)
     host, port = server.server_address[:2]
     print(f"mock API on http://{host!s}:{port} ({args.rate:g}/s burst {args.burst:g})", flush=True)
     if args.lower_to is not None:

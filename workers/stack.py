@@ -134,15 +134,22 @@ def worker_argv(
     queues: str = "upstream",
     events: bool = False,
     extra: tuple[str, ...] = (),
+    pool: str = "prefork",
 ) -> list[str]:
-    """A ``celery worker`` command (prefork, no mingle or gossip).
+    """A ``celery worker`` command (``pool``: prefork by default; no mingle or gossip).
 
     ``events`` adds ``-E`` (task events), which Flower needs to show task states; the demo
     turns it on, the tests and the benchmark leave it off (one event message per state
     change per task is load they do not measure).
+
+    The pool goes here, once, never in ``extra``: ``celery`` applies gevent's or
+    eventlet's monkey-patching by the *first* ``-P`` of its command line
+    (``celery.maybe_patch_concurrency``), while the worker runs the pool of the last one,
+    so ``-P prefork ... -P gevent`` runs a gevent pool over unpatched sockets: one
+    blocking call at a time.
     """
     return [
-        "python", "-m", "celery", "-A", app, "worker", "-P", "prefork",
+        "python", "-m", "celery", "-A", app, "worker", "-P", pool,
         "-c", str(concurrency), "-Q", queues, "-n", f"{name}@%h",
         "--without-mingle", "--without-gossip", "-l", "INFO",
         *(["-E"] if events else []), *extra,

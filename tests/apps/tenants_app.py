@@ -25,6 +25,12 @@ API_URL = os.environ.get("MOCK_API_URL", "")
 
 app = Celery("tenants", broker=BROKER, backend=BROKER)
 app.conf.update(WORKER_SETTINGS, throttle_config=os.environ.get("THROTTLE_CONFIG"))
+if os.environ.get("TENANTS_MAX_CONNECTIONS"):
+    # kombu's Redis transport keeps 10 connections per worker by default: a gevent or
+    # threads worker of more than that fails its acks (bench/tenants.py --pools).
+    app.conf.broker_transport_options = {
+        "max_connections": int(os.environ["TENANTS_MAX_CONNECTIONS"])
+    }
 install(app)
 _KEYS = KeySpace()
 

@@ -2,12 +2,13 @@
 back twice for one slot.
 
 A task whose slot is further ahead than ``sleep_max`` is sent back to arrive shortly
-*before* the slot, then sleeps the rest in its pool child, measured by the limiter on the
-Redis clock: the slot is kept to the millisecond, whatever the precision of the broker's
-delivery. For that, the task must arrive no earlier than ``sleep_max`` before its slot;
-arriving earlier, the gate would find the slot beyond ``sleep_max`` once more and send the
-task back again, and again, until the slot (a loop that burns broker round trips and pool
-slots). So every lead is derived from ``sleep_max``:
+*before* the slot, then waits the rest in the worker's consumer
+(:mod:`throttle.celery.waiting`), measured by the limiter on the Redis clock: the slot is
+kept to the millisecond, whatever the precision of the broker's delivery. For that, the
+task must arrive no earlier than ``sleep_max`` before its slot; arriving earlier, the gate
+would find the slot beyond ``sleep_max`` once more and send the task back again, and
+again, until the slot (a loop that burns broker round trips). So every lead is derived
+from ``sleep_max``:
 
 - an ETA message (waits up to ``park_after``) is due :func:`eta_lead_s` before the slot:
   :data:`EARLY_S`, at most half of ``sleep_max``; Celery's worker holds an ETA message until

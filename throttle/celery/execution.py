@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from celery import Task
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler
 from throttle.config import Settings
-from throttle.decision import Acquisition
+from throttle.decision import Acquisition, Decision
 from throttle.rules import Rule, Target
 
 
@@ -121,3 +122,63 @@ def enter_ticket(ticket: Ticket) -> contextvars.Token[Ticket | None]:
 
 def leave_ticket(token: contextvars.Token[Ticket | None]) -> None:
     _ticket.reset(token)
+
+
+# -- the consumer's decision, carried to the pool child
+
+ADMISSION_KEY = "throttle_admission"
+"""The key of a request's dict (Celery's ``Request.request_dict``, which every pool hands
+to its child: prefork pickles it) under which the worker's consumer leaves its decision
+for the pool child (:mod:`throttle.celery.waiting`)."""
+
+_SEAL = secrets.token_hex(16)
+"""This worker's mark on the decisions its consumer hands to its pool. Drawn when the
+module is first imported, in the worker's main process before the pool forks, so every
+child of the worker (and every thread or greenlet of it) holds the same one, and no
+producer can know it: a message whose headers carry a forged or stale
+``throttle_admission`` (a copy that Celery's ``retry`` re-published with its headers)
+is decided again, never admitted by it."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the worker's consumer decided for one execution, before the pool: the first
+    acquisition of the gate (:meth:`throttle.celery.gate.Gate.admit`), taken at
+    ``decided_at`` (epoch s, this host's clock, read just before the call)."""
+
+    task_id: str
+    decision: Decision
+    decided_at: float
+
+    def as_of(self, now: float) -> tuple[Decision, float]:
+        """The decision as it stands at ``now`` (epoch s): its ``wait_s`` what is left of
+        the wait, its ``late_s`` how long ago its slot passed (a pool that was busy, a held
+        slot that had passed already); and when the slot is (epoch s)."""
+        decision = self.decision
+        if not decision.allowed:
+            return decision, now
+        slot_at = self.decided_at + decision.wait_s - decision.late_s
+        left = slot_at - now
+        return decision._replace(wait_s=max(left, 0.0), late_s=max(-left, 0.0)), slot_at
+
+
+def carry(request_dict: dict[str, Any], admission: Admission) -> None:
+    """Leave ``admission`` in a request's dict for the pool child (sealed)."""
+    request_dict[ADMISSION_KEY] = (_SEAL, admission)
+
+
+def take_admission(request: Any) -> Admission | None:
+    """Take the consumer's decision out of a running task's request (Celery's
+    ``Context``): it is removed from the request and its headers, so that no copy of the
+    task re-published later carries it. None when there is none, or when it is not this
+    worker's (unsealed, another task's)."""
+    carried = request.__dict__.pop(ADMISSION_KEY, None)
+    headers = request.headers
+    if isinstance(headers, dict):
+        headers.pop(ADMISSION_KEY, None)
+    if not isinstance(carried, tuple) or len(carried) != 2 or carried[0] != _SEAL:
+        return None
+    admission = carried[1]
+    if not isinstance(admission, Admission) or admission.task_id != request.id:
+        return None
+    return admission

@@ -4,8 +4,11 @@
    arguments, the rate in force from Redis when an operator changed it at run time.
 2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
    does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
-3. A slot within ``sleep_max``: the pool slot sleeps until it (looking once more just
-   before it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`.
+3. A slot within ``sleep_max``: the task sleeps until it (looking once more just before
+   it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`. In a worker,
+   the worker's consumer takes step 2 before the pool and holds the task until shortly
+   before its slot (:mod:`throttle.celery.waiting`): the gate gets that decision
+   (:class:`Admission`) and sleeps only the rest, at most ``waiting.LEAD_S``.
    Further ahead: the task is re-published for just before its slot
    (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
    up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
@@ -37,7 +40,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from throttle.celery.arrival import eta_lead_s
-from throttle.celery.execution import Execution, Ticket
+from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.message import (
     H_PARKED,
     H_PUBLISH,
@@ -77,9 +80,14 @@ class Gate:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        request: Any = None,
     ) -> None:
         throttler = Throttler.of(task.app)
         self.execution = execution = Execution(task, throttler, (), fn, args, kwargs)
+        if request is not None:
+            # Decided in the worker's consumer, before the task runs: the request is the
+            # one its pool child will see (:mod:`throttle.celery.waiting`).
+            execution.request = request
         self.rule_set = throttler.rule_set(task, declared, execution.queue)
         execution.rules = self.rule_set.rules
         self.settings = throttler.settings
@@ -87,25 +95,28 @@ class Gate:
         self.acquiring: list[Target] | None = None
         """What :meth:`_acquire` takes when not the task's targets (a task with a plan)."""
         self.plan: Plan | None = None
+        self.planned: float | None = None
+        """The planned time of a task back with a plan (epoch s, Redis clock), else None."""
 
-    def enter(self) -> Ticket | None:
+    def enter(self, admission: Admission | None = None) -> Ticket | None:
+        """Decide, and return the ticket to run on (see the class). ``admission``: what
+        the worker's consumer decided already (:mod:`throttle.celery.waiting`), taken as
+        the first acquisition instead of a round trip of this one's."""
         execution = self.execution
         restore_eta(execution)  # first: a copy re-published during an outage keeps it too
         if not execution.rules:
             return None
         try:
             self._drop_second_copy()
-            rule_set = self.rule_set
-            execution.targets = targets(
-                execution.rules, execution.fn, execution.args, execution.kwargs,
-                execution.throttler.rates.current, by_name=rule_set.by_name,
-            )  # fmt: skip
-            if rule_set.adaptive:
-                self._learn()
+            self.evaluate()
             now = time.time()
-            set_deadlines(execution)
-            ticket = self._block() if execution.eager else self._decide(now)
-            if rule_set.guarded:
+            if execution.eager:
+                ticket = self._block()
+            else:
+                ticket = self._decide(now, admission)
+                if admission is not None:
+                    now = admission.decided_at  # the wait counted from the decision
+            if self.rule_set.guarded:
                 self._space()
         except BackendError as exc:
             run_while_down(execution, exc)
@@ -113,6 +124,37 @@ class Gate:
         if not execution.eager:
             execution.throttler.observer.allowed(execution, ticket.slot_at - now)
         return ticket
+
+    def evaluate(self) -> None:
+        """Evaluate the task's rules on its call (targets, deadlines) and, for a task with
+        a plan, what it acquires: no Redis round trip (the rates in force are cached)."""
+        execution, rule_set = self.execution, self.rule_set
+        execution.targets = targets(
+            execution.rules, execution.fn, execution.args, execution.kwargs,
+            execution.throttler.rates.current, by_name=rule_set.by_name,
+        )  # fmt: skip
+        if rule_set.adaptive:
+            self._learn()
+        set_deadlines(execution)
+        shape = rule_set.plan
+        if shape is not None and not execution.eager:
+            self.plan = plan_at(execution.targets, shape)
+            self.planned = planned_header(execution.message_headers)
+            self.acquiring = self.plan.due if self.planned is not None else self.plan.admit
+
+    def admit(self) -> Decision:
+        """The first acquisition of an evaluated execution (one round trip): what the
+        worker's consumer decides before the pool (:mod:`throttle.celery.waiting`)."""
+        return self._acquire(*self._horizon())
+
+    def plan_wait_s(self) -> float:
+        """How long a task back with a plan waits before it acquires its real limits, in
+        s (0 without a plan): until just before its planned time, at most ``sleep_max``
+        (see :meth:`_wait_for_plan`)."""
+        if self.planned is None:
+            return 0.0
+        lead = self.planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
+        return min(max(lead, 0.0), self.settings.sleep_max_s)
 
     def _space(self) -> None:
         """The call-time spacing guard of the limits that have it (``Rule.guarded``): one
@@ -202,24 +244,30 @@ class Gate:
 
     # -- the worker path
 
-    def _decide(self, now: float) -> Ticket:
+    def _decide(self, now: float, admission: Admission | None = None) -> Ticket:
         """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
-        task comes back later (raises)."""
+        task comes back later (raises). ``admission``: the first acquisition, taken by
+        the worker's consumer, which held the task until shortly before its slot."""
         late_tolerance = self._late_tolerance()
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
-        shape = self.rule_set.plan
-        self.plan = None if shape is None else plan_at(self.execution.targets, shape)
-        planned: float | None = None
-        if self.plan is not None:
-            planned = planned_header(self.execution.message_headers)
-            self.acquiring = self.plan.due if planned is not None else self.plan.admit
-            if planned is not None and self._wait_for_plan(planned):
-                now = time.time()
+        planned = self.planned
+        first: Decision | None = None
+        first_slot = now
+        if admission is not None:
+            # The consumer waited for the plan, and for the slot up to LEAD_S before it.
+            first, first_slot = admission.as_of(now)
+        elif planned is not None and self._wait_for_plan(planned):
+            now = time.time()
         while True:
-            decision = self._acquire(*self._horizon())
+            decision = first if first is not None else self._acquire(*self._horizon())
+            # The consumer's decision counts as held: its slot was reserved before the
+            # pool took the task, which may have been late (a busy pool).
+            on_first = first is not None
+            reserved = decision.held or on_first
+            first = None
             if (
                 decision.allowed
-                and decision.held
+                and reserved
                 and decision.late_s > late_tolerance
                 and not redelivered
             ):
@@ -232,6 +280,7 @@ class Gate:
                 # off-slot.
                 self._give_up(decision)
                 decision = self._acquire(*self._horizon())
+                on_first = False
             self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
@@ -252,7 +301,9 @@ class Gate:
                     now = time.time()
                     continue
             plan = self.plan.plan if planned is not None and self.plan is not None else None
-            return Ticket(decision.acquisition, self.execution.rules, now + wait, plan=plan)
+            # The slot of the consumer's decision (its time, when it admitted at once).
+            slot_at = first_slot if on_first else now + wait
+            return Ticket(decision.acquisition, self.execution.rules, slot_at, plan=plan)
 
     def _late_tolerance(self) -> float:
         """How late a task may reach its reserved slot and still call on it, in s.

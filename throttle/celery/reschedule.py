@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from celery import signals
@@ -83,6 +83,7 @@ def defer(
     takes its limits when it comes back."""
     task, request, settings = execution.task, execution.request, execution.settings
     countdown_s = max(countdown_s, 0.0)
+    mapping_headers(request)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
     headers[H_ETA] = saved_eta(execution)
     if execution.timeout_at is not None:
@@ -109,6 +110,14 @@ def defer(
         how = "republish"
     execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
     raise Retry(exc=Throttled(wait_s, limits), when=countdown_s, sig=sig)
+
+
+def mapping_headers(request: Any) -> None:
+    """Make a request's headers a mapping (empty when a producer sent something else as
+    ``headers``): Celery's ``signature_from_request`` copies them with ``dict.pop`` and
+    fails on anything else, and the copy gets the headers the throttler read (none)."""
+    if not isinstance(request.headers, Mapping):
+        request.headers = {}
 
 
 def route_of(execution: Execution) -> dict[str, Any]:
@@ -160,6 +169,7 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
         raise ThrottleTimeout(decision.denied_by, needed_s, left)
     headers = {k: v for k, v in headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)}
     headers[H_DEAD] = queue
+    mapping_headers(execution.request)
     sig = execution.task.signature_from_request(execution.request, queue=queue, headers=headers)
     sig.apply_async(queue=queue)
     execution.throttler.observer.timed_out(execution, limits, "dead_letter")
@@ -204,6 +214,7 @@ def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> N
     # Jittered, so that the tasks deferred during an outage do not all come back at once.
     countdown_s += random.uniform(0.0, min(execution.settings.jitter_s, countdown_s))
     headers = {**execution.headers, H_ETA: saved_eta(execution)}
+    mapping_headers(execution.request)
     sig = execution.task.signature_from_request(
         execution.request, countdown=countdown_s, headers=headers, **route_of(execution)
     )

@@ -4,6 +4,8 @@
   registers the lanes of its queues before the pool forks, and runs the
   :class:`~throttle.celery.releaser.Releaser` of parked tasks.
 - :class:`LaneStep` (consumer): every queue the worker consumes, it also consumes its lane.
+- :class:`~throttle.celery.waiting.WaitStep` (consumer): throttled tasks wait for their
+  slot in the consumer, not in a pool slot.
 - :class:`MetricsStep` (worker): the worker's metrics directory and port.
 """
 
@@ -30,6 +32,7 @@ from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.routing import declare_lanes, lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
+from throttle.celery.waiting import WaitStep
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.client import wrap_errors
@@ -263,6 +266,8 @@ def install(app: Celery, *, config: Any = None) -> Celery:
         app.steps["worker"].add(ThrottleStep)
     if LaneStep not in app.steps["consumer"]:
         app.steps["consumer"].add(LaneStep)
+    if WaitStep not in app.steps["consumer"]:
+        app.steps["consumer"].add(WaitStep)  # throttled tasks wait in the consumer
     # An exited pool child's live-gauge files are dropped; its counters stay.
     signals.worker_process_shutdown.connect(
         _child_exited, weak=False, dispatch_uid="throttle-metrics-child-exit"

@@ -26,6 +26,7 @@ from throttle.celery.execution import (
     current_ticket,
     enter_ticket,
     leave_ticket,
+    take_admission,
 )
 from throttle.celery.gate import Gate, set_deadlines
 from throttle.celery.reschedule import defer, time_out
@@ -52,7 +53,7 @@ def run(
     if not throttling_enabled(task.app):
         return call()  # switched off (tests): no limiter, no ticket
     gate = Gate(task, declared, fn, args, kwargs)
-    ticket = gate.enter()
+    ticket = gate.enter(take_admission(gate.execution.request))
     if ticket is None:
         return call()
     token = enter_ticket(ticket)
@@ -67,6 +68,27 @@ def run(
     finally:
         leave_ticket(token)
         settle(gate.execution.throttler, ticket, failed)
+
+
+def gated_call(
+    task: Task, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Declared, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None:
+    """What the gate of ``task`` evaluates its rules on when the task is called with
+    ``args`` and ``kwargs`` (a message's): ``(declared, fn, args, kwargs)`` as
+    :func:`throttled`'s wrapper or :meth:`ThrottledTask.__call__` pass them to :func:`run`
+    (a bound task's ``self`` first); None for a task that neither declares limits nor
+    is a ThrottledTask (nothing throttles it)."""
+    body: Callable[..., Any] = task.run
+    function: Callable[..., Any] = getattr(body, "__func__", body)
+    bound = function is not body
+    declared: Declared | None = getattr(body, "__throttle__", None)
+    if declared is not None:  # @throttled: the wrapper gates the function it wraps
+        fn: Callable[..., Any] = getattr(function, "__wrapped__", function)
+    elif isinstance(task, ThrottledTask):
+        declared, fn = type(task).declared_limits(), function
+    else:
+        return None
+    return declared, fn, ((task, *args) if bound else tuple(args)), kwargs
 
 
 def throttled(

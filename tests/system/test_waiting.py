@@ -1,0 +1,224 @@
+"""Throttled tasks wait in the worker's consumer, not in a pool slot
+(:mod:`throttle.celery.waiting`), with real ``celery worker`` subprocesses of one pool
+child (``-c 1``) on a private redis-server (broker, results, limiter); app:
+tests/apps/waiting_app.py.
+
+Judged on the Redis clock and on the order of the bodies, never on host speed: with one
+pool slot, an unthrottled task sent after a throttled one that waits for its slot runs
+before it only if that wait is not spent in the pool slot.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support.servers import RedisServer
+from throttle.celery.waiting import LEAD_S
+from throttle.redis.keys import KeySpace
+from workers.harness import Worker, running
+
+SPACING_S = 1.0
+SLOW_SPACING_S = 2.5
+TIMER_SLACK_S = 0.005
+"""How much earlier than asked a timer may fire (kombu's hub rounds its poll timeout)."""
+VISIBILITY_S = 8.0
+# A task is held at most park_after + park_lead + sleep_max = 3.6 s: within half the
+# visibility timeout, as the worker requires.
+CONFIG = """
+settings:
+  sleep_max: 3s
+  park_after: 0.5s
+  park_lead: 0.1s
+limits:
+  spaced: {algorithm: gcra, rate: 1/s, burst: 1}
+  slow: {algorithm: gcra, rate: 24/m, burst: 1}
+  bulk: {rate: 1000/s, burst: 10}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Path]]:
+    tmp = tmp_path_factory.mktemp("waiting")
+    config = tmp / "limits.yaml"
+    config.write_text(CONFIG)
+    with RedisServer() as server:
+        env = {
+            "WAITING_BROKER_URL": server.url,
+            "THROTTLE_CONFIG": str(config),
+            "WAITING_VISIBILITY_S": str(VISIBILITY_S),
+        }
+        os.environ.update(env)  # the test process is the producer: the same app
+        try:
+            yield server, tmp
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
+
+
+def worker(server: RedisServer, tmp: Path, name: str, pool: str) -> Worker:
+    env = {
+        "WAITING_BROKER_URL": server.url,
+        "THROTTLE_CONFIG": str(tmp / "limits.yaml"),
+        "WAITING_VISIBILITY_S": str(VISIBILITY_S),
+    }
+    return Worker(
+        name, env, concurrency=1, queues="waiting", app="tests.apps.waiting_app",
+        log=tmp / f"{name}.log", pool=pool,
+    )  # fmt: skip
+
+
+def log(client: redis.Redis) -> list[tuple[str, float]]:
+    """(tag, Redis time of the body's start) of every body, in order."""
+    entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
+    return [(tag, float(at)) for tag, at, *_ in entries]
+
+
+def slept(client: redis.Redis) -> dict[str, float]:
+    """How long each logged throttled body's pool child slept to its slot (s)."""
+    entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
+    return {tag: float(rest[0]) for tag, _, *rest in entries if rest}
+
+
+def wait_for(what: Any, timeout_s: float, step_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise TimeoutError(f"not true after {timeout_s} s: {what}")
+
+
+def fcalls(client: redis.Redis) -> int:
+    """The limiter's script calls so far (acquire, settle, space: one FCALL each)."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall",))
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent", "eventlet", "solo"])
+def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
+    server: tuple[RedisServer, Path], pool: str
+) -> None:
+    from tests.apps.waiting_app import app, bulk, plain, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, f"w-{pool}", pool)]):
+        # Given one pool slot, and two tasks under a limit of one call per second: the
+        # second waits about a second for its slot
+        first = spaced.delay("t1")
+        first.get(timeout=30)
+        second = spaced.delay("t2")
+        # When an unthrottled task is sent after them, on the same queue
+        plain.delay("p").get(timeout=30)
+        second.get(timeout=30)
+        # Then it ran while the second waited: the wait did not hold the pool slot
+        order = log(client)
+        tags = [tag for tag, _ in order]
+        assert tags == ["t1", "p", "t2"], order
+        at = dict(order)
+        assert at["t2"] - at["t1"] >= SPACING_S - 0.05  # the limit kept (Redis time)
+        assert at["p"] < at["t2"]
+        # and the pool child slept at most LEAD_S to the slot (plus the timer's slack:
+        # the consumer hands the task over no earlier than LEAD_S before its slot)
+        assert slept(client)["t2"] <= LEAD_S + TIMER_SLACK_S
+
+        # And the pool child takes no second round trip for what the consumer decided:
+        # tasks admitted at once cost one acquisition each, nothing more (``bulk`` never
+        # has room for 20 more tasks, so the consumer decides every one of them)
+        before = fcalls(client)
+        for handle in [bulk.delay(f"b{i}") for i in range(20)]:
+            handle.get(timeout=30)
+        assert fcalls(client) - before == 20
+    assert all(int(n) == 1 for n in client.hvals("waiting:done"))
+
+
+def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, Path]) -> None:
+    from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, "w-busy", "prefork")]):
+        # Given the only pool slot busy for a second
+        before = fcalls(client)
+        busy.delay("busy", 1.0)
+        # When a throttled task arrives meanwhile
+        handle = bulk.delay("b")
+        handle.get(timeout=30)
+        # Then its slot is taken when the pool can start it, not when it arrived: taken
+        # then, it would have passed while the task waited for the pool, and been given
+        # up for another (three script calls: acquire, give up, acquire)
+        slot_us = client.hget(KeySpace().lease_key(handle.id), "at")
+        assert slot_us is not None
+        assert float(slot_us) / 1e6 >= dict(log(client))["busy"] - 0.01
+        assert fcalls(client) - before == 1
+
+
+def held_ids(app: Any) -> set[str]:
+    """The ids of the tasks the workers hold in their consumer's timer."""
+    replies = app.control.inspect(timeout=0.5).scheduled() or {}
+    return {entry["request"]["id"] for entries in replies.values() for entry in entries}
+
+
+def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, slow  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, "w-revoke", "prefork")]):
+        # Given a task held in the consumer for its slot
+        slow.delay("r1").get(timeout=30)
+        held = slow.delay("r2")
+        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # When it is revoked, as one revokes a task with an ETA
+        app.control.revoke(held.id)
+        # Then, when its timer fires at its slot, it is not handed to the pool: its
+        # reservation is given up (settled: its lease record says so)
+        lease = KeySpace().lease_key(held.id)
+        wait_for(lambda: client.hget(lease, "s") == b"2", 2 * SLOW_SPACING_S)
+        # and it never runs: REVOKED (as Celery marks it when revoked), its message
+        # acknowledged
+        time.sleep(0.5)
+        assert held.state == "REVOKED"
+        assert client.hget("waiting:done", "r2") is None
+        assert client.hlen("unacked") == 0  # 2: settled
+
+
+def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, slow  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    first = worker(redis_server, tmp, "w-killed", "prefork")
+    with running(app, [first], kill=True):
+        # Given a worker that holds a task in its consumer, waiting for its slot
+        slow.delay("k1").get(timeout=30)
+        held = slow.delay("k2")
+        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # When the worker is killed (SIGKILL) before the slot
+        first.kill()
+    assert client.hget("waiting:done", "k2") is None
+    # Then its message comes back (unacknowledged: after the visibility timeout) and
+    # another worker runs it, once
+    with running(app, [worker(redis_server, tmp, "w-next", "prefork")]):
+        held.get(timeout=VISIBILITY_S + 30)
+    assert client.hgetall("waiting:done") == {b"k1": b"1", b"k2": b"1"}

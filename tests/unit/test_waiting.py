@@ -1,0 +1,86 @@
+"""When the worker's consumer decides a task before the pool, and what the pool child
+makes of the decision (:mod:`throttle.celery.waiting`, :class:`Admission`): pure logic;
+the worker itself is tested in tests/system/test_waiting.py."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+from celery.app.task import Context
+
+from throttle.celery.execution import Admission, carry, take_admission
+from throttle.celery.waiting import BUSY_S, FRESH_S, ROOM_TASKS, Look, has_room
+from throttle.decision import Acquisition, Decision, LimitState
+from throttle.spec import Limit
+
+LIMIT = Limit.parse("10/s", name="api")
+
+
+def decision(*, allowed: bool = True, wait_s: float = 0.0, remaining: float = 100.0,
+             cost: float = 1.0, held: bool = False, late_s: float = 0.0) -> Decision:  # fmt: skip
+    state = LimitState("api", allowed, remaining, 0.0 if allowed else 1.0, 0.0)
+    acquisition = Acquisition("t1", (cost,), ((LIMIT, None),), ("k", "lease")) if allowed else None
+    return Decision(allowed, remaining, 0.0 if allowed else 1.0, 0.0, wait_s, (state,),
+                    acquisition, held, late_s)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("made", "roomy"),
+    [
+        pytest.param(decision(remaining=ROOM_TASKS), True, id="room for 20 more"),
+        pytest.param(decision(remaining=ROOM_TASKS - 1), False, id="room for 19"),
+        pytest.param(decision(remaining=50, cost=5), False, id="room for 10 of cost 5"),
+        pytest.param(decision(wait_s=0.1), False, id="a wait"),
+        pytest.param(decision(allowed=False), False, id="a denial"),
+        pytest.param(decision(held=True), False, id="a reservation found again"),
+    ],
+)
+def test_a_look_finds_room_only_for_a_task_admitted_at_once_with_room_left(
+    made: Decision, roomy: bool
+) -> None:
+    assert has_room(made) is roomy
+
+
+def test_a_look_with_room_is_trusted_for_a_while_and_a_busy_one_for_longer() -> None:
+    look = Look()
+    assert not look.roomy(0.0)  # never looked: the consumer decides
+    look.saw(decision(), 10.0)
+    assert look.roomy(10.0 + FRESH_S / 2)
+    assert not look.roomy(10.0 + FRESH_S)  # stale: the consumer looks again
+    look.saw(decision(wait_s=0.5), 11.0)
+    look.saw(decision(), 11.1)  # room again, but the limits were busy a moment ago
+    assert not look.roomy(11.1 + FRESH_S / 2)
+    look.saw(decision(), 11.0 + BUSY_S)
+    assert look.roomy(11.0 + BUSY_S + FRESH_S / 2)
+
+
+def test_the_decision_travels_sealed_and_only_to_its_own_task() -> None:
+    admission = Admission("t1", decision(wait_s=0.5), 1000.0)
+    request_dict: dict[str, object] = {"id": "t1"}
+    carry(request_dict, admission)
+    # prefork pickles the request's dict to the child, where Celery makes it the task's
+    # request (its unknown keys are the message's headers too)
+    copied = pickle.loads(pickle.dumps(request_dict))
+    request = Context(copied, called_directly=False)
+    assert "throttle_admission" in request.headers
+    assert take_admission(request) == admission
+    assert take_admission(request) is None  # taken: a re-published copy carries none
+    assert "throttle_admission" not in request.headers
+    # another task's, or a forged one (a producer cannot know the seal), is ignored
+    other = SimpleNamespace(id="t2", headers={}, throttle_admission=copied["throttle_admission"])
+    assert take_admission(other) is None
+    forged = SimpleNamespace(id="t1", headers={}, throttle_admission=("guess", admission))
+    assert take_admission(forged) is None
+
+
+def test_the_pool_child_reads_the_decision_as_of_its_own_time() -> None:
+    admission = Admission("t1", decision(wait_s=0.5), 1000.0)
+    early, slot_at = admission.as_of(1000.49)
+    assert slot_at == pytest.approx(1000.5)
+    assert early.wait_s == pytest.approx(0.01)
+    assert early.late_s == 0.0
+    late, _ = admission.as_of(1000.8)  # the pool started it 300 ms after its slot
+    assert late.wait_s == 0.0
+    assert late.late_s == pytest.approx(0.3)

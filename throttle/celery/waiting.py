@@ -1,0 +1,420 @@
+"""Where a throttled task waits: in the worker's consumer, not in a pool slot.
+
+Celery holds a task with an ETA, or one over its own ``rate_limit``, in the worker's
+consumer (the main process, thread or greenlet that receives messages): a timer entry
+hands it to the pool when it may run, and the prefetch count is raised meanwhile so the
+consumer keeps receiving (``celery/worker/strategy.py``, ``Consumer.apply_eta_task``).
+A throttled task waits there too. The consumer step :class:`WaitStep` (added by
+:func:`throttle.celery.install`) gives every throttled task (``@throttled``,
+``ThrottledTask``) Celery's default strategy built over a view of the consumer in which
+the hand-over to the pool (``on_task_request``, and ``apply_eta_task`` when an ETA comes)
+goes through :meth:`Waiting.admit` first:
+
+1. The gate's rules are evaluated on the message (name, arguments, headers, the queue it
+   came from) and the gate's first acquisition is taken: one ``acquire_many``, the task id
+   as acquisition id (:meth:`throttle.celery.gate.Gate.admit`). A task back with a plan
+   (:mod:`throttle.celery.plan`) is first held until just before its planned time.
+2. Allowed now, denied, or a slot further than ``sleep_max``: the task goes to the pool at
+   once, where the gate runs it, or sends it back (re-published or parked) as it would
+   have: that costs the pool slot no wait.
+3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
+   one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
+
+While a task's limits have room (the consumer's last look, at most :data:`FRESH_S` ago,
+admitted at once and left room for :data:`ROOM_TASKS` more: :class:`Look`), its tasks go
+to the pool undecided and the pool child decides, as before this step: the consumer's loop
+serves the whole worker one message at a time, and a round trip there for a task that
+would run at once anyway costs the worker's throughput. Once a look finds them busy (a
+wait, a denial, little room), the consumer decides every task of it for :data:`BUSY_S`.
+
+The consumer decides when the pool can start the task: a task received while every pool
+slot is busy (running a body, or waiting for a free child: the prefetched messages) waits
+undecided in the consumer, first come first decided, until a slot frees (looked at every
+:data:`POLL_S`). Decided earlier, its slot would pass while it waits for a child, and it
+would have to give the slot up (capacity lost) and take another.
+
+The decision travels to the pool child in the request's dict (sealed:
+:func:`throttle.celery.execution.carry`), so the gate there pays no second round trip for
+it: it sleeps what is left to the slot (at most :data:`LEAD_S`, plus the time the pool
+took to start the task), looking once more for a hold placed meanwhile shortly before the
+slot (:data:`throttle.celery.gate.RECHECK_LEAD_S`), then runs the body. A task that the
+pool starts later than ``late_tolerance`` after its slot (a busy pool) gives the slot up
+and takes a new one, as a late task always has.
+
+A held task is Celery's scheduled task in every respect: its message is unacknowledged
+(a worker killed meanwhile loses nothing: the broker delivers the message again, and the
+copy finds its reservation under the same id), ``celery inspect scheduled`` lists it, a
+revoke or its ``expires`` stops it when its timer fires (its reservation is given up), and
+a lost broker connection drops it for the broker to deliver again.
+
+Not covered (the gate in the pool decides, as before): a task class with a ``Strategy``
+of its own, a task under Celery's own ``rate_limit`` (its bucket hands the task to the
+pool), eager mode and direct calls (they block their caller). When the limiter's Redis
+fails in the consumer, the task goes to the pool, whose gate applies ``on_redis_down``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from typing import Any
+
+from celery import Celery, Task, bootsteps
+from celery.app.task import Context
+from celery.worker import state
+from celery.worker.strategy import default
+
+from throttle.celery.execution import Admission, carry
+from throttle.celery.gate import Gate
+from throttle.celery.message import queue_of
+from throttle.celery.runtime import Throttler, throttling_enabled
+from throttle.celery.task import gated_call
+from throttle.decision import Decision
+from throttle.errors import BackendError, ThrottleError
+
+logger = logging.getLogger("throttle")
+
+LEAD_S = 0.02
+"""A task held for its slot goes to the pool this long before the slot, in s: the pool
+child sleeps what is left (the most a pool slot waits, when the pool is free), so that the
+time the pool takes to start a task does not make the call late."""
+
+DEFAULT_STRATEGY = "celery.worker.strategy:default"
+
+FRESH_S = 0.05
+"""How long the consumer trusts a look at a task's limits that found room, in s
+(:class:`Look`): about one decision in the consumer per this time and queue while the
+limits have room, every task's while they are busy."""
+BUSY_S = 1.0
+"""How long after a decision that found a task's limits busy every task of it is decided
+in the consumer, in s."""
+ROOM_TASKS = 20
+"""The room a look must find in every limit, in tasks of the same cost."""
+
+POLL_S = (0.0005, 0.005)
+"""How often the consumer looks for a free pool slot while throttled tasks wait for one,
+in s: first after the shortest, then twice as long each time up to the longest, while the
+pool stays full (only then: an idle or unsaturated worker does not poll). A pool of short
+tasks frees a slot within a millisecond: waiting 5 ms for it cost a worker of no-op tasks
+a tenth of its throughput."""
+
+_TIMER_PRIORITY = 6
+"""The priority Celery gives its ETA entries (``strategy.default``)."""
+
+
+def governed(task: Task) -> bool:
+    """Whether ``task`` waits in the consumer: a throttled task with Celery's default
+    strategy and no ``rate_limit`` of Celery's own."""
+    return (
+        task.Strategy == DEFAULT_STRATEGY
+        and not task.rate_limit
+        and gated_call(task, (), {}) is not None
+    )
+
+
+class Waiting:
+    """The consumer side of one throttled task: admits its requests before the pool, and
+    holds those whose slot is near in the consumer's timer."""
+
+    def __init__(self, task: Task, consumer: Any, queue: Undecided) -> None:
+        self.task = task
+        self.consumer = consumer
+        self.throttler = Throttler.of(task.app)
+        self.undecided = queue
+        self.looks: dict[str | None, Look] = {}
+        """What the last decisions said of the task's limits, per queue it came from."""
+
+    def strategy(self) -> Any:
+        """Celery's default strategy for the task, over a view of the consumer whose
+        hand-over to the pool goes through :meth:`admit` (once a pool slot is free)."""
+        view = _ConsumerView(self.consumer, self.on_request, self.on_eta)
+        return default(self.task, self.task.app, view, task_reserved=_not_yet)
+
+    # -- the hand-overs of the default strategy
+
+    def on_request(self, request: Any) -> None:
+        """A task may run (no ETA, or its ETA came): admit it when a pool slot is free; or,
+        while its limits have room (:class:`Look`), hand it to the pool undecided."""
+        look = self.looks.get(queue_of(request.delivery_info))
+        if look is not None and look.roomy(time.monotonic()):
+            self._to_pool(request)
+            return
+        self.undecided.submit(self, request)
+
+    def on_eta(self, request: Any) -> None:
+        """The ETA of a task came (Celery's ``apply_eta_task``, which had raised the
+        prefetch count)."""
+        self.on_request(request)
+        self.consumer.qos.decrement_eventually()
+
+    def admit(self, request: Any) -> None:
+        """Decide for ``request`` before the pool (see the module): hand it to the pool now,
+        or hold it in the timer until shortly before its slot."""
+        gate: Gate | None = None
+        wait = 0.0
+        try:
+            gate = self._gate(request)
+            wait = 0.0 if gate is None else gate.plan_wait_s()
+        except Exception as exc:
+            self._undecided(request, exc)
+            gate = None
+        if gate is None:
+            self._to_pool(request)
+        elif wait > LEAD_S:
+            self._hold(request, wait, self._admit_planned, gate)
+        else:
+            self._decide(request, gate)
+
+    def _admit_planned(self, request: Any, gate: Gate) -> None:
+        """The planned time of a task held for its plan came."""
+        try:
+            if not request.revoked():
+                self._decide(request, gate)
+        finally:
+            self.consumer.qos.decrement_eventually()
+
+    def _decide(self, request: Any, gate: Gate) -> None:
+        """Take the gate's first acquisition; hold the task to a near slot, else hand it
+        to the pool."""
+        try:
+            now = time.time()
+            decision = gate.admit()
+        except Exception as exc:
+            self._undecided(request, exc)
+            self._to_pool(request)
+            return
+        carry(request.request_dict, Admission(request.id, decision, now))
+        queue = queue_of(request.delivery_info)
+        look = self.looks.get(queue)
+        if look is None:
+            look = self.looks[queue] = Look()
+        look.saw(decision, time.monotonic())
+        wait = decision.wait_s
+        if (
+            decision.allowed
+            and decision.acquisition is not None
+            and LEAD_S < wait <= self.throttler.settings.sleep_max_s
+        ):
+            self._hold(request, wait - LEAD_S, self._release, decision)
+        else:
+            self._to_pool(request)
+
+    def _undecided(self, request: Any, exc: Exception) -> None:
+        """The consumer could not decide (the limiter's Redis is away, an argument the
+        rules read is missing): the pool's gate decides, as without this step, and fails
+        there as it would have."""
+        if isinstance(exc, BackendError | ThrottleError):
+            logger.debug("throttle: task %s decided in the pool: %s", request.id, exc)
+        else:
+            logger.exception("throttle: task %s decided in the pool", request.id)
+
+    def _gate(self, request: Any) -> Gate | None:
+        """The gate of ``request``, its rules evaluated on the message; None when no rule
+        applies (the task runs unthrottled)."""
+        call = gated_call(self.task, request.args, request.kwargs)
+        if call is None:
+            return None
+        declared, fn, args, kwargs = call
+        # What the pool child's task.request will be (celery/app/trace.py builds it so).
+        context = Context(request.request_dict, called_directly=False, is_eager=False)
+        gate = Gate(self.task, declared, fn, args, kwargs, request=context)
+        if not gate.execution.rules:
+            return None
+        gate.evaluate()
+        return gate
+
+    def _release(self, request: Any, decision: Any) -> None:
+        """The slot of a held task is near: to the pool (a revoked or expired one gives
+        its reservation up instead: a concurrency unit it took comes back)."""
+        try:
+            if request.revoked():
+                if decision.acquisition is not None:
+                    self.throttler.limiter.settle(decision.acquisition, None)
+                return
+            self._to_pool(request)
+        except Exception:
+            logger.exception("throttle: releasing held task %s", request.id)
+        finally:
+            self.consumer.qos.decrement_eventually()
+
+    # -- Celery's bookkeeping, as for its own ETA tasks
+
+    def _hold(self, request: Any, delay_s: float, then: Any, *args: Any) -> None:
+        """Hold ``request`` in the consumer's timer for ``delay_s`` (s), then call
+        ``then(request, *args)``; as Celery holds an ETA task (prefetch raised by one; a
+        scheduled request, which a revoke, ``inspect scheduled`` and a lost connection
+        find)."""
+        consumer = self.consumer
+        consumer.qos.increment_eventually()
+        state.reserved_requests.discard(request)
+        request._eta_timer_entry = consumer.timer.call_at(
+            time.monotonic() + delay_s, then, (request, *args), priority=_TIMER_PRIORITY
+        )
+        state.task_scheduled(request)
+
+    def _to_pool(self, request: Any) -> None:
+        state.task_reserved(request)
+        self.consumer.on_task_request(request)
+
+
+class Look:
+    """What the consumer's last decisions said of one task's limits (on one queue): whether
+    they had room. While they have, the pool child decides, as it did before this step,
+    and the consumer's loop is spared the round trip (it serves every pool slot of the
+    worker one message at a time: a round trip there costs the whole worker's throughput,
+    where the pool children's overlap). They have room when the consumer's last decision,
+    at most :data:`FRESH_S` ago, admitted the task at once with room left for
+    :data:`ROOM_TASKS` more tasks in every limit, and no decision for :data:`BUSY_S`
+    said otherwise (a wait, a denial, less room: then the consumer decides every task).
+
+    The price: in the :data:`FRESH_S` after a last look that had room, a flood can take the
+    room, and the tasks handed over undecided then wait for their slot in their pool slot,
+    up to ``sleep_max``, as before this step, until the next look (the first task after
+    :data:`FRESH_S`) finds the limits busy."""
+
+    __slots__ = ("at", "busy_until", "room")
+
+    def __init__(self) -> None:
+        self.at = -math.inf
+        self.busy_until = -math.inf
+        self.room = False
+
+    def roomy(self, now: float) -> bool:
+        """Whether the limits had room at the last look (``now``: monotonic s)."""
+        return self.room and now - self.at < FRESH_S and now >= self.busy_until
+
+    def saw(self, decision: Decision, now: float) -> None:
+        """Note a decision of the consumer's, taken at ``now`` (monotonic s)."""
+        self.at = now
+        self.room = has_room(decision)
+        if not self.room:
+            self.busy_until = now + BUSY_S
+
+
+def has_room(decision: Decision) -> bool:
+    """Whether ``decision`` admitted at once and leaves room for :data:`ROOM_TASKS` more
+    tasks of the same cost in each of its limits."""
+    acquisition = decision.acquisition
+    if not decision.allowed or decision.wait_s > 0 or decision.held or acquisition is None:
+        return False
+    costs = acquisition.costs
+    limits = decision.limits
+    if len(costs) != len(limits):
+        return decision.remaining >= ROOM_TASKS * max(costs, default=1.0)
+    return all(
+        state.remaining >= ROOM_TASKS * cost for state, cost in zip(limits, costs, strict=True)
+    )
+
+
+class Undecided:
+    """The throttled tasks of one consumer that wait for a free pool slot to be decided,
+    in arrival order. Dropped when the consumer stops (a lost broker connection, a
+    shutdown): their messages are unacknowledged, and the broker delivers them again."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.waiting: deque[tuple[Waiting, Any]] = deque()
+        self.entry: Any = None
+        self.poll_s = POLL_S[0]
+
+    def pool_free(self) -> bool:
+        """Whether the pool has a slot that no task holds (running, or handed over and
+        waiting for a child: Celery's reserved requests; held tasks are not in them)."""
+        size = getattr(self.consumer.pool, "num_processes", None) or 1
+        return len(state.reserved_requests) < size
+
+    def submit(self, waiting: Waiting, request: Any) -> None:
+        if not self.waiting:
+            if self.pool_free():
+                waiting.admit(request)
+                return
+            self.poll_s = POLL_S[0]
+        self.waiting.append((waiting, request))
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.entry is None:
+            self.entry = self.consumer.timer.call_after(
+                self.poll_s, self._drain, priority=_TIMER_PRIORITY
+            )
+
+    def _drain(self) -> None:
+        self.entry = None
+        free = self.pool_free()
+        self.poll_s = POLL_S[0] if free else min(2 * self.poll_s, POLL_S[1])
+        while self.waiting and self.pool_free():
+            waiting, request = self.waiting.popleft()
+            try:
+                if not request.revoked():
+                    waiting.admit(request)
+            except Exception:
+                logger.exception("throttle: admitting task %s", request.id)
+        if self.waiting:
+            self._arm()
+
+    def clear(self) -> None:
+        """Forget every waiting task (the consumer stops)."""
+        self.waiting.clear()
+        entry, self.entry = self.entry, None
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.timer.cancel(entry)
+
+
+def _not_yet(request: Any) -> None:
+    """The default strategy marks a request reserved before it hands it over: here that
+    waits until :meth:`Waiting.admit` hands it to the pool (a held request is scheduled)."""
+
+
+class _ConsumerView:
+    """The consumer as the default strategy sees it: the same, but for the hand-overs."""
+
+    def __init__(self, consumer: Any, on_task_request: Any, apply_eta_task: Any) -> None:
+        self._consumer = consumer
+        self.on_task_request = on_task_request
+        self.apply_eta_task = apply_eta_task
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def install_strategies(app: Celery, consumer: Any, undecided: Undecided) -> list[str]:
+    """Give every governed task of ``app`` its waiting strategy in ``consumer``; returns
+    their names."""
+    names = []
+    for name, task in list(app.tasks.items()):
+        if governed(task):
+            consumer.strategies[name] = Waiting(task, consumer, undecided).strategy()
+            names.append(name)
+    return names
+
+
+class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: throttled tasks wait in the consumer (see the module). Starts
+    after Celery's ``Tasks`` step, which builds every task's strategy (again after a lost
+    connection), and replaces those of the throttled tasks."""
+
+    label = "throttle-waiting"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        super().__init__(consumer, **kwargs)
+        self.undecided: Undecided | None = None
+
+    def start(self, consumer: Any) -> None:
+        app = consumer.app
+        if not throttling_enabled(app):
+            return
+        self.undecided = undecided = Undecided(consumer)
+        names = install_strategies(app, consumer, undecided)
+        logger.debug("throttle: %d throttled tasks wait in the consumer", len(names))
+
+    def stop(self, consumer: Any) -> None:
+        if self.undecided is not None:
+            self.undecided.clear()
+
+    def shutdown(self, consumer: Any) -> None:
+        self.stop(consumer)
