@@ -161,7 +161,13 @@ class Recorder:
                     task_id=kwargs.get("acquisition_id"),
                     limits=asked(*args, **kwargs),
                     allowed=decision.allowed,
-                    wait_s=decision.wait_s if decision.allowed else decision.retry_after_s,
+                    # A second look at a slot the task holds already (the pool child's
+                    # look before its call) is no new wait.
+                    wait_s=0.0
+                    if decision.held and decision.allowed
+                    else decision.wait_s
+                    if decision.allowed
+                    else decision.retry_after_s,
                     denied_by=tuple(decision.denied_by),
                 )
             )
