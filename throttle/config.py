@@ -25,6 +25,8 @@ objects; every error names the file, the limit and the field::
         decrease: 0.8          # ... a refusal episode multiplies the rate by this
         recover: 10s           # ... successes climb back to the refused rate in this time
         upstream: tokens       # the upstream's dimension it follows (throttle.upstream.dialects)
+        plan: "{plan}"         # each key's rate from its task's plan (a template, as key)
+        plans: {free: 10/s burst 5, pro: 100/s}   # plan -> rate; others get `rate`
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -64,8 +66,10 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
-    "spacing_guard", "upstream",
+    "spacing_guard", "upstream", "plan", "plans",
 )  # fmt: skip
+_PLAN_FIELDS = ("plan", "plans")
+"""Checked together, once the limit and its key are (:func:`_plan_options`)."""
 _SETTINGS_FIELDS = {
     "redis_url": "str",
     "redis_own_connections": "bool",
@@ -135,9 +139,12 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
         probe = replace(probe, fair=False, weights=())
     options: dict[str, Any] = {}
     for key in _RULE_FIELDS:
-        if key in config:
+        if key in config and key not in _PLAN_FIELDS:
             with _noted(errors):
                 options.update(_rule_option(probe, key, config[key], source))
+    if limit is not None and any(k in config for k in _PLAN_FIELDS):
+        with _noted(errors):
+            options.update(_plan_options(limit, config, options, source))
     learning = {k: config[k] for k in ADAPTIVE_FIELDS if k in config}
     if learning and limit is not None:
         with _noted(errors):
@@ -166,6 +173,29 @@ def _limit(fields: dict[str, Any], name: str, source: str | None, errors: Errors
             if exc.field == "rate" or exc.field not in fields:
                 return None
             del fields[exc.field]
+
+
+def _plan_options(
+    limit: Limit, config: Mapping[str, Any], options: Mapping[str, Any], source: str | None
+) -> dict[str, Any]:
+    """``plan`` and ``plans`` of a limits file's entry, checked together against the limit,
+    its key and its cost: ``{Rule argument: value}``."""
+    if "key" in config and "key" not in options:
+        return {}  # a bad key, reported on its own
+    plans = {k: config[k] for k in _PLAN_FIELDS if k in config}
+    try:
+        Rule(limit, key=options.get("key"), cost=options.get("cost", 1.0), **plans)
+    except ConfigError as exc:
+        if exc.field == "fair":  # a fair limit without a key: the plan table needs one
+            raise ConfigError(
+                "plans set each key's rate (a fair limit's: its weight): give the limit a "
+                "key, such as '{tenant_id}'",
+                field="plans", value=config.get("plans"), limit=limit.name, source=source,
+            ) from None  # fmt: skip
+        raise ConfigError(
+            exc.problem, field=exc.field, value=exc.value, limit=limit.name, source=source
+        ) from None
+    return plans
 
 
 def _rule_option(limit: Limit, key: str, value: Any, source: str | None) -> dict[str, Any]:

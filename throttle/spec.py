@@ -251,8 +251,11 @@ class Limit:
         limit is a GCRA shaper whatever its algorithm: ``burst`` calls may come at once.
     weights:
         A fair limit's weight per key value (a mapping; finite numbers > 0); a key not
-        listed weighs 1. A key of weight 4 among keys of weight 1 gets four times their
-        share. Kept as sorted (key, weight) pairs.
+        listed weighs ``default_weight``. A key of weight 4 among keys of weight 1 gets
+        four times their share. Kept as sorted (key, weight) pairs.
+    default_weight:
+        The weight of a key that ``weights`` does not list (default 1): what a fair
+        limit's plan gives the keys of its tasks (:class:`throttle.rules.Rule`, ``plans``).
     """
 
     name: str
@@ -262,6 +265,7 @@ class Limit:
     burst: float | None = None
     fair: bool = False
     weights: Any = ()
+    default_weight: float = 1.0
     code: str = field(init=False, repr=False, compare=False)
     """The algorithm's short name (``tb``, ``gcra``, ``fw``, ``sw``, ``conc``), as Redis key
     names and the scripts spell it."""
@@ -305,12 +309,21 @@ class Limit:
         weights = _weights(self.fair, self.weights, algorithm, name, None)
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "_weight_of", dict(weights))
+        if self.default_weight != 1.0:
+            default = _positive(self.default_weight, "default_weight", name, None, high=MAX_AMOUNT)
+            if not self.fair:
+                raise ConfigError(
+                    "a default weight applies to a fair limit only",
+                    field="default_weight", value=self.default_weight, limit=name,
+                )  # fmt: skip
+            object.__setattr__(self, "default_weight", default)
         object.__setattr__(self, "code", FAIR_CODE if self.fair else _CODES[algorithm])
         object.__setattr__(self, "codes", frozenset((self.code,)))
 
     def weight(self, key: str) -> float:
-        """The weight of ``key`` in a fair limit: as listed in :attr:`weights`, else 1."""
-        weight: float = self.__dict__["_weight_of"].get(key, 1.0)
+        """The weight of ``key`` in a fair limit: as listed in :attr:`weights`, else
+        :attr:`default_weight` (1 unless a plan gives another)."""
+        weight: float = self.__dict__["_weight_of"].get(key, self.default_weight)
         return weight
 
     @property

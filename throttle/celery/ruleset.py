@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from throttle.celery.plan import plan_shape
-from throttle.rules import Rule
+from throttle.rules import Rule, names_arguments
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class RuleSet:
 
     rules: tuple[Rule, ...]
     by_name: bool
-    """Some key template or cost names an argument: the call's arguments are bound to the
-    function's parameters (:func:`throttle.rules.named_arguments`)."""
+    """Some key template, plan template or cost names an argument: the call's arguments
+    are bound to the function's parameters (:func:`throttle.rules.named_arguments`)."""
     adaptive: bool
     """Some limit learns its rate (:mod:`throttle.adaptive`)."""
     guarded: tuple[int, ...]
@@ -35,7 +35,7 @@ class RuleSet:
         rules = tuple(rules)
         return cls(
             rules=rules,
-            by_name=any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules),
+            by_name=any(names_arguments(rule) for rule in rules),
             adaptive=any(rule.adaptive for rule in rules),
             guarded=tuple(i for i, rule in enumerate(rules) if rule.guarded),
             concurrency=any(rule.limit.algorithm.holds_units for rule in rules),
