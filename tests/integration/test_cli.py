@@ -58,13 +58,16 @@ limits:
   busy: {rate: 100/s}
   learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true}
   tenant-learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true, key: "{tenant}"}
+  tiers:
+    {algorithm: gcra, rate: 10/s, key: "{tenant}", plan: "{plan}",
+     plans: {free: 10/s burst 5, pro: 100/s burst 50}}
   nowhere: {rate: 1/s}
 queues:
   cli: [daily]
 """
 FILE_LIMITS = [
     "api", "shaper", "tenant", "tenant-eu", "pool", "tokens", "daily", "gate", "busy", "learner",
-    "tenant-learner",
+    "tenant-learner", "tiers",
 ]  # fmt: skip
 KNOWN = [*FILE_LIMITS, "nowhere", "tests.apps.cli_app.inline"]
 
@@ -315,6 +318,41 @@ def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     assert "shaper" not in book.overrides()
     assert "back to 2/s burst 1" in result.output
+
+
+def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
+    cli: Cli,
+) -> None:
+    book = RateBook(cli.limiter.client, cli.limiter.keyspace)
+    result = cli("set", "tiers", "250/s", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    assert "key 'acme' of limit 'tiers': 250/s burst at most its plan's" in result.output
+    assert "throttle clear tiers --key acme" in result.output
+    assert book.key_overrides() == {("tiers", "acme"): "250/s"}
+    # the plan's burst holds for the key (pro: 50), the limit's own rate is untouched
+    pro = cli.config.rules["tiers"].plan_limits["pro"]
+    assert (book.current(pro, "acme").rate_per_s, book.current(pro, "acme").burst) == (250, 50)
+    assert book.current(cli.limit("tiers"), "other") == cli.limit("tiers")
+    row = _rows(_status(cli))["tiers"]
+    assert row["key_rates"] == {"acme": "250/s"}
+    assert row["plans"] == {
+        "free": {"rate": "10/s", "burst": 5.0}, "pro": {"rate": "100/s", "burst": 50.0}
+    }  # fmt: skip
+    assert "10/s + 2 plans; acme: 250/s" in cli("status", "--timeout", "0").output
+    # a bad rate, a key on an unkeyed limit: usage errors, nothing stored
+    assert cli("set", "tiers", "fast", "--key", "acme").exit_code == 2
+    assert cli("set", "api", "5/s", "--key", "acme").exit_code == 2
+    assert book.key_overrides() == {("tiers", "acme"): "250/s"}
+
+    result = cli("clear", "tiers", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    assert "back to its plan's rate" in result.output
+    assert book.key_overrides() == {}
+    assert "had no rate of its own" in cli("clear", "tiers", "--key", "acme").output
+    # clear without --key is set --default
+    assert cli("set", "api", "5/h").exit_code == 0
+    assert cli("clear", "api").exit_code == 0
+    assert book.overrides() == {}
 
 
 def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: Cli) -> None:

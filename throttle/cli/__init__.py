@@ -3,7 +3,8 @@
 ::
 
     celery -A proj throttle status [--json] [--watch N] [--timeout S]
-    celery -A proj throttle set LIMIT RATE          # or: set LIMIT --default
+    celery -A proj throttle set LIMIT RATE [--key KEY]   # or: set LIMIT --default
+    celery -A proj throttle clear LIMIT [--key KEY]
     celery -A proj throttle reset LIMIT [KEY] [--yes]
     celery -A proj throttle pause LIMIT [KEY]
     celery -A proj throttle resume LIMIT [KEY]
@@ -25,7 +26,7 @@ confirmed); 2 usage (an unknown limit, a bad rate). Redis passwords are never pr
 Laid out as Celery's ``celery/bin/``: this module is the group and registers each command;
 :mod:`throttle.cli.base` holds what they share (the app, its limits, formatting), and
 each command family has a module: :mod:`~throttle.cli.status`, :mod:`~throttle.cli.control`
-(set, reset, pause, resume, check), :mod:`~throttle.cli.parked` (parked, purge) and
+(set, clear, reset, pause, resume, check), :mod:`~throttle.cli.parked` (parked, purge) and
 :mod:`~throttle.cli.task` and :mod:`~throttle.cli.web` (the limits page).
 """
 
@@ -40,12 +41,13 @@ __all__ = ["throttle"]
 
 @click.group()
 def throttle() -> None:
-    """Fleet-wide rate limits (celery-throttled): status, set, reset, pause, resume, check,
-    task, parked, purge, web."""
+    """Fleet-wide rate limits (celery-throttled): status, set, clear, reset, pause, resume,
+    check, task, parked, purge, web."""
 
 
 throttle.add_command(status.status)
 throttle.add_command(control.set_rate)
+throttle.add_command(control.clear)
 throttle.add_command(control.reset)
 throttle.add_command(control.pause)
 throttle.add_command(control.resume)

@@ -84,6 +84,7 @@ def collect_status(
     known = known_limits(app, throttler)
     overrides = throttler.rates.overrides()
     followed = throttler.rates.followed_rates()
+    key_rates = throttler.rates.key_overrides()
     learned = throttler.learned.states()
     holds = limiter.holds()
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
@@ -133,6 +134,17 @@ def collect_status(
                 "tokens": None if state is None else round(state.remaining, 3),
                 "next_slot_s": next_slot,
                 "hold": _hold(holds.get((name, None))),
+                "plans": {
+                    plan: {"rate": rate_spec(planned), "burst": planned.capacity}
+                    if not planned.fair
+                    else {"weight": planned.default_weight}
+                    for plan, planned in entry.rule.plan_limits.items()
+                },
+                "key_rates": {
+                    key: spec
+                    for (limit, key), spec in sorted(key_rates.items(), key=str)
+                    if limit == name and key is not None
+                },
                 "key_holds": {
                     key: _hold(left)
                     for (limit, key), left in sorted(holds.items(), key=str)
@@ -196,6 +208,13 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         rate = f"{amount(learned)}/s learned ({rate})"
     elif row["key_learned_per_s"]:
         rate = f"{rate} ({len(row['key_learned_per_s'])} keys learned)"
+    if row["plans"]:
+        rate = f"{rate} + {counted(len(row['plans']), 'plan')}"
+    key_rates = list(row["key_rates"].items())
+    for key, spec in key_rates[:2]:
+        rate = f"{rate}; {key}: {spec}"
+    if len(key_rates) > 2:
+        rate = f"{rate}; +{len(key_rates) - 2} keys set"
     burst = amount(row["burst"] if row["override_ignored"] else row["effective_burst"])
     hold = row["hold"]
     next_slot = row["next_slot_s"]
@@ -318,16 +337,19 @@ def status(
 ) -> None:
     """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight, denials.
 
-    The limits are the limits file's and the tasks' inline ones. RATE is the one in force:
-    a rate set at run time (`set`) shows with the file's, as does a rate that follows the
+    The limits are the limits file's and the tasks' inline ones. RATE is the one in force: a
+    rate set at run time (`set`) shows with the file's, as does a rate that follows the
     upstream's stated limit (`upstream:`, "upstream; file ..."), and the rate an adaptive
-    limit learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
-    from Redis without taking anything; a limit with a key template has a state per key
-    ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
-    the limit. DENIED/MIN is how many of its tasks the fleet deferred per minute (and timed
-    out, when any did). In JSON, a hold is {"paused": true} until resumed, or {"held_s":
-    seconds left}; next_slot_s is null while paused; in_flight is null with --timeout 0;
-    per_minute has the counts of "denied", "parked" (of the denied) and "timeout".
+    limit learned from the upstream's refusals before them; then how many plans the limit
+    has, and the keys with a rate of their own (`set --key`, "acme: 250/s"). TOKENS and NEXT
+    SLOT are read from Redis without taking anything; a limit with a key template has a
+    state per key ("per key"). IN FLIGHT counts the tasks the workers are running whose
+    rules include the limit. DENIED/MIN is how many of its tasks the fleet deferred per
+    minute (and timed out, when any did). In JSON, a hold is {"paused": true} until resumed,
+    or {"held_s": seconds left}; next_slot_s is null while paused; in_flight is null with
+    --timeout 0; per_minute has the counts of "denied", "parked" (of the denied) and
+    "timeout"; plans maps each plan to its rate and burst (a fair limit's: its weight);
+    key_rates maps each key with a rate of its own to it.
     """
     app, throttler = throttler_of(ctx)
 
