@@ -26,7 +26,9 @@ Two kinds of numbers, from two places:
   template ``throttle_tokens_remaining{limit}`` and ``throttle_next_slot_seconds{limit}``
   (+Inf while a limit is paused), for adaptive limits without a key template
   ``throttle_learned_rate{limit}`` beside ``throttle_configured_rate{limit}`` (per s),
-  and ``throttle_redis_up`` (0 when the read failed).
+  for each key given a rate of its own at run time (``celery throttle set LIMIT RATE
+  --key KEY``: a few operator decisions, so the labels stay bounded)
+  ``throttle_key_rate{limit,key}`` (per s), and ``throttle_redis_up`` (0 when the read failed).
 
 Multiprocess mode. ``prometheus_client`` picks its value class when it is imported: in
 multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set by then. A Celery worker
@@ -351,6 +353,8 @@ class FleetState:
     learned: Sequence[tuple[str, float, float]] = ()
     """Each adaptive limit without a key template: (limit, the rate in force before
     learning, the learned rate), per s."""
+    key_rates: Sequence[tuple[str, str, float]] = ()
+    """Each key given a rate of its own at run time: (limit, key, rate per s)."""
 
 
 def worker_dirs(base: Path) -> list[tuple[str, Path]]:
@@ -482,6 +486,16 @@ class ThrottleCollector:
         parked.add_metric(["waiting"], state.parked)
         parked.add_metric(["releasing"], state.releasing)
         yield parked
+        if state.key_rates:
+            keyed = GaugeMetricFamily(
+                "throttle_key_rate",
+                "The rate set at run time for one key of a limit (celery throttle set "
+                "--key), per s",
+                labels=["limit", "key"],
+            )
+            for name, key, rate in state.key_rates:
+                keyed.add_metric([name, key], rate)
+            yield keyed
         if not state.limits:
             return
         tokens = GaugeMetricFamily(

@@ -150,3 +150,31 @@ def test_a_key_rate_written_by_hand_that_does_not_parse_is_ignored(
     client.hset(keyspace.key_rates_key(), field, "fast please")
     book = RateBook(client, keyspace, refresh_s=REFRESH_S, monotonic=FakeMonotonic())
     assert book.current(limit, "acme") is limit
+
+
+def test_the_metrics_show_each_key_s_own_rate(redis_url: str, prefix: str) -> None:
+    from celery import Celery  # noqa: PLC0415
+
+    from throttle import metrics  # noqa: PLC0415
+    from throttle.celery.exporter import fleet_state  # noqa: PLC0415
+    from throttle.celery.runtime import Throttler  # noqa: PLC0415
+
+    app = Celery("plan_metrics", set_as_current=False)
+    app.conf.throttle_config = {
+        "settings": {"prefix": prefix, "metrics": True},
+        "limits": {"api": {"rate": "10/s", "key": "{tenant_id}", "plan": "{plan}",
+                           "plans": {"pro": "100/s"}}},
+    }  # fmt: skip
+    app.conf.throttle_redis_url = redis_url
+    throttler = Throttler.of(app)
+    try:
+        throttler.rates.set_key(throttler.config.rules["api"].limit, "acme", "250/s")
+        collector = metrics.ThrottleCollector(lambda: [], lambda: fleet_state(app))
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in collector.collect()
+            for sample in family.samples
+        }
+    finally:
+        throttler.limiter.client.close()
+    assert samples[("throttle_key_rate", (("key", "acme"), ("limit", "api")))] == 250.0
