@@ -88,6 +88,8 @@ _SETTINGS_FIELDS = {
     "metrics": "bool",
     "metrics_port": "port",
     "metrics_dir": "str",
+    "refusals_max": "count",
+    "refusals_for": "duration",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 MIN_SLEEP_MAX_S = 0.05
@@ -292,6 +294,13 @@ class Settings:
     metrics_dir:
         Where workers keep their metric files (one directory per worker below it; Flower
         reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
+    refusals_max:
+        The refusals the upstream reported that are kept per limit, fleet-wide, in Redis
+        (:mod:`throttle.refusals`, ``celery throttle refusals``): the last this many
+        (approximately: Redis trims whole nodes of the stream).
+    refusals_for_s:
+        Refusals older than this are dropped when the next one of the limit is recorded
+        (``None``: kept until ``refusals_max`` pushes them out). Needs Redis 6.2.
     """
 
     redis_url: str | None = None
@@ -311,6 +320,8 @@ class Settings:
     metrics: bool = False
     metrics_port: int | None = None
     metrics_dir: str | None = None
+    refusals_max: int = 1000
+    refusals_for_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:

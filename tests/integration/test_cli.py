@@ -36,6 +36,7 @@ from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.refusals import Refusal, RefusalBook
 from throttle.spec import PLAN_SUFFIX
 from throttle.stats import StatsBook
 from workers.harness import ROOT, Worker, wait_ready
@@ -353,6 +354,27 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
     assert cli("set", "api", "5/h").exit_code == 0
     assert cli("clear", "api").exit_code == 0
     assert book.overrides() == {}
+
+
+def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: Cli) -> None:
+    book = RefusalBook(cli.limiter.client, cli.limiter.keyspace)
+    assert "no refusal recorded for limit 'tenant'" in cli("refusals", "tenant").output
+    for i, key in enumerate(["acme", "other", "acme"]):
+        book.record([Refusal("tenant", key, f"task-{i}", "proj.call", 429, "Retry-After",
+                             2.0, i == 2)])  # fmt: skip
+    result = cli("refusals", "tenant", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["TIME", "(UTC)", "KEY", "TASK", "ID", "STATUS", "HEADER",
+                                "HOLD", "FLEET"]  # fmt: skip
+    assert "task-2" in lines[1] and "held" in lines[1] and "Retry-After" in lines[1]
+    assert "task-0" in lines[2] and "task only" in lines[2] and "429" in lines[2]
+    assert "2 refusals of key 'acme' of limit 'tenant', newest first" in result.output
+    data = json.loads(cli("refusals", "tenant", "--json", "--max", "2").output)
+    assert [(e["task_id"], e["key"], e["hold_s"]) for e in data] == [
+        ("task-2", "acme", 2.0), ("task-1", "other", 2.0)
+    ]  # fmt: skip
+    assert cli("refusals", "nope").exit_code == 2
 
 
 def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: Cli) -> None:

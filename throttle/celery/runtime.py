@@ -30,6 +30,7 @@ from throttle.rates import RateBook
 from throttle.redis.client import wrap_errors
 from throttle.redis.clock import RedisClock
 from throttle.redis.urls import redact
+from throttle.refusals import RefusalBook
 from throttle.rules import Declared, Rule
 from throttle.stats import StatsBook
 
@@ -90,6 +91,10 @@ class Throttler:
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
+        self.refusals = RefusalBook(
+            limiter.client, keyspace, max_entries=self.settings.refusals_max,
+            keep_s=self.settings.refusals_for_s, clock=self.clock.now,
+        )  # fmt: skip
         trail = TaskTrailReporter(limiter.client, keyspace, self.clock.now)
         self.observer: Observers = default_observers(self.stats, trail)
         self.task_time_limit: float | None = app.conf.task_time_limit

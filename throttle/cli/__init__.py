@@ -9,6 +9,7 @@
     celery -A proj throttle pause LIMIT [KEY]
     celery -A proj throttle resume LIMIT [KEY]
     celery -A proj throttle check FILE
+    celery -A proj throttle refusals LIMIT [--key KEY] [--json] [--max N]
     celery -A proj throttle task TASK_ID [--json]
     celery -A proj throttle parked [--queue Q] [--limit L] [--json] [--max N]
     celery -A proj throttle purge (--queue Q | --limit L | --all) [--yes]
@@ -27,14 +28,15 @@ Laid out as Celery's ``celery/bin/``: this module is the group and registers eac
 :mod:`throttle.cli.base` holds what they share (the app, its limits, formatting), and
 each command family has a module: :mod:`~throttle.cli.status`, :mod:`~throttle.cli.control`
 (set, clear, reset, pause, resume, check), :mod:`~throttle.cli.parked` (parked, purge) and
-:mod:`~throttle.cli.task` and :mod:`~throttle.cli.web` (the limits page).
+:mod:`~throttle.cli.task`, :mod:`~throttle.cli.refusals` and :mod:`~throttle.cli.web`
+(the limits page).
 """
 
 from __future__ import annotations
 
 import click
 
-from throttle.cli import control, parked, status, task, web
+from throttle.cli import control, parked, refusals, status, task, web
 
 __all__ = ["throttle"]
 
@@ -42,7 +44,7 @@ __all__ = ["throttle"]
 @click.group()
 def throttle() -> None:
     """Fleet-wide rate limits (celery-throttled): status, set, clear, reset, pause, resume,
-    check, task, parked, purge, web."""
+    check, refusals, task, parked, purge, web."""
 
 
 throttle.add_command(status.status)
@@ -52,6 +54,7 @@ throttle.add_command(control.reset)
 throttle.add_command(control.pause)
 throttle.add_command(control.resume)
 throttle.add_command(control.check)
+throttle.add_command(refusals.refusals)
 throttle.add_command(task.task)
 throttle.add_command(parked.parked)
 throttle.add_command(parked.purge)
