@@ -27,6 +27,7 @@ objects; every error names the file, the limit and the field::
         upstream: tokens       # the upstream's dimension it follows (throttle.upstream.dialects)
         plan: "{plan}"         # each key's rate from its task's plan (a template, as key)
         plans: {free: 10/s burst 5, pro: 100/s}   # plan -> rate; others get `rate`
+        mode: enforce          # shadow: record what it would do, delay nothing
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -66,7 +67,7 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
-    "spacing_guard", "upstream", "plan", "plans",
+    "spacing_guard", "upstream", "plan", "plans", "mode",
 )  # fmt: skip
 _PLAN_FIELDS = ("plan", "plans")
 """Checked together, once the limit and its key are (:func:`_plan_options`)."""
@@ -90,6 +91,7 @@ _SETTINGS_FIELDS = {
     "metrics_dir": "str",
     "refusals_max": "count",
     "refusals_for": "duration",
+    "mode": "mode",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 MIN_SLEEP_MAX_S = 0.05
@@ -301,6 +303,9 @@ class Settings:
     refusals_for_s:
         Refusals older than this are dropped when the next one of the limit is recorded
         (``None``: kept until ``refusals_max`` pushes them out). Needs Redis 6.2.
+    mode:
+        The ``mode`` of every limit that does not set its own: ``enforce`` or ``shadow``
+        (see the limit field; concurrency limits are always enforced).
     """
 
     redis_url: str | None = None
@@ -322,6 +327,7 @@ class Settings:
     metrics_dir: str | None = None
     refusals_max: int = 1000
     refusals_for_s: float | None = None
+    mode: str = "enforce"
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
@@ -400,6 +406,13 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(
                 "must be a whole number >= 1", field=f"settings.{key}", value=value,
+                source=source,
+            )  # fmt: skip
+        return {key: value}
+    if kind == "mode":
+        if value not in ("enforce", "shadow"):
+            raise ConfigError(
+                "must be 'enforce' or 'shadow'", field=f"settings.{key}", value=value,
                 source=source,
             )  # fmt: skip
         return {key: value}

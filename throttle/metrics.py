@@ -19,6 +19,7 @@ Two kinds of numbers, from two places:
   ``throttle_charged_tokens_total``       counter    limit
   ``throttle_redis_errors_total``         counter    limit
   ``throttle_upstream_deferrals_total``   counter    limit
+  ``throttle_shadow_wait_seconds``        histogram  limit (shadow mode: the would-be wait)
   ======================================  =========  =====================================
 
 * **Gauges read from Redis at scrape time** (fleet-wide, the same wherever scraped):
@@ -84,6 +85,7 @@ __all__ = [
     "serve",
     "settled",
     "setup_worker",
+    "shadowed",
     "timed_out",
     "upstream_deferred",
     "worker_dirs",
@@ -215,6 +217,7 @@ class _Instruments:
     charged: Counter
     redis_errors: Counter
     upstream: Counter
+    shadow: Histogram
 
 
 def _build() -> _Instruments:
@@ -249,6 +252,13 @@ def _build() -> _Instruments:
         refunded=counter("throttle_refunded_tokens", "Reserved cost given back on settle"),
         charged=counter("throttle_charged_tokens", "Cost taken beyond the estimate on settle"),
         redis_errors=counter("throttle_redis_errors", "Redis errors met by the gate"),
+        shadow=Histogram(
+            "throttle_shadow_wait_seconds",
+            "Seconds a limit in shadow mode would have delayed a task (0: none); it ran at once",
+            ["limit"],
+            buckets=WAIT_BUCKETS_S,
+            registry=None,
+        ),
         upstream=counter(
             "throttle_upstream_deferrals",
             "Tasks deferred by the upstream's word (defer_task: report_upstream(retry=True) "
@@ -290,6 +300,16 @@ def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
             m.decisions.labels(limit, "denied").inc()
             m.wait.labels(limit).observe(max(wait_s, 0.0))
             m.reschedules.labels(limit, how).inc()
+
+    _record(update)
+
+
+def shadowed(limits: Sequence[str], waits: Sequence[float]) -> None:
+    """Limits in shadow mode would have delayed a task by ``waits`` (s, one per limit)."""
+
+    def update(m: _Instruments) -> None:
+        for limit, wait_s in zip(limits, waits, strict=True):
+            m.shadow.labels(limit).observe(max(wait_s, 0.0))
 
     _record(update)
 

@@ -35,7 +35,10 @@ from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.spec import Limit
 
-__all__ = ["RateBook", "RateBookBase"]
+__all__ = ["MODES", "RateBook", "RateBookBase"]
+
+MODES = ("enforce", "shadow")
+"""The modes of a limit (``Rule.mode``): it delays its tasks, or records what it would."""
 
 
 class RateBookBase:
@@ -53,6 +56,7 @@ class RateBookBase:
         self.key = keyspace.rates_key()
         self.followed_key = keyspace.followed_rates_key()
         self.key_rates_key = keyspace.key_rates_key()
+        self.modes_key = keyspace.modes_key()
         self._keyspace = keyspace
         self.refresh_s = refresh_s
         self._monotonic = monotonic
@@ -60,6 +64,8 @@ class RateBookBase:
         self._followed: dict[str, str] = {}
         self._keyed: dict[str, str] = {}
         """Per-key rates: field of the key (:meth:`KeySpace.hold_fields`) -> spec."""
+        self._modes: dict[str, str] = {}
+        """Modes set at run time: limit name -> ``enforce`` or ``shadow``."""
         self._read_at = -float("inf")
         # Limits built from the book, by (configured limit, spec): built once per change.
         self._built: dict[tuple[Limit, str], Limit] = {}
@@ -131,12 +137,14 @@ class RateBookBase:
         raw: dict[bytes, bytes],
         followed: dict[bytes, bytes],
         keyed: dict[bytes, bytes],
+        modes: dict[bytes, bytes],
         now: float,
     ) -> None:
-        """Cache the replies of HGETALL on the three hashes, read at ``now``."""
+        """Cache the replies of HGETALL on the four hashes, read at ``now``."""
         self._cached = self._book(raw)
         self._followed = self._book(followed)
         self._keyed = self._book(keyed)
+        self._modes = {name: mode for name, mode in self._book(modes).items() if mode in MODES}
         self._read_at = now
 
     @classmethod
@@ -172,6 +180,20 @@ class RateBookBase:
                 return limit
             self._built[(limit, spec)] = built
         return built
+
+    @staticmethod
+    def _checked_mode(mode: str | None) -> None:
+        if mode is not None and mode not in MODES:
+            raise ConfigError(
+                "must be 'enforce' or 'shadow' (or None: the limits file's)",
+                field="mode",
+                value=mode,
+            )
+
+    def cached_mode(self, name: str) -> str | None:
+        """The mode set at run time for limit ``name`` as last read (None: none set; no
+        refresh: call :meth:`RateBook.mode` for one)."""
+        return self._modes.get(name)
 
     def ceiling(self, limit: Limit) -> Limit:
         """``limit`` with the operator's cached run-time rate, if one is stored: the
@@ -293,6 +315,27 @@ class RateBook(RateBookBase):
         """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
         return self._key_book(self._fetch()[2])
 
+    def set_mode(self, name: str, mode: str | None) -> None:
+        """Switch limit ``name`` to ``mode`` (``enforce``, ``shadow``) for the whole fleet,
+        within ``refresh_s``; None: back to the limits file's mode."""
+        self._checked_mode(mode)
+        if mode is None:
+            wrap_errors(lambda: self.client.hdel(self.modes_key, name))
+        else:
+            wrap_errors(lambda: self.client.hset(self.modes_key, name, mode))
+        self._changed()
+
+    def mode(self, name: str) -> str | None:
+        """The mode set at run time for limit ``name`` (re-read every refresh_s), or None."""
+        now = self._stale()
+        if now is not None:
+            self._read(*self._fetch(), now)
+        return self._modes.get(name)
+
+    def modes(self) -> dict[str, str]:
+        """The modes set at run time (limit name -> mode), read afresh."""
+        return {k: v for k, v in self._book(self._fetch()[3]).items() if v in MODES}
+
     def follow(self, limit: Limit, rate: str | None) -> None:
         """Store the rate the upstream states for ``limit`` (None: it states the
         operator's or the configured rate, or faster: drop it). Validated first: a bad rate
@@ -314,16 +357,19 @@ class RateBook(RateBookBase):
         spec, :meth:`follow`), read afresh."""
         return self._book(self._fetch()[1])
 
-    def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
+    def _fetch(
+        self,
+    ) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
         def read() -> list[Any]:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hgetall(self.key)
                 pipe.hgetall(self.followed_key)
                 pipe.hgetall(self.key_rates_key)
+                pipe.hgetall(self.modes_key)
                 return list(pipe.execute())
 
-        raw, followed, keyed = wrap_errors(read)
-        return raw, followed, keyed
+        raw, followed, keyed, modes = wrap_errors(read)
+        return raw, followed, keyed, modes
 
     def current(self, limit: Limit, key: str | None = None) -> Limit:
         """``limit`` with its run-time rate, if one is stored (re-read every refresh_s):

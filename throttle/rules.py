@@ -251,6 +251,14 @@ class Rule:
         limits. A rate set at run time for the whole limit (``celery throttle set``)
         applies to every plan; one set for a key (``--key``) to that key, whatever its
         plan.
+    mode:
+        ``"enforce"``: the limit delays its tasks. ``"shadow"``: it decides and records
+        everything (the decision, the wait it would impose, metrics, a Flower event, the
+        would-be delays in ``celery throttle status``), on a twin state of its own, but
+        its tasks run at once and nothing it takes delays any other task: a new limit
+        tried on a live fleet. ``None`` (the default): ``settings.mode``. ``celery
+        throttle enforce`` and ``shadow`` switch a limit at run time. Not for
+        concurrency limits.
     """
 
     limit: Limit
@@ -266,6 +274,7 @@ class Rule:
     upstream: str | None = None
     plan: KeySource = None
     plans: Any = None
+    mode: str | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -398,6 +407,18 @@ class Rule:
                 field="spacing_guard", value=self.spacing_guard, limit=name,
             )  # fmt: skip
         self._check_plans(name)
+        if self.mode not in (None, "enforce", "shadow"):
+            raise ConfigError(
+                "must be 'enforce' (the limit delays its tasks) or 'shadow' (it records what "
+                "it would do, and its tasks run at once)",
+                field="mode", value=self.mode, limit=name,
+            )  # fmt: skip
+        if self.mode == "shadow" and self.limit.algorithm.holds_units:
+            raise ConfigError(
+                "a concurrency limit cannot run in shadow: its units are held while tasks "
+                "run, which a shadow may not do",
+                field="mode", value=self.mode, limit=name,
+            )  # fmt: skip
 
     def _check_plans(self, name: str) -> None:
         """Parse ``plan`` and ``plans``: each plan's limit, checked against the rule."""

@@ -356,6 +356,33 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
     assert book.overrides() == {}
 
 
+def test_shadow_and_enforce_switch_a_limit_and_status_tells_what_it_would_have_done(
+    cli: Cli,
+) -> None:
+    assert _rows(_status(cli))["busy"]["mode"] == "enforce"
+    result = cli("shadow", "busy")
+    assert result.exit_code == 0, result.output
+    assert "limit 'busy' in shadow mode: its tasks run at once" in result.output
+    assert cli("shadow", "pool").exit_code == 2  # concurrency: always enforced
+    stats = StatsBook(cli.limiter.client, cli.limiter.keyspace)
+    stats.record_shadow(["busy"], [0.0])
+    for wait in (0.1, 0.2, 0.3, 0.4):
+        stats.record_shadow(["busy"], [wait])
+    row = _rows(_status(cli))["busy"]
+    assert row["mode"] == "shadow"
+    assert (row["shadow"]["tasks"], row["shadow"]["delayed"]) == (5, 4)
+    assert row["shadow"]["p50_s"] == pytest.approx(0.2, rel=0.06)
+    text = cli("status", "--timeout", "0").output
+    assert "shadow   busy (in shadow mode): would have delayed 4 of 5 tasks over the last" in text
+    result = cli("enforce", "busy")
+    assert result.exit_code == 0, result.output
+    assert "limit 'busy' enforced: its tasks wait for it" in result.output
+    assert _rows(_status(cli))["busy"]["mode"] == "enforce"
+    assert "shadow   busy (enforced now)" in cli("status", "--timeout", "0").output
+    assert cli("enforce", "busy", "--default").exit_code == 0
+    assert RateBook(cli.limiter.client, cli.limiter.keyspace).modes() == {}
+
+
 def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: Cli) -> None:
     book = RefusalBook(cli.limiter.client, cli.limiter.keyspace)
     assert "no refusal recorded for limit 'tenant'" in cli("refusals", "tenant").output

@@ -107,17 +107,21 @@ class RateBook(RateBookBase):
             self._read(*await self._fetch(), now)
         return self._resolve_key(limit, key)
 
-    async def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
+    async def _fetch(
+        self,
+    ) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
         async def read() -> list[Any]:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hgetall(self.key)
                 pipe.hgetall(self.followed_key)
                 pipe.hgetall(self.key_rates_key)
+                pipe.hgetall(self.modes_key)
                 return list(await pipe.execute())
 
-        raw, followed, keyed = await wrap_errors_async(read)
+        raw, followed, keyed, modes = await wrap_errors_async(read)
         return (
             cast("dict[bytes, bytes]", raw),
             cast("dict[bytes, bytes]", followed),
             cast("dict[bytes, bytes]", keyed),
+            cast("dict[bytes, bytes]", modes),
         )

@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
+from throttle.celery import shadow
 from throttle.celery.arrival import eta_lead_s
 from throttle.celery.execution import Execution, Ticket
 from throttle.celery.message import (
@@ -91,6 +92,8 @@ class Gate:
     def enter(self) -> Ticket | None:
         execution = self.execution
         restore_eta(execution)  # first: a copy re-published during an outage keeps it too
+        if self.rule_set.shadow:  # limits in shadow mode: looked at, never waited for
+            shadow.look(execution, self.rule_set.shadow)
         if not execution.rules:
             return None
         try:

@@ -29,11 +29,15 @@ class RuleSet:
     plan: tuple[int, ...] | None
     """The indices of the narrow limits an arriving task plans on, or None when it
     acquires in one step (:func:`throttle.celery.plan.plan_shape`)."""
+    shadow: tuple[Rule, ...] = ()
+    """The task's limits in shadow mode (:mod:`throttle.celery.shadow`): left out of
+    :attr:`rules`, which the task waits for; looked at on a twin state, never waited for."""
 
     @classmethod
-    def of(cls, rules: Sequence[Rule]) -> RuleSet:
+    def of(cls, rules: Sequence[Rule], shadow: Sequence[Rule] = ()) -> RuleSet:
         rules = tuple(rules)
         return cls(
+            shadow=tuple(shadow),
             rules=rules,
             by_name=any(names_arguments(rule) for rule in rules),
             adaptive=any(rule.adaptive for rule in rules),

@@ -172,6 +172,46 @@ def clear(ctx: click.Context, limit: str, key: str | None) -> None:
     )
 
 
+def _switch(ctx: click.Context, limit: str, mode: str | None) -> None:
+    app, throttler = throttler_of(ctx)
+    entry = lookup(known_limits(app, throttler), limit)
+    if mode == "shadow" and entry.rule.limit.algorithm.holds_units:
+        raise click.BadParameter(
+            "a concurrency limit cannot run in shadow mode: it is always enforced",
+            param_hint="LIMIT",
+        )
+    with one_line_errors():
+        throttler.rates.set_mode(limit, mode)
+        now = throttler.mode_of(entry.rule)
+    refresh = duration(throttler.settings.refresh_s)
+    what = {
+        "enforce": "enforced: its tasks wait for it",
+        "shadow": "in shadow mode: its tasks run at once, and status shows what it would have done",
+    }[now]
+    click.echo(f"limit {limit!r} {what}; workers follow within {refresh} (settings.refresh)")
+
+
+@click.command()
+@click.argument("limit")
+@click.option("--default", "default", is_flag=True, help="Back to the limits file's mode.")
+@click.pass_context
+def enforce(ctx: click.Context, limit: str, default: bool) -> None:
+    """Enforce LIMIT for the whole fleet from now on (it was in shadow mode), at run time.
+
+    With --default, the limits file's mode (the limit's `mode`, or settings.mode) again.
+    """
+    _switch(ctx, limit, None if default else "enforce")
+
+
+@click.command("shadow")
+@click.argument("limit")
+@click.pass_context
+def shadow_mode(ctx: click.Context, limit: str) -> None:
+    """Put LIMIT in shadow mode for the whole fleet, at run time: its tasks run at once,
+    and `status` shows what it would have done. `enforce LIMIT` undoes it."""
+    _switch(ctx, limit, "shadow")
+
+
 @click.command()
 @click.argument("limit")
 @click.argument("key", required=False)

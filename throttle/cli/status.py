@@ -85,6 +85,7 @@ def collect_status(
     overrides = throttler.rates.overrides()
     followed = throttler.rates.followed_rates()
     key_rates = throttler.rates.key_overrides()
+    shadows = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).shadow(minutes)
     learned = throttler.learned.states()
     holds = limiter.holds()
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
@@ -140,6 +141,8 @@ def collect_status(
                     else {"weight": planned.default_weight}
                     for plan, planned in entry.rule.plan_limits.items()
                 },
+                "mode": throttler.mode_of(entry.rule),
+                "shadow": shadows.get(name),
                 "key_rates": {
                     key: spec
                     for (limit, key), spec in sorted(key_rates.items(), key=str)
@@ -281,6 +284,22 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     out.append(f"parked   {data['parked']} tasks in Redis, {data['releasing']} being released")
     span = counted(data["minutes"], "whole minute")
     out.append(f"denied   tasks deferred per minute over the last {span}, fleet-wide")
+    for row in data["limits"]:
+        seen = row["shadow"]
+        if row["mode"] != "shadow" and seen is None:
+            continue
+        name, minutes = row["name"], counted(data["minutes"], "minute")
+        if seen is None or not seen["tasks"]:
+            out.append(f"shadow   {name}: in shadow mode, no task seen over the last {minutes}")
+            continue
+        mode = "in shadow mode" if row["mode"] == "shadow" else "enforced now"
+        told = (
+            f"shadow   {name} ({mode}): would have delayed {seen['delayed']} of "
+            f"{seen['tasks']} tasks over the last {minutes}"
+        )
+        if seen["delayed"]:
+            told += f", by {duration(seen['p50_s'])} at p50, {duration(seen['p95_s'])} at p95"
+        out.append(told)
     workers = data["workers"]
     if workers is None:
         out.append("workers  not asked (--timeout 0): IN FLIGHT unknown")
@@ -348,8 +367,12 @@ def status(
     minute (and timed out, when any did). In JSON, a hold is {"paused": true} until resumed,
     or {"held_s": seconds left}; next_slot_s is null while paused; in_flight is null with
     --timeout 0; per_minute has the counts of "denied", "parked" (of the denied) and
-    "timeout"; plans maps each plan to its rate and burst (a fair limit's: its weight);
-    key_rates maps each key with a rate of its own to it.
+    "timeout"; mode is "enforce" or "shadow" (set at run time with `enforce` and `shadow`);
+    shadow (null when the limit looked at no task in shadow mode over the last M minutes,
+    the current one included) has the tasks it looked at, how many it would have delayed,
+    and their would-be wait at p50_s and p95_s, also shown under the table; plans maps each
+    plan to its rate and burst (a fair limit's: its weight); key_rates maps each key with a
+    rate of its own to it.
     """
     app, throttler = throttler_of(ctx)
 

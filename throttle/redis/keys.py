@@ -245,6 +245,11 @@ class KeySpace:
         field of :meth:`hold_fields` (``limit:key``, encoded) -> rate spec."""
         return f"{self.base}rates:keys"
 
+    def modes_key(self) -> str:
+        """The HASH of modes set at run time (``celery throttle enforce`` / ``shadow``):
+        limit name -> ``enforce`` or ``shadow``."""
+        return f"{self.base}rates:modes"
+
     def refusals_key(self, limit_name: str) -> str:
         """The STREAM of the refusals the upstream reported for ``limit_name``, capped
         (:mod:`throttle.refusals`)."""
