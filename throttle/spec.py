@@ -27,11 +27,22 @@ from typing import Any
 from throttle.errors import ConfigError
 from throttle.units import real
 
-__all__ = ["FAIR_CODE", "PLAN_SUFFIX", "Algorithm", "Limit", "check_fields", "check_name"]
+__all__ = [
+    "FAIR_CODE",
+    "PLAN_SUFFIX",
+    "SHADOW_SUFFIX",
+    "Algorithm",
+    "Limit",
+    "check_fields",
+    "check_name",
+]
 
 PLAN_SUFFIX = ".plan"
 """A keyed limit's *plan* (see :mod:`throttle.celery.plan`) is a twin limit of the same
 numbers under its name + this suffix: its own state in Redis, which a reset clears too."""
+SHADOW_SUFFIX = ".shadow"
+"""A limit in shadow mode decides on a twin of the same numbers under its name + this
+suffix (see :mod:`throttle.celery.shadow`): its own state, which a reset clears too."""
 
 
 class Algorithm(str, Enum):

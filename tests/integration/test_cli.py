@@ -327,7 +327,7 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
     book = RateBook(cli.limiter.client, cli.limiter.keyspace)
     result = cli("set", "tiers", "250/s", "--key", "acme")
     assert result.exit_code == 0, result.output
-    assert "key 'acme' of limit 'tiers': 250/s burst at most its plan's" in result.output
+    assert "key 'acme' of limit 'tiers': 250/s burst at most its plan's (10 on" in result.output
     assert "throttle clear tiers --key acme" in result.output
     assert book.key_overrides() == {("tiers", "acme"): "250/s"}
     # the plan's burst holds for the key (pro: 50), the limit's own rate is untouched

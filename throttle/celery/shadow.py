@@ -32,12 +32,10 @@ from throttle.celery.execution import Execution
 from throttle.celery.message import H_DEFERRALS
 from throttle.errors import BackendError
 from throttle.rules import Rule, targets
-from throttle.spec import Limit
+from throttle.spec import SHADOW_SUFFIX, Limit
 
 logger = logging.getLogger("throttle")
 
-SHADOW_SUFFIX = ".shadow"
-"""A shadow twin's name: its limit's + this."""
 HORIZON_S = 3600.0
 """How far ahead a twin reserves: a wait the limit would impose beyond it counts as this."""
 
