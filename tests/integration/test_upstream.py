@@ -310,6 +310,22 @@ def test_a_429_holds_the_limit_fleet_wide_for_retry_after(
     assert clocked.acquire(limit).allowed
 
 
+def test_apply_upstream_keeps_a_refusal_in_the_record_when_given_the_book(
+    limiter: Limiter, api: Api, client: redis.Redis, prefix: str
+) -> None:
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+    book = RefusalBook(client, KeySpace(prefix))
+    with requests.Session() as session:
+        response = refused(api, session)
+        assert apply_upstream(limiter, response, limit, "acme", refusals=book) is not None
+        served = session.post(f"{api.url}/stats", timeout=5)  # not a /call: nothing refused
+    apply_upstream(limiter, served, limit, "acme", refusals=book)
+    (entry,) = book.read("api")
+    assert (entry.key, entry.task_id, entry.status, entry.header, entry.held) == (
+        "acme", None, 429, "Retry-After", True,
+    )  # fmt: skip
+
+
 def test_a_keyed_limit_is_held_for_that_key_and_its_rate_left_alone(
     clocked: Limiter, api: Api, client: redis.Redis
 ) -> None:
