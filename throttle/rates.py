@@ -25,6 +25,7 @@ round trip every ``refresh_s``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -178,6 +179,8 @@ class RateBookBase:
                 )
             except ValueError:  # ConfigError: a bad rate written by hand
                 return limit
+            if limit.default_weight != built.default_weight:  # a fair limit's plan: its weight
+                built = dataclasses.replace(built, default_weight=limit.default_weight)
             self._built[(limit, spec)] = built
         return built
 

@@ -248,9 +248,9 @@ class Rule:
         an integer) gets the limit's own ``rate``. On a ``fair`` limit a plan gives the
         key's weight in the shared rate (a number > 0: ``{"free": 1, "pro": 4}``) where
         ``weights`` does not list the key. Keyed limits only; not for concurrency
-        limits. A rate set at run time for the whole limit (``celery throttle set``)
-        applies to every plan; one set for a key (``--key``) to that key, whatever its
-        plan.
+        limits, nor with ``adaptive``. A rate set at run time for the whole limit
+        (``celery throttle set``) applies to every plan; one set for a key (``--key``) to
+        that key, whatever its plan.
     mode:
         ``"enforce"``: the limit delays its tasks. ``"shadow"``: it decides and records
         everything (the decision, the wait it would impose, metrics, a Flower event, the
@@ -462,6 +462,12 @@ class Rule:
             raise ConfigError(
                 "plans set each key's rate: give the limit a key, such as '{tenant_id}' "
                 "(with one state for every task, tasks of different plans would share it)",
+                field="plans", value=_plain_plans(self.plans), limit=name,
+            )  # fmt: skip
+        if self.adaptive is not None:
+            raise ConfigError(
+                "an adaptive limit learns one rate under its own; with plans, each key's rate "
+                "comes from its plan: not both on one limit (yet)",
                 field="plans", value=_plain_plans(self.plans), limit=name,
             )  # fmt: skip
         if isinstance(self.plans, tuple):

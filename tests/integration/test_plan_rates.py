@@ -178,3 +178,14 @@ def test_the_metrics_show_each_key_s_own_rate(redis_url: str, prefix: str) -> No
     finally:
         throttler.limiter.client.close()
     assert samples[("throttle_key_rate", (("key", "acme"), ("limit", "api")))] == 250.0
+
+
+def test_a_fair_limit_s_plan_weight_survives_a_rate_set_for_the_whole_limit(
+    client: redis.Redis, keyspace: KeySpace
+) -> None:
+    fair = Limit.parse("10/s", name="llm", fair=True)
+    rule = Rule(fair, key="{tenant_id}", plan="{plan}", plans={"pro": 4})
+    book = RateBook(client, keyspace, refresh_s=REFRESH_S, monotonic=FakeMonotonic())
+    book.set(fair, "20/s")
+    ((limit, key, _),) = targets([rule], call, ("acme", "pro"), {}, book.current)
+    assert (limit.rate_per_s, limit.weight(key), limit.fair) == (20.0, 4.0, True)

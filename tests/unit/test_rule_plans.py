@@ -108,6 +108,14 @@ def test_bad_plans_name_the_field(fields: dict[str, Any], field: str, problem: s
     assert (caught.value.limit, caught.value.field) == ("api", field)
 
 
+def test_plans_on_an_adaptive_limit_are_refused() -> None:
+    from throttle.adaptive import Adaptive  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="adaptive") as caught:
+        Rule(API, key="{t}", plan="{p}", plans={"a": "1/s"}, adaptive=Adaptive())
+    assert caught.value.field == "plans"
+
+
 def test_plans_on_a_concurrency_limit_are_refused() -> None:
     with pytest.raises(ConfigError, match="concurrency limit") as caught:
         Rule(Limit.parse("5 concurrent", name="c"), key="{t}", plan="{p}", plans={"a": "1/s"})
