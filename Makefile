@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers
+.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers bench-plans
 
 setup: system-deps $(STAMP)
 
@@ -168,6 +168,12 @@ bench-fair: setup
 # the provider halving its token limit (docs/benchmarks/providers.md). About 5 minutes.
 bench-providers: setup
 	$(PY) -m bench.providers $(PROVIDERS_ARGS)
+
+# Three tenants on three plans through 2 workers x 4 children against a mock API enforcing
+# each plan; an override mid-run; the same fleet in shadow mode beside an unthrottled
+# control (docs/benchmarks/plans.md). About 3 minutes.
+bench-plans: setup
+	$(PY) -m bench.plans $(PLANS_ARGS)
 
 # An upstream that answers 429 with only Retry-After and changes its limit silently (20 ->
 # 10/s, 10 -> 20/s), and a strict burst-1 API at 99/98/95 %: ours (adaptive limits, the

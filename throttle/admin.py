@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
-from throttle.spec import PLAN_SUFFIX, Algorithm, Limit
+from throttle.spec import PLAN_SUFFIX, SHADOW_SUFFIX, Algorithm, Limit
 
 __all__ = ["reset"]
 
@@ -22,10 +22,12 @@ def _probes(name: str) -> list[Limit]:
     its algorithm's code, and a limit whose algorithm was changed in the file leaves the
     old algorithm's state behind: a reset deletes the state under every code. And the state
     of the limit's plan (its twin ``NAME.plan``, see :mod:`throttle.celery.plan`): a plan
-    left behind would make the key's next tasks come back as late as the forgotten backlog."""
-    names = (name, name + PLAN_SUFFIX)
+    left behind would make the key's next tasks come back as late as the forgotten backlog.
+    And of its shadow twin (``NAME.shadow``, :mod:`throttle.celery.shadow`)."""
+    names = (name, name + PLAN_SUFFIX, name + SHADOW_SUFFIX)
     probes = [Limit(n, algorithm, 1.0) for n in names for algorithm in Algorithm]
-    return [*probes, Limit(name, Algorithm.TOKEN_BUCKET, 1.0, fair=True)]
+    fair = [Limit(n, Algorithm.TOKEN_BUCKET, 1.0, fair=True) for n in (name, name + SHADOW_SUFFIX)]
+    return [*probes, *fair]
 
 
 def reset(client: RedisClient, keyspace: KeySpace, limit: str, key: str | None = None) -> int:

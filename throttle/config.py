@@ -25,6 +25,9 @@ objects; every error names the file, the limit and the field::
         decrease: 0.8          # ... a refusal episode multiplies the rate by this
         recover: 10s           # ... successes climb back to the refused rate in this time
         upstream: tokens       # the upstream's dimension it follows (throttle.upstream.dialects)
+        plan: "{plan}"         # each key's rate from its task's plan (a template, as key)
+        plans: {free: 10/s burst 5, pro: 100/s}   # plan -> rate; others get `rate`
+        mode: enforce          # shadow: record what it would do, delay nothing
     queues:
       llm: [openai-tokens]     # every task consumed from queue "llm"
     tasks:
@@ -64,8 +67,10 @@ ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 _LIMIT_FIELDS = ("rate", "algorithm", "burst", "fair", "weights")
 _RULE_FIELDS = (
     "key", "cost", "max_wait", "on_timeout", "on_error", "on_redis_down", "cold_start",
-    "spacing_guard", "upstream",
+    "spacing_guard", "upstream", "plan", "plans", "mode",
 )  # fmt: skip
+_PLAN_FIELDS = ("plan", "plans")
+"""Checked together, once the limit and its key are (:func:`_plan_options`)."""
 _SETTINGS_FIELDS = {
     "redis_url": "str",
     "redis_own_connections": "bool",
@@ -84,6 +89,9 @@ _SETTINGS_FIELDS = {
     "metrics": "bool",
     "metrics_port": "port",
     "metrics_dir": "str",
+    "refusals_max": "count",
+    "refusals_for": "duration",
+    "mode": "mode",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 MIN_SLEEP_MAX_S = 0.05
@@ -135,9 +143,12 @@ def _rule(config: object, name: str, source: str | None, errors: Errors) -> Rule
         probe = replace(probe, fair=False, weights=())
     options: dict[str, Any] = {}
     for key in _RULE_FIELDS:
-        if key in config:
+        if key in config and key not in _PLAN_FIELDS:
             with _noted(errors):
                 options.update(_rule_option(probe, key, config[key], source))
+    if limit is not None and any(k in config for k in _PLAN_FIELDS):
+        with _noted(errors):
+            options.update(_plan_options(limit, config, options, source))
     learning = {k: config[k] for k in ADAPTIVE_FIELDS if k in config}
     if learning and limit is not None:
         with _noted(errors):
@@ -166,6 +177,29 @@ def _limit(fields: dict[str, Any], name: str, source: str | None, errors: Errors
             if exc.field == "rate" or exc.field not in fields:
                 return None
             del fields[exc.field]
+
+
+def _plan_options(
+    limit: Limit, config: Mapping[str, Any], options: Mapping[str, Any], source: str | None
+) -> dict[str, Any]:
+    """``plan`` and ``plans`` of a limits file's entry, checked together against the limit,
+    its key and its cost: ``{Rule argument: value}``."""
+    if "key" in config and "key" not in options:
+        return {}  # a bad key, reported on its own
+    plans = {k: config[k] for k in _PLAN_FIELDS if k in config}
+    try:
+        Rule(limit, key=options.get("key"), cost=options.get("cost", 1.0), **plans)
+    except ConfigError as exc:
+        if exc.field == "fair":  # a fair limit without a key: the plan table needs one
+            raise ConfigError(
+                "plans set each key's rate (a fair limit's: its weight): give the limit a "
+                "key, such as '{tenant_id}'",
+                field="plans", value=config.get("plans"), limit=limit.name, source=source,
+            ) from None  # fmt: skip
+        raise ConfigError(
+            exc.problem, field=exc.field, value=exc.value, limit=limit.name, source=source
+        ) from None
+    return plans
 
 
 def _rule_option(limit: Limit, key: str, value: Any, source: str | None) -> dict[str, Any]:
@@ -263,6 +297,16 @@ class Settings:
     metrics_dir:
         Where workers keep their metric files (one directory per worker below it; Flower
         reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
+    refusals_max:
+        The refusals the upstream reported that are kept per limit, fleet-wide, in Redis
+        (:mod:`throttle.refusals`, ``celery throttle refusals``): the last this many
+        (approximately: Redis trims whole nodes of the stream).
+    refusals_for_s:
+        Refusals older than this are dropped when the next one of the limit is recorded
+        (``None``: kept until ``refusals_max`` pushes them out). Needs Redis 6.2.
+    mode:
+        The ``mode`` of every limit that does not set its own: ``enforce`` or ``shadow``
+        (see the limit field; concurrency limits are always enforced).
     """
 
     redis_url: str | None = None
@@ -282,6 +326,9 @@ class Settings:
     metrics: bool = False
     metrics_port: int | None = None
     metrics_dir: str | None = None
+    refusals_max: int = 1000
+    refusals_for_s: float | None = None
+    mode: str = "enforce"
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
@@ -361,6 +408,13 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(
                 "must be a whole number >= 1", field=f"settings.{key}", value=value,
+                source=source,
+            )  # fmt: skip
+        return {key: value}
+    if kind == "mode":
+        if value not in ("enforce", "shadow"):
+            raise ConfigError(
+                "must be 'enforce' or 'shadow'", field=f"settings.{key}", value=value,
                 source=source,
             )  # fmt: skip
         return {key: value}

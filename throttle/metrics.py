@@ -19,6 +19,7 @@ Two kinds of numbers, from two places:
   ``throttle_charged_tokens_total``       counter    limit
   ``throttle_redis_errors_total``         counter    limit
   ``throttle_upstream_deferrals_total``   counter    limit
+  ``throttle_shadow_wait_seconds``        histogram  limit (shadow mode: the would-be wait)
   ======================================  =========  =====================================
 
 * **Gauges read from Redis at scrape time** (fleet-wide, the same wherever scraped):
@@ -26,7 +27,9 @@ Two kinds of numbers, from two places:
   template ``throttle_tokens_remaining{limit}`` and ``throttle_next_slot_seconds{limit}``
   (+Inf while a limit is paused), for adaptive limits without a key template
   ``throttle_learned_rate{limit}`` beside ``throttle_configured_rate{limit}`` (per s),
-  and ``throttle_redis_up`` (0 when the read failed).
+  for each key given a rate of its own at run time (``celery throttle set LIMIT RATE
+  --key KEY``: a few operator decisions, so the labels stay bounded)
+  ``throttle_key_rate{limit,key}`` (per s), and ``throttle_redis_up`` (0 when the read failed).
 
 Multiprocess mode. ``prometheus_client`` picks its value class when it is imported: in
 multiprocess mode only if ``PROMETHEUS_MULTIPROC_DIR`` is set by then. A Celery worker
@@ -82,6 +85,7 @@ __all__ = [
     "serve",
     "settled",
     "setup_worker",
+    "shadowed",
     "timed_out",
     "upstream_deferred",
     "worker_dirs",
@@ -213,6 +217,7 @@ class _Instruments:
     charged: Counter
     redis_errors: Counter
     upstream: Counter
+    shadow: Histogram
 
 
 def _build() -> _Instruments:
@@ -247,6 +252,13 @@ def _build() -> _Instruments:
         refunded=counter("throttle_refunded_tokens", "Reserved cost given back on settle"),
         charged=counter("throttle_charged_tokens", "Cost taken beyond the estimate on settle"),
         redis_errors=counter("throttle_redis_errors", "Redis errors met by the gate"),
+        shadow=Histogram(
+            "throttle_shadow_wait_seconds",
+            "Seconds a limit in shadow mode would have delayed a task (0: none); it ran at once",
+            ["limit"],
+            buckets=WAIT_BUCKETS_S,
+            registry=None,
+        ),
         upstream=counter(
             "throttle_upstream_deferrals",
             "Tasks deferred by the upstream's word (defer_task: report_upstream(retry=True) "
@@ -288,6 +300,16 @@ def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
             m.decisions.labels(limit, "denied").inc()
             m.wait.labels(limit).observe(max(wait_s, 0.0))
             m.reschedules.labels(limit, how).inc()
+
+    _record(update)
+
+
+def shadowed(limits: Sequence[str], waits: Sequence[float]) -> None:
+    """Limits in shadow mode would have delayed a task by ``waits`` (s, one per limit)."""
+
+    def update(m: _Instruments) -> None:
+        for limit, wait_s in zip(limits, waits, strict=True):
+            m.shadow.labels(limit).observe(max(wait_s, 0.0))
 
     _record(update)
 
@@ -351,6 +373,8 @@ class FleetState:
     learned: Sequence[tuple[str, float, float]] = ()
     """Each adaptive limit without a key template: (limit, the rate in force before
     learning, the learned rate), per s."""
+    key_rates: Sequence[tuple[str, str, float]] = ()
+    """Each key given a rate of its own at run time: (limit, key, rate per s)."""
 
 
 def worker_dirs(base: Path) -> list[tuple[str, Path]]:
@@ -482,6 +506,16 @@ class ThrottleCollector:
         parked.add_metric(["waiting"], state.parked)
         parked.add_metric(["releasing"], state.releasing)
         yield parked
+        if state.key_rates:
+            keyed = GaugeMetricFamily(
+                "throttle_key_rate",
+                "The rate set at run time for one key of a limit (celery throttle set "
+                "--key), per s",
+                labels=["limit", "key"],
+            )
+            for name, key, rate in state.key_rates:
+                keyed.add_metric([name, key], rate)
+            yield keyed
         if not state.limits:
             return
         tokens = GaugeMetricFamily(

@@ -12,20 +12,34 @@ with the upstream's word, never above the operator's (or the configured) rate, a
 touch the operator's hash. The rate in force is the lower of the two. An operator's
 :meth:`RateBook.set` or :meth:`RateBook.clear` drops the upstream's rate of that limit
 too: the operator's word is the last.
+
+A third hash holds the operator's rates for single keys of a keyed limit
+(:meth:`RateBook.set_key`, ``celery throttle set LIMIT RATE --key KEY``): a negotiated
+exception for one tenant. It beats the limit's plan and the rate set for the whole limit
+(the upstream's stated rate still wins when slower). A key's rate without ``burst`` is at
+most as bursty as the limit it replaces for that key (its plan's, or the limit's own):
+the burst is the smaller of its count and that limit's burst, decided when a task of the
+key runs, since only the task's arguments name its plan. All three hashes are read in one
+round trip every ``refresh_s``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
+from throttle.errors import ConfigError
 from throttle.redis.client import RedisClient, wrap_errors
-from throttle.redis.keys import KeySpace
+from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.spec import Limit
 
-__all__ = ["RateBook", "RateBookBase"]
+__all__ = ["MODES", "RateBook", "RateBookBase"]
+
+MODES = ("enforce", "shadow")
+"""The modes of a limit (``Rule.mode``): it delays its tasks, or records what it would."""
 
 
 class RateBookBase:
@@ -42,13 +56,57 @@ class RateBookBase:
     ) -> None:
         self.key = keyspace.rates_key()
         self.followed_key = keyspace.followed_rates_key()
+        self.key_rates_key = keyspace.key_rates_key()
+        self.modes_key = keyspace.modes_key()
+        self._keyspace = keyspace
         self.refresh_s = refresh_s
         self._monotonic = monotonic
         self._cached: dict[str, str] = {}
         self._followed: dict[str, str] = {}
+        self._keyed: dict[str, str] = {}
+        """Per-key rates: field of the key (:meth:`KeySpace.hold_fields`) -> spec."""
+        self._modes: dict[str, str] = {}
+        """Modes set at run time: limit name -> ``enforce`` or ``shadow``."""
         self._read_at = -float("inf")
         # Limits built from the book, by (configured limit, spec): built once per change.
         self._built: dict[tuple[Limit, str], Limit] = {}
+        self._built_keyed: dict[tuple[Limit, str], Limit] = {}
+
+    def _checked_key(self, limit: Limit, key: str, rate: str) -> Limit:
+        """The limit a key's ``rate`` makes of ``limit`` (its burst as :meth:`keyed_limit`
+        decides it); a bad rate, or a fair limit, raises ConfigError."""
+        if limit.fair:
+            raise ConfigError(
+                "a fair limit shares one rate among its keys: a key's share is set by its "
+                "weight (weights, or the limit's plans), not by a rate of its own",
+                field="key", value=key, limit=limit.name,
+            )  # fmt: skip
+        self._keyspace.hold_fields(limit.name, key)  # an empty or non-text key: RequestError
+        self._checked(limit, rate)  # a bad rate: ConfigError
+        return self.keyed_limit(limit, rate)
+
+    def keyed_limit(self, limit: Limit, rate: str) -> Limit:
+        """``limit`` (a key's plan, or the limit's own) at a key's run-time ``rate``:
+        without ``burst`` in it, at most as bursty as ``limit``. A rate that does not parse
+        (written by hand) gives ``limit``."""
+        built = self._built_keyed.get((limit, rate))
+        if built is None:
+            try:
+                built = Limit.parse(rate, name=limit.name, algorithm=limit.algorithm)
+                if (
+                    "burst" not in rate.lower()
+                    and limit.algorithm.reserves
+                    and limit.capacity < built.count
+                ):
+                    built = Limit(
+                        limit.name, limit.algorithm, built.count, built.period_s, limit.capacity
+                    )
+            except ValueError:  # ConfigError: written by hand
+                return limit
+            if len(self._built_keyed) > 4096:
+                self._built_keyed.clear()  # bounded: plans x rates set, rebuilt on demand
+            self._built_keyed[(limit, rate)] = built
+        return built
 
     @staticmethod
     def _checked(limit: Limit, rate: str) -> Limit:
@@ -75,11 +133,26 @@ class RateBookBase:
                 continue  # written by hand, not by set(): ignored like any bad rate
         return book
 
-    def _read(self, raw: dict[bytes, bytes], followed: dict[bytes, bytes], now: float) -> None:
-        """Cache the replies of HGETALL on both hashes, read at ``now``."""
+    def _read(
+        self,
+        raw: dict[bytes, bytes],
+        followed: dict[bytes, bytes],
+        keyed: dict[bytes, bytes],
+        modes: dict[bytes, bytes],
+        now: float,
+    ) -> None:
+        """Cache the replies of HGETALL on the four hashes, read at ``now``."""
         self._cached = self._book(raw)
         self._followed = self._book(followed)
+        self._keyed = self._book(keyed)
+        self._modes = {name: mode for name, mode in self._book(modes).items() if mode in MODES}
         self._read_at = now
+
+    @classmethod
+    def _key_book(cls, keyed: dict[bytes, bytes]) -> dict[tuple[str, str | None], str]:
+        """A reply of HGETALL on the per-key hash: (limit, key) -> spec (a key too long
+        to keep in a field name reads back as its hash, ``#`` + SHA-256)."""
+        return {decode_hold_field(field): spec for field, spec in cls._book(keyed).items()}
 
     @classmethod
     def _merged(cls, raw: dict[bytes, bytes], followed: dict[bytes, bytes]) -> dict[str, str]:
@@ -106,8 +179,24 @@ class RateBookBase:
                 )
             except ValueError:  # ConfigError: a bad rate written by hand
                 return limit
+            if limit.default_weight != built.default_weight:  # a fair limit's plan: its weight
+                built = dataclasses.replace(built, default_weight=limit.default_weight)
             self._built[(limit, spec)] = built
         return built
+
+    @staticmethod
+    def _checked_mode(mode: str | None) -> None:
+        if mode is not None and mode not in MODES:
+            raise ConfigError(
+                "must be 'enforce' or 'shadow' (or None: the limits file's)",
+                field="mode",
+                value=mode,
+            )
+
+    def cached_mode(self, name: str) -> str | None:
+        """The mode set at run time for limit ``name`` as last read (None: none set; no
+        refresh: call :meth:`RateBook.mode` for one)."""
+        return self._modes.get(name)
 
     def ceiling(self, limit: Limit) -> Limit:
         """``limit`` with the operator's cached run-time rate, if one is stored: the
@@ -119,6 +208,24 @@ class RateBookBase:
         """The cached rate the upstream stated for limit ``name`` (:meth:`RateBook.follow`),
         or None."""
         return self._followed.get(name)
+
+    def _resolve_key(self, limit: Limit, key: str | None) -> Limit:
+        """``limit`` (a plan's, or the configured one) in force for ``key``: the key's
+        run-time rate if one is stored (the upstream's when that is slower), else
+        :meth:`_resolve`."""
+        resolved = self._resolve(limit)
+        if key is None or not self._keyed:
+            return resolved
+        spec = self._keyed.get(self._keyspace.hold_fields(limit.name, key)[1])
+        if spec is None:
+            return resolved
+        keyed = self.keyed_limit(limit, spec)
+        followed = self._followed.get(limit.name)
+        if followed is not None:
+            stated = self._built_of(limit, followed)
+            if stated is not limit and stated.rate_per_s < keyed.rate_per_s:
+                return stated
+        return keyed
 
     def _resolve(self, limit: Limit) -> Limit:
         """``limit`` with the cached run-time rate, if one is stored: the operator's, or
@@ -187,6 +294,51 @@ class RateBook(RateBookBase):
         wrap_errors(write)
         self._changed()
 
+    def set_key(self, limit: Limit, key: str, rate: str) -> Limit:
+        """Store a rate for ``key`` of ``limit`` alone (``"250/s"``): the fleet uses it for
+        that key within ``refresh_s``, whatever the key's plan. Returns the limit the key
+        gets when ``limit`` is its plan (without ``burst`` in ``rate``, at most
+        ``limit``'s burst). Validated first: a bad rate, or a fair limit (a key's share of
+        it is its weight), raises ConfigError, nothing stored."""
+        changed = self._checked_key(limit, key, rate)
+        field = self._keyspace.hold_fields(limit.name, key)[1]
+        wrap_errors(lambda: self.client.hset(self.key_rates_key, field, rate))
+        self._changed()
+        return changed
+
+    def clear_key(self, name: str, key: str) -> bool:
+        """Drop the rate stored for ``key`` of limit ``name``: the key goes back to its
+        plan's (or the limit's) rate. Returns whether one was stored."""
+        field = self._keyspace.hold_fields(name, key)[1]
+        removed = wrap_errors(lambda: self.client.hdel(self.key_rates_key, field))
+        self._changed()
+        return bool(removed)
+
+    def key_overrides(self) -> dict[tuple[str, str | None], str]:
+        """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
+        return self._key_book(self._fetch()[2])
+
+    def set_mode(self, name: str, mode: str | None) -> None:
+        """Switch limit ``name`` to ``mode`` (``enforce``, ``shadow``) for the whole fleet,
+        within ``refresh_s``; None: back to the limits file's mode."""
+        self._checked_mode(mode)
+        if mode is None:
+            wrap_errors(lambda: self.client.hdel(self.modes_key, name))
+        else:
+            wrap_errors(lambda: self.client.hset(self.modes_key, name, mode))
+        self._changed()
+
+    def mode(self, name: str) -> str | None:
+        """The mode set at run time for limit ``name`` (re-read every refresh_s), or None."""
+        now = self._stale()
+        if now is not None:
+            self._read(*self._fetch(), now)
+        return self._modes.get(name)
+
+    def modes(self) -> dict[str, str]:
+        """The modes set at run time (limit name -> mode), read afresh."""
+        return {k: v for k, v in self._book(self._fetch()[3]).items() if v in MODES}
+
     def follow(self, limit: Limit, rate: str | None) -> None:
         """Store the rate the upstream states for ``limit`` (None: it states the
         operator's or the configured rate, or faster: drop it). Validated first: a bad rate
@@ -201,25 +353,30 @@ class RateBook(RateBookBase):
     def overrides(self) -> dict[str, str]:
         """The stored rates in force (limit name -> spec), read afresh: the operator's, or
         the upstream's stated one when slower."""
-        return self._merged(*self._fetch())
+        return self._merged(*self._fetch()[:2])
 
     def followed_rates(self) -> dict[str, str]:
         """The rates the upstream states for the limits that follow it (limit name ->
         spec, :meth:`follow`), read afresh."""
         return self._book(self._fetch()[1])
 
-    def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+    def _fetch(
+        self,
+    ) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
         def read() -> list[Any]:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hgetall(self.key)
                 pipe.hgetall(self.followed_key)
+                pipe.hgetall(self.key_rates_key)
+                pipe.hgetall(self.modes_key)
                 return list(pipe.execute())
 
-        raw, followed = wrap_errors(read)
-        return raw, followed
+        raw, followed, keyed, modes = wrap_errors(read)
+        return raw, followed, keyed, modes
 
-    def current(self, limit: Limit) -> Limit:
-        """``limit`` with its run-time rate, if one is stored (re-read every refresh_s).
+    def current(self, limit: Limit, key: str | None = None) -> Limit:
+        """``limit`` with its run-time rate, if one is stored (re-read every refresh_s):
+        ``key``'s own (:meth:`set_key`) when given and stored, else the limit's.
 
         A stored rate that does not parse (written by hand) is ignored: the configured
         limit stays in force rather than failing every task.
@@ -227,4 +384,4 @@ class RateBook(RateBookBase):
         now = self._stale()
         if now is not None:
             self._read(*self._fetch(), now)
-        return self._resolve(limit)
+        return self._resolve_key(limit, key)

@@ -23,8 +23,8 @@ import math
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, cast
 
 from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
@@ -43,6 +43,7 @@ __all__ = [
     "declare",
     "key_for",
     "named_arguments",
+    "names_arguments",
     "parse_key_template",
     "targets",
 ]
@@ -235,6 +236,29 @@ class Rule:
         whose cost is an estimate follows the provider's tokens per minute. ``None``
         (the default): the response speaks for the limit as a whole, as without
         dimensions. Needs the upstream hook on the task's calls.
+    plan:
+        Where a task's *plan* comes from: a template over its arguments such as
+        ``"{plan}"`` (the grammar of ``key``), or a callable of its arguments. Needs
+        ``plans``.
+    plans:
+        The plan table: plan name -> the rate and burst of a key on that plan, such as
+        ``{"free": "10/s burst 5", "pro": "100/s burst 50"}``. Every plan keeps the
+        limit's algorithm, key and cost; each key's state runs at its plan's rate. A task
+        whose plan is not in the table (or whose plan argument is missing, or not text or
+        an integer) gets the limit's own ``rate``. On a ``fair`` limit a plan gives the
+        key's weight in the shared rate (a number > 0: ``{"free": 1, "pro": 4}``) where
+        ``weights`` does not list the key. Keyed limits only; not for concurrency
+        limits, nor with ``adaptive``. A rate set at run time for the whole limit
+        (``celery throttle set``) applies to every plan; one set for a key (``--key``) to
+        that key, whatever its plan.
+    mode:
+        ``"enforce"``: the limit delays its tasks. ``"shadow"``: it decides and records
+        everything (the decision, the wait it would impose, metrics, a Flower event, the
+        would-be delays in ``celery throttle status``), on a twin state of its own, but
+        its tasks run at once and nothing it takes delays any other task: a new limit
+        tried on a live fleet. ``None`` (the default): ``settings.mode``. ``celery
+        throttle enforce`` and ``shadow`` switch a limit at run time. Not for
+        concurrency limits.
     """
 
     limit: Limit
@@ -248,6 +272,9 @@ class Rule:
     spacing_guard: bool | None = None
     adaptive: Adaptive | None = None
     upstream: str | None = None
+    plan: KeySource = None
+    plans: Any = None
+    mode: str | None = None
     key_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     """The argument names a key template reads (empty for a callable or no key)."""
     fail_open_s: float | None = field(init=False, repr=False, compare=False)
@@ -259,6 +286,11 @@ class Rule:
     """The parsed ``on_redis_down``."""
     dead_letter_queue: str | None = field(init=False, repr=False, compare=False)
     """The queue of ``on_timeout: dead_letter:QUEUE``, else None."""
+    plan_template: KeyTemplate | None = field(init=False, repr=False, compare=False)
+    """The parsed plan template (None for a callable or no plan)."""
+    plan_limits: Mapping[str, Limit] = field(init=False, repr=False, compare=False)
+    """Each plan's limit: the limit's name, algorithm and fairness at the plan's numbers
+    (empty without plans)."""
 
     def __post_init__(self) -> None:
         name = self.limit.name if isinstance(self.limit, Limit) else None
@@ -374,10 +406,131 @@ class Rule:
                 "a concurrency limit has no spacing to guard",
                 field="spacing_guard", value=self.spacing_guard, limit=name,
             )  # fmt: skip
+        self._check_plans(name)
+        if self.mode not in (None, "enforce", "shadow"):
+            raise ConfigError(
+                "must be 'enforce' (the limit delays its tasks) or 'shadow' (it records what "
+                "it would do, and its tasks run at once)",
+                field="mode", value=self.mode, limit=name,
+            )  # fmt: skip
+        if self.mode == "shadow" and self.limit.algorithm.holds_units:
+            raise ConfigError(
+                "a concurrency limit cannot run in shadow: its units are held while tasks "
+                "run, which a shadow may not do",
+                field="mode", value=self.mode, limit=name,
+            )  # fmt: skip
+
+    def _check_plans(self, name: str) -> None:
+        """Parse ``plan`` and ``plans``: each plan's limit, checked against the rule."""
+        object.__setattr__(self, "plan_template", None)
+        object.__setattr__(self, "plan_limits", {})
+        if self.plan is None and self.plans is None:
+            return
+        if self.plans is None:
+            raise ConfigError(
+                "a plan template needs a plan table: add plans, such as "
+                "{free: 10/s burst 5, pro: 100/s}",
+                field="plan", value=self.plan, limit=name,
+            )  # fmt: skip
+        if self.plan is None:
+            raise ConfigError(
+                "a plan table needs a plan template naming the task's argument that holds "
+                "the plan: add plan, such as '{plan}'",
+                field="plans", value=_plain_plans(self.plans), limit=name,
+            )  # fmt: skip
+        if isinstance(self.plan, str):
+            if not self.plan:
+                raise ConfigError("an empty plan template", field="plan", value="", limit=name)
+            try:
+                template = parse_key_template(self.plan, limit=name, source=None)
+            except ConfigError as exc:
+                raise ConfigError(exc.problem, field="plan", value=self.plan, limit=name) from None
+            object.__setattr__(self, "plan_template", template)
+        elif not callable(self.plan):
+            raise ConfigError(
+                "must be a template string such as '{plan}' or a callable",
+                field="plan", value=self.plan, limit=name,
+            )  # fmt: skip
+        limit = self.limit
+        if limit.algorithm.holds_units:
+            raise ConfigError(
+                "plans set a rate per key; a concurrency limit has none (give each plan "
+                "its own concurrency limit instead)",
+                field="plans", value=_plain_plans(self.plans), limit=name,
+            )  # fmt: skip
+        if self.key is None:
+            raise ConfigError(
+                "plans set each key's rate: give the limit a key, such as '{tenant_id}' "
+                "(with one state for every task, tasks of different plans would share it)",
+                field="plans", value=_plain_plans(self.plans), limit=name,
+            )  # fmt: skip
+        if self.adaptive is not None:
+            raise ConfigError(
+                "an adaptive limit learns one rate under its own; with plans, each key's rate "
+                "comes from its plan: not both on one limit (yet)",
+                field="plans", value=_plain_plans(self.plans), limit=name,
+            )  # fmt: skip
+        if isinstance(self.plans, tuple):
+            pairs = self.plans
+        elif isinstance(self.plans, Mapping):
+            pairs = tuple(self.plans.items())
+        else:
+            pairs = None
+        if not pairs or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise ConfigError(
+                "must be a non-empty mapping of plan names to rates, such as "
+                "{free: 10/s burst 5, pro: 100/s}" + (" (to weights on a fair limit)"
+                                                        if limit.fair else ""),
+                field="plans", value=self.plans, limit=name,
+            )  # fmt: skip
+        limits: dict[str, Limit] = {}
+        for written, spec in pairs:
+            plan = written
+            if isinstance(written, int) and not isinstance(written, bool):
+                plan = str(written)  # a plan named 1 in YAML, read from an argument as 1 or "1"
+            if not isinstance(plan, str) or not plan:
+                raise ConfigError(
+                    "a plan's name must be a non-empty string", field="plans", value=plan,
+                    limit=name,
+                )  # fmt: skip
+            limits[plan] = _plan_limit(limit, plan, spec)
+            cost = real(self.cost)
+            if cost is not None and cost > limits[plan].capacity:
+                raise ConfigError(
+                    f"the burst {limits[plan].capacity:g} of plan {plan!r} is below the "
+                    f"limit's cost {cost:g}: no task on this plan could run",
+                    field=f"plans.{plan}", value=spec, limit=name,
+                )  # fmt: skip
+        object.__setattr__(self, "plans", tuple(sorted((str(p), s) for p, s in pairs)))
+        object.__setattr__(self, "plan_limits", limits)
 
     @property
     def name(self) -> str:
         return self.limit.name
+
+    def limit_for(
+        self, named: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Limit:
+        """The limit of a task with these arguments: its plan's, or the rule's own limit
+        (no plans; a plan not in the table; no plan argument, or one that is not text or
+        an integer)."""
+        if not self.plan_limits:
+            return self.limit
+        plan = self.plan
+        if callable(plan):
+            value = plan(*args, **kwargs)
+        else:
+            template = self.plan_template
+            assert template is not None  # a str plan is parsed by Rule
+            try:
+                value = _render(self, template, named, "plan")
+            except ConfigError:  # no such argument, or a value that names no plan
+                return self.limit
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = int.__repr__(value)
+        if not isinstance(value, str):
+            return self.limit
+        return self.plan_limits.get(str.__str__(value), self.limit)
 
     @property
     def guarded(self) -> bool:
@@ -392,6 +545,30 @@ class Rule:
         """True when the cost comes from the task (an argument or a callable): an estimate
         that a reported actual cost replaces."""
         return not isinstance(self.cost, float)
+
+
+def _plain_plans(plans: object) -> object:
+    """A plan table as written, for an error message."""
+    return dict(plans) if isinstance(plans, tuple) else plans
+
+
+def _plan_limit(limit: Limit, plan: str, spec: object) -> Limit:
+    """The limit of one plan of ``limit``: its rate and burst (a fair limit: its weight)."""
+    where = f"plans.{plan}"
+    if limit.fair:
+        weight = real(spec)
+        if weight is None or not 0 < weight < math.inf:
+            raise ConfigError(
+                "a plan of a fair limit gives its keys' weight in the shared rate: a "
+                "number > 0, such as 4",
+                field=where, value=spec, limit=limit.name,
+            )  # fmt: skip
+        try:
+            return replace(limit, default_weight=weight)
+        except ConfigError as exc:
+            raise ConfigError(exc.problem, field=where, value=spec, limit=limit.name) from None
+    # Limit.parse refuses a spec that is not a string, naming the field.
+    return Limit.parse(cast("str", spec), name=limit.name, algorithm=limit.algorithm, field=where)
 
 
 # -- what a task declares ------------------------------------------------------------------
@@ -500,7 +677,7 @@ def named_arguments(
 _FORMATTER = string.Formatter()
 
 
-def _key_text(rule: Rule, value: object, what: str) -> str:
+def _key_text(rule: Rule, value: object, what: str, field: str = "key") -> str:
     """One value of a key as text. Only ``str`` and ``int`` qualify: an int is the same
     key as its decimal string (``42`` and ``"42"`` are one tenant, as JSON producers may
     send either). Anything else (None, bool, float, bytes, lists, objects) is refused
@@ -514,22 +691,56 @@ def _key_text(rule: Rule, value: object, what: str) -> str:
             text = int.__repr__(value)
         except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
             raise ConfigError(
-                f"{what} is an integer too long for a key", field="key", value=value,
+                f"{what} is an integer too long for a key", field=field, value=value,
                 limit=rule.name,
             ) from None  # fmt: skip
     else:
         raise ConfigError(
             f"{what} is {type(value).__name__}, not text or an integer: it cannot name a "
             "bucket",
-            field="key", value=value, limit=rule.name,
+            field=field, value=value, limit=rule.name,
         )  # fmt: skip
     problem = text_error(text)
     if problem is not None:
         raise ConfigError(
-            f"{what} is not Unicode text (it has {problem})", field="key", value=text,
+            f"{what} is not Unicode text (it has {problem})", field=field, value=text,
             limit=rule.name,
         )  # fmt: skip
     return text
+
+
+def _render(rule: Rule, template: KeyTemplate, named: Mapping[str, Any], what: str) -> str:
+    """A template of ``rule`` (its key's, or its plan's: ``what`` names the field) over
+    the task's arguments: distinct arguments give distinct texts, or a ConfigError."""
+    missing = [name for name in template.heads if name not in named]
+    if missing:
+        raise ConfigError(
+            f"the task has no argument {', '.join(map(repr, missing))} for the {what} template",
+            field=what, value=_written(rule, what), limit=rule.name,
+        )  # fmt: skip
+    texts = []
+    for path, whole in zip(template.paths, template.whole, strict=True):
+        if whole:  # what get_field reads for a bare name, without parsing the path
+            texts.append(_key_text(rule, named[path], f"{{{path}}}", what))
+            continue
+        try:
+            found = _FORMATTER.get_field(path, (), named)[0]
+        except Exception as exc:  # a missing attribute or index, or a hostile __getattr__
+            raise ConfigError(
+                f"cannot read {{{path}}} of the task's arguments for the {what} template "
+                f"({type(exc).__name__}: {str(exc)[:100]})",
+                field=what, value=_written(rule, what), limit=rule.name,
+            ) from None  # fmt: skip
+        texts.append(_key_text(rule, found, f"{{{path}}}", what))
+    if len(texts) > 1:
+        # Each value without the template's separators, so the key reads back one way.
+        texts = [encode_part(text) for text in texts]
+    literals = template.literals
+    return literals[0] + "".join(t + lit for t, lit in zip(texts, literals[1:], strict=True))
+
+
+def _written(rule: Rule, what: str) -> object:
+    return rule.key if what == "key" else rule.plan
 
 
 def key_for(
@@ -546,31 +757,7 @@ def key_for(
     else:
         template = rule.key_template
         assert template is not None  # a str key is parsed by Rule
-        missing = [name for name in rule.key_fields if name not in named]
-        if missing:
-            raise ConfigError(
-                f"the task has no argument {', '.join(map(repr, missing))} for the key template",
-                field="key", value=key, limit=rule.name,
-            )  # fmt: skip
-        texts = []
-        for path, whole in zip(template.paths, template.whole, strict=True):
-            if whole:  # what get_field reads for a bare name, without parsing the path
-                texts.append(_key_text(rule, named[path], f"{{{path}}}"))
-                continue
-            try:
-                found = _FORMATTER.get_field(path, (), named)[0]
-            except Exception as exc:  # a missing attribute or index, or a hostile __getattr__
-                raise ConfigError(
-                    f"cannot read {{{path}}} of the task's arguments for the key template "
-                    f"({type(exc).__name__}: {str(exc)[:100]})",
-                    field="key", value=key, limit=rule.name,
-                ) from None  # fmt: skip
-            texts.append(_key_text(rule, found, f"{{{path}}}"))
-        if len(texts) > 1:
-            # Each value without the template's separators, so the key reads back one way.
-            texts = [encode_part(text) for text in texts]
-        literals = template.literals
-        value = literals[0] + "".join(t + lit for t, lit in zip(texts, literals[1:], strict=True))
+        value = _render(rule, template, named, "key")
     if not value:
         raise ConfigError(
             "the key is empty for this task's arguments", field="key", value=key, limit=rule.name
@@ -603,7 +790,7 @@ def cost_for(
     return number
 
 
-def _configured(limit: Limit) -> Limit:
+def _configured(limit: Limit, key: str | None = None) -> Limit:
     return limit
 
 
@@ -612,20 +799,31 @@ def targets(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    current: Callable[[Limit], Limit] = _configured,
+    current: Callable[[Limit, str | None], Limit] = _configured,
     *,
     by_name: bool | None = None,
 ) -> list[Target]:
-    """Each rule's (limit, key, cost) for a call of ``fn`` with these arguments; ``current``
-    gives the limit in force (a rate changed at run time), default the configured one.
-    ``by_name``: whether some key template or cost names an argument (None: found from the
-    rules; a caller that evaluates the same rules on every call knows it already)."""
+    """Each rule's (limit, key, cost) for a call of ``fn`` with these arguments.
+
+    The limit is the rule's, or its plan's for these arguments (:meth:`Rule.limit_for`);
+    ``current(limit, key)`` gives the limit in force for the key (a rate changed at run
+    time, for the limit or for the key: :meth:`throttle.rates.RateBook.current`), default
+    the configured one. ``by_name``: whether some key template, plan template or cost
+    names an argument (None: found from the rules; a caller that evaluates the same rules
+    on every call knows it already)."""
     # Binding the arguments to names is only needed by templates and argument costs.
     if by_name is None:
-        by_name = any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules)
+        by_name = any(names_arguments(rule) for rule in rules)
     named = named_arguments(fn, args, kwargs) if by_name else {}
-    return [
-        (current(rule.limit), key_for(rule, named, args, kwargs),
-         cost_for(rule, named, args, kwargs))
-        for rule in rules
-    ]  # fmt: skip
+    found: list[Target] = []
+    for rule in rules:
+        key = key_for(rule, named, args, kwargs)
+        limit = rule.limit_for(named, args, kwargs) if rule.plan_limits else rule.limit
+        found.append((current(limit, key), key, cost_for(rule, named, args, kwargs)))
+    return found
+
+
+def names_arguments(rule: Rule) -> bool:
+    """Whether ``rule`` reads the task's arguments by name: a key or plan template, or a
+    cost named by an argument."""
+    return isinstance(rule.key, str) or isinstance(rule.cost, str) or isinstance(rule.plan, str)

@@ -27,11 +27,22 @@ from typing import Any
 from throttle.errors import ConfigError, did_you_mean
 from throttle.units import real
 
-__all__ = ["FAIR_CODE", "PLAN_SUFFIX", "Algorithm", "Limit", "check_fields", "check_name"]
+__all__ = [
+    "FAIR_CODE",
+    "PLAN_SUFFIX",
+    "SHADOW_SUFFIX",
+    "Algorithm",
+    "Limit",
+    "check_fields",
+    "check_name",
+]
 
 PLAN_SUFFIX = ".plan"
 """A keyed limit's *plan* (see :mod:`throttle.celery.plan`) is a twin limit of the same
 numbers under its name + this suffix: its own state in Redis, which a reset clears too."""
+SHADOW_SUFFIX = ".shadow"
+"""A limit in shadow mode decides on a twin of the same numbers under its name + this
+suffix (see :mod:`throttle.celery.shadow`): its own state, which a reset clears too."""
 
 
 class Algorithm(str, Enum):
@@ -256,8 +267,11 @@ class Limit:
         limit is a GCRA shaper whatever its algorithm: ``burst`` calls may come at once.
     weights:
         A fair limit's weight per key value (a mapping; finite numbers > 0); a key not
-        listed weighs 1. A key of weight 4 among keys of weight 1 gets four times their
-        share. Kept as sorted (key, weight) pairs.
+        listed weighs ``default_weight``. A key of weight 4 among keys of weight 1 gets
+        four times their share. Kept as sorted (key, weight) pairs.
+    default_weight:
+        The weight of a key that ``weights`` does not list (default 1): what a fair
+        limit's plan gives the keys of its tasks (:class:`throttle.rules.Rule`, ``plans``).
     """
 
     name: str
@@ -267,6 +281,7 @@ class Limit:
     burst: float | None = None
     fair: bool = False
     weights: Any = ()
+    default_weight: float = 1.0
     code: str = field(init=False, repr=False, compare=False)
     """The algorithm's short name (``tb``, ``gcra``, ``fw``, ``sw``, ``conc``), as Redis key
     names and the scripts spell it."""
@@ -310,12 +325,21 @@ class Limit:
         weights = _weights(self.fair, self.weights, algorithm, name, None)
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "_weight_of", dict(weights))
+        if self.default_weight != 1.0:
+            default = _positive(self.default_weight, "default_weight", name, None, high=MAX_AMOUNT)
+            if not self.fair:
+                raise ConfigError(
+                    "a default weight applies to a fair limit only",
+                    field="default_weight", value=self.default_weight, limit=name,
+                )  # fmt: skip
+            object.__setattr__(self, "default_weight", default)
         object.__setattr__(self, "code", FAIR_CODE if self.fair else _CODES[algorithm])
         object.__setattr__(self, "codes", frozenset((self.code,)))
 
     def weight(self, key: str) -> float:
-        """The weight of ``key`` in a fair limit: as listed in :attr:`weights`, else 1."""
-        weight: float = self.__dict__["_weight_of"].get(key, 1.0)
+        """The weight of ``key`` in a fair limit: as listed in :attr:`weights`, else
+        :attr:`default_weight` (1 unless a plan gives another)."""
+        weight: float = self.__dict__["_weight_of"].get(key, self.default_weight)
         return weight
 
     @property

@@ -17,6 +17,12 @@ Events:
 * ``waited``: a task was admitted for a slot a moment ahead and slept to it in the worker
   (a wait up to ``settings.sleep_max``, not deferred).
 
+Limits in shadow mode (:mod:`throttle.celery.shadow`) add, per task they look at, one to
+``shadow:LIMIT`` and, when they would have delayed it, one to ``shadow_w:BUCKET:LIMIT``,
+a bucket of the would-be wait (bucket ``i`` holds waits up to 1 ms x 1.1**i: a quantile read
+back is within 5 % of the true one). :meth:`StatsBook.shadow` reads them back: how many
+tasks each limit would have delayed, and by how much at p50 and p95.
+
 The minute is taken in the recording process, not by a script from Redis ``TIME`` (a
 script building its own key name would break Redis Cluster's rule that scripts declare
 their keys): workers and the CLI pass their :class:`throttle.redis.clock.RedisClock`, so
@@ -26,20 +32,24 @@ These are counts for people; no limit is ever decided from them.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from throttle.errors import RequestError
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
 
-__all__ = ["EVENTS", "MAX_MINUTES", "StatsBook"]
+__all__ = ["EVENTS", "MAX_MINUTES", "SHADOW_MIN_S", "StatsBook"]
 
 EVENTS = ("denied", "parked", "timeout", "waited")
 """The events counted, in the order :meth:`StatsBook.per_minute` lists them."""
 MAX_MINUTES = 60
 """The most whole minutes :meth:`StatsBook.per_minute` averages over (the buckets live
 about an hour)."""
+SHADOW_MIN_S = 0.001
+"""A would-be wait of a limit in shadow mode shorter than this (s) is no delay."""
+_SHADOW_GROWTH = 1.1
 TTL_S = (MAX_MINUTES + 2) * 60
 """How long a minute's bucket lives after its last write, in s: long enough for the oldest
 minute of ``per_minute(MAX_MINUTES)``."""
@@ -104,6 +114,65 @@ class StatsBook:
 
         wrap_errors(send)
 
+    def record_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
+        """Count one task looked at by each of ``limits`` (in shadow mode), and the wait
+        each would have imposed on it (s). One pipelined round trip."""
+        if not limits:
+            return
+        key = self.keyspace.stats_key(int(self._clock() // 60))
+
+        def send() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                for name, wait in zip(limits, waits, strict=True):
+                    pipe.hincrby(key, f"shadow:{name}", 1)
+                    if wait >= SHADOW_MIN_S:
+                        pipe.hincrby(key, f"shadow_w:{_bucket(wait)}:{name}", 1)
+                pipe.expire(key, TTL_S)
+                pipe.execute()
+
+        wrap_errors(send)
+
+    def shadow(self, minutes: int = 5) -> dict[str, dict[str, float | int | None]]:
+        """What the limits in shadow mode would have done over the last ``minutes``
+        minutes, the current one included: limit -> ``tasks`` (looked at), ``delayed``
+        (of those, would have waited), ``p50_s`` and ``p95_s`` (the would-be wait of the
+        delayed ones; None when none was). One pipelined round trip."""
+        if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 60:
+            raise RequestError(f"minutes must be an integer from 1 to 60 (got {minutes!r})")
+        now = int(self._clock() // 60)
+        keys = [self.keyspace.stats_key(minute) for minute in range(now - minutes + 1, now + 1)]
+
+        def read() -> list[dict[bytes, bytes]]:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(key)
+                replies: list[dict[bytes, bytes]] = pipe.execute()
+                return replies
+
+        tasks: dict[str, int] = {}
+        buckets: dict[str, dict[int, int]] = {}
+        for reply in wrap_errors(read):
+            for field, value in reply.items():
+                event, _, rest = _text(field).partition(":")
+                if event == "shadow":
+                    tasks[rest] = tasks.get(rest, 0) + int(value)
+                elif event == "shadow_w":
+                    index, _, limit = rest.partition(":")
+                    if index.isdigit():
+                        counts = buckets.setdefault(limit, {})
+                        counts[int(index)] = counts.get(int(index), 0) + int(value)
+        found: dict[str, dict[str, float | int | None]] = {}
+        for limit in sorted(tasks.keys() | buckets.keys()):
+            counts = buckets.get(limit, {})
+            delayed = sum(counts.values())
+            found[limit] = {
+                "tasks": tasks.get(limit, 0),
+                "delayed": delayed,
+                "p50_s": _quantile(counts, 0.5),
+                "p95_s": _quantile(counts, 0.95),
+            }
+        return found
+
     def per_minute(self, minutes: int = 1) -> dict[str, dict[str, float]]:
         """Counts per minute, averaged over the last ``minutes`` whole minutes (the current,
         unfinished minute is left out): limit -> event -> count per minute.
@@ -141,6 +210,29 @@ class StatsBook:
             limit: {event: count / minutes for event, count in counts.items()}
             for limit, counts in totals.items()
         }
+
+
+def _bucket(wait_s: float) -> int:
+    """The bucket of a would-be wait of at least :data:`SHADOW_MIN_S`: ``i`` holds waits
+    in (1 ms x 1.1**(i-1), 1 ms x 1.1**i]."""
+    return max(math.ceil(math.log(wait_s / SHADOW_MIN_S, _SHADOW_GROWTH) - 1e-9), 0)
+
+
+def _quantile(counts: dict[int, int], q: float) -> float | None:
+    """The ``q`` quantile of the waits counted per bucket, interpolated geometrically
+    inside its bucket (s, rounded to 1 ms); None without any."""
+    total = sum(counts.values())
+    if total == 0:
+        return None
+    rank, seen = q * total, 0
+    for index in sorted(counts):
+        if seen + counts[index] >= rank:
+            inside = (rank - seen) / counts[index]
+            low = SHADOW_MIN_S * _SHADOW_GROWTH ** max(index - 1, 0)
+            high = SHADOW_MIN_S * _SHADOW_GROWTH**index
+            return round(float(low * (high / low) ** inside), 3)
+        seen += counts[index]
+    return None  # unreachable: the ranks add up to the total
 
 
 def _text(value: bytes | str) -> str:

@@ -18,7 +18,9 @@ worked.
   the changes of the limit (s since the start, rate, burst).
 * ``GET /arrivals``: every arrival: time (s since the server started), allowed, task id.
 * ``POST /limit`` with ``{"rate": 10, "burst": 1}``: change the limit mid-run (the upstream
-  lowering its limit); ``POST /reset``: forget the arrivals and refill the bucket. From the
+  lowering its limit); with ``"tenant": "acme"`` as well, the limit of that tenant alone:
+  a call that sends ``X-Tenant: acme`` is then judged by it instead (an API that sells
+  plans); ``POST /reset``: forget the arrivals and refill the bucket. From the
   command line, ``--lower-to 10 --lower-after 30`` does the same 30 s after the start.
 
 With ``--retry-after-only`` (``MockApi(..., retry_after_only=True)``) it answers as many
@@ -91,6 +93,7 @@ class Arrival:
     at_s: float
     allowed: bool
     task_id: str | None
+    tenant: str | None = None
 
 
 class MockApi:
@@ -108,14 +111,24 @@ class MockApi:
         self.arrivals: list[Arrival] = []
         self.changes: list[tuple[float, float, float]] = []
         """Each change of the limit: (s since the start, rate, burst)."""
+        self.tenants: dict[str, UpstreamLimit] = {}
+        """Limits of single tenants (``X-Tenant``): a tenant listed here is judged by its own."""
 
-    def call(self, task_id: str | None) -> tuple[bool, float, float, UpstreamLimit]:
+    def call(
+        self, task_id: str | None, tenant: str | None = None
+    ) -> tuple[bool, float, float, UpstreamLimit]:
         """Judge one call at its arrival: (allowed, retry after s, tokens left, the limit)."""
         with self.lock:
             now = time.monotonic()
-            allowed, retry_after_s = self.limit.take(now)
-            self.arrivals.append(Arrival(now - self.started, allowed, task_id))
-            return allowed, retry_after_s, self.limit.tokens, self.limit
+            limit = self.tenants.get(tenant, self.limit) if tenant is not None else self.limit
+            allowed, retry_after_s = limit.take(now)
+            self.arrivals.append(Arrival(now - self.started, allowed, task_id, tenant))
+            return allowed, retry_after_s, limit.tokens, limit
+
+    def set_tenant_limit(self, tenant: str, rate: float, burst: float) -> None:
+        """Judge ``tenant``'s calls by a limit of its own from now on."""
+        with self.lock:
+            self.tenants[tenant] = UpstreamLimit(rate, burst)
 
     def set_limit(self, rate: float, burst: float) -> None:
         with self.lock:
@@ -134,6 +147,9 @@ class MockApi:
     def reset(self) -> None:
         with self.lock:
             self.limit = UpstreamLimit(self.limit.rate, self.limit.burst)
+            self.tenants = {
+                t: UpstreamLimit(lim.rate, lim.burst) for t, lim in self.tenants.items()
+            }
             self.arrivals.clear()
             self.changes.clear()
             self.started = time.monotonic()
@@ -157,7 +173,8 @@ class MockApi:
     def arrivals_json(self) -> list[dict[str, Any]]:
         with self.lock:
             return [
-                {"at_s": a.at_s, "allowed": a.allowed, "task_id": a.task_id} for a in self.arrivals
+                {"at_s": a.at_s, "allowed": a.allowed, "task_id": a.task_id, "tenant": a.tenant}
+                for a in self.arrivals
             ]
 
 
@@ -176,7 +193,9 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _call(self) -> None:
-            allowed, retry_after_s, tokens, limit = api.call(self.headers.get("X-Task-Id"))
+            allowed, retry_after_s, tokens, limit = api.call(
+                self.headers.get("X-Task-Id"), self.headers.get("X-Tenant")
+            )
             if api.latency_s > 0:
                 time.sleep(api.latency_s)  # judged at arrival; this request's thread waits
             full_in_s = (limit.burst - tokens) / limit.rate
@@ -221,7 +240,11 @@ def _handler(api: MockApi) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/limit":
                 try:
                     body = self._body()
-                    api.set_limit(float(body["rate"]), float(body.get("burst", 1)))
+                    rate, burst = float(body["rate"]), float(body.get("burst", 1))
+                    if body.get("tenant") is not None:
+                        api.set_tenant_limit(str(body["tenant"]), rate, burst)
+                    else:
+                        api.set_limit(rate, burst)
                 except (KeyError, TypeError, ValueError) as exc:
                     self._reply(400, {"error": f"bad limit: {exc}"})
                     return

@@ -36,6 +36,7 @@ from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
+from throttle.refusals import Refusal, RefusalBook
 from throttle.spec import PLAN_SUFFIX, UNIT_NAMES
 from throttle.stats import StatsBook
 from workers.harness import ROOT, Worker, wait_ready
@@ -58,13 +59,16 @@ limits:
   busy: {rate: 100/s}
   learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true}
   tenant-learner: {algorithm: gcra, rate: 20/s, burst: 1, adaptive: true, key: "{tenant}"}
+  tiers:
+    {algorithm: gcra, rate: 10/s, key: "{tenant}", plan: "{plan}",
+     plans: {free: 10/s burst 5, pro: 100/s burst 50}}
   nowhere: {rate: 1/s}
 queues:
   cli: [daily]
 """
 FILE_LIMITS = [
     "api", "shaper", "tenant", "tenant-eu", "pool", "tokens", "daily", "gate", "busy", "learner",
-    "tenant-learner",
+    "tenant-learner", "tiers",
 ]  # fmt: skip
 KNOWN = [*FILE_LIMITS, "nowhere", "tests.apps.cli_app.inline"]
 
@@ -320,6 +324,89 @@ def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     assert "shaper" not in book.overrides()
     assert "back to 2/s burst 1" in result.output
+
+
+def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
+    cli: Cli,
+) -> None:
+    book = RateBook(cli.limiter.client, cli.limiter.keyspace)
+    result = cli("set", "tiers", "250/s", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    assert "key 'acme' of limit 'tiers': 250/s burst at most its plan's (10 on" in result.output
+    assert "throttle clear tiers --key acme" in result.output
+    assert book.key_overrides() == {("tiers", "acme"): "250/s"}
+    # the plan's burst holds for the key (pro: 50), the limit's own rate is untouched
+    pro = cli.config.rules["tiers"].plan_limits["pro"]
+    assert (book.current(pro, "acme").rate_per_s, book.current(pro, "acme").burst) == (250, 50)
+    assert book.current(cli.limit("tiers"), "other") == cli.limit("tiers")
+    row = _rows(_status(cli))["tiers"]
+    assert row["key_rates"] == {"acme": "250/s"}
+    assert row["plans"] == {
+        "free": {"rate": "10/s", "burst": 5.0}, "pro": {"rate": "100/s", "burst": 50.0}
+    }  # fmt: skip
+    assert "10/s + 2 plans; acme: 250/s" in cli("status", "--timeout", "0").output
+    # a bad rate, a key on an unkeyed limit: usage errors, nothing stored
+    assert cli("set", "tiers", "fast", "--key", "acme").exit_code == 2
+    assert cli("set", "api", "5/s", "--key", "acme").exit_code == 2
+    assert book.key_overrides() == {("tiers", "acme"): "250/s"}
+
+    result = cli("clear", "tiers", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    assert "back to its plan's rate" in result.output
+    assert book.key_overrides() == {}
+    assert "had no rate of its own" in cli("clear", "tiers", "--key", "acme").output
+    # clear without --key is set --default
+    assert cli("set", "api", "5/h").exit_code == 0
+    assert cli("clear", "api").exit_code == 0
+    assert book.overrides() == {}
+
+
+def test_shadow_and_enforce_switch_a_limit_and_status_tells_what_it_would_have_done(
+    cli: Cli,
+) -> None:
+    assert _rows(_status(cli))["busy"]["mode"] == "enforce"
+    result = cli("shadow", "busy")
+    assert result.exit_code == 0, result.output
+    assert "limit 'busy' in shadow mode: its tasks run at once" in result.output
+    assert cli("shadow", "pool").exit_code == 2  # concurrency: always enforced
+    stats = StatsBook(cli.limiter.client, cli.limiter.keyspace)
+    stats.record_shadow(["busy"], [0.0])
+    for wait in (0.1, 0.2, 0.3, 0.4):
+        stats.record_shadow(["busy"], [wait])
+    row = _rows(_status(cli))["busy"]
+    assert row["mode"] == "shadow"
+    assert (row["shadow"]["tasks"], row["shadow"]["delayed"]) == (5, 4)
+    assert row["shadow"]["p50_s"] == pytest.approx(0.2, rel=0.06)
+    text = cli("status", "--timeout", "0").output
+    assert "shadow   busy (in shadow mode): would have delayed 4 of 5 tasks over the last" in text
+    result = cli("enforce", "busy")
+    assert result.exit_code == 0, result.output
+    assert "limit 'busy' enforced: its tasks wait for it" in result.output
+    assert _rows(_status(cli))["busy"]["mode"] == "enforce"
+    assert "shadow   busy (enforced now)" in cli("status", "--timeout", "0").output
+    assert cli("enforce", "busy", "--default").exit_code == 0
+    assert RateBook(cli.limiter.client, cli.limiter.keyspace).modes() == {}
+
+
+def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: Cli) -> None:
+    book = RefusalBook(cli.limiter.client, cli.limiter.keyspace)
+    assert "no refusal recorded for limit 'tenant'" in cli("refusals", "tenant").output
+    for i, key in enumerate(["acme", "other", "acme"]):
+        book.record([Refusal("tenant", key, f"task-{i}", "proj.call", 429, "Retry-After",
+                             2.0, i == 2)])  # fmt: skip
+    result = cli("refusals", "tenant", "--key", "acme")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["TIME", "(UTC)", "KEY", "TASK", "ID", "STATUS", "HEADER",
+                                "HOLD", "FLEET"]  # fmt: skip
+    assert "task-2" in lines[1] and "held" in lines[1] and "Retry-After" in lines[1]
+    assert "task-0" in lines[2] and "task only" in lines[2] and "429" in lines[2]
+    assert "2 refusals of key 'acme' of limit 'tenant', newest first" in result.output
+    data = json.loads(cli("refusals", "tenant", "--json", "--max", "2").output)
+    assert [(e["task_id"], e["key"], e["hold_s"]) for e in data] == [
+        ("task-2", "acme", 2.0), ("task-1", "other", 2.0)
+    ]  # fmt: skip
+    assert cli("refusals", "nope").exit_code == 2
 
 
 def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: Cli) -> None:

@@ -25,10 +25,11 @@ from hypothesis import strategies as st
 
 from tests.support.clock import FakeClock, redis_now_s
 from tests.support.servers import RedisServer
-from throttle import Limit, Limiter, RequestError, Throttled
+from throttle import KeySpace, Limit, Limiter, RequestError, Throttled
 from throttle.adaptive import LearnedRates
 from throttle.celery import ThrottledTask, throttled
 from throttle.rates import RateBook
+from throttle.refusals import Refusal, RefusalBook
 from throttle.upstream import (
     DEFAULT_HOLD_S,
     MAX_HOLD_S,
@@ -309,6 +310,22 @@ def test_a_429_holds_the_limit_fleet_wide_for_retry_after(
     assert clocked.acquire(limit).allowed
 
 
+def test_apply_upstream_keeps_a_refusal_in_the_record_when_given_the_book(
+    limiter: Limiter, api: Api, client: redis.Redis, prefix: str
+) -> None:
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+    book = RefusalBook(client, KeySpace(prefix))
+    with requests.Session() as session:
+        response = refused(api, session)
+        assert apply_upstream(limiter, response, limit, "acme", refusals=book) is not None
+        served = session.post(f"{api.url}/stats", timeout=5)  # not a /call: nothing refused
+    apply_upstream(limiter, served, limit, "acme", refusals=book)
+    (entry,) = book.read("api")
+    assert (entry.key, entry.task_id, entry.status, entry.header, entry.held) == (
+        "acme", None, 429, "Retry-After", True,
+    )  # fmt: skip
+
+
 def test_a_keyed_limit_is_held_for_that_key_and_its_rate_left_alone(
     clocked: Limiter, api: Api, client: redis.Redis
 ) -> None:
@@ -440,6 +457,49 @@ def test_report_upstream_holds_the_tasks_limits_and_lowers_the_request_rate(
     # The upstream stated 1/s: the request limit follows; the token budget (500 per call,
     # not the upstream's units) and the keyed limit (one account's word) keep their rates.
     assert RateBook(client, limiter.keyspace).overrides() == {"api": "1/1s burst 1"}
+
+
+def test_every_refusal_is_recorded_per_limit_with_its_key_task_status_header_and_hold(
+    eager: Celery, api: Api, client: redis.Redis, prefix: str
+) -> None:
+    @eager.task(shared=False)
+    @throttled("tokens", "per-account")
+    def call(account: str, estimate: int) -> int:
+        with httpx.Client(event_hooks={"response": [upstream_hook()]}) as http:
+            return http.post(f"{api.url}/call").status_code
+
+    started = redis_now_s(client)
+    assert call.delay("acct-1", 5).get() == 200  # served: nothing recorded
+    refused = call.delay("acct-1", 5)
+    assert refused.get() == 429
+    book = RefusalBook(client, KeySpace(prefix))
+    (entry,) = book.read("per-account")
+    assert (entry.limit, entry.key, entry.task_id, entry.status, entry.held) == (
+        "per-account", "acct-1", refused.id, 429, True,
+    )  # fmt: skip
+    assert entry.header == "Retry-After" and 0 < entry.hold_s <= 1.0
+    assert entry.task is not None and entry.task.endswith("call")
+    assert entry.at is not None and started - 0.01 <= entry.at <= redis_now_s(client) + 0.01
+    assert [e.key for e in book.read("tokens")] == [None]
+    assert book.read("per-account", key="acct-2") == []
+
+
+def test_the_record_of_refusals_is_capped_per_limit(client: redis.Redis, prefix: str) -> None:
+    book = RefusalBook(client, KeySpace(prefix), max_entries=10)
+    for i in range(500):
+        book.record([Refusal("api", f"k{i % 3}", f"t{i}", "task", 429, "Retry-After", 1.0,
+                             True)])  # fmt: skip
+    kept = client.xlen(KeySpace(prefix).refusals_key("api"))
+    assert 10 <= kept < 200  # MAXLEN ~: whole macro nodes (100 entries) trimmed
+    newest = book.read("api", count=3)
+    assert [e.task_id for e in newest] == ["t499", "t498", "t497"]
+    assert [e.task_id for e in book.read("api", key="k1", count=2)] == ["t499", "t496"]
+    # by age (Redis 6.2+): an entry older than keep_s goes when the next one is recorded
+    stream = KeySpace(prefix).refusals_key("old")
+    client.xadd(stream, {"limit": "old", "task_id": "ancient"}, id="1000-0")  # epoch + 1 s
+    aged = RefusalBook(client, KeySpace(prefix), keep_s=60.0, clock=lambda: redis_now_s(client))
+    aged.record([Refusal("old", None, "last", None, None, "", 0.0, False)])
+    assert [e.task_id for e in book.read("old")] == ["last"]
 
 
 def test_a_lone_refusal_holds_nothing_and_persisting_ones_hold_the_limit(

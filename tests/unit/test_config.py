@@ -42,9 +42,14 @@ def test_example_limits_file_loads() -> None:
         "stripe",
         "mail-daily",
         "llm-shared",
+        "saas-api",
         "llm-streams",
         "partner",
     }
+    saas = config.rule("saas-api")
+    assert (saas.mode, saas.plan_limits["pro"].rate_per_s, saas.plan_limits["free"].burst) == (
+        "shadow", 100.0, 5.0,
+    )  # fmt: skip
     shared = config.rule("llm-shared").limit
     assert shared.fair and shared.weight("enterprise") == 4.0 and shared.weight("acme") == 1.0
     assert config.rules["partner"].adaptive == Adaptive(floor_per_s=2.0)

@@ -34,7 +34,7 @@ def exported() -> set[str]:
             raise AssertionError(f"a metric of an unknown type: {base} ({kind})")
     state = metrics.FleetState(
         parked=1, releasing=0, limits=[LimitState("api", True, 1.0, 0.0, 0.0)],
-        learned=[("api", 10.0, 8.0)],
+        learned=[("api", 10.0, 8.0)], key_rates=[("api", "acme", 250.0)],
     )  # fmt: skip
     collector = metrics.ThrottleCollector(lambda: [], lambda: state)
     for family in collector.collect():

@@ -88,7 +88,7 @@ def test_callables_get_the_task_arguments_as_given() -> None:
 
 def test_the_limit_in_force_comes_from_current() -> None:
     lowered = Limit.parse("5/s", name="requests")
-    got = targets([Rule(REQUESTS)], complete, ("a", "b"), {}, current=lambda limit: lowered)
+    got = targets([Rule(REQUESTS)], complete, ("a", "b"), {}, current=lambda limit, key: lowered)
     assert got == [(lowered, None, 1.0)]
 
 

@@ -60,6 +60,27 @@ class RateBook(RateBookBase):
         await wrap_errors_async(write)
         self._changed()
 
+    async def set_key(self, limit: Limit, key: str, rate: str) -> Limit:
+        """Store a rate for ``key`` of ``limit`` alone
+        (:meth:`throttle.rates.RateBook.set_key`)."""
+        changed = self._checked_key(limit, key, rate)
+        field = self._keyspace.hold_fields(limit.name, key)[1]
+        await wrap_errors_async(lambda: self.client.hset(self.key_rates_key, field, rate))
+        self._changed()
+        return changed
+
+    async def clear_key(self, name: str, key: str) -> bool:
+        """Drop the rate stored for ``key`` of limit ``name``
+        (:meth:`throttle.rates.RateBook.clear_key`)."""
+        field = self._keyspace.hold_fields(name, key)[1]
+        removed = await wrap_errors_async(lambda: self.client.hdel(self.key_rates_key, field))
+        self._changed()
+        return bool(removed)
+
+    async def key_overrides(self) -> dict[tuple[str, str | None], str]:
+        """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
+        return self._key_book((await self._fetch())[2])
+
     async def follow(self, limit: Limit, rate: str | None) -> None:
         """Store the rate the upstream states for ``limit``
         (:meth:`throttle.rates.RateBook.follow`)."""
@@ -72,25 +93,35 @@ class RateBook(RateBookBase):
 
     async def overrides(self) -> dict[str, str]:
         """The stored rates in force (limit name -> spec), read afresh."""
-        return self._merged(*await self._fetch())
+        return self._merged(*(await self._fetch())[:2])
 
     async def followed_rates(self) -> dict[str, str]:
         """The rates the upstream states for the limits that follow it, read afresh."""
         return self._book((await self._fetch())[1])
 
-    async def current(self, limit: Limit) -> Limit:
-        """``limit`` with its run-time rate, if one is stored (re-read every refresh_s)."""
+    async def current(self, limit: Limit, key: str | None = None) -> Limit:
+        """``limit`` with its run-time rate, if one is stored (re-read every refresh_s):
+        ``key``'s own when given and stored, else the limit's."""
         now = self._stale()
         if now is not None:
             self._read(*await self._fetch(), now)
-        return self._resolve(limit)
+        return self._resolve_key(limit, key)
 
-    async def _fetch(self) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+    async def _fetch(
+        self,
+    ) -> tuple[dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes], dict[bytes, bytes]]:
         async def read() -> list[Any]:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hgetall(self.key)
                 pipe.hgetall(self.followed_key)
+                pipe.hgetall(self.key_rates_key)
+                pipe.hgetall(self.modes_key)
                 return list(await pipe.execute())
 
-        raw, followed = await wrap_errors_async(read)
-        return cast("dict[bytes, bytes]", raw), cast("dict[bytes, bytes]", followed)
+        raw, followed, keyed, modes = await wrap_errors_async(read)
+        return (
+            cast("dict[bytes, bytes]", raw),
+            cast("dict[bytes, bytes]", followed),
+            cast("dict[bytes, bytes]", keyed),
+            cast("dict[bytes, bytes]", modes),
+        )

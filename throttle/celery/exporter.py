@@ -93,7 +93,15 @@ def fleet_state(app: Celery) -> metrics.FleetState | None:
         ceiling = throttler.rates.current(rule.limit)
         rate = throttler.learned.read(ceiling, None, rule.adaptive).rate_per_s
         learned.append((name, ceiling.rate_per_s, rate))
-    return metrics.FleetState(parked, releasing, states, learned)
+    key_rates = []
+    for (name, key), spec in sorted(throttler.rates.key_overrides().items(), key=str):
+        try:
+            rate = Limit.parse(spec).rate_per_s
+        except ConfigError:  # written by hand: the workers ignore it too
+            continue
+        if key is not None:
+            key_rates.append((name, key, rate))
+    return metrics.FleetState(parked, releasing, states, learned, key_rates)
 
 
 def unkeyed_rules(throttler: Throttler) -> list[Rule]:

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
+from throttle.celery import shadow
 from throttle.celery.arrival import eta_lead_s
 from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.message import (
@@ -104,6 +105,8 @@ class Gate:
         the first acquisition instead of a round trip of this one's."""
         execution = self.execution
         restore_eta(execution)  # first: a copy re-published during an outage keeps it too
+        if self.rule_set.shadow:  # limits in shadow mode: looked at, never waited for
+            shadow.look(execution, self.rule_set.shadow)
         if not execution.rules:
             return None
         try:

@@ -8,7 +8,8 @@ each reporter's errors.
 
 - :class:`PrometheusReporter`: the worker's Prometheus counters (:mod:`throttle.metrics`;
   nothing while metrics are off).
-- :class:`FlowerReporter`: a ``task-throttled`` event per deferral, for Flower.
+- :class:`FlowerReporter`: a ``task-throttled`` event per deferral, for Flower (and a
+  ``task-shadowed`` event when a limit in shadow mode would have delayed a task).
 - :class:`FleetStatsReporter`: the fleet-wide per-minute counts in Redis
   (:class:`throttle.stats.StatsBook`, read by ``celery throttle status``).
 - :class:`TaskTrailReporter`: per task, the last deferral or time out, in Redis for a
@@ -76,6 +77,10 @@ class Observer:
     def redis_error(self, limits: Iterable[str]) -> None:
         """The limiter's Redis failed while serving these limits."""
 
+    def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
+        """Limits in shadow mode would have delayed the task by ``waits`` (one per limit;
+        0: not at all); it runs at once (:mod:`throttle.celery.shadow`)."""
+
 
 class PrometheusReporter(Observer):
     """The worker's Prometheus counters and histograms (:mod:`throttle.metrics`)."""
@@ -99,6 +104,9 @@ class PrometheusReporter(Observer):
 
     def redis_error(self, limits: Iterable[str]) -> None:
         metrics.redis_error(limits)
+
+    def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
+        metrics.shadowed(limits, waits)
 
 
 class FlowerReporter(Observer):
@@ -126,6 +134,17 @@ class FlowerReporter(Observer):
             deferrals=count,
         )
 
+    def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
+        if max(waits, default=0.0) <= 0:
+            return  # a shadow that would not have delayed the task: no event
+        execution.task.send_event(
+            "task-shadowed",
+            retry=False,
+            name=execution.task.name,
+            limits=list(limits),
+            waits=[round(wait, 3) for wait in waits],
+        )
+
 
 class FleetStatsReporter(Observer):
     """The fleet-wide counts of denials, parkings and time-outs (:class:`StatsBook`).
@@ -147,6 +166,13 @@ class FleetStatsReporter(Observer):
 
     def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         self._record(limits, ("timeout",))
+
+    def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
+        try:
+            self.stats.record_shadow(limits, waits)
+        except Exception as exc:
+            self.on_error.redis_error(limits)
+            logger.debug("throttle: cannot record a shadow decision in the fleet stats: %s", exc)
 
     def _record(self, limits: Sequence[str], events: Sequence[str]) -> None:
         try:
@@ -284,6 +310,9 @@ class Observers(Observer):
     def redis_error(self, limits: Iterable[str]) -> None:
         names = list(limits)  # an iterable is read once per observer
         self._each(lambda observer: observer.redis_error(names))
+
+    def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
+        self._each(lambda observer: observer.shadowed(execution, limits, waits))
 
     def _each(self, hook: Callable[[Observer], None]) -> None:
         for observer in self.observers:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from throttle.celery.plan import plan_shape
-from throttle.rules import Rule
+from throttle.rules import Rule, names_arguments
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class RuleSet:
 
     rules: tuple[Rule, ...]
     by_name: bool
-    """Some key template or cost names an argument: the call's arguments are bound to the
-    function's parameters (:func:`throttle.rules.named_arguments`)."""
+    """Some key template, plan template or cost names an argument: the call's arguments
+    are bound to the function's parameters (:func:`throttle.rules.named_arguments`)."""
     adaptive: bool
     """Some limit learns its rate (:mod:`throttle.adaptive`)."""
     guarded: tuple[int, ...]
@@ -29,13 +29,17 @@ class RuleSet:
     plan: tuple[int, ...] | None
     """The indices of the narrow limits an arriving task plans on, or None when it
     acquires in one step (:func:`throttle.celery.plan.plan_shape`)."""
+    shadow: tuple[Rule, ...] = ()
+    """The task's limits in shadow mode (:mod:`throttle.celery.shadow`): left out of
+    :attr:`rules`, which the task waits for; looked at on a twin state, never waited for."""
 
     @classmethod
-    def of(cls, rules: Sequence[Rule]) -> RuleSet:
+    def of(cls, rules: Sequence[Rule], shadow: Sequence[Rule] = ()) -> RuleSet:
         rules = tuple(rules)
         return cls(
+            shadow=tuple(shadow),
             rules=rules,
-            by_name=any(isinstance(r.key, str) or isinstance(r.cost, str) for r in rules),
+            by_name=any(names_arguments(rule) for rule in rules),
             adaptive=any(rule.adaptive for rule in rules),
             guarded=tuple(i for i, rule in enumerate(rules) if rule.guarded),
             concurrency=any(rule.limit.algorithm.holds_units for rule in rules),

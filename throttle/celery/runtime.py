@@ -23,13 +23,14 @@ from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
 from throttle.config import Settings, ThrottleConfig
-from throttle.errors import ConfigError
+from throttle.errors import BackendError, ConfigError
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
 from throttle.redis.client import wrap_errors
 from throttle.redis.clock import RedisClock
 from throttle.redis.urls import redact
+from throttle.refusals import RefusalBook
 from throttle.rules import Declared, Rule
 from throttle.stats import StatsBook
 
@@ -90,6 +91,10 @@ class Throttler:
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
+        self.refusals = RefusalBook(
+            limiter.client, keyspace, max_entries=self.settings.refusals_max,
+            keep_s=self.settings.refusals_for_s, clock=self.clock.now,
+        )  # fmt: skip
         trail = TaskTrailReporter(limiter.client, keyspace, self.clock.now)
         self.observer: Observers = default_observers(self.stats, trail)
         self.task_time_limit: float | None = app.conf.task_time_limit
@@ -99,6 +104,7 @@ class Throttler:
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
         )
         self._resolved: dict[tuple[str, str | None, int], RuleSet] = {}
+        self._split: dict[tuple[str, str | None, int, frozenset[str]], RuleSet] = {}
         # Parked tasks need releasers: install() adds one to every worker of the app. Without
         # it a long wait stays an ETA message (with the risks parking avoids) rather than be
         # parked for ever.
@@ -199,12 +205,42 @@ class Throttler:
 
     def rules(self, task: Task, declared: Declared | None, queue: str | None) -> tuple[Rule, ...]:
         """The task's rules: its own (inline, then named), then the file's for its name and
-        queue, each limit once."""
-        return self.rule_set(task, declared, queue).rules
+        queue, each limit once (those in shadow mode too)."""
+        return self._all_rules(task, declared, queue).rules
+
+    def mode_of(self, rule: Rule) -> str:
+        """The mode in force of ``rule``: set at run time (``celery throttle enforce`` /
+        ``shadow``, followed within ``settings.refresh``), else its own, else
+        ``settings.mode``; a concurrency limit is always enforced."""
+        if rule.limit.algorithm.holds_units:
+            return "enforce"
+        try:
+            mode = self.rates.mode(rule.name)
+        except BackendError:  # Redis down: the last modes read (the gate meets the outage)
+            mode = self.rates.cached_mode(rule.name)
+        return mode or rule.mode or self.settings.mode
 
     def rule_set(self, task: Task, declared: Declared | None, queue: str | None) -> RuleSet:
         """The task's rules (:meth:`rules`) and what the gate derives from them, resolved
-        once per task name, declaration and queue."""
+        once per task name, declaration and queue; the limits in shadow mode split out
+        (:attr:`RuleSet.shadow`), as their modes stand now."""
+        every = self._all_rules(task, declared, queue)
+        if not every.rules:
+            return every
+        shadowed = frozenset(r.name for r in every.rules if self.mode_of(r) == "shadow")
+        if not shadowed:
+            return every
+        cache_key = (task.name, queue, id(declared), shadowed)
+        split = self._split.get(cache_key)
+        if split is None:
+            split = self._split[cache_key] = RuleSet.of(
+                [r for r in every.rules if r.name not in shadowed],
+                shadow=[r for r in every.rules if r.name in shadowed],
+            )
+        return split
+
+    def _all_rules(self, task: Task, declared: Declared | None, queue: str | None) -> RuleSet:
+        """Every rule of the task, in whatever mode."""
         cache_key = (task.name, queue, id(declared))
         resolved = self._resolved.get(cache_key)
         if resolved is None:

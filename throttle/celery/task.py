@@ -100,6 +100,8 @@ def throttled(
     on_error: Any = UNSET,
     on_redis_down: Any = UNSET,
     algorithm: Algorithm | str | Any = UNSET,
+    plan: Any = UNSET,
+    plans: Any = UNSET,
 ) -> Callable[[F], F]:
     """Throttle a task: put it under ``@app.task`` or ``@shared_task``.
 
@@ -108,7 +110,7 @@ def throttled(
     *limits:
         Names of limits in the config file (``"github"``), inline rates (``"20/s burst 1"``,
         ``"8 concurrent"``), :class:`Limit` or :class:`Rule` objects. All apply at once.
-    key, cost, max_wait, on_timeout, on_error, on_redis_down:
+    key, cost, max_wait, on_timeout, on_error, on_redis_down, plan, plans:
         As the fields of :class:`throttle.rules.Rule` (``max_wait`` in seconds or a
         duration string); for inline limits, and overriding a named limit's own.
     algorithm:
@@ -117,6 +119,7 @@ def throttled(
     options = {
         "key": key, "cost": cost, "max_wait_s": max_wait, "on_timeout": on_timeout,
         "on_error": on_error, "on_redis_down": on_redis_down, "algorithm": algorithm,
+        "plan": plan, "plans": plans,
     }  # fmt: skip
 
     def decorate(fn: F) -> F:

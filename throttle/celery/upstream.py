@@ -22,6 +22,7 @@ from celery._state import get_current_task
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError, RequestError, Throttled
+from throttle.refusals import Refusal as RefusalEntry
 from throttle.spec import Limit
 from throttle.upstream.answers import answer_of
 from throttle.upstream.headers import UpstreamSignal, read_response
@@ -176,8 +177,8 @@ def report_upstream(
         return None
     throttler = Throttler.of(task.app)
     held = True  # Redis failing: the task comes back after the upstream's time
+    targets: list[Target] = []
     try:
-        targets = []
         for current, key, cost, rule in picked:
             configured = current if rule is None else rule.limit
             ceiling = throttler.rates.current(configured)
@@ -195,6 +196,8 @@ def report_upstream(
             )
     except BackendError as exc:
         throttler.outage(exc)
+    if signal is not None and signal.refused and not throttler.in_memory:
+        _record(throttler, task, response, signal, targets, held)
     if signal is None:
         return None
     if retry and signal.refused:
@@ -211,6 +214,37 @@ def report_upstream(
         ticket.refusal = Refusal(countdown, limits)
         raise Throttled(countdown, limits)
     return signal
+
+
+def _record(
+    throttler: Throttler,
+    task: Any,
+    response: Any,
+    signal: UpstreamSignal,
+    targets: list[Target],
+    held: bool,
+) -> None:
+    """Keep the refusal in the fleet's record (:mod:`throttle.refusals`), one entry per
+    limit it speaks for; a Redis error loses the entry, not the task."""
+    status = getattr(response, "status_code", getattr(response, "status", None))
+    request = getattr(task, "request", None)
+    refusals = [
+        RefusalEntry(
+            limit=target.current.name,
+            key=target.key,
+            task_id=getattr(request, "id", None),
+            task=getattr(task, "name", None),
+            status=status if isinstance(status, int) else None,
+            header=signal.source,
+            hold_s=signal.hold_s,
+            held=held,
+        )
+        for target in targets
+    ]
+    try:
+        throttler.refusals.record(refusals)
+    except BackendError as exc:
+        logger.warning("throttle: the refusal of task %s was not recorded: %s", task, exc)
 
 
 def _is_async(response: Any) -> bool:

@@ -29,7 +29,8 @@ from throttle.cli.base import (
     throttler_of,
 )
 from throttle.config import ThrottleConfig
-from throttle.errors import ConfigError
+from throttle.errors import ConfigError, ThrottleError
+from throttle.rules import Rule
 from throttle.spec import Limit
 
 
@@ -38,17 +39,32 @@ def _which(limit: str, key: str | None) -> str:
     return f"key {key!r} of limit {limit!r}" if key is not None else f"limit {limit!r}"
 
 
+key_option = click.option(
+    "--key",
+    metavar="KEY",
+    help="One key of a keyed limit (a tenant), whatever its plan, instead of the whole limit.",
+)
+
+
 @click.command("set")
 @click.argument("limit")
 @click.argument("rate", required=False)
 @click.option("--default", "default", is_flag=True, help="Go back to the limits file's rate.")
+@key_option
 @click.pass_context
-def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) -> None:
+def set_rate(
+    ctx: click.Context, limit: str, rate: str | None, default: bool, key: str | None
+) -> None:
     """Change LIMIT's RATE for the whole fleet, at run time ("1000/h", "10/s burst 1").
 
     Workers follow within settings.refresh; nothing restarts. A RATE without "burst" gets
     the smaller of the file's burst and its own count: a burst-1 shaper stays burst 1, a
-    lowered "3500/m" gets burst 100 at "100/m". The change lasts until `set LIMIT --default`.
+    lowered "3500/m" gets burst 100 at "100/m". The change lasts until `set LIMIT --default`
+    (or `clear LIMIT`).
+
+    With --key KEY, the rate is KEY's alone (a negotiated exception for one tenant): it
+    beats the key's plan and the whole limit's rate, and without "burst" it is no burstier
+    than the key's plan (or the limit's own rate). `clear LIMIT --key KEY` drops it.
     """
     if (rate is None) == (not default):
         raise click.UsageError("give a RATE, or --default to go back to the file's rate")
@@ -56,6 +72,9 @@ def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) ->
     entry = lookup(known_limits(app, throttler), limit)
     configured = entry.rule.limit
     refresh = duration(throttler.settings.refresh_s)
+    if key is not None:
+        _set_key(ctx, entry.rule, key, rate, refresh)
+        return
     if default:
         with one_line_errors():
             throttler.rates.clear(limit)
@@ -94,6 +113,103 @@ def set_rate(ctx: click.Context, limit: str, rate: str | None, default: bool) ->
         f"fleet (configured {rate_spec(configured)} burst {amount(configured.capacity)}); "
         f"workers follow within {refresh} (settings.refresh)"
     )
+
+
+def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh: str) -> None:
+    """``set LIMIT RATE --key KEY`` and ``set LIMIT --key KEY --default``."""
+    _, throttler = throttler_of(ctx)
+    what = _which(rule.name, key)
+    if rate is None:
+        with one_line_errors():
+            removed = throttler.rates.clear_key(rule.name, key)
+        back = "its plan's rate" if rule.plan_limits else "the limit's rate"
+        click.echo(
+            f"{what}: back to {back}; workers follow within {refresh} (settings.refresh)"
+            if removed
+            else f"{what} had no rate of its own: nothing to do"
+        )
+        return
+    if rule.key is None:
+        raise click.BadParameter(
+            f"limit {rule.name!r} has no key: it has one state for every task",
+            param_hint="--key",
+        )
+    try:
+        changed = throttler.rates.set_key(rule.limit, key, rate)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="RATE") from None
+    except ThrottleError as exc:
+        raise click.ClickException(str(exc)) from None
+    burst = f"burst {amount(changed.capacity)}"
+    if rule.plan_limits and "burst" not in rate.lower() and rule.limit.algorithm.reserves:
+        burst = f"burst at most its plan's ({amount(changed.capacity)} on the limit's own rate)"
+    click.echo(
+        f"{what}: {rate_spec(changed)} {burst}, whatever its plan; workers follow within "
+        f"{refresh} (settings.refresh). Undo: celery{app_option(ctx)} throttle clear "
+        f"{rule.name} --key {key}"
+    )
+
+
+@click.command()
+@click.argument("limit")
+@key_option
+@click.pass_context
+def clear(ctx: click.Context, limit: str, key: str | None) -> None:
+    """Drop the rate set at run time for LIMIT (back to the limits file's), or with --key
+    for one KEY (back to its plan's rate, or the limit's)."""
+    app, throttler = throttler_of(ctx)
+    entry = lookup(known_limits(app, throttler), limit)
+    refresh = duration(throttler.settings.refresh_s)
+    if key is not None:
+        _set_key(ctx, entry.rule, key, None, refresh)
+        return
+    configured = entry.rule.limit
+    with one_line_errors():
+        throttler.rates.clear(limit)
+    click.echo(
+        f"limit {limit!r}: back to {rate_spec(configured)} burst {amount(configured.capacity)}"
+        f" (the configured rate); workers follow within {refresh} (settings.refresh)"
+    )
+
+
+def _switch(ctx: click.Context, limit: str, mode: str | None) -> None:
+    app, throttler = throttler_of(ctx)
+    entry = lookup(known_limits(app, throttler), limit)
+    if mode == "shadow" and entry.rule.limit.algorithm.holds_units:
+        raise click.BadParameter(
+            "a concurrency limit cannot run in shadow mode: it is always enforced",
+            param_hint="LIMIT",
+        )
+    with one_line_errors():
+        throttler.rates.set_mode(limit, mode)
+        now = throttler.mode_of(entry.rule)
+    refresh = duration(throttler.settings.refresh_s)
+    what = {
+        "enforce": "enforced: its tasks wait for it",
+        "shadow": "in shadow mode: its tasks run at once, and status shows what it would have done",
+    }[now]
+    click.echo(f"limit {limit!r} {what}; workers follow within {refresh} (settings.refresh)")
+
+
+@click.command()
+@click.argument("limit")
+@click.option("--default", "default", is_flag=True, help="Back to the limits file's mode.")
+@click.pass_context
+def enforce(ctx: click.Context, limit: str, default: bool) -> None:
+    """Enforce LIMIT for the whole fleet from now on (it was in shadow mode), at run time.
+
+    With --default, the limits file's mode (the limit's `mode`, or settings.mode) again.
+    """
+    _switch(ctx, limit, None if default else "enforce")
+
+
+@click.command("shadow")
+@click.argument("limit")
+@click.pass_context
+def shadow_mode(ctx: click.Context, limit: str) -> None:
+    """Put LIMIT in shadow mode for the whole fleet, at run time: its tasks run at once,
+    and `status` shows what it would have done. `enforce LIMIT` undoes it."""
+    _switch(ctx, limit, "shadow")
 
 
 @click.command()

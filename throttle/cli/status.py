@@ -84,6 +84,8 @@ def collect_status(
     known = known_limits(app, throttler)
     overrides = throttler.rates.overrides()
     followed = throttler.rates.followed_rates()
+    key_rates = throttler.rates.key_overrides()
+    shadows = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).shadow(minutes)
     learned = throttler.learned.states()
     holds = limiter.holds()
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
@@ -133,6 +135,19 @@ def collect_status(
                 "tokens": None if state is None else round(state.remaining, 3),
                 "next_slot_s": next_slot,
                 "hold": _hold(holds.get((name, None))),
+                "plans": {
+                    plan: {"rate": rate_spec(planned), "burst": planned.capacity}
+                    if not planned.fair
+                    else {"weight": planned.default_weight}
+                    for plan, planned in entry.rule.plan_limits.items()
+                },
+                "mode": throttler.mode_of(entry.rule),
+                "shadow": shadows.get(name),
+                "key_rates": {
+                    key: spec
+                    for (limit, key), spec in sorted(key_rates.items(), key=str)
+                    if limit == name and key is not None
+                },
                 "key_holds": {
                     key: _hold(left)
                     for (limit, key), left in sorted(holds.items(), key=str)
@@ -196,6 +211,13 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         rate = f"{amount(learned)}/s learned ({rate})"
     elif row["key_learned_per_s"]:
         rate = f"{rate} ({len(row['key_learned_per_s'])} keys learned)"
+    if row["plans"]:
+        rate = f"{rate} + {counted(len(row['plans']), 'plan')}"
+    key_rates = list(row["key_rates"].items())
+    for key, spec in key_rates[:2]:
+        rate = f"{rate}; {key}: {spec}"
+    if len(key_rates) > 2:
+        rate = f"{rate}; +{len(key_rates) - 2} keys set"
     burst = amount(row["burst"] if row["override_ignored"] else row["effective_burst"])
     hold = row["hold"]
     next_slot = row["next_slot_s"]
@@ -265,6 +287,22 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
         f"denied   tasks per minute that waited for their slot or were deferred, "
         f"fleet-wide, over the last {span}"
     )
+    for row in data["limits"]:
+        seen = row["shadow"]
+        if row["mode"] != "shadow" and seen is None:
+            continue
+        name, minutes = row["name"], counted(data["minutes"], "minute")
+        if seen is None or not seen["tasks"]:
+            out.append(f"shadow   {name}: in shadow mode, no task seen over the last {minutes}")
+            continue
+        mode = "in shadow mode" if row["mode"] == "shadow" else "enforced now"
+        told = (
+            f"shadow   {name} ({mode}): would have delayed {seen['delayed']} of "
+            f"{seen['tasks']} tasks over the last {minutes}"
+        )
+        if seen["delayed"]:
+            told += f", by {duration(seen['p50_s'])} at p50, {duration(seen['p95_s'])} at p95"
+        out.append(told)
     workers = data["workers"]
     if workers is None:
         out.append("workers  not asked (--timeout 0): IN FLIGHT unknown")
@@ -321,18 +359,24 @@ def status(
 ) -> None:
     """Every limit: rate, burst, tokens now, next free slot, holds, tasks in flight, denials.
 
-    The limits are the limits file's and the tasks' inline ones. RATE is the one in force:
-    a rate set at run time (`set`) shows with the file's, as does a rate that follows the
+    The limits are the limits file's and the tasks' inline ones. RATE is the one in force: a
+    rate set at run time (`set`) shows with the file's, as does a rate that follows the
     upstream's stated limit (`upstream:`, "upstream; file ..."), and the rate an adaptive
-    limit learned from the upstream's refusals before them. TOKENS and NEXT SLOT are read
-    from Redis without taking anything; a limit with a key template has a state per key
-    ("per key"). IN FLIGHT counts the tasks the workers are running whose rules include
-    the limit. DENIED/MIN is how many of its tasks were not admitted at once, per minute,
-    fleet-wide: they waited in the worker for their slot, or were deferred (and timed
-    out, when any did). In JSON, a hold is {"paused": true} until resumed, or {"held_s":
-    seconds left}; next_slot_s is null while paused; in_flight is null with --timeout 0;
-    per_minute has the counts of "denied" (deferred), "parked" (of the denied), "timeout"
-    and "waited" (slept to their slot in the worker).
+    limit learned from the upstream's refusals before them; then how many plans the limit
+    has, and the keys with a rate of their own (`set --key`, "acme: 250/s"). TOKENS and NEXT
+    SLOT are read from Redis without taking anything; a limit with a key template has a
+    state per key ("per key"). IN FLIGHT counts the tasks the workers are running whose
+    rules include the limit. DENIED/MIN is how many of its tasks were not admitted at once,
+    per minute, fleet-wide: they waited in the worker for their slot, or were deferred (and
+    timed out, when any did). In JSON, a hold is {"paused": true} until resumed, or
+    {"held_s": seconds left}; next_slot_s is null while paused; in_flight is null with
+    --timeout 0; per_minute has the counts of "denied" (deferred), "parked" (of the denied),
+    "timeout" and "waited" (slept to their slot in the worker); mode is "enforce" or
+    "shadow" (set at run time with `enforce` and `shadow`); shadow (null when the limit
+    looked at no task in shadow mode over the last M minutes, the current one included) has
+    the tasks it looked at, how many it would have delayed, and their would-be wait at p50_s
+    and p95_s, also shown under the table; plans maps each plan to its rate and burst (a
+    fair limit's: its weight); key_rates maps each key with a rate of its own to it.
     """
     app, throttler = throttler_of(ctx)
 

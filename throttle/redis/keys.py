@@ -240,6 +240,21 @@ class KeySpace:
         an operator's decision."""
         return f"{self.base}rates:followed"
 
+    def key_rates_key(self) -> str:
+        """The HASH of rates set at run time for single keys of keyed limits: the key's
+        field of :meth:`hold_fields` (``limit:key``, encoded) -> rate spec."""
+        return f"{self.base}rates:keys"
+
+    def modes_key(self) -> str:
+        """The HASH of modes set at run time (``celery throttle enforce`` / ``shadow``):
+        limit name -> ``enforce`` or ``shadow``."""
+        return f"{self.base}rates:modes"
+
+    def refusals_key(self, limit_name: str) -> str:
+        """The STREAM of the refusals the upstream reported for ``limit_name``, capped
+        (:mod:`throttle.refusals`)."""
+        return f"{self.base}refusals:{encode(limit_name)}"
+
     def parking_keys(self) -> tuple[str, str, str, str]:
         """The parking lot: parked (ZSET token -> due us), messages (HASH token -> payload),
         claimed (ZSET token -> claim expiry us), publish ids (HASH token -> id)."""

@@ -25,6 +25,7 @@ from throttle.adaptive import Adaptive, Learned, LearnedRates
 from throttle.errors import RequestError
 from throttle.limiter import Limiter
 from throttle.rates import RateBook, RateBookBase
+from throttle.refusals import Refusal, RefusalBook
 from throttle.spec import Limit
 from throttle.upstream.dialects import dimension_name
 from throttle.upstream.headers import PREEMPT_MIN_S, UpstreamSignal, read_response
@@ -371,6 +372,7 @@ def apply_upstream(
     dimension: str | None = None,
     cost: float = 1.0,
     now: float | None = None,
+    refusals: RefusalBook | None = None,
 ) -> UpstreamSignal | None:
     """Without Celery: hold ``limit`` (of ``key`` only, when given) for the upstream's time,
     and with ``rates``, lower its run-time rate to the upstream's stated one when slower.
@@ -389,6 +391,9 @@ def apply_upstream(
     <throttle.rates.RateBook.follow>`). ``cost``: what the call took of the limit, in
     its units (a refusal blames a dimension left with less than it).
 
+    ``refusals`` (a :class:`throttle.refusals.RefusalBook`): a refusal is kept in the
+    fleet's record of refusals too (``celery throttle refusals``), without a task id.
+
     Returns what the response said (None: nothing). Raises :class:`BackendError` when
     Redis fails. For asyncio code: :func:`throttle.aio.apply_upstream`.
     """
@@ -404,5 +409,15 @@ def apply_upstream(
         if learned is not None:
             learn(learned, None, target)
         return None
-    apply_signal(limiter, rates, signal, [target], learned)
+    held = apply_signal(limiter, rates, signal, [target], learned)
+    if refusals is not None and signal.refused:
+        status = getattr(response, "status_code", None)
+        refusals.record(
+            [
+                Refusal(
+                    limit.name, key, None, None, status if isinstance(status, int) else None,
+                    signal.source, signal.hold_s, held,
+                )
+            ]
+        )  # fmt: skip
     return signal

@@ -1,0 +1,235 @@
+"""Plans: three tenants on three plans of one limit, through a real Celery fleet, against
+a mock API that enforces each tenant's plan; then the same fleet with the limit in shadow.
+
+``python -m bench.plans [--seconds 20] [--scale 0.4] [--json PATH]``
+
+What runs
+---------
+A private ``redis-server`` (broker and limiter), the mock API (``workers/mock_api.py``, in a
+thread of this process, one limit per tenant: ``X-Tenant``) and **2** ``celery worker``
+processes of **4 prefork children** (``-P prefork``, default settings) of
+``bench/plans_app.py``: one limit ``api`` (GCRA, key ``{tenant}``, plan ``{plan}``), plans
+free, pro and enterprise at 10/s, 100/s and 1,000/s times ``--scale`` (default 0.05: 0.5/s,
+5/s, 50/s; the fleet's own ceiling on a 2-core host is a few hundred tasks/s, so the
+1,000/s plan itself is out of its reach), each with a burst of half a second of its rate.
+
+Phases, one after the other on the same fleet:
+
+1. **control**: every tenant's tasks at once, not throttled (``plain_call``), the API
+   without limits: the fleet's unthrottled speed.
+2. **enforce**: each tenant floods its plan's rate x 1.5 x ``--seconds`` tasks at once; the API
+   enforces each tenant's plan. Halfway (``--seconds`` / 2 after the first call), the free
+   tenant gets twice its plan's rate at run time (``RateBook.set_key``, what ``celery
+   throttle set api RATE --key free`` does) and the API raises its limit at the same moment.
+3. **shadow**: ``celery throttle shadow api`` at run time (``RateBook.set_mode``), the API
+   without limits, the same flood and the same override at the same time.
+
+What is measured
+----------------
+Per tenant in ``enforce``: its rate at the API, (calls - burst) / (last - first call), over
+its calls before the override for free and over all for the others, against its plan (target
+>= 97 %); refusals (target 0). The override: from the moment it was written to the first
+call of free that came less than 3/4 of its old spacing after the one before (target:
+within ``settings.refresh``, 2 s, plus one new spacing). In
+``shadow``: the fleet's speed against the control (target: within the noise), and what
+``status`` reports (``StatsBook.shadow``: tasks it would have delayed, p50 and p95 of the
+wait) beside the waits the enforced run imposed (API arrival - send, every task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.celery_fleet import percentile
+from tests.support.servers import RedisServer
+from throttle import KeySpace, Limit
+from throttle.rates import RateBook
+from throttle.stats import StatsBook
+from workers.harness import Worker, running, start_api
+
+PLANS = {"free": 10.0, "pro": 100.0, "enterprise": 1000.0}
+WIDE_OPEN = 100000.0
+REFRESH_S = 2.0
+
+
+def flood(
+    app: Any, task: str, rates: dict[str, float], seconds: float
+) -> dict[str, tuple[str, float]]:
+    """Send every tenant's tasks at once (interleaved); task id -> (tenant, send time)."""
+    sent: dict[str, tuple[str, float]] = {}
+    # A backlog of 1.5 x seconds at the plan's rate: free is still backlogged after the
+    # override halfway doubles its rate.
+    counts = {tenant: max(int(rate * seconds * 1.5), 2) for tenant, rate in rates.items()}
+    for n in range(max(counts.values())):
+        for tenant, count in counts.items():
+            if n < count:
+                result = app.send_task(task, args=(tenant, tenant, n), queue="upstream")
+                sent[result.id] = (tenant, time.monotonic())
+    return sent
+
+
+def wait_all(api: Any, sent: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        arrivals = api.api.arrivals_json()
+        if len({a["task_id"] for a in arrivals if a["allowed"]}) >= len(sent):
+            return arrivals
+        time.sleep(0.5)
+    return api.api.arrivals_json()
+
+
+def open_api(api: Any, rates: dict[str, float]) -> None:
+    for tenant in rates:
+        api.api.set_tenant_limit(tenant, WIDE_OPEN, WIDE_OPEN)
+
+
+def override_later(
+    api: Any, book: RateBook, limit: Limit, rates: dict[str, float], after_s: float, enforce: bool
+) -> dict[str, float]:
+    """Sleep ``after_s`` from the API's first call, then give free twice its rate (the API
+    too, when it enforces); returns when (API clock, s) it was written."""
+    while not api.api.arrivals_json():
+        time.sleep(0.01)
+    first = api.api.started + api.api.arrivals_json()[0]["at_s"]
+    time.sleep(max(0.0, first + after_s - time.monotonic()))
+    doubled = rates["free"] * 2
+    if enforce:
+        api.api.set_tenant_limit("free", doubled, max(doubled * 0.5, 1))
+    book.set_key(limit, "free", f"{doubled:g}/s burst {max(doubled * 0.5, 1):g}")
+    return {"at_s": time.monotonic() - api.api.started, "rate": doubled}
+
+
+def judge(
+    arrivals: list[dict[str, Any]], rates: dict[str, float], override: dict[str, float]
+) -> dict[str, Any]:
+    per: dict[str, Any] = {}
+    for tenant, rate in rates.items():
+        mine = [a["at_s"] for a in arrivals if a["tenant"] == tenant and a["allowed"]]
+        refused = sum(1 for a in arrivals if a["tenant"] == tenant and not a["allowed"])
+        burst = max(rate * 0.5, 1)
+        window = [t for t in mine if tenant != "free" or t < override["at_s"]]
+        got = (len(window) - burst) / (window[-1] - window[0]) if len(window) > burst + 1 else None
+        per[tenant] = {
+            "plan_per_s": rate, "calls": len(mine), "refused": refused,
+            "rate_per_s": got, "of_plan": None if got is None else got / rate,
+        }  # fmt: skip
+    free = sorted(a["at_s"] for a in arrivals if a["tenant"] == "free" and a["allowed"])
+    spacing = 1 / override["rate"]
+    after = [t for t in free if t >= override["at_s"]]
+    seen = None
+    for before, t in itertools.pairwise(after):
+        if t - before < 0.75 / rates["free"] and t - before < 1.5 * spacing:
+            seen = t - override["at_s"]  # the first call at the new spacing
+            break
+    per["override_seen_after_s"] = seen
+    per["override_at_s"] = override["at_s"]
+    per["free_calls_at_s"] = [round(t, 3) for t in free]
+    return per
+
+
+def enforced_waits(
+    arrivals: list[dict[str, Any]], sent: dict[str, Any], origin: float
+) -> list[float]:
+    first = {}
+    for a in arrivals:
+        if a["allowed"] and a["task_id"] not in first:
+            first[a["task_id"]] = origin + a["at_s"]
+    return [first[task] - at for task, (_, at) in sent.items() if task in first]
+
+
+def speed(arrivals: list[dict[str, Any]]) -> float | None:
+    times = sorted(a["at_s"] for a in arrivals if a["allowed"])
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--scale", type=float, default=0.05)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rates = {name: rate * args.scale for name, rate in PLANS.items()}
+    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+        api = start_api(WIDE_OPEN, WIDE_OPEN)
+        env = {
+            "DEMO_BROKER_URL": server.url, "MOCK_API_URL": api.url,
+            "PLANS_RATES": ",".join(f"{k}={v:g}" for k, v in rates.items()),
+            "PLANS_MODE": "enforce",
+        }  # fmt: skip
+        os.environ.update(env)
+        from bench.plans_app import app  # noqa: PLC0415
+
+        app.conf.broker_url = app.conf.result_backend = server.url
+        client = redis.Redis.from_url(server.url)
+        keyspace = KeySpace()
+        book = RateBook(client, keyspace)
+        limit = Limit.parse("1/s", name="api", algorithm="gcra")
+        workers = [
+            Worker(f"plans{i}", env, app="bench.plans_app", log=Path(tmp) / f"w{i}.log")
+            for i in (1, 2)
+        ]
+        load = os.getloadavg()
+        timeout_s = args.seconds * 3 + 60
+        result: dict[str, Any] = {"rates": rates, "seconds": args.seconds, "load": load}
+        try:
+            with running(app, workers):
+                # 1. control
+                api.api.reset()
+                open_api(api, rates)
+                sent = flood(app, "bench.plans_app.plain_call", rates, args.seconds)
+                result["control_per_s"] = speed(wait_all(api, sent, timeout_s))
+                print(f"control: {result['control_per_s']}", file=sys.stderr)
+                # 2. enforce
+                for tenant, rate in rates.items():
+                    api.api.set_tenant_limit(tenant, rate, max(rate * 0.5, 1))
+                api.api.reset()
+                sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
+                override = override_later(api, book, limit, rates, args.seconds / 2, True)
+                arrivals = wait_all(api, sent, timeout_s)
+                result["enforce"] = judge(arrivals, rates, override)
+                result["enforce_per_s"] = speed(arrivals)
+                waits = enforced_waits(arrivals, sent, api.api.started)
+                result["enforce_waits"] = {
+                    "tasks": len(waits), "delayed": sum(w >= 0.001 for w in waits),
+                    "p50_s": percentile(waits, 0.5), "p95_s": percentile(waits, 0.95),
+                }  # fmt: skip
+                print(f"enforce: {result['enforce']}", file=sys.stderr)
+                # 3. shadow, switched at run time
+                book.clear_key("api", "free")
+                book.set_mode("api", "shadow")
+                time.sleep(REFRESH_S + 0.5)
+                open_api(api, rates)
+                api.api.reset()
+                sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
+                override_later(api, book, limit, rates, args.seconds / 2, False)
+                arrivals = wait_all(api, sent, timeout_s)
+                result["shadow_per_s"] = speed(arrivals)
+                result["shadow_refused"] = sum(not a["allowed"] for a in arrivals)
+                result["shadow_status"] = StatsBook(client, keyspace).shadow(5).get("api")
+        finally:
+            api.stop()
+            client.close()
+    print(
+        f"bench.plans: plans {rates} /s, {args.seconds:g} s of each at once, 2 workers x 4 "
+        f"prefork children, Python {platform.python_version()}, load {load[0]:.2f} at the start"
+    )
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

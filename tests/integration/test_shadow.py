@@ -1,0 +1,118 @@
+"""Shadow mode on a real Redis: a limit that records what it would do and delays nothing,
+switched to enforce at run time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from celery import Celery
+
+from tests.support.clock import redis_now_s
+from throttle.celery.gate import Gate
+from throttle.celery.message import H_DEFERRALS
+from throttle.celery.runtime import Throttler
+from throttle.config import ThrottleConfig
+from throttle.stats import StatsBook
+
+REFRESH_S = 0.2
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    app = Celery("shadow", set_as_current=False)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix, "refresh": f"{REFRESH_S}s"},
+            "limits": {
+                "api": {"algorithm": "gcra", "rate": "10/s", "burst": 1, "mode": "shadow"},
+                "other": {"rate": "1000/s"},
+            },
+            "tasks": {"shadow.call": ["api", "other"]},
+        },
+    )  # fmt: skip
+    yield app
+    cached = getattr(app, "_throttler", None)
+    if cached is not None:
+        cached[1].limiter.client.close()
+
+
+def enter(app: Celery, task_id: str, headers: dict[str, object] | None = None) -> Gate:
+    call = app.tasks["shadow.call"]
+    call.push_request(id=task_id, headers=headers or {}, delivery_info={}, called_directly=False)
+    try:
+        gate = Gate(call, None, call.run, (), {})
+        gate.enter()
+        return gate
+    finally:
+        call.pop_request()
+
+
+def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
+    app: Celery,
+) -> None:
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    throttler = Throttler.of(app)
+    # Given a 10/s burst-1 limit in shadow mode, when 30 tasks arrive at once
+    started = redis_now_s(throttler.limiter.client)
+    for i in range(30):
+        gate = enter(app, f"t{i}")
+        # the task waits only for its enforced limit (a roomy one): not for the shadow
+        assert [rule.name for rule in gate.execution.rules] == ["other"]
+    elapsed = redis_now_s(throttler.limiter.client) - started
+    assert elapsed < 1.0  # 30 tasks of a 10/s limit: enforced, 2.9 s at least
+    # Then status's numbers say: 29 of 30 would have waited, 0.1 s apart (p50 1.5 s,
+    # p95 2.8 s, less the time the loop took, within the buckets' 5 %)
+    seen = StatsBook(throttler.limiter.client, throttler.limiter.keyspace).shadow(1)["api"]
+    assert (seen["tasks"], seen["delayed"]) == (30, 29)
+    assert seen["p50_s"] == pytest.approx(1.5 - elapsed / 2, rel=0.07)
+    assert seen["p95_s"] == pytest.approx(2.8 - elapsed, rel=0.07)
+    # and the limit's own state was never touched: a task enforced now runs at once
+    assert throttler.limiter.peek(throttler.config.rules["api"].limit).remaining == 1.0
+    # A task that an enforced limit sent back is not looked at twice
+    enter(app, "t0", {H_DEFERRALS: 1})
+    seen = StatsBook(throttler.limiter.client, throttler.limiter.keyspace).shadow(1)["api"]
+    assert seen["tasks"] == 30
+
+
+def test_enforce_at_run_time_reaches_the_workers_within_refresh(app: Celery) -> None:
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    throttler = Throttler.of(app)
+    assert [r.name for r in enter(app, "a").rule_set.shadow] == ["api"]
+    operator = Throttler.of(app).rates.__class__(
+        throttler.limiter.client, throttler.limiter.keyspace
+    )
+    operator.set_mode("api", "enforce")
+    time.sleep(REFRESH_S + 0.05)
+    gate = enter(app, "b")
+    assert gate.rule_set.shadow == ()
+    assert [rule.name for rule in gate.execution.rules] == ["api", "other"]
+    assert operator.modes() == {"api": "enforce"}
+    operator.set_mode("api", None)  # back to the file's: shadow
+    time.sleep(REFRESH_S + 0.05)
+    assert [r.name for r in enter(app, "c").rule_set.shadow] == ["api"]
+
+
+@pytest.mark.parametrize(
+    ("document", "where"),
+    [
+        ({"limits": {"pool": {"rate": "3 concurrent", "mode": "shadow"}}},
+         "limit 'pool': field 'mode': a concurrency limit cannot run in shadow"),
+        ({"limits": {"api": {"rate": "3/s", "mode": "dry-run"}}},
+         "limit 'api': field 'mode': must be 'enforce'"),
+        ({"settings": {"mode": "off"}}, "field 'settings.mode': must be 'enforce' or 'shadow'"),
+    ],
+)  # fmt: skip
+def test_a_bad_mode_names_its_place(tmp_path: Path, document: object, where: str) -> None:
+    path = tmp_path / "limits.yaml"
+    path.write_text(yaml.safe_dump(document))
+    (error,) = ThrottleConfig.check(path)
+    assert str(error).startswith(f"{path}: {where}")

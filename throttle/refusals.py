@@ -1,0 +1,166 @@
+"""The record of refusals: every refusal the upstream reported, kept fleet-wide and bounded.
+
+"Why did tenant X get 429s at 14:02?" Each refusal a throttled task reports
+(:func:`throttle.upstream.report_upstream`, the upstream hook) is appended to a Redis
+STREAM per limit (:meth:`throttle.redis.keys.KeySpace.refusals_key`): when (the entry's id,
+on the Redis clock, ms), the key, the task, the HTTP status, the header that decided the
+hold and the hold. The stream is capped as it grows: the last ``settings.refusals_max``
+entries per limit (``XADD MAXLEN ~``: Redis trims whole macro nodes, so a few more may
+stay), and, with ``settings.refusals_for``, none older than that (``XTRIM MINID`` when
+the next refusal of the limit is recorded; Redis 6.2 or newer). One round trip per
+refusal, from the worker that saw it; a Redis error loses the entry (logged), never the
+task. ``held`` says whether the refusal held the fleet (one or more of the call's limits,
+or their key), or only sent the refused task back. Read it with ``celery throttle refusals
+LIMIT`` or :meth:`RefusalBook.read`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from throttle.redis.client import RedisClient, wrap_errors
+from throttle.redis.keys import KeySpace
+
+__all__ = ["DEFAULT_REFUSALS_MAX", "Refusal", "RefusalBook"]
+
+DEFAULT_REFUSALS_MAX = 1000
+"""Refusals kept per limit unless ``settings.refusals_max`` says otherwise."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refusal the upstream reported for one limit (and key) of one task."""
+
+    limit: str
+    key: str | None
+    task_id: str | None
+    task: str | None
+    """The task's name."""
+    status: int | None
+    """The HTTP status of the refusal (429, 403, 503...), None when the response had none."""
+    header: str
+    """The header the hold came from (``Retry-After``, ``X-RateLimit-Reset``...),
+    ``default`` for a bare 429, ``""`` when the response named no time."""
+    hold_s: float
+    """The upstream's time, in s: how long it asked to wait."""
+    held: bool
+    """Whether the refusal held the fleet (one or more of the call's limits, or their key);
+    False: only the refused task came back (a refusal the limit's schedule explains:
+    jitter)."""
+    at: float | None = None
+    """When it was recorded, epoch s on the Redis clock (set when read back)."""
+
+    def fields(self) -> dict[str, str]:
+        """The entry's fields in the stream (absent: None)."""
+        found = {
+            "limit": self.limit, "header": self.header, "hold_s": repr(self.hold_s),
+            "held": "1" if self.held else "0",
+        }  # fmt: skip
+        for name in ("key", "task_id", "task", "status"):
+            value = getattr(self, name)
+            if value is not None:
+                found[name] = str(value)
+        return found
+
+    @classmethod
+    def of_entry(cls, entry_id: bytes, fields: dict[bytes, bytes]) -> Refusal:
+        """An entry of the stream as a Refusal (a field missing or malformed, as written
+        by hand, reads as unknown)."""
+        text = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
+        try:
+            at = int(entry_id.split(b"-")[0]) / 1000
+        except ValueError:
+            at = None
+        status = text.get("status")
+        try:
+            hold_s = float(text.get("hold_s", "0"))
+        except ValueError:
+            hold_s = 0.0
+        return cls(
+            limit=text.get("limit", ""),
+            key=text.get("key"),
+            task_id=text.get("task_id"),
+            task=text.get("task"),
+            status=int(status) if status is not None and status.isdigit() else None,
+            header=text.get("header", ""),
+            hold_s=hold_s,
+            held=text.get("held") == "1",
+            at=at,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "at": self.at, "limit": self.limit, "key": self.key, "task_id": self.task_id,
+            "task": self.task, "status": self.status, "header": self.header,
+            "hold_s": self.hold_s, "held": self.held,
+        }  # fmt: skip
+
+
+class RefusalBook:
+    """The capped streams of refusals of one namespace.
+
+    Parameters
+    ----------
+    max_entries:
+        Refusals kept per limit (approximately: ``MAXLEN ~``).
+    keep_s:
+        Refusals older than this (s) are trimmed when the next one is recorded (None: kept
+        until ``max_entries`` pushes them out). Needs Redis 6.2 (``XTRIM MINID``).
+    clock:
+        Now in epoch s on the Redis clock (:meth:`throttle.redis.clock.RedisClock.now`),
+        for the age bound.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        keyspace: KeySpace,
+        *,
+        max_entries: int = DEFAULT_REFUSALS_MAX,
+        keep_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.keyspace = keyspace
+        self.max_entries = max_entries
+        self.keep_s = keep_s
+        self.clock = clock
+
+    def record(self, refusals: Sequence[Refusal]) -> None:
+        """Append ``refusals`` (one per limit of the refused call), trimming each stream,
+        in one round trip."""
+        if not refusals:
+            return
+        oldest_ms = None if self.keep_s is None else int((self.clock() - self.keep_s) * 1000)
+
+        def write() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                for refusal in refusals:
+                    stream = self.keyspace.refusals_key(refusal.limit)
+                    fields: dict[Any, Any] = refusal.fields()
+                    pipe.xadd(stream, fields, maxlen=self.max_entries, approximate=True)
+                    if oldest_ms is not None and oldest_ms > 0:
+                        # exact: the few entries that aged out since the last refusal
+                        pipe.xtrim(stream, minid=f"{oldest_ms}-0", approximate=False)
+                pipe.execute()
+
+        wrap_errors(write)
+
+    def read(self, limit: str, *, key: str | None = None, count: int = 100) -> list[Refusal]:
+        """The last ``count`` refusals of ``limit`` (of its ``key`` only, when given),
+        newest first."""
+        stream = self.keyspace.refusals_key(limit)
+        # The whole stream, newest first: it is capped (max_entries, a few kB each 100),
+        # and a key filter may skip most of it.
+        page = wrap_errors(lambda: self.client.xrevrange(stream, "+", "-"))
+        found: list[Refusal] = []
+        for entry_id, fields in page:
+            refusal = Refusal.of_entry(entry_id, fields)
+            if key is None or refusal.key == key:
+                found.append(refusal)
+                if len(found) == count:
+                    break
+        return found
