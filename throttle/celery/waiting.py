@@ -410,6 +410,7 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         self.undecided = undecided = Undecided(consumer)
         names = install_strategies(app, consumer, undecided)
+        survive_broker_loss(consumer)
         logger.debug("throttle: %d throttled tasks wait in the consumer", len(names))
 
     def stop(self, consumer: Any) -> None:
@@ -418,3 +419,34 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, consumer: Any) -> None:
         self.stop(consumer)
+
+
+def survive_broker_loss(consumer: Any) -> None:
+    """Keep the worker alive when its Redis broker goes away while it holds tasks.
+
+    A consumer that holds unacknowledged messages (waiting tasks, as Celery's own ETA
+    tasks) keeps polling the broker, so a lost broker usually finds it inside a ``BRPOP``.
+    Celery then collects the connection (kombu's close of the channel fails on that
+    ``BRPOP`` and the transport drops its client) and closes it again; this second close
+    restores the held messages through the dropped client and raises ``AttributeError``,
+    which Celery treats as unrecoverable: the worker stops. The messages are not lost
+    (they stay in the broker's ``unacked`` hash, restored after the visibility timeout),
+    but the worker should reconnect as it does after any other connection loss: this
+    wraps the consumer's handler so that this one error is logged and the restart goes on.
+    Installed once per consumer."""
+    handler = consumer.on_connection_error_after_connected
+    if getattr(handler, "__throttle_guard__", False):
+        return
+
+    def guarded(exc: BaseException) -> None:
+        try:
+            handler(exc)
+        except AttributeError as error:  # the dropped transport client, as above
+            logger.warning(
+                "throttle: closing the lost broker connection failed (%r); the held "
+                "messages come back after the visibility timeout",
+                error,
+            )
+
+    guarded.__throttle_guard__ = True  # type: ignore[attr-defined]
+    consumer.on_connection_error_after_connected = guarded
