@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import yaml
+from celery import _state as celery_state
 
 from tests.support.docblocks import Block, blocks, commands, matches, pages, session
 from tests.support.servers import RedisServer
@@ -296,6 +297,9 @@ def test_page_runs_as_written(
     run = Page(project, redis_server, monkeypatch)
     updates: list[tuple[Block, str]] = []
     environ = dict(os.environ)  # a page's hidden setup may point an SDK at a mock
+    # A page's tasks are shared tasks (Celery's default): every app made later would take
+    # them, and the next page's copy of the same name warns. They end with the page.
+    finalizers = set(celery_state._on_app_finalizers)
     try:
         for block in runnable:
             if block.skip is not None:
@@ -326,6 +330,7 @@ def test_page_runs_as_written(
         run.close()
         os.environ.clear()
         os.environ.update(environ)
+        celery_state._on_app_finalizers.intersection_update(finalizers)
     if updates:
         text = page.read_text()
         for block, output in sorted(updates, key=lambda u: -u[0].span[0]):
