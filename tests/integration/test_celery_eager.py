@@ -342,7 +342,7 @@ def test_a_fixed_cost_task_makes_one_round_trip(
         ttl_s = redis_client.pttl(lease) / 1000
     finally:
         redis_client.close()
-    lease_s = DEFAULT_LEASE_S + 60  # Gate._lease_s without a time limit
+    lease_s = DEFAULT_LEASE_S + 60  # deadlines.lease_s without a time limit
     assert lease_s - 5 < ttl_s <= lease_s
 
 

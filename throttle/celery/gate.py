@@ -33,7 +33,6 @@ import math
 import random
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any, NoReturn
 
 from celery import Task
@@ -41,11 +40,19 @@ from celery.exceptions import Ignore
 
 from throttle.celery import shadow
 from throttle.celery.arrival import eta_lead_s
+from throttle.celery.deadlines import (
+    MAX_RESERVE_S,
+    capped_s,
+    lease_s,
+    left_s,
+    overdue,
+    reserve_within,
+    set_deadlines,
+)
 from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.message import (
     H_PARKED,
     H_PUBLISH,
-    deadline_header,
     eta_header,
     id_header,
     planned_header,
@@ -56,14 +63,10 @@ from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
 
 logger = logging.getLogger("throttle")
 
-MAX_RESERVE_S = 86400.0
-"""The farthest ahead a slot is reserved, in s; a task that would wait longer is denied and
-comes back when the limit says (a rate changed at run time applies to it then)."""
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
@@ -197,29 +200,15 @@ class Gate:
     # -- horizons
 
     def _horizon(self) -> tuple[float, float | None]:
-        """How far ahead a slot may be reserved: ``(max_wait_s, reserve_until)``, the
-        second the task's deadline (epoch s, Redis clock) when it comes first, else None.
-        The deadline goes to the script as a time, not as a wait measured here: the call's
-        latency would carry the window past it. A concurrency unit must not be held while
-        the task waits, so with one the wait is at most a sleep."""
-        execution = self.execution
+        """How far ahead a slot may be reserved: ``(max_wait_s, reserve_until)``
+        (:func:`~throttle.celery.deadlines.reserve_within`: not past the task's deadline).
+        A concurrency unit must not be held while the task waits, so with one the wait is
+        at most a sleep."""
         horizon = self.settings.sleep_max_s if self.rule_set.concurrency else MAX_RESERVE_S
         if self.plan is not None:
             # A task with a plan reserves real slots within a sleep only (see plan.py).
             horizon = self.settings.sleep_max_s
-        deadline = execution.deadline
-        if deadline is not None and deadline - execution.throttler.clock.now() < horizon:
-            return 0.0, deadline
-        return horizon, None
-
-    def _lease_s(self) -> float:
-        """How long the acquisition's record and concurrency units live after its slot, in
-        s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from
-        the slot, so a wait before the slot is in it already."""
-        execution = self.execution
-        limit = execution.request.timelimit or (None, None)
-        hard = limit[0] or execution.task.time_limit or execution.throttler.task_time_limit
-        return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
+        return reserve_within(self.execution, horizon)
 
     def _acquire(self, max_wait_s: float, reserve_until: float | None = None) -> Decision:
         """Acquire (or look again at) the execution's slot, reserving up to ``max_wait_s``
@@ -231,7 +220,7 @@ class Gate:
             execution.targets if self.acquiring is None else self.acquiring,
             max_wait_s=max_wait_s,
             acquisition_id=execution.request.id,
-            lease_s=self._lease_s(),
+            lease_s=lease_s(execution),
             reserve_until=reserve_until,
         )
         if decision.held and not decision.allowed and decision.acquisition is not None:
@@ -378,8 +367,8 @@ class Gate:
         # Recorded under the plan's id: a copy redelivered after this worker died before
         # re-publishing finds this plan (held, wait_s: until its slot) and takes no other.
         plan = self.limiter.acquire_many(
-            self.plan.plan, max_wait_s=self._plan_horizon(),
-            acquisition_id=plan_id(execution.request.id), lease_s=self._lease_s(),
+            self.plan.plan, max_wait_s=capped_s(execution, MAX_RESERVE_S),
+            acquisition_id=plan_id(execution.request.id), lease_s=lease_s(execution),
         )  # fmt: skip
         if not plan.allowed:
             return
@@ -388,25 +377,17 @@ class Gate:
         wait = max(plan.wait_s, decision.retry_after_s)
         if math.isinf(wait):
             return
-        if execution.deadline is not None:
-            now = execution.throttler.clock.now()
-            if now + wait > execution.deadline:
-                assert plan.acquisition is not None
-                self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
-                time_out(execution, now, wait, decision)
+        now = overdue(execution, wait)
+        if now is not None:
+            assert plan.acquisition is not None
+            self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
+            time_out(execution, now, wait, decision)
         # Back half a sleep early: it then reserves its real slots (within sleep_max) and
         # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
         # its keyed limit's slot unused.
         planned = execution.throttler.clock.now() + plan.wait_s
         defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
               planned=planned)  # fmt: skip
-
-    def _plan_horizon(self) -> float:
-        horizon = MAX_RESERVE_S
-        if self.execution.deadline is not None:
-            left = self.execution.deadline - self.execution.throttler.clock.now()
-            horizon = min(horizon, max(left, 0.0))
-        return horizon
 
     def _come_back(self, decision: Decision, *, planned: float | None = None) -> NoReturn:
         """A denial: come back when the limits say, plus a jitter; or time out (the
@@ -419,14 +400,13 @@ class Gate:
             recheck = settings.pause_recheck_s
             retry = recheck + random.uniform(0.0, recheck / 2)
             defer(execution, retry, retry, decision, planned=planned)
-        if execution.deadline is not None:
-            now = execution.throttler.clock.now()
-            if now + retry > execution.deadline:
-                if planned is not None and self.plan is not None:
-                    # Its plan slot is handed back: the key's next tasks need not wait for it.
-                    hand_back(self.limiter, self.plan.plan, execution.request.id,
-                              [0.0] * len(self.plan.plan), self._lease_s())  # fmt: skip
-                time_out(execution, now, retry, decision)
+        now = overdue(execution, retry)
+        if now is not None:
+            if planned is not None and self.plan is not None:
+                # Its plan slot is handed back: the key's next tasks need not wait for it.
+                hand_back(self.limiter, self.plan.plan, execution.request.id,
+                          [0.0] * len(self.plan.plan), lease_s(execution))  # fmt: skip
+            time_out(execution, now, retry, decision)
         jitter = 0.0
         if not planned_by_fair(execution, decision):
             jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
@@ -444,11 +424,9 @@ class Gate:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
             retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
-            deadline = execution.deadline
-            if deadline is not None:
-                left = deadline - execution.throttler.clock.now()
-                if retry > left:
-                    raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
+            left = left_s(execution)
+            if left is not None and retry > left:
+                raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
 
 
@@ -470,45 +448,3 @@ def restore_eta(execution: Execution) -> None:
     saved = eta_header(execution.message_headers)
     if saved is not None and saved[1] == execution.request.retries:
         execution.request.eta = saved[0]
-
-
-def set_deadlines(execution: Execution) -> None:
-    """Set the execution's ``timeout_at`` (:func:`timeout_of`), ``expires``
-    (:func:`expires_of`) and ``deadline``, the earlier of the two."""
-    execution.timeout_at = timeout_of(execution)
-    execution.expires = expires_of(execution)
-    execution.deadline = _earliest(execution.timeout_at, execution.expires)
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
-def timeout_of(execution: Execution) -> float | None:
-    """The execution's ``max_wait`` deadline on the Redis clock (epoch s), which any worker
-    reads the same whatever its own clock: its ``throttle_deadline`` header (set at its
-    first deferral), else now + the shortest ``max_wait`` of its rules; None without one."""
-    deadline = deadline_header(execution.message_headers)
-    if deadline is None:
-        waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
-        deadline = execution.throttler.clock.now() + min(waits) if waits else None
-    return deadline
-
-
-def expires_of(execution: Execution) -> float | None:
-    """The task's ``expires`` on the Redis clock (epoch s), or None. ``expires`` is
-    Celery's: an absolute time on the producer's clock, which Celery compares with the
-    receiving worker's clock; the throttler reads it as Celery does, on this worker's clock,
-    converted to Redis time by its measured offset."""
-    expires = execution.request.expires
-    if not expires:
-        return None
-    try:
-        stamp = (
-            datetime.fromisoformat(expires).timestamp()
-            if isinstance(expires, str)
-            else float(expires.timestamp())
-        )
-    except (TypeError, ValueError, AttributeError, OverflowError):
-        return None
-    return execution.throttler.clock.from_wall(stamp)

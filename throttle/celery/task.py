@@ -20,6 +20,7 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.local import Proxy
 
+from throttle.celery.deadlines import overdue, set_deadlines
 from throttle.celery.execution import (
     Execution,
     Ticket,
@@ -28,7 +29,7 @@ from throttle.celery.execution import (
     leave_ticket,
     take_admission,
 )
-from throttle.celery.gate import Gate, set_deadlines
+from throttle.celery.gate import Gate
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler, throttling_enabled
 from throttle.celery.settle import settle
@@ -224,10 +225,9 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
     set_deadlines(execution)
     states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
     denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
-    if execution.deadline is not None:
-        now = execution.throttler.clock.now()
-        if now + countdown_s > execution.deadline:
-            time_out(execution, now, countdown_s, denied)
+    now = overdue(execution, countdown_s)
+    if now is not None:
+        time_out(execution, now, countdown_s, denied)
     defer(execution, countdown_s, countdown_s, denied)
 
 
