@@ -57,7 +57,7 @@ from throttle.celery.message import (
     id_header,
     planned_header,
 )
-from throttle.celery.plan import Plan, hand_back, plan_at, plan_id
+from throttle.celery.plan import Plan, due_wait_s, hand_back, plan_at, reserve_plan
 from throttle.celery.redis_down import run_while_down
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
@@ -156,11 +156,11 @@ class Gate:
     def plan_wait_s(self) -> float:
         """How long a task back with a plan waits before it acquires its real limits, in
         s (0 without a plan): until just before its planned time, at most ``sleep_max``
-        (see :meth:`_wait_for_plan`)."""
+        (:func:`~throttle.celery.plan.due_wait_s`)."""
         if self.planned is None:
             return 0.0
-        lead = self.planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
-        return min(max(lead, 0.0), self.settings.sleep_max_s)
+        now = self.execution.throttler.clock.now()
+        return due_wait_s(self.planned, now, RECHECK_LEAD_S, self.settings.sleep_max_s)
 
     def _space(self) -> None:
         """The call-time spacing guard of the limits that have it (``Rule.guarded``): one
@@ -248,8 +248,11 @@ class Gate:
         if admission is not None:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
             first, first_slot = admission.as_of(now)
-        elif planned is not None and self._wait_for_plan(planned):
-            now = time.time()
+        elif planned is not None:
+            wait = self.plan_wait_s()
+            if wait > 0:
+                time.sleep(wait)
+                now = time.time()
         while True:
             decision = first if first is not None else self._acquire(*self._horizon())
             # The consumer's decision counts as held: its slot was reserved before the
@@ -344,50 +347,29 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
-    def _wait_for_plan(self, planned: float) -> bool:
-        """A task back with a plan for ``planned`` (epoch s, Redis clock) sleeps until just
-        before it (at most ``sleep_max``) and only then takes its real limits: reserved
-        earlier, the shared limit's next slot would be set that far ahead, and a task of an
-        idle key arriving meanwhile would wait behind it (a GCRA or a token bucket keeps
-        one next slot; the time before it cannot be handed to another). It came back half
-        a sleep early, so that a late delivery still makes its slot. Returns whether it
-        slept."""
-        lead = planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
-        if lead <= 0:
-            return False
-        time.sleep(min(lead, self.settings.sleep_max_s))
-        return True
-
     def _make_plan(self, decision: Decision) -> None:
         """An arriving task with a plan could not be admitted within a sleep: reserve its
-        place on the plans of its keyed limits, and come back for it (raises); or, when
-        the plans deny (a wait beyond the horizon), return to come back as they say."""
+        place on the plans of its keyed limits (:func:`reserve_plan`), and come back for it
+        (raises); or, when the plans deny (a wait beyond the horizon), return to come back
+        as they say."""
         assert self.plan is not None
         execution = self.execution
-        # Recorded under the plan's id: a copy redelivered after this worker died before
-        # re-publishing finds this plan (held, wait_s: until its slot) and takes no other.
-        plan = self.limiter.acquire_many(
-            self.plan.plan, max_wait_s=capped_s(execution, MAX_RESERVE_S),
-            acquisition_id=plan_id(execution.request.id), lease_s=lease_s(execution),
+        place = reserve_plan(
+            self.limiter, self.plan, execution.request.id, decision,
+            capped_s(execution, MAX_RESERVE_S), lease_s(execution),
         )  # fmt: skip
-        if not plan.allowed:
+        if place is None:
             return
-        # The plan says when the task's own limits let it run; the limits of the admit
-        # step (the shared one too) when it could at the earliest.
-        wait = max(plan.wait_s, decision.retry_after_s)
-        if math.isinf(wait):
-            return
-        now = overdue(execution, wait)
+        now = overdue(execution, place.wait_s)
         if now is not None:
-            assert plan.acquisition is not None
-            self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
-            time_out(execution, now, wait, decision)
+            self.limiter.settle(place.acquisition, 0.0)  # handed back: it will not come
+            time_out(execution, now, place.wait_s, decision)
         # Back half a sleep early: it then reserves its real slots (within sleep_max) and
         # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
         # its keyed limit's slot unused.
-        planned = execution.throttler.clock.now() + plan.wait_s
-        defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
-              planned=planned)  # fmt: skip
+        planned = execution.throttler.clock.now() + place.slot_s
+        defer(execution, place.wait_s - self.settings.sleep_max_s / 2, place.wait_s, decision,
+              slot=True, planned=planned)  # fmt: skip
 
     def _come_back(self, decision: Decision, *, planned: float | None = None) -> NoReturn:
         """A denial: come back when the limits say, plus a jitter; or time out (the
