@@ -1,24 +1,21 @@
-"""The gate: decide for one execution whether it runs now, sleeps to its slot, or comes back.
+"""The gate: admit one execution, let it wait to its slot, and run it.
 
-1. The task's rules are evaluated (:func:`throttle.rules.targets`): key and cost from its
-   arguments, the rate in force from Redis when an operator changed it at run time.
-2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
-   does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
-3. A slot within ``sleep_max``: the task sleeps until it (looking once more just before
-   it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`. In a worker,
-   the worker's consumer takes step 2 before the pool and holds the task until shortly
-   before its slot (:mod:`throttle.celery.waiting`): the gate gets that decision
-   (:class:`Admission`) and sleeps only the rest, at most ``waiting.LEAD_S``.
-   Further ahead: the task is re-published for just before its slot
-   (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
-   up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
-   back when the limit says it could admit, plus a random jitter.
-4. Past the task's deadline: past its ``max_wait``, ``on_timeout``; past its ``expires``
-   (Celery's: the task must not start after it), the task is revoked as expired, as
-   Celery's worker does with a task received too late.
-
-A re-published task is shown the ETA its producer gave it as ``request.eta`` (None when it
-had none), not the throttler's own.
+1. **Admit.** The task's rules are evaluated (:func:`throttle.rules.targets`): key and
+   cost from its arguments, the rate in force from Redis when an operator changed it at
+   run time, its deadlines (:mod:`throttle.celery.deadlines`), its plan
+   (:mod:`throttle.celery.plan`). Then one :meth:`Limiter.acquire_many` with the task id
+   as acquisition id: a redelivered task does not pay twice. Token bucket and GCRA limits
+   *reserve* the next free slot, never past the task's deadline. In a worker, the
+   worker's consumer takes this step before the pool (:mod:`throttle.celery.waiting`):
+   the gate gets that decision (:class:`Admission`).
+2. **Wait.** A slot within ``sleep_max``: the task sleeps until it, looking once more
+   :data:`RECHECK_LEAD_S` before it (for a hold placed meanwhile); after the consumer
+   held it, only the rest, at most ``waiting.LEAD_S``. A task late for its slot (busy
+   workers) gives it up and takes a new one (:meth:`Gate._late_tolerance`). Anything
+   else comes back later (:mod:`throttle.celery.comeback`: a slot further ahead, a
+   denial, a plan, a deadline passed).
+3. **Run.** The body runs on a :class:`Ticket` (after the spacing guard, for limits that
+   have it), settled afterwards (:mod:`throttle.celery.settle`).
 
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
@@ -28,44 +25,37 @@ When the limiter's Redis fails, the rules' ``on_redis_down`` decide
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore
 
 from throttle.celery import shadow
-from throttle.celery.arrival import eta_lead_s
+from throttle.celery.comeback import (
+    come_back,
+    come_back_planned,
+    come_back_to_slot,
+    drop_second_copy,
+    restore_eta,
+)
 from throttle.celery.deadlines import (
     MAX_RESERVE_S,
-    capped_s,
     lease_s,
     left_s,
-    overdue,
     reserve_within,
     set_deadlines,
 )
 from throttle.celery.execution import Admission, Execution, Ticket
-from throttle.celery.message import (
-    H_PARKED,
-    H_PUBLISH,
-    eta_header,
-    id_header,
-    planned_header,
-)
-from throttle.celery.plan import Plan, due_wait_s, hand_back, plan_at, reserve_plan
+from throttle.celery.message import planned_header
+from throttle.celery.plan import Plan, due_wait_s, plan_at
 from throttle.celery.redis_down import run_while_down
-from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.rules import Declared, Target, targets
-
-logger = logging.getLogger("throttle")
 
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
@@ -113,7 +103,7 @@ class Gate:
         if not execution.rules:
             return None
         try:
-            self._drop_second_copy()
+            drop_second_copy(execution)
             self.evaluate()
             now = time.time()
             if execution.eager:
@@ -182,21 +172,6 @@ class Gate:
             for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True)
         ]
 
-    def _drop_second_copy(self) -> None:
-        """A parked task released twice (a releaser died between publishing and committing)
-        runs once: the parking lot accepts one publish of each token."""
-        headers = self.execution.message_headers
-        token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
-        if (
-            token is not None
-            and publish is not None
-            and not self.execution.throttler.parking.accept(token, publish)
-        ):
-            logger.info(
-                "throttle: dropping a second copy of parked task %s", self.execution.request.id
-            )
-            raise Ignore()
-
     # -- horizons
 
     def _horizon(self) -> tuple[float, float | None]:
@@ -249,9 +224,10 @@ class Gate:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
             first, first_slot = admission.as_of(now)
         elif planned is not None:
-            wait = self.plan_wait_s()
-            if wait > 0:
-                time.sleep(wait)
+            # Back with a plan: its real limits are taken just before the planned time.
+            plan_wait = self.plan_wait_s()
+            if plan_wait > 0:
+                time.sleep(plan_wait)
                 now = time.time()
         while True:
             decision = first if first is not None else self._acquire(*self._horizon())
@@ -279,17 +255,15 @@ class Gate:
             self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
-                    self._make_plan(decision)
-                self._come_back(decision, planned=planned)
+                    come_back_planned(self.execution, decision, self.plan)
+                come_back(self.execution, decision, plan=self.plan, planned=planned)
             wait = decision.wait_s
             if wait > self.settings.sleep_max_s:
-                # A slot is reserved, further ahead: come back just before it, never more
-                # than sleep_max before it (throttle.celery.arrival): once per slot.
-                defer(self.execution, wait - eta_lead_s(self.settings), wait, decision, slot=True)
+                come_back_to_slot(self.execution, decision)  # a slot further ahead
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision, late_tolerance)
                 if not decision.allowed:
-                    self._come_back(decision, planned=planned)
+                    come_back(self.execution, decision, plan=self.plan, planned=planned)
                 if not on_time:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self._give_up(decision)
@@ -347,53 +321,6 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
-    def _make_plan(self, decision: Decision) -> None:
-        """An arriving task with a plan could not be admitted within a sleep: reserve its
-        place on the plans of its keyed limits (:func:`reserve_plan`), and come back for it
-        (raises); or, when the plans deny (a wait beyond the horizon), return to come back
-        as they say."""
-        assert self.plan is not None
-        execution = self.execution
-        place = reserve_plan(
-            self.limiter, self.plan, execution.request.id, decision,
-            capped_s(execution, MAX_RESERVE_S), lease_s(execution),
-        )  # fmt: skip
-        if place is None:
-            return
-        now = overdue(execution, place.wait_s)
-        if now is not None:
-            self.limiter.settle(place.acquisition, 0.0)  # handed back: it will not come
-            time_out(execution, now, place.wait_s, decision)
-        # Back half a sleep early: it then reserves its real slots (within sleep_max) and
-        # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
-        # its keyed limit's slot unused.
-        planned = execution.throttler.clock.now() + place.slot_s
-        defer(execution, place.wait_s - self.settings.sleep_max_s / 2, place.wait_s, decision,
-              slot=True, planned=planned)  # fmt: skip
-
-    def _come_back(self, decision: Decision, *, planned: float | None = None) -> NoReturn:
-        """A denial: come back when the limits say, plus a jitter; or time out (the
-        deadline is on the Redis clock). ``planned``: the task keeps its plan (for that
-        time, epoch s)."""
-        execution, settings = self.execution, self.settings
-        retry = decision.retry_after_s
-        if math.isinf(retry):
-            # Paused (celery throttle pause): look again now and then; nothing is lost.
-            recheck = settings.pause_recheck_s
-            retry = recheck + random.uniform(0.0, recheck / 2)
-            defer(execution, retry, retry, decision, planned=planned)
-        now = overdue(execution, retry)
-        if now is not None:
-            if planned is not None and self.plan is not None:
-                # Its plan slot is handed back: the key's next tasks need not wait for it.
-                hand_back(self.limiter, self.plan.plan, execution.request.id,
-                          [0.0] * len(self.plan.plan), lease_s(execution))  # fmt: skip
-            time_out(execution, now, retry, decision)
-        jitter = 0.0
-        if not planned_by_fair(execution, decision):
-            jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
-        defer(execution, retry + jitter, retry, decision, planned=planned)
-
     # -- eager mode and direct calls
 
     def _block(self) -> Ticket:
@@ -410,23 +337,3 @@ class Gate:
             if left is not None and retry > left:
                 raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
-
-
-def planned_by_fair(execution: Execution, decision: Decision) -> bool:
-    """Whether only fair limits denied: their script has already spread the comebacks (one
-    share interval apart per key, a little before the key is due), so a jitter would only
-    make them late and leave slots of the shared rate unused. The price: tasks a hold of a
-    fair limit denied come back together at its end, and the script spreads them then."""
-    fair = {limit.name for limit, _, _ in execution.targets if limit.fair}
-    denied = decision.denied_by
-    return bool(denied) and fair.issuperset(denied)
-
-
-def restore_eta(execution: Execution) -> None:
-    """Show the task the ETA its producer gave it: a re-published copy carries the
-    throttler's own ETA (or none, once parked), and the original in ``throttle_eta``, which
-    is restored into ``request.eta`` (None: the producer gave none) unless a Celery
-    ``retry`` came since (its ETA is the one to show)."""
-    saved = eta_header(execution.message_headers)
-    if saved is not None and saved[1] == execution.request.retries:
-        execution.request.eta = saved[0]
