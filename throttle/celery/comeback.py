@@ -92,6 +92,7 @@ def come_back_planned(execution: Execution, decision: Decision, plan: Plan) -> N
         return
     now = overdue(execution, place.wait_s)
     if now is not None:
+        assert place.acquisition is not None
         limiter.settle(place.acquisition, 0.0)  # handed back: it will not come
         time_out(execution, now, place.wait_s, decision)
     # Back half a sleep early: it then reserves its real slots (within sleep_max) and

@@ -70,7 +70,7 @@ class Plan:
 class Place:
     """A task's place on the plans of its keyed limits (:func:`reserve_plan`)."""
 
-    acquisition: Acquisition
+    acquisition: Acquisition | None
     """The plans' acquisition, recorded under the task's plan id."""
     slot_s: float
     """Until the plan's slot, in s: when the task's own keyed limits let it run."""
@@ -208,5 +208,4 @@ def reserve_plan(
     wait = max(found.wait_s, denied.retry_after_s)
     if math.isinf(wait):
         return None
-    assert found.acquisition is not None
     return Place(found.acquisition, found.wait_s, wait)
