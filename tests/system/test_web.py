@@ -44,6 +44,13 @@ settings:
 limits:
 """
     + LIMITS
+    + """\
+  tiers: {{algorithm: gcra, rate: 1/s, key: "{{tenant}}", plan: "{{plan}}",
+          plans: {{free: 10/s burst 5, pro: 100/s}}}}
+  trial: {{algorithm: gcra, rate: 2/s, burst: 1, mode: shadow}}
+tasks:
+  tests.apps.celery_app.live: [trial]
+"""
 )
 TOKEN = "a-test-token-of-32-characters-xx"
 APP = "tests.apps.celery_app"
@@ -121,6 +128,15 @@ class Fleet:
 
     def send(self, task: str, *args: Any) -> Any:
         return self.producer.send_task(f"{APP}.{task}", args)
+
+    def cli(self, *args: str) -> str:
+        """``celery -A APP throttle ARGS`` as an operator runs it; its output."""
+        env = {**os.environ, **self.env}
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", APP, "throttle", *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout
 
     def stop(self) -> None:
         for proc in self.pages:
@@ -268,3 +284,47 @@ def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
         urllib.request.urlopen(request, timeout=10)
     refused.value.close()  # an HTTPError holds its response's socket
     assert refused.value.code == 421
+
+
+def test_the_page_shows_plans_key_rates_and_shadow_results(
+    fleet: Fleet, browser: WebDriver
+) -> None:
+    # Given a limit with a plan table, a key given its own rate at run time, and a limit
+    # in shadow mode ("trial", 2/s burst 1) on 20 tasks sent at once
+    url = fleet.page()
+    fleet.cli("set", "tiers", "250/s", "--key", "acme")
+    handles = [fleet.send("live", x) for x in range(20)]
+
+    # When the page is loaded
+    browser.get(url + "/")
+    until(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="tiers"]'), 15, "a row")
+
+    # Then the plans and the key's own rate show under the configured rate
+    plans = browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="tiers"] .configured .plan')
+    assert [plan.text for plan in plans] == ["plan free: 10/s burst 5", "plan pro: 100/s burst 100"]
+    until(
+        lambda: cell(browser, "tiers", "key-rate") == "key acme: 250/s", 10, "the key's rate"
+    )  # fmt: skip
+    # and the shadow limit says so, and what it would have done, once the tasks ran
+    assert cell(browser, "trial", "mode") == "shadow mode: delays nothing"
+    for handle in handles:
+        handle.get(timeout=30)
+    shown = until(
+        lambda: cell(browser, "trial", "shadow").startswith("would have delayed")
+        and cell(browser, "trial", "shadow"),
+        10, "the shadow's results",
+    )  # fmt: skip
+    trial = {row["name"]: row for row in state(url)["limits"]}["trial"]
+    seen = trial["shadow"]
+    # 20 tasks at once against 2/s burst 1: at least 19 would have waited, up to ~10 s
+    assert seen["tasks"] >= 20 and seen["delayed"] >= 19
+    assert shown.startswith(f"would have delayed {seen['delayed']} of {seen['tasks']}, p50 ")
+    assert 2.0 < seen["p95_s"] < 30.0
+    # And the JSON API carries the same
+    tiers = {row["name"]: row for row in state(url)["limits"]}["tiers"]
+    assert tiers["plans"] == {
+        "free": {"rate": "10/s", "burst": 5.0}, "pro": {"rate": "100/s", "burst": 100.0},
+    }  # fmt: skip
+    assert (tiers["key_rates"], trial["mode"]) == ({"acme": "250/s"}, "shadow")
+    fleet.cli("clear", "tiers", "--key", "acme")
+    until(lambda: not browser.find_elements(By.CSS_SELECTOR, ".key-rate"), 10, "the rate cleared")
