@@ -213,8 +213,9 @@ class Rule:
         clock and waits, if the limit's (and key's) previous call was closer than the
         limit's spacing (period / count x cost), for the difference; so calls that
         started late cannot bunch. ``None`` (the default): on for GCRA and token bucket
-        limits of burst 1 (with ``plans``: when every plan is one too), off otherwise; ``True``/``False``: on/off. On a limit of burst
-        above 1 it spaces every call (no burst). Not for concurrency limits. A task whose
+        limits of burst 1 (with ``plans``: when every plan is one too), off otherwise;
+        ``True``/``False``: on/off. On a limit of burst above 1 it spaces every call (no
+        burst). Not for concurrency limits. A task whose
         reserving limits are all guarded keeps a slot it reaches up to one spacing late
         (``settings.late_tolerance`` otherwise): its lateness pushes the calls after it
         back, by at most that, instead of costing a slot.
