@@ -115,7 +115,8 @@ class Fleet:
             )  # fmt: skip
         self.pages.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
+        # Up to 90 s: a shared 2-core host under load took 25 s to start the command.
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the page exited: {log.read_text()[-2000:]}")
@@ -124,7 +125,7 @@ class Fleet:
                 return url
             except OSError:
                 time.sleep(0.2)
-        raise TimeoutError(f"the page did not answer in 30 s: {log.read_text()[-2000:]}")
+        raise TimeoutError(f"the page did not answer in 90 s: {log.read_text()[-2000:]}")
 
     def send(self, task: str, *args: Any) -> Any:
         return self.producer.send_task(f"{APP}.{task}", args)
