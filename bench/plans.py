@@ -216,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--scale", type=float, default=0.05)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--late-tolerance",
+        help="a diagnosis: settings.late_tolerance of the fleet (default: the library's)",
+    )
     args = parser.parse_args(argv)
     rates = {name: rate * args.scale for name, rate in PLANS.items()}
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
@@ -223,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {
             "DEMO_BROKER_URL": server.url, "MOCK_API_URL": api.url,
             "PLANS_RATES": ",".join(f"{k}={v:g}" for k, v in rates.items()),
-            "PLANS_MODE": "enforce",
+            "PLANS_MODE": "enforce", "PLANS_LATE_TOLERANCE": args.late_tolerance or "",
         }  # fmt: skip
         os.environ.update(env)
         from bench.plans_app import app  # noqa: PLC0415
@@ -239,7 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         load = os.getloadavg()
         timeout_s = args.seconds * 3 + 60
-        result: dict[str, Any] = {"rates": rates, "seconds": args.seconds, "load": load}
+        result: dict[str, Any] = {
+            "rates": rates, "seconds": args.seconds, "load": load,
+            "late_tolerance": args.late_tolerance,
+        }  # fmt: skip
         try:
             with running(app, workers):
                 assert server.process is not None

@@ -294,6 +294,10 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
     # in shadow mode ("trial", 2/s burst 1) on 20 tasks sent at once
     url = fleet.page()
     fleet.cli("set", "tiers", "250/s", "--key", "acme")
+    # (the module's other test ran "live" tasks, under "trial" too: counted from here)
+    before = ({row["name"]: row for row in state(url)["limits"]}["trial"]["shadow"] or {}).get(
+        "tasks", 0
+    )
     handles = [fleet.send("live", x) for x in range(20)]
 
     # When the page is loaded
@@ -309,18 +313,18 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
     # and the shadow limit says so, and what it would have done, once the tasks ran
     assert cell(browser, "trial", "mode") == "shadow mode: delays nothing"
     for handle in handles:
-        handle.get(timeout=30)
-    shown = until(
-        lambda: cell(browser, "trial", "shadow").startswith("would have delayed")
-        and cell(browser, "trial", "shadow"),
-        10, "the shadow's results",
-    )  # fmt: skip
+        handle.get(timeout=60)
+
+    def shown_as_counted() -> Any:
+        seen = {row["name"]: row for row in state(url)["limits"]}["trial"]["shadow"]
+        text = cell(browser, "trial", "shadow")
+        counted = f"would have delayed {seen['delayed']} of {seen['tasks']}, p50 "
+        return seen if seen["tasks"] >= before + 20 and text.startswith(counted) else None
+
+    seen = until(shown_as_counted, 15, "the shadow's results, as the JSON counts them")
+    # 20 more tasks at once against 2/s burst 1: at least 19 more would have waited
+    assert seen["delayed"] >= 19 and seen["p95_s"] > 2.0
     trial = {row["name"]: row for row in state(url)["limits"]}["trial"]
-    seen = trial["shadow"]
-    # 20 tasks at once against 2/s burst 1: at least 19 would have waited, up to ~10 s
-    assert seen["tasks"] >= 20 and seen["delayed"] >= 19
-    assert shown.startswith(f"would have delayed {seen['delayed']} of {seen['tasks']}, p50 ")
-    assert 2.0 < seen["p95_s"] < 30.0
     # And the JSON API carries the same
     tiers = {row["name"]: row for row in state(url)["limits"]}["tiers"]
     assert tiers["plans"] == {
