@@ -203,8 +203,9 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
 
     # Then it shows the limit, its configured rate, and tasks being admitted
     until(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="live"]'), 15, "a row")
-    assert cell(browser, "live", "configured").startswith("10/s burst 1")
-    assert cell(browser, "live", "rate") == "10/s"
+    # (through until: the page redraws its rows every 0.5 s, a row found may go stale)
+    until(lambda: cell(browser, "live", "configured").startswith("10/s burst 1"), 5, "burst")
+    until(lambda: cell(browser, "live", "rate") == "10/s", 5, "the rate in force")
     admitted = until(
         lambda: float(cell(browser, "live", "now").split("/")[0] or 0) > 2
         and cell(browser, "live", "now"),
@@ -305,13 +306,22 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
     until(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="tiers"]'), 15, "a row")
 
     # Then the plans and the key's own rate show under the configured rate
-    plans = browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="tiers"] .configured .plan')
-    assert [plan.text for plan in plans] == ["plan free: 10/s burst 5", "plan pro: 100/s burst 100"]
+    shown = ["plan free: 10/s burst 5", "plan pro: 100/s burst 100"]
+    until(
+        lambda: [
+            plan.text
+            for plan in browser.find_elements(
+                By.CSS_SELECTOR, 'tr[data-limit="tiers"] .configured .plan'
+            )
+        ]
+        == shown,
+        5, "the plans",
+    )  # fmt: skip
     until(
         lambda: cell(browser, "tiers", "key-rate") == "key acme: 250/s", 10, "the key's rate"
     )  # fmt: skip
     # and the shadow limit says so, and what it would have done, once the tasks ran
-    assert cell(browser, "trial", "mode") == "shadow mode: delays nothing"
+    until(lambda: cell(browser, "trial", "mode") == "shadow mode: delays nothing", 5, "mode")
     for handle in handles:
         handle.get(timeout=60)
 
