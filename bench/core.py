@@ -15,6 +15,10 @@ worker sees per decision. The cases:
   per sample, and is labelled so.
 * ``three_limits``: one atomic ``acquire_many`` over a per-key token bucket, a global GCRA
   and a per-key daily fixed window.
+* ``gcra keyed (task's arguments)`` and ``gcra keyed, plan table (task's arguments)``: a
+  keyed GCRA rule evaluated on a task's arguments (:func:`throttle.rules.targets`: the
+  key template, and the plan looked up in a table of three) and then acquired, as a worker
+  does: the plan lookup must stay in Python (one round trip, the same server time).
 * ``... (EVALSHA)``: the token bucket and the three limits again, by a limiter told to use
   the scripts (EVALSHA), as it does on Redis 6 or for a user denied ``FCALL``; the others
   call the function library (``FCALL``, see :mod:`throttle.redis.library`).
@@ -79,6 +83,8 @@ from throttled import RateLimiterType, RedisStore, Throttled, per_sec
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
 from throttle.redis.library import Routine
+from throttle.rules import Rule
+from throttle.rules import targets as task_targets
 
 # Far above what one client can reach (tens of thousands of calls per second): every call
 # is admitted, including the fixed and sliding windows that count every call.
@@ -87,6 +93,8 @@ RATE = f"{HUGE}/s"
 KEY = "bench"  # the one key of every keyed case: a hot, warm limit
 BASELINE = "raw_evalsha"
 CONCURRENCY = "concurrency (acquire+release)"
+TASK_KEYED = "gcra keyed (task's arguments)"
+TASK_PLANS = "gcra keyed, plan table (task's arguments)"
 
 # The baseline: a correct token bucket with nothing else. The clock comes from the client
 # (ARGV[3]) so the script does not even call TIME; numbers go back to Redis as %.17g
@@ -201,6 +209,22 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
         (Limit.parse(f"{HUGE}/d", name="three-daily", algorithm="fixed_window"), KEY),
     ]
 
+    # A task's keyed GCRA limit, evaluated on the task's arguments as the worker does
+    # (rules.targets: key template, plan lookup) then acquired: without and with a plan
+    # table. The plan is looked up in Python; the script gets the plan's numbers as it
+    # gets any limit's, so the same one round trip and the same Redis work are expected.
+    def task(tenant: str, plan: str) -> None: ...
+
+    keyed = Rule(Limit.parse(RATE, name="task-keyed", algorithm="gcra"), key="{tenant}")
+    planned = Rule(
+        Limit.parse(RATE, name="task-plans", algorithm="gcra"), key="{tenant}", plan="{plan}",
+        plans={"free": f"{HUGE // 100}/s", "pro": f"{HUGE // 10}/s", "enterprise": RATE},
+    )  # fmt: skip
+
+    def evaluated(rule: Rule) -> Callable[[], Any]:
+        rules = (rule,)
+        return lambda: limiter.acquire_many(task_targets(rules, task, (KEY, "pro"), {}))
+
     # Peers: each builds its own client from a URL, as their users do. Note that with a limit
     # this large the moving window is at its cheapest: its list of timestamps only grows
     # during the run (LTRIM cuts at the limit) and its LINDEX probe at position limit - 1
@@ -227,6 +251,8 @@ def build_cases(server: RedisServer) -> tuple[list[Case], list[Callable[[], None
         ours("fixed_window", single(Limit.parse(RATE, name="fw", algorithm="fixed_window"))),
         Case(CONCURRENCY, "ours", concurrency_pair, lambda r: r is True),
         ours("three_limits", lambda: limiter.acquire_many(three)),
+        ours(TASK_KEYED, evaluated(keyed)),
+        ours(TASK_PLANS, evaluated(planned)),
         ours(
             "token_bucket (EVALSHA)",
             single(Limit.parse(RATE, name="tb"), scripted),
@@ -496,6 +522,31 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{three[column]:.2f} us vs bound {2 * tb[column]:.2f} us "
             f"(ratio {three[column] / tb[column]:.2f})",
         )
+    plans, keyed = rows[TASK_PLANS], rows[TASK_KEYED]
+    check(
+        "a plan table: one round trip per acquire",
+        plans["top_level_commands_per_call"] == keyed["top_level_commands_per_call"] == 1.0,
+        f"{plans['top_level_commands_per_call']:.2f} top-level commands per call "
+        f"(without plans {keyed['top_level_commands_per_call']:.2f})",
+    )
+    for label, column in (("warm", "warm_server_us_per_call"), ("cold", "server_us_per_call")):
+        check(
+            f"a plan table: server time <= 1.05 x without ({label})",
+            plans[column] <= 1.05 * keyed[column],
+            f"{plans[column]:.2f} us vs {keyed[column]:.2f} us without plans "
+            f"(ratio {plans[column] / keyed[column]:.3f})",
+        )
+    paired = sorted(
+        p / k for p, k in zip(plans["round_p50_us"], keyed["round_p50_us"], strict=True)
+    )
+    out.append(
+        {
+            "target": "a plan table: client p50 (reported, no target)",
+            "passed": True,
+            "detail": f"{plans['p50_us']:.1f} us vs {keyed['p50_us']:.1f} us without plans "
+            f"(median per-round ratio {percentile(paired, 0.5):.3f}; the lookup is Python)",
+        }
+    )
     return out
 
 

@@ -39,6 +39,7 @@ wait) beside the waits the enforced run imposed (API arrival - send, every task)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -50,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from bench.celery_fleet import percentile
@@ -81,13 +83,68 @@ def flood(
 
 
 def wait_all(api: Any, sent: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Until every task called the API once (a refused call is final: the task does not
+    retry it), or ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         arrivals = api.api.arrivals_json()
-        if len({a["task_id"] for a in arrivals if a["allowed"]}) >= len(sent):
+        if len({a["task_id"] for a in arrivals}) >= len(sent):
             return arrivals
         time.sleep(0.5)
     return api.api.arrivals_json()
+
+
+class CpuMeter:
+    """CPU seconds (user + system) spent by the workers' process trees, the Redis server
+    and this process (the producer and the mock API's thread), between two readings: where
+    the fleet's time goes on this host."""
+
+    def __init__(self, workers: Sequence[Worker], redis_pid: int) -> None:
+        self.workers = workers
+        self.redis_pid = redis_pid
+        self.last = self.read()
+
+    def read(self) -> dict[str, float]:
+        found = {"workers": 0.0, "redis": 0.0, "bench": 0.0}
+        for worker in self.workers:
+            if worker.proc is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                main = psutil.Process(worker.proc.pid)
+                for proc in (main, *main.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        times = proc.cpu_times()
+                        found["workers"] += times.user + times.system
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(self.redis_pid).cpu_times()
+            found["redis"] = times.user + times.system
+        times = psutil.Process().cpu_times()
+        found["bench"] = times.user + times.system
+        return found
+
+    def lap(self, wall_s: float, tasks: int) -> dict[str, Any]:
+        """What each spent since the last lap: CPU s, share of the wall time, ms per task."""
+        now = self.read()
+        spent = {name: now[name] - self.last[name] for name in now}
+        self.last = now
+        return {
+            name: {"cpu_s": round(cpu, 2), "of_wall": round(cpu / wall_s, 2),
+                   "ms_per_task": round(cpu / max(tasks, 1) * 1000, 2)}
+            for name, cpu in spent.items()
+        }  # fmt: skip
+
+
+def stat_counts(client: Any, keyspace: KeySpace, limit: str) -> dict[str, int]:
+    """The fleet-wide counts of ``limit`` (denied: deferred or re-published; waited: held
+    for a slot ahead) over the last 10 minutes, from the stats the workers keep."""
+    now = int(client.time()[0] // 60)
+    counts: dict[str, int] = {}
+    for minute in range(now - 10, now + 1):
+        for field, value in client.hgetall(keyspace.stats_key(minute)).items():
+            event, _, name = field.decode().partition(":")
+            if name == limit:
+                counts[event] = counts.get(event, 0) + int(value)
+    return counts
 
 
 def open_api(api: Any, rates: dict[str, float]) -> None:
@@ -159,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--scale", type=float, default=0.05)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--late-tolerance",
+        help="a diagnosis: settings.late_tolerance of the fleet (default: the library's)",
+    )
     args = parser.parse_args(argv)
     rates = {name: rate * args.scale for name, rate in PLANS.items()}
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {
             "DEMO_BROKER_URL": server.url, "MOCK_API_URL": api.url,
             "PLANS_RATES": ",".join(f"{k}={v:g}" for k, v in rates.items()),
-            "PLANS_MODE": "enforce",
+            "PLANS_MODE": "enforce", "PLANS_LATE_TOLERANCE": args.late_tolerance or "",
         }  # fmt: skip
         os.environ.update(env)
         from bench.plans_app import app  # noqa: PLC0415
@@ -182,22 +243,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         load = os.getloadavg()
         timeout_s = args.seconds * 3 + 60
-        result: dict[str, Any] = {"rates": rates, "seconds": args.seconds, "load": load}
+        result: dict[str, Any] = {
+            "rates": rates, "seconds": args.seconds, "load": load,
+            "late_tolerance": args.late_tolerance,
+        }  # fmt: skip
         try:
             with running(app, workers):
+                assert server.process is not None
+                cpu = CpuMeter(workers, server.process.pid)
                 # 1. control
                 api.api.reset()
                 open_api(api, rates)
+                started = time.monotonic()
+                cpu.lap(1, 1)
                 sent = flood(app, "bench.plans_app.plain_call", rates, args.seconds)
                 result["control_per_s"] = speed(wait_all(api, sent, timeout_s))
+                result["control_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
                 print(f"control: {result['control_per_s']}", file=sys.stderr)
                 # 2. enforce
                 for tenant, rate in rates.items():
                     api.api.set_tenant_limit(tenant, rate, max(rate * 0.5, 1))
                 api.api.reset()
+                before = stat_counts(client, keyspace, "api")
+                started = time.monotonic()
+                cpu.lap(1, 1)
                 sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
                 override = override_later(api, book, limit, rates, args.seconds / 2, True)
                 arrivals = wait_all(api, sent, timeout_s)
+                result["enforce_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
+                after = stat_counts(client, keyspace, "api")
+                result["enforce_counts"] = {k: after[k] - before.get(k, 0) for k in after}
                 result["enforce"] = judge(arrivals, rates, override)
                 result["enforce_per_s"] = speed(arrivals)
                 waits = enforced_waits(arrivals, sent, api.api.started)
@@ -212,12 +287,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(REFRESH_S + 0.5)
                 open_api(api, rates)
                 api.api.reset()
+                started = time.monotonic()
+                cpu.lap(1, 1)
                 sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
                 override_later(api, book, limit, rates, args.seconds / 2, False)
                 arrivals = wait_all(api, sent, timeout_s)
+                result["shadow_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
                 result["shadow_per_s"] = speed(arrivals)
                 result["shadow_refused"] = sum(not a["allowed"] for a in arrivals)
-                result["shadow_status"] = StatsBook(client, keyspace).shadow(5).get("api")
+                result["shadow_status"] = shadowed = (
+                    StatsBook(client, keyspace).shadow(5).get("api")
+                )
+                enforced = result["enforce_waits"]
+                if shadowed and enforced["p50_s"] and shadowed["p50_s"] is not None:
+                    result["shadow_vs_enforce"] = {
+                        q: round(float(shadowed[q]) / enforced[q], 3)  # type: ignore[arg-type]
+                        for q in ("p50_s", "p95_s")
+                    }
+                # 4. control again: the host's load drifts between phases (a shared VM)
+                book.set_mode("api", None)
+                api.api.reset()
+                started = time.monotonic()
+                cpu.lap(1, 1)
+                sent = flood(app, "bench.plans_app.plain_call", rates, args.seconds)
+                result["control_again_per_s"] = speed(wait_all(api, sent, timeout_s))
+                result["control_again_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
+                result["load_end"] = os.getloadavg()
         finally:
             api.stop()
             client.close()

@@ -3,7 +3,8 @@
 Run by ``celery -A bench.plans_app worker -Q upstream``; broker, result backend and limiter
 are the Redis at ``DEMO_BROKER_URL``, the upstream the mock API at ``MOCK_API_URL`` (which
 enforces each tenant's plan, ``X-Tenant``). ``PLANS_MODE`` (``enforce`` or ``shadow``) is
-the limits' ``settings.mode``; ``PLANS_RATES`` the plan table as ``free=4,pro=16,...``.
+the limits' ``settings.mode``; ``PLANS_RATES`` the plan table as ``free=4,pro=16,...``;
+``PLANS_LATE_TOLERANCE`` (a diagnosis only) the ``settings.late_tolerance``.
 
 * ``plan_call(tenant, plan, n)``: throttled by ``api`` (GCRA, key ``{tenant}``, plan
   ``{plan}``);
@@ -44,7 +45,12 @@ app.conf.update(
     WORKER_SETTINGS,
     task_ignore_result=True,
     throttle_config={
-        "settings": {"mode": os.environ.get("PLANS_MODE", "enforce")},
+        "settings": {
+            "mode": os.environ.get("PLANS_MODE", "enforce"),
+            # a diagnosis only (bench.plans --late-tolerance): the library's default otherwise
+            **({"late_tolerance": os.environ["PLANS_LATE_TOLERANCE"]}
+               if os.environ.get("PLANS_LATE_TOLERANCE") else {}),
+        },
         "limits": {
             "api": {
                 "algorithm": "gcra", "rate": "1/s", "key": "{tenant}", "plan": "{plan}",

@@ -24,7 +24,7 @@ from typing import Any
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
 
-__all__ = ["DEFAULT_REFUSALS_MAX", "Refusal", "RefusalBook"]
+__all__ = ["DEFAULT_REFUSALS_MAX", "Refusal", "RefusalBook", "RefusalBookBase"]
 
 DEFAULT_REFUSALS_MAX = 1000
 """Refusals kept per limit unless ``settings.refusals_max`` says otherwise."""
@@ -99,8 +99,9 @@ class Refusal:
         }  # fmt: skip
 
 
-class RefusalBook:
-    """The capped streams of refusals of one namespace.
+class RefusalBookBase:
+    """What the blocking and the asyncio books share: the streams, the caps, and how a
+    page of a stream is read (:class:`RefusalBook`, :class:`throttle.aio.RefusalBook`).
 
     Parameters
     ----------
@@ -116,6 +117,49 @@ class RefusalBook:
 
     def __init__(
         self,
+        keyspace: KeySpace,
+        *,
+        max_entries: int = DEFAULT_REFUSALS_MAX,
+        keep_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.keyspace = keyspace
+        self.max_entries = max_entries
+        self.keep_s = keep_s
+        self.clock = clock
+
+    def _queue(self, pipe: Any, refusals: Sequence[Refusal]) -> None:
+        """Queue on ``pipe`` (blocking or asyncio) the commands that append ``refusals``
+        and trim each stream."""
+        oldest_ms = None if self.keep_s is None else int((self.clock() - self.keep_s) * 1000)
+        for refusal in refusals:
+            stream = self.keyspace.refusals_key(refusal.limit)
+            fields: dict[Any, Any] = refusal.fields()
+            pipe.xadd(stream, fields, maxlen=self.max_entries, approximate=True)
+            if oldest_ms is not None and oldest_ms > 0:
+                # exact: the few entries that aged out since the last refusal
+                pipe.xtrim(stream, minid=f"{oldest_ms}-0", approximate=False)
+
+    @staticmethod
+    def _select(
+        page: Sequence[tuple[bytes, dict[bytes, bytes]]], key: str | None, count: int
+    ) -> list[Refusal]:
+        """The first ``count`` entries of ``page`` (of ``key`` only, when given)."""
+        found: list[Refusal] = []
+        for entry_id, fields in page:
+            refusal = Refusal.of_entry(entry_id, fields)
+            if key is None or refusal.key == key:
+                found.append(refusal)
+                if len(found) == count:
+                    break
+        return found
+
+
+class RefusalBook(RefusalBookBase):
+    """The capped streams of refusals of one namespace (parameters: :class:`RefusalBookBase`)."""
+
+    def __init__(
+        self,
         client: RedisClient,
         keyspace: KeySpace,
         *,
@@ -123,28 +167,18 @@ class RefusalBook:
         keep_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(keyspace, max_entries=max_entries, keep_s=keep_s, clock=clock)
         self.client = client
-        self.keyspace = keyspace
-        self.max_entries = max_entries
-        self.keep_s = keep_s
-        self.clock = clock
 
     def record(self, refusals: Sequence[Refusal]) -> None:
         """Append ``refusals`` (one per limit of the refused call), trimming each stream,
         in one round trip."""
         if not refusals:
             return
-        oldest_ms = None if self.keep_s is None else int((self.clock() - self.keep_s) * 1000)
 
         def write() -> None:
             with self.client.pipeline(transaction=False) as pipe:
-                for refusal in refusals:
-                    stream = self.keyspace.refusals_key(refusal.limit)
-                    fields: dict[Any, Any] = refusal.fields()
-                    pipe.xadd(stream, fields, maxlen=self.max_entries, approximate=True)
-                    if oldest_ms is not None and oldest_ms > 0:
-                        # exact: the few entries that aged out since the last refusal
-                        pipe.xtrim(stream, minid=f"{oldest_ms}-0", approximate=False)
+                self._queue(pipe, refusals)
                 pipe.execute()
 
         wrap_errors(write)
@@ -156,11 +190,4 @@ class RefusalBook:
         # The whole stream, newest first: it is capped (max_entries, a few kB each 100),
         # and a key filter may skip most of it.
         page = wrap_errors(lambda: self.client.xrevrange(stream, "+", "-"))
-        found: list[Refusal] = []
-        for entry_id, fields in page:
-            refusal = Refusal.of_entry(entry_id, fields)
-            if key is None or refusal.key == key:
-                found.append(refusal)
-                if len(found) == count:
-                    break
-        return found
+        return self._select(page, key, count)

@@ -213,8 +213,9 @@ class Rule:
         clock and waits, if the limit's (and key's) previous call was closer than the
         limit's spacing (period / count x cost), for the difference; so calls that
         started late cannot bunch. ``None`` (the default): on for GCRA and token bucket
-        limits of burst 1, off otherwise; ``True``/``False``: on/off. On a limit of burst
-        above 1 it spaces every call (no burst). Not for concurrency limits. A task whose
+        limits of burst 1 (with ``plans``: when every plan is one too), off otherwise;
+        ``True``/``False``: on/off. On a limit of burst above 1 it spaces every call (no
+        burst). Not for concurrency limits. A task whose
         reserving limits are all guarded keeps a slot it reaches up to one spacing late
         (``settings.late_tolerance`` otherwise): its lateness pushes the calls after it
         back, by at most that, instead of costing a slot.
@@ -535,10 +536,18 @@ class Rule:
     @property
     def guarded(self) -> bool:
         """Whether the call-time spacing guard applies (``spacing_guard``, or its
-        default: GCRA and token bucket limits of burst 1)."""
+        default: GCRA and token bucket limits of burst 1). With a plan table, the default
+        asks it of every limit a task may get: the rule's own and each plan's. A burst-1
+        ``rate`` beside plans of larger bursts must not space every call of those plans
+        (no burst, one more round trip each); the guard is decided per rule, not per
+        task, so a table that mixes burst 1 with larger bursts is unguarded unless
+        ``spacing_guard: true`` says so."""
         if self.spacing_guard is not None:
             return self.spacing_guard
-        return self.limit.capacity == 1 and self.limit.algorithm.reserves
+        return all(
+            limit.capacity == 1 and limit.algorithm.reserves
+            for limit in (self.limit, *self.plan_limits.values())
+        )
 
     @property
     def estimated(self) -> bool:

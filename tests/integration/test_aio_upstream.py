@@ -22,8 +22,16 @@ from throttle import ConfigError, Limit, RequestError, Throttled
 from throttle import Limiter as SyncLimiter
 from throttle.adaptive import Adaptive
 from throttle.adaptive import LearnedRates as SyncLearnedRates
-from throttle.aio import LearnedRates, Limiter, RateBook, apply_upstream, upstream_hook
+from throttle.aio import (
+    LearnedRates,
+    Limiter,
+    RateBook,
+    RefusalBook,
+    apply_upstream,
+    upstream_hook,
+)
 from throttle.rates import RateBook as SyncRateBook
+from throttle.refusals import RefusalBook as SyncRefusalBook
 from throttle.upstream import apply_upstream as sync_apply_upstream
 
 
@@ -200,6 +208,35 @@ def test_the_rate_book_caches_for_refresh_s(
             await aclient.aclose()
 
     asyncio.run(body())
+
+
+def test_refusals_through_the_hook_are_kept_in_the_fleets_record(
+    arun: Callable[[Callable[..., Any]], Any], clocked: SyncLimiter
+) -> None:
+    # Given a hook with a record of refusals, and an upstream that refuses twice
+    limit = Limit.parse("30/s burst 1", name="api", algorithm="gcra")
+    upstream = Upstream((429, {"Retry-After": "2"}), (200, {}), (503, {"Retry-After": "1"}))
+
+    async def body(limiter: Limiter, rates: RateBook) -> list[Any]:
+        record = RefusalBook(limiter.client, limiter.keyspace)
+        hook = upstream_hook(limiter, limit, "acme", refusals=record)
+        transport = httpx.MockTransport(upstream)
+        async with httpx.AsyncClient(transport=transport, event_hooks={"response": [hook]}) as http:
+            for path in ("a", "b", "c"):
+                await http.get(f"https://api.test/{path}")
+        # and apply_upstream without a book records nothing
+        await apply_upstream(limiter, httpx.Response(429, headers={"Retry-After": "3"}), limit)
+        return await record.read("api")
+
+    newest, oldest = arun(body)
+    # Then each refusal is one entry, newest first, with its status, header and hold
+    assert (oldest.key, oldest.status, oldest.header, oldest.hold_s, oldest.held) == (
+        "acme", 429, "Retry-After", 2.0, True,
+    )  # fmt: skip
+    assert (newest.status, newest.hold_s, newest.task_id) == (503, 1.0, None)
+    # and the blocking book (what celery throttle refusals reads) sees the same entries
+    sync = SyncRefusalBook(clocked.client, clocked.keyspace)
+    assert [entry.status for entry in sync.read("api", key="acme")] == [503, 429]
 
 
 def test_bad_arguments_are_refused_at_once(arun: Callable[[Callable[..., Any]], Any]) -> None:

@@ -3,17 +3,20 @@ switched to enforce at run time."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 from celery import Celery
 
 from tests.support.clock import redis_now_s
+from throttle.celery import install
 from throttle.celery.gate import Gate
-from throttle.celery.message import H_DEFERRALS
+from throttle.celery.message import H_DEFERRALS, H_SENT
 from throttle.celery.runtime import Throttler
 from throttle.config import ThrottleConfig
 from throttle.stats import StatsBook
@@ -79,6 +82,57 @@ def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
     enter(app, "t0", {H_DEFERRALS: 1})
     seen = StatsBook(throttler.limiter.client, throttler.limiter.keyspace).shadow(1)["api"]
     assert seen["tasks"] == 30
+
+
+def test_a_would_be_wait_counts_from_the_send_on_the_redis_clock(app: Celery) -> None:
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    throttler = Throttler.of(app)
+    stats = StatsBook(throttler.limiter.client, throttler.limiter.keyspace)
+    # Given 10 tasks sent 4 s ago (Redis clock) that a worker takes only now
+    sent = redis_now_s(throttler.limiter.client) - 4.0
+    started = redis_now_s(throttler.limiter.client)
+    for i in range(10):
+        enter(app, f"s{i}", {H_SENT: sent})
+    elapsed = redis_now_s(throttler.limiter.client) - started
+    seen = stats.shadow(1)["api"]
+    # Then the first, whose slot is free, would not have waited (its 4 s in the queue are
+    # not the limit's); the other 9 would have run 0.1 s apart from their slot, which is
+    # 4 s after their send: p50 4 + 0.5, p95 4 + 0.9 (less the loop's time, buckets' 5 %)
+    assert (seen["tasks"], seen["delayed"]) == (10, 9)
+    assert seen["p50_s"] == pytest.approx(4.5 - elapsed / 2, rel=0.06)
+    assert seen["p95_s"] == pytest.approx(4.9 - elapsed, rel=0.06)
+
+
+def test_a_producer_stamps_its_tasks_with_the_send_time_on_the_redis_clock(
+    app: Celery, redis_url: str
+) -> None:
+    # Given an installed app whose broker is a Redis
+    app.conf.broker_url = redis_url
+    install(app)
+
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    queue = f"shadow-stamp-{time.monotonic_ns()}"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        # When a task is sent, and one that carries a send time already (re-published)
+        before = redis_now_s(client)
+        call.apply_async(queue=queue)
+        call.apply_async(queue=queue, headers={H_SENT: 12.5})
+        after = redis_now_s(client)
+        stamped = [json.loads(raw)["headers"][H_SENT] for raw in client.lrange(queue, 0, -1)]
+        client.delete(queue)
+    finally:
+        client.close()
+        app.close()  # the producer's broker connections
+    # Then the first is stamped with the Redis clock at the send, the second kept its own
+    assert sorted(stamped) == [
+        12.5,
+        pytest.approx((before + after) / 2, abs=(after - before) / 2 + 0.05),
+    ]
 
 
 def test_enforce_at_run_time_reaches_the_workers_within_refresh(app: Celery) -> None:

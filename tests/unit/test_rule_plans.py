@@ -158,3 +158,15 @@ def test_a_limits_file_names_file_limit_field_and_value(tmp_path: Path) -> None:
     rule = ThrottleConfig.load(path).rule("api")
     assert sorted(rule.plan_limits) == ["enterprise", "free", "pro"]
     assert rule.plan_limits["free"].capacity == 5.0
+
+
+def test_the_spacing_guard_by_default_only_when_every_plan_is_burst_1() -> None:
+    # A burst-1 rate beside plans of larger bursts: their calls are not spaced one by one
+    burst_1 = Limit.parse("1/s", name="api", algorithm="gcra")
+    assert Rule(burst_1).guarded
+    mixed = {"free": "1/s burst 1", "pro": "100/s burst 50"}
+    assert not Rule(burst_1, key="{t}", plan="{p}", plans=mixed).guarded
+    strict = {"free": "1/s burst 1", "pro": "100/s burst 1"}
+    assert Rule(burst_1, key="{t}", plan="{p}", plans=strict).guarded
+    # ... unless the rule says so
+    assert Rule(burst_1, key="{t}", plan="{p}", plans=mixed, spacing_guard=True).guarded

@@ -18,6 +18,7 @@ from throttle.adaptive import Adaptive
 from throttle.aio.adaptive import LearnedRates
 from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
+from throttle.aio.refusals import RefusalBook
 from throttle.errors import Throttled
 from throttle.spec import Limit
 from throttle.upstream.headers import UpstreamSignal, read_response, wants_body
@@ -30,6 +31,7 @@ from throttle.upstream.policy import (
     log_hold,
     log_rate,
     plan,
+    refusal_entry,
     stated_for,
     wants_reserved,
 )
@@ -69,7 +71,9 @@ async def _apply(
     signal: UpstreamSignal,
     targets: Sequence[Target],
     learned: LearnedRates | None = None,
-) -> None:
+) -> bool:
+    """:func:`throttle.upstream.policy.apply_signal`, awaited: whether it held any target."""
+    held = False
     for step in plan(signal, targets, rates):
         target, seen = step.target, step.signal
         hold = seen.hold_s > 0
@@ -81,12 +85,14 @@ async def _apply(
         if hold:
             await limiter.hold(target.current.name, target.key, seen.hold_s)
             log_hold(seen, target)
+            held = True
         if rates is not None and step.lowered is not None:
             await rates.set(target.configured, step.lowered)
             log_rate(seen, target, step.lowered)
         if rates is not None and step.follow:
             await rates.follow(target.configured, step.followed)
             log_follow(seen, target, step.followed)
+    return held
 
 
 async def apply_upstream(
@@ -101,6 +107,7 @@ async def apply_upstream(
     dimension: str | None = None,
     cost: float = 1.0,
     now: float | None = None,
+    refusals: RefusalBook | None = None,
 ) -> UpstreamSignal | None:
     """Hold ``limit`` (of ``key`` only, when given) for the upstream's time, and with
     ``rates``, lower its run-time rate to the upstream's stated one when slower: what
@@ -113,6 +120,10 @@ async def apply_upstream(
     ``limit`` the configured limit; ``dimension`` and ``cost`` as for
     :func:`throttle.upstream.apply_upstream`. Returns what the response said (None:
     nothing). Raises :class:`~throttle.BackendError` when Redis fails.
+
+    ``refusals`` (a :class:`throttle.aio.RefusalBook`): a refusal is kept in the fleet's
+    record of refusals too (``celery throttle refusals``), without a task id, one more
+    round trip per refusal.
     """
     expect_limit(limit)
     dimension = expect_dimension(dimension)
@@ -128,7 +139,9 @@ async def apply_upstream(
         if learned is not None:
             await _learn(learned, None, target)
         return None
-    await _apply(limiter, rates, signal, [target], learned)
+    held = await _apply(limiter, rates, signal, [target], learned)
+    if refusals is not None and signal.refused:
+        await refusals.record([refusal_entry(response, signal, limit, key, held)])
     return signal
 
 
@@ -165,6 +178,7 @@ def upstream_hook(
     adaptive: Adaptive | None = None,
     dimension: str | None = None,
     retry: bool = False,
+    refusals: RefusalBook | None = None,
 ) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """An async response hook that calls :func:`apply_upstream` on every response::
 
@@ -178,7 +192,9 @@ def upstream_hook(
     limit is faster than the stated policy), and with ``adaptive`` the limit learns its
     rate: acquire ``await learned.current(limit, key, adaptive)`` then. With
     ``dimension`` (``"tokens"``...), the limit follows that dimension of the provider's
-    headers only (:func:`throttle.upstream.apply_upstream`).
+    headers only (:func:`throttle.upstream.apply_upstream`). With ``refusals`` (a
+    :class:`throttle.aio.RefusalBook`), every refusal is kept in the fleet's record
+    (``celery throttle refusals``).
 
     With ``retry=True`` a refused call (429; 403 or 503 with ``Retry-After`` or a spent
     quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the
@@ -194,7 +210,7 @@ def upstream_hook(
     async def hook(response: Any) -> None:
         signal = await apply_upstream(
             limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive,
-            dimension=dimension,
+            dimension=dimension, refusals=refusals,
         )  # fmt: skip
         if retry and signal is not None and signal.refused:
             await _release(response)

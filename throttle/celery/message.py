@@ -41,6 +41,11 @@ planned slot (epoch s, Redis clock; 1 when unknown). Back, the task waits for th
 before it acquires its limits for real. Forged, it only skips the plan (or delays a task by
 at most ``sleep_max``), which is advisory: the real acquisition still takes every limit."""
 
+H_SENT = "throttle_sent"
+"""When the producer published the task: epoch s on the Redis clock, as the producer's
+throttler reads it (:mod:`throttle.celery.sent`). Kept by re-publishing; shadow mode counts
+a would-be wait from it. Forged, it only changes what shadow mode reports."""
+
 LANE_SUFFIX = ".throttled"
 """A queue's lane: where deferred tasks of QUEUE come back (see ``Settings.lanes``)."""
 
@@ -82,6 +87,15 @@ def deadline_header(headers: Mapping[str, Any]) -> float | None:
 def planned_header(headers: Mapping[str, Any]) -> float | None:
     """The planned slot of a task that holds a plan (epoch s; 1.0: unknown), else None."""
     value = real(headers.get(H_PLANNED))
+    if value is not None and 0 < value < MAX_EPOCH_S:
+        return value
+    return None
+
+
+def sent_header(headers: Mapping[str, Any]) -> float | None:
+    """The ``throttle_sent`` header in epoch s, or None when absent or corrupt (as
+    :func:`deadline_header`)."""
+    value = real(headers.get(H_SENT))
     if value is not None and 0 < value < MAX_EPOCH_S:
         return value
     return None

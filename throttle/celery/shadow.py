@@ -7,7 +7,11 @@ limit's *shadow twin* for it: the same algorithm and numbers under the name
 ``NAME.shadow``, a state of its own in Redis, reserving its next slot as the enforced
 limit would (a token bucket or GCRA reserves the slot and says how far it is; a window
 that is full says when it frees). The wait the twin answers is the wait the limit would
-have imposed: recorded by the throttler's observers (a ``throttle_shadow_wait_seconds``
+have imposed, counted from the task's send (the ``throttle_sent`` header the producer
+writes on the Redis clock, :mod:`throttle.celery.sent`) when the limit would delay it: the
+task would have run at its slot, and was waiting since it was sent, queued or not. A task
+the limit would not delay counts 0 (its time in the queue is not the limit's). Recorded by
+the throttler's observers (a ``throttle_shadow_wait_seconds``
 histogram, a ``task-shadowed`` event for Flower, the fleet-wide counts behind ``celery
 throttle status``). The twin's state delays nothing: no enforced limit reads it, and no
 task waits for it.
@@ -29,7 +33,7 @@ import logging
 from collections.abc import Sequence
 
 from throttle.celery.execution import Execution
-from throttle.celery.message import H_DEFERRALS
+from throttle.celery.message import H_DEFERRALS, sent_header
 from throttle.errors import BackendError
 from throttle.rules import Rule, targets
 from throttle.spec import SHADOW_SUFFIX, Limit
@@ -58,12 +62,15 @@ def look(execution: Execution, rules: Sequence[Rule]) -> None:
             rules, execution.fn, execution.args, execution.kwargs, throttler.rates.current
         )
         waits: list[float] = []
+        queued_s = _queued_s(execution)
         for limit, key, cost in found:
             twin = shadow_limit(limit)
             decision = throttler.limiter.acquire_many(
                 [(twin, key, min(cost, twin.capacity))], max_wait_s=HORIZON_S
             )
             wait = decision.wait_s if decision.allowed else decision.retry_after_s
+            if wait > 0:  # its slot is ahead: it would have waited for it since the send
+                wait += queued_s
             waits.append(min(max(wait, 0.0), HORIZON_S))
     except BackendError as exc:
         logger.debug("throttle: shadow look of task %s failed: %s", execution.request.id, exc)
@@ -72,3 +79,12 @@ def look(execution: Execution, rules: Sequence[Rule]) -> None:
         logger.warning("throttle: shadow look of task %s: %s", execution.request.id, exc)
         return
     throttler.observer.shadowed(execution, [rule.name for rule in rules], waits)
+
+
+def _queued_s(execution: Execution) -> float:
+    """How long ago (s) the task was sent: its ``throttle_sent`` header against now, both
+    on the Redis clock (0 when it has none, or when the clocks disagree into the future)."""
+    sent = sent_header(execution.message_headers)
+    if sent is None:
+        return 0.0
+    return min(max(execution.throttler.clock.now() - sent, 0.0), HORIZON_S)

@@ -32,6 +32,7 @@ from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.routing import declare_lanes, lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
+from throttle.celery.sent import install_stamp
 from throttle.celery.waiting import WaitStep
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError
@@ -274,6 +275,7 @@ def install(app: Celery, *, config: Any = None) -> Celery:
     )
     if MetricsStep not in app.steps["worker"]:
         app.steps["worker"].add(MetricsStep)
+    install_stamp(app)  # producers stamp the send time, for shadow mode
     _register_where_it_belongs(app)
     return app
 

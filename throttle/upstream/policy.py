@@ -46,6 +46,7 @@ __all__ = [
     "log_rate",
     "plan",
     "quota_spent",
+    "refusal_entry",
     "seen_by",
     "stated_for",
     "wants_reserved",
@@ -411,13 +412,17 @@ def apply_upstream(
         return None
     held = apply_signal(limiter, rates, signal, [target], learned)
     if refusals is not None and signal.refused:
-        status = getattr(response, "status_code", None)
-        refusals.record(
-            [
-                Refusal(
-                    limit.name, key, None, None, status if isinstance(status, int) else None,
-                    signal.source, signal.hold_s, held,
-                )
-            ]
-        )  # fmt: skip
+        refusals.record([refusal_entry(response, signal, limit, key, held)])
     return signal
+
+
+def refusal_entry(
+    response: Any, signal: UpstreamSignal, limit: Limit, key: str | None, held: bool
+) -> Refusal:
+    """The record's entry for a refusal seen without Celery (no task id, no task name),
+    by :func:`apply_upstream` and its asyncio twin."""
+    status = getattr(response, "status_code", None)
+    return Refusal(
+        limit.name, key, None, None, status if isinstance(status, int) else None,
+        signal.source, signal.hold_s, held,
+    )  # fmt: skip

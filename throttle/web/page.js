@@ -104,6 +104,15 @@ function row(limit, history) {
   if (limit.learned_per_s !== null) rate = num(limit.learned_per_s) + "/s learned";
   const configured = el("td", {class: "configured"}, limit.rate + (limit.burst !== null ? " burst " + num(limit.burst) : ""));
   if (limit.override !== null) configured.append(el("span", {class: "sub"}, limit.override_ignored ? "set rate ignored (bad)" : "set at run time: " + limit.override));
+  // A plan table: each plan's rate and burst (a fair limit's: its keys' weight).
+  for (const [plan, p] of Object.entries(limit.plans || {})) {
+    configured.append(el("span", {class: "sub plan", "data-plan": plan}, "plan " + plan + ": " +
+      (p.weight !== undefined ? "weight " + num(p.weight) : p.rate + " burst " + num(p.burst))));
+  }
+  // Keys with a rate of their own, set at run time (celery throttle set LIMIT RATE --key KEY).
+  for (const [key, spec] of Object.entries(limit.key_rates || {})) {
+    configured.append(el("span", {class: "sub key-rate", "data-key": key}, "key " + key + ": " + spec));
+  }
   const hold = el("td", {class: "hold"}, holdText(limit.hold) || "–");
   for (const [key, h] of Object.entries(limit.key_holds)) {
     hold.append(el("span", {class: "sub"}, key + ": ", holdText(h)));
@@ -124,11 +133,19 @@ function row(limit, history) {
     button.addEventListener("click", () => act(paused ? "resume" : "pause", limit.name, button));
     actions.append(button);
   }
+  const name = el("td", {class: "name"}, limit.name,
+    el("span", {class: "sub"}, limit.algorithm + (limit.fair ? ", fair" : "") + (limit.key !== null ? ", key " + limit.key : "")));
+  if (limit.mode === "shadow") name.append(el("span", {class: "sub mode shadowed"}, "shadow mode: delays nothing"));
+  const seen = limit.shadow;
+  if (seen && seen.tasks) {
+    // What the limit, in shadow, would have done over the last minutes (counted from the send).
+    name.append(el("span", {class: "sub shadow"}, "would have delayed " + seen.delayed + " of " + seen.tasks +
+      (seen.delayed ? ", p50 " + dur(seen.p50_s) + ", p95 " + dur(seen.p95_s) : "")));
+  }
   const nextSlot = limit.key !== null ? "per key" : limit.next_slot_s === null ? "paused"
                    : limit.next_slot_s === 0 ? "now" : "in " + dur(limit.next_slot_s);
   tr.append(
-    el("td", {class: "name"}, limit.name,
-       el("span", {class: "sub"}, limit.algorithm + (limit.fair ? ", fair" : "") + (limit.key !== null ? ", key " + limit.key : ""))),
+    name,
     el("td", {class: "rate"}, rate),
     configured,
     el("td", {class: "num tokens"}, limit.key !== null ? "per key" : num(limit.tokens)),
@@ -161,6 +178,7 @@ function draw(data) {
     `${data.parked} tasks parked in Redis, ${data.releasing} being released · ` +
     (data.workers === null ? "workers not asked" : `${data.workers} workers replied`) +
     ` · refused: deferred per minute over the last ${data.minutes} whole minutes` +
+    ` · shadow: over the last ${data.minutes} minutes` +
     ` · chart: the last ${span(data.history || [])}`;
 }
 
