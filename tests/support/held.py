@@ -301,7 +301,7 @@ def _run(
         killed_at = time.monotonic()
         ran_before_kill = ran()
         after_kill = broker.pending()
-        notes.append(f"broker (ready, unacked) just after the kill: {after_kill}")
+        notes.append(f"broker (ready, unacked) just after the kill: {after_kill}; logs in {tmp}")
         if ran_before_kill >= TASKS:
             raise CaseError(f"{case.id}: every task ran before the kill; nothing was held")
         # Then a second worker takes over and every task runs
@@ -329,6 +329,9 @@ def _run(
     finally:
         victim.kill()
         survivor.stop()
+        cached = getattr(app, "_throttler", None)
+        if cached is not None:  # the producer's (its publishes are stamped on Redis time)
+            cached[1].limiter.client.close()
         with contextlib.suppress(Exception):
             app.close()
 

@@ -52,8 +52,9 @@ def test_a_killed_worker_s_waiting_tasks_run_once_each(
     # takes over (tests/support/held.py)
     outcome = run_case(case, tmp_path, url)
     # Then every task ran, and none twice
-    assert outcome.lost == [], outcome
-    assert outcome.twice == {}, outcome
+    said = f"{case.id}: {'; '.join(outcome.notes)}"
+    assert outcome.lost == [], f"{len(outcome.lost)} never ran: {outcome.lost}; {said}"
+    assert outcome.twice == {}, f"runs of the tasks run more than once: {outcome.twice}; {said}"
     assert sorted(outcome.runs) == sorted(outcome.ids)
     print(
         f"\n{case.id}: {outcome.ran_before_kill} ran before the kill, {outcome.held_at_kill} "

@@ -358,6 +358,29 @@ def test_a_killed_worker_s_tasks_come_back_at_once_and_complete_once(fleet: Flee
     print(f"\nkilled worker: its 2 messages were back {back_s:.2f} s after the kill")
 
 
+def test_a_worker_starting_while_its_lane_holds_messages_runs_them(fleet: Fleet) -> None:
+    # Given messages waiting in a queue's lane and no worker consuming it (a killed
+    # worker's deferred tasks, a restart during a backlog)
+    from tests.apps.rabbit_app import app, plain  # noqa: PLC0415
+
+    handles = [plain.apply_async((x,), queue="cold.throttled") for x in range(3)]
+    # When a worker starts on the queue (it consumes the lane too)
+    env = {**fleet.env, "RABBIT_QUORUM": "0"}
+    cold = Worker("k2", env, app="tests.apps.rabbit_app", queues="cold", concurrency=2,
+                  log=fleet.tmp / "k2.log")  # fmt: skip
+    cold.start()
+    try:
+        wait_ready(app, [cold])
+        # Then it runs them, once each (the broker delivers them as soon as the worker
+        # consumes the lane: before its loop had a callback, the worker stopped with
+        # "Consumer does not have any callbacks")
+        done = results(handles)
+        assert all(r["runs"] == 1 for r in done)
+        assert cold.proc is not None and cold.proc.poll() is None
+    finally:
+        cold.stop()
+
+
 def test_a_deferred_task_goes_back_to_its_own_queue_only_even_from_a_fanout(vhost: str) -> None:
     # Given a fanout exchange bound to two queues, and a task consumed from one of them
     from celery import Celery  # noqa: PLC0415
