@@ -16,8 +16,9 @@ workers build the same app:
   killed worker's unacknowledged messages come back once they are that old;
 * ``THROTTLE_CONFIG``: the limits file (limit ``held``).
 
-Each body counts itself in ``held:runs`` (HASH task id -> count), the only thing it does,
-so that a body killed mid-way is all but impossible and a count of 2 is a task run twice.
+Each body counts itself in ``held:runs`` (HASH task id -> count) and names its worker in
+``held:by:<task id>`` (a list), in one round trip and nothing else, so that a body killed
+mid-way is all but impossible and a count of 2 is a task run twice.
 With ``HELD_COUNT_PUBLISHES=1`` (the workers), every message a worker publishes (a
 re-publish, a release from parking) is counted per task id
 (:func:`tests.support.publishes.count_publishes`).
@@ -83,8 +84,11 @@ def _redis() -> redis.Redis:
 @app.task(bind=True, shared=False)
 @throttled("held")
 def call(self: Any, n: int) -> None:
-    """One call under limit ``held``: counted per task id, and nothing else."""
-    _redis().hincrby("held:runs", self.request.id, 1)
+    """One call under limit ``held``: counted per task id, with the worker that ran it."""
+    pipe = _redis().pipeline(transaction=False)
+    pipe.hincrby("held:runs", self.request.id, 1)
+    pipe.rpush(f"held:by:{self.request.id}", self.request.hostname or "")
+    pipe.execute()
 
 
 if os.environ.get("HELD_COUNT_PUBLISHES") == "1":

@@ -19,7 +19,10 @@ looked at, so that it holds however the waiting is built):
    connection's messages back at once; the Redis transport once they are
    ``visibility_timeout`` old.
 4. Judged once every task ran and the broker and the parking lot are empty (nothing left
-   that could run a task again), after a grace: each task id ran exactly once.
+   that could run a task again), after a grace: each task id ran exactly once. A task
+   whose body the victim had completed and that ran again is counted apart
+   (:attr:`Outcome.rerun_after_body`): its acknowledgement had not left when the victim
+   died, which is Celery's at-least-once, not a waiting task run twice.
 """
 
 from __future__ import annotations
@@ -144,9 +147,21 @@ class Outcome:
     def lost(self) -> list[str]:
         return [i for i in self.ids if self.runs.get(i, 0) == 0]
 
+    ran_on_victim: set[str] = field(default_factory=set)
+    """Tasks whose body the victim completed (before it was killed)."""
+
     @property
     def twice(self) -> dict[str, int]:
-        return {i: n for i, n in self.runs.items() if n != 1}
+        """Tasks run more than once whose body the victim had not completed: a copy made
+        while the task waited (a re-publish or a park whose original came back too)."""
+        return {i: n for i, n in self.runs.items() if n != 1 and i not in self.ran_on_victim}
+
+    @property
+    def rerun_after_body(self) -> dict[str, int]:
+        """Tasks run again after the victim completed their body: killed after the body and
+        before the consumer's loop sent the acknowledgement (Celery's at-least-once with
+        ``acks_late``; the solo pool sends an early one only when the task returns, too)."""
+        return {i: n for i, n in self.runs.items() if n != 1 and i in self.ran_on_victim}
 
     @property
     def publishes_per_task(self) -> float:
@@ -322,9 +337,13 @@ def _run(
         assert left == ((0, 0), (0, 0)), f"{case.id}: messages came back in the grace: {left}"
         runs = {k.decode(): int(v) for k, v in client.hgetall("held:runs").items()}
         publishes = publishes_of(client, ids)
+        on_victim = {
+            i for i in ids
+            if victim.hostname.encode() in client.lrange(f"held:by:{i}", 0, -1)
+        }  # fmt: skip
         return Outcome(
             case, runs, publishes, ids, held, ran_before_kill,
-            time.monotonic() - started, recovered_s, notes,
+            time.monotonic() - started, recovered_s, notes, on_victim,
         )  # fmt: skip
     finally:
         victim.kill()
