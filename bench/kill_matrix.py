@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -49,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each case")
     parser.add_argument("--json", type=Path, help="write the outcomes here")
     args = parser.parse_args(argv)
+    # A SIGTERM ends the run through the cleanups (workers, redis-servers, the vhost).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = [
         Case(pool, broker, acks == "late")
         for broker, acks, pool in itertools.product(
