@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers bench-plans
+.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers bench-plans bench-kill
 
 setup: system-deps $(STAMP)
 
@@ -145,6 +145,12 @@ bench-skew: setup
 BEFORE_TENANTS ?= f0eea23
 bench-tenants: setup
 	$(PY) -m bench.tenants --before $(BEFORE_TENANTS)
+
+# A worker SIGKILLed while it holds waiting throttled tasks, every pool x broker (Redis,
+# RabbitMQ classic and quorum queues) x acks_late: tasks lost and run twice, publishes per
+# task. The RabbitMQ cases need the service at 127.0.0.1:5672 (a private vhost, deleted).
+bench-kill: setup
+	$(PY) -m bench.kill_matrix $(KILL_ARGS)
 
 # What throttling costs a worker per task: one `celery worker -c 4`, 2,000 no-op tasks per
 # block, plain vs throttled (limits that never bind), medians of interleaved rounds, script

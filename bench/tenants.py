@@ -21,6 +21,11 @@ Limits (``tests/apps/tenants_app.py``): ``tenant`` 15/s burst 1 per tenant (GCRA
   98.7 % (300 / (2 + 20 x 299 / 19.8)): it counts the limit's 1 % headroom and the API's
   burst as losses.
 
+Every part also reports broker publishes per task: the messages published to the private
+redis-server broker from the first send until every task completed (one ``LPUSH`` each:
+:func:`tests.support.publishes.broker_lpushes`), the producer's own included, divided by
+the tasks; issue 25's target is <= 1.1 at a steady backlog.
+
 ``--park-lead`` sets how early a parked task comes back before its slot (it then sleeps
 in its pool slot; capped at half of ``sleep_max``, 0.25 s here).
 
@@ -47,6 +52,7 @@ from celery import Celery
 
 from bench.celery_fleet import ApiProcess
 from bench.checkout import checkout
+from tests.support.publishes import broker_lpushes
 from tests.support.servers import RedisServer
 from tests.support.tenants import LIMITS
 from tests.support.upstream import violations_explained
@@ -123,6 +129,7 @@ def tenants_run(
     producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
 ) -> dict[str, Any]:
     origin = api.reset()
+    lpushes = broker_lpushes(client)
     start = redis_now(client)
     flood = [producer.send_task(f"{APP}.call", args=("A", n)) for n in range(args.flood)]
     while redis_now(client) < start + args.after or client.llen(QUEUE):
@@ -130,6 +137,7 @@ def tenants_run(
     sent = redis_now(client)
     trickle = [producer.send_task(f"{APP}.call", args=("B", n)) for n in range(args.trickle)]
     done = [h.get(timeout=args.timeout) for h in flood + trickle]
+    published = (broker_lpushes(client) - lpushes) / len(done)
     a = sorted(r["slot"] for r in done if r["tenant"] == "A")
     b = sorted(r["slot"] for r in done if r["tenant"] == "B")
     waits = [s - sent for s in b]
@@ -147,6 +155,7 @@ def tenants_run(
         "shared_use": len(a + b) / used, "refused": api.get("/stats")["violations"],
         "unexplained": unexplained(api, origin, done),
         "twice": sum(r["runs"] > 1 for r in done), "span": a[-1] - a[0],
+        "publishes": published,
     }  # fmt: skip
 
 
@@ -157,6 +166,7 @@ def queue_run(
     trickle ``--after`` s later, one task every ``--spacing`` s, whatever is still queued
     (A's tasks are, when the fleet takes them at A's rate)."""
     origin = api.reset()
+    lpushes = broker_lpushes(client)
     start = redis_now(client)
     flood = [producer.send_task(f"{APP}.call", args=("A", n)) for n in range(args.flood)]
     trickle, sent = [], []
@@ -170,6 +180,7 @@ def queue_run(
         sent.append(redis_now(client))
         trickle.append(producer.send_task(f"{APP}.call", args=("B", n)))
     done = [h.get(timeout=args.timeout) for h in flood + trickle]
+    published = (broker_lpushes(client) - lpushes) / len(done)
     a = sorted(r["slot"] for r in done if r["tenant"] == "A")
     b = [r["slot"] for r in sorted((r for r in done if r["tenant"] == "B"), key=lambda r: r["n"])]
     waits = [slot - at for slot, at in zip(b, sent, strict=True)]
@@ -190,6 +201,7 @@ def queue_run(
         "queued": queued, "refused": api.get("/stats")["violations"],
         "unexplained": unexplained(api, origin, done),
         "twice": sum(r["runs"] > 1 for r in done), "span": max(a[-1], b[-1]) - a[0],
+        "publishes": published,
     }  # fmt: skip
 
 
@@ -226,8 +238,10 @@ def baseline_run(
     producer: Celery, client: redis.Redis, api: ApiProcess, args: argparse.Namespace
 ) -> dict[str, Any]:
     origin = api.reset()
+    lpushes = broker_lpushes(client)
     handles = [producer.send_task(f"{APP}.solo", args=(n,)) for n in range(args.baseline)]
     done = [h.get(timeout=args.timeout) for h in handles]
+    published = (broker_lpushes(client) - lpushes) / len(done)
     arrivals = api.get("/arrivals")
     span = arrivals[-1]["at_s"] - arrivals[0]["at_s"]
     allowed = sum(x["allowed"] for x in arrivals)
@@ -244,7 +258,7 @@ def baseline_run(
         "late_p50": statistics.median(late), "late_last": late[-1],
         "former": allowed / (API_BURST + API_RATE * span), "refused": len(arrivals) - allowed,
         "unexplained": unexplained(api, origin, done),
-        "twice": sum(r["runs"] > 1 for r in done),
+        "twice": sum(r["runs"] > 1 for r in done), "publishes": published,
     }  # fmt: skip
 
 
@@ -365,40 +379,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print("| pool | version | A queued when B began | B wait p50 | B wait p95 | B max "
               "| B p95 beyond its spacing | shared used / allowed | A's rate "
-              "| refused (unexplained) | twice |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| refused (unexplained) | twice | publishes / task |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for version, pool_spec, t in queue_rows:
             print(
                 f"| {pool_spec.replace(':', ' -c ')} | {version} | {t['queued']} "
                 f"| {t['b_p50']:.2f} s | {t['b_p95']:.2f} s | {t['b_max']:.2f} s "
                 f"| {t['b_excess_p95']:.2f} s | {100 * t['shared_use']:.1f} % "
-                f"| {t['a_rate']:.2f}/s | {t['refused']} ({t['unexplained']}) | {t['twice']} |"
+                f"| {t['a_rate']:.2f}/s | {t['refused']} ({t['unexplained']}) | {t['twice']} "
+                f"| {t['publishes']:.2f} |"
             )
     if "tenants" in parts:
         print()
         print("| version | B wait p50 | B wait p95 | B p95 beyond its spacing "
-              "| shared used / allowed | refused (unexplained) |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+              "| shared used / allowed | refused (unexplained) | publishes / task |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         for version, t, _ in rows:
             assert t is not None
             print(
                 f"| {version} | {t['b_p50']:.2f} s | {t['b_p95']:.2f} s "
                 f"| {t['b_excess_p95']:.2f} s | {100 * t['shared_use']:.1f} % "
-                f"| {t['refused']} ({t['unexplained']}) |"
+                f"| {t['refused']} ({t['unexplained']}) | {t['publishes']:.2f} |"
             )
     if "baseline" in parts:
         print()
         print("| version | spacing guard | park_lead | calls: rate / limit | rate / API "
               "| schedule / limit | late p50 | last call late | former measure "
-              "| refused (unexplained) |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| refused (unexplained) | publishes / task |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for version, _, bases in rows:
             for guard, lead, b in bases:
                 print(
                     f"| {version} | {guard} | {lead} | {100 * b['of_limit']:.1f} % "
                     f"| {100 * b['of_api']:.1f} % | {100 * b['schedule']:.1f} % "
                     f"| {1000 * b['late_p50']:.0f} ms | {1000 * b['late_last']:.0f} ms "
-                    f"| {100 * b['former']:.1f} % | {b['refused']} ({b['unexplained']}) |"
+                    f"| {100 * b['former']:.1f} % | {b['refused']} ({b['unexplained']}) "
+                    f"| {b['publishes']:.2f} |"
                 )
     return 0
 

@@ -3,6 +3,8 @@ worker`` subprocesses against the RabbitMQ service, in a private vhost.
 
 ``RABBIT_BROKER_URL`` is the broker (``amqp://.../VHOST``); ``RABBIT_REDIS_URL`` the
 private redis-server that is result backend, limiter and ledger (``test:*`` keys).
+``RABBIT_COUNT_PUBLISHES=1`` (the workers) counts the messages they publish per task id
+(:func:`tests.support.publishes.count_publishes`).
 ``RABBIT_QUORUM=1`` adds the quorum queues (``quorum``, ``prelane``) to ``task_queues``:
 Celery turns global QoS off for a worker that knows a quorum queue, so the classic fleet
 is started without them and a worker of its own consumes them.
@@ -18,6 +20,7 @@ import redis
 from celery import Celery
 from kombu import Exchange, Queue
 
+from tests.support.publishes import count_publishes
 from throttle.celery import ThrottledTask, install, throttled
 from throttle.redis.keys import KeySpace
 from workers.demo_app import _post
@@ -57,6 +60,18 @@ app.conf.update(
 )
 install(app)
 _KEYS = KeySpace()
+_clients: list[redis.Redis] = []
+
+
+def _counter() -> redis.Redis:
+    """The ledger's client of this process, made on first use (after a pool's fork)."""
+    if not _clients:
+        _clients.append(redis.Redis.from_url(REDIS))
+    return _clients[0]
+
+
+if os.environ.get("RABBIT_COUNT_PUBLISHES") == "1":  # the workers: what they send back
+    count_publishes(_counter, lambda: set(app.tasks))
 
 
 def _record(task: Any, name: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
+from tests.support.publishes import publishes_of
 from tests.support.servers import RedisServer
 from tests.support.upstream import api_lateness, violations_explained
 from workers.harness import Api, Worker, start_api, wait_ready
@@ -110,7 +111,8 @@ class Fleet:
             "MOCK_API_URL": api.url,
             "THROTTLE_CONFIG": str(config),
         }
-        classic = {**self.env, "RABBIT_QUORUM": "0"}
+        counting = {**self.env, "RABBIT_COUNT_PUBLISHES": "1"}
+        classic = {**counting, "RABBIT_QUORUM": "0"}
         self.workers = [
             Worker(f"w{i}", classic, app="tests.apps.rabbit_app", queues="celery,upstream,github",
                    log=tmp / f"w{i}.log")
@@ -118,7 +120,7 @@ class Fleet:
         ]  # fmt: skip
         # Celery turns global QoS off in a worker that knows a quorum queue: a worker of its own.
         self.workers.append(
-            Worker("q1", {**self.env, "RABBIT_QUORUM": "1"}, app="tests.apps.rabbit_app",
+            Worker("q1", {**counting, "RABBIT_QUORUM": "1"}, app="tests.apps.rabbit_app",
                    queues="quorum,prelane", concurrency=4, log=tmp / "q1.log")
         )  # fmt: skip
         self.client = redis.Redis.from_url(server.url)
@@ -211,6 +213,29 @@ def test_a_fleet_on_rabbitmq_calls_the_api_at_the_limit_with_no_violation(fleet:
     assert deferrals / len(done) <= 1.1, deferrals
     print(f"\nrabbitmq fleet: 200 calls over {slots[-1] - slots[0]:.2f} s, utilization "
           f"{utilization:.3f}, {stats['violations']} refusals, {deferrals} deferrals")  # fmt: skip
+
+
+PUBLISHES_PER_TASK = 1.1
+"""The most broker publishes per admitted task at a steady backlog (issue 25), the
+producer's own one included."""
+
+
+def test_a_steady_backlog_costs_at_most_1_1_publishes_per_task_on_rabbitmq(fleet: Fleet) -> None:
+    # Given a backlog 10 s deep at the limit (20/s), on two workers of 4 prefork children
+    from tests.apps.rabbit_app import call_api  # noqa: PLC0415
+
+    handles = [call_api.delay(n) for n in range(200)]
+    done = results(handles, timeout=120)
+    # When every task ran once
+    assert all(r["runs"] == 1 for r in done)
+    # Then at most 1.1 messages were published per task: the producer's, and the few the
+    # workers sent back (re-published, released from parking; Celery's publish signal)
+    published = publishes_of(fleet.client, [h.id for h in handles])
+    per_task = sum(published.values()) / len(done)
+    total, most = sum(published.values()), max(published.values())
+    print(f"\nrabbitmq steady backlog: {total} publishes for {len(done)} tasks "
+          f"({per_task:.2f} per task, at most {most} for one)")  # fmt: skip
+    assert per_task <= PUBLISHES_PER_TASK, per_task
 
 
 def test_deferred_tasks_are_republished_to_the_lane_and_keep_their_id(fleet: Fleet) -> None:
@@ -331,6 +356,29 @@ def test_a_killed_worker_s_tasks_come_back_at_once_and_complete_once(fleet: Flee
     assert all(fleet.client.llen(f"test:starts:{h.id}") == 2 for h in handles)
     assert {r["queue"] for r in done} == {"kill"}
     print(f"\nkilled worker: its 2 messages were back {back_s:.2f} s after the kill")
+
+
+def test_a_worker_starting_while_its_lane_holds_messages_runs_them(fleet: Fleet) -> None:
+    # Given messages waiting in a queue's lane and no worker consuming it (a killed
+    # worker's deferred tasks, a restart during a backlog)
+    from tests.apps.rabbit_app import app, plain  # noqa: PLC0415
+
+    handles = [plain.apply_async((x,), queue="cold.throttled") for x in range(3)]
+    # When a worker starts on the queue (it consumes the lane too)
+    env = {**fleet.env, "RABBIT_QUORUM": "0"}
+    cold = Worker("k2", env, app="tests.apps.rabbit_app", queues="cold", concurrency=2,
+                  log=fleet.tmp / "k2.log")  # fmt: skip
+    cold.start()
+    try:
+        wait_ready(app, [cold])
+        # Then it runs them, once each (the broker delivers them as soon as the worker
+        # consumes the lane: before its loop had a callback, the worker stopped with
+        # "Consumer does not have any callbacks")
+        done = results(handles)
+        assert all(r["runs"] == 1 for r in done)
+        assert cold.proc is not None and cold.proc.poll() is None
+    finally:
+        cold.stop()
 
 
 def test_a_deferred_task_goes_back_to_its_own_queue_only_even_from_a_fanout(vhost: str) -> None:

@@ -193,10 +193,23 @@ class LaneStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, consumer: Any) -> None:
         if not throttling_enabled(consumer.app) or not Throttler.of(consumer.app).settings.lanes:
             return
-        for queue in list(consumer.task_consumer.queues):
-            if not queue.name.endswith(LANE_SUFFIX):
-                # Declared like the queue it serves (a quorum queue's lane is a quorum queue).
-                consumer.add_task_queue(lane_queue(consumer.app, queue).name)
+        task_consumer = consumer.task_consumer
+        queues = consumer.app.amqp.queues
+        for queue in list(task_consumer.queues):
+            if queue.name.endswith(LANE_SUFFIX):
+                continue
+            # Declared like the queue it serves (a quorum queue's lane is a quorum queue).
+            lane = queues.select_add(lane_queue(consumer.app, queue))
+            if task_consumer.consuming_from(lane.name):
+                continue
+            # Added, not consumed: the consumer's loop starts consuming every queue of the
+            # task consumer once it has set the message callback. Celery's
+            # ``add_task_queue`` consumes at once: on RabbitMQ a lane with ready messages
+            # (a restart during a backlog, a killed worker's deferred tasks) then delivers
+            # them before there is a callback, and the worker stops ("Consumer does not
+            # have any callbacks"; the messages are requeued).
+            task_consumer.add_queue(lane)
+            logger.info("throttle: consuming from lane %s", lane.name)
 
 
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
