@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from throttle.redis.client import RedisClient, run_script
+from throttle.redis.client import RedisClient, run_script, wrap_errors
 from throttle.redis.keys import KeySpace
 from throttle.redis.scripts import operation_source
 
@@ -35,6 +35,10 @@ DEFAULT_CLAIM_S = 30.0
 """How long a claim protects a task from other releasers, in s (publishing takes ms)."""
 DEFAULT_RUN_TTL_S = 7 * 86400.0
 """How long the publish id of a started parked task is remembered, in s."""
+DEFAULT_COPY_TTL_S = 86400.0
+"""How long the number of a task's newest copy is remembered, in s: longer than a
+broker takes to deliver an unacknowledged message again (kombu's Redis transport: its
+``visibility_timeout``, 1 h by default; RabbitMQ: when the connection drops)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,27 @@ class ParkingLot:
         """True when this published copy of a parked task may run (see the module doc)."""
         key = self.keyspace.parked_run_key(token)
         return bool(run_script(self.client, self._accept, [key], [publish_id, round(ttl_s * 1000)]))
+
+    def sent_copy(self, task_id: str, copy: int, *, ttl_s: float = DEFAULT_COPY_TTL_S) -> None:
+        """Record that copy number ``copy`` of task ``task_id`` was sent back (published
+        or parked). The copy it replaces is acknowledged only after this; a worker that
+        dies in between leaves that copy to be delivered again, and :meth:`stale_copy`
+        then tells it apart. One copy at a time defers a task, so the newest number
+        wins."""
+        key, ttl_ms = self.keyspace.copy_key(task_id), max(round(ttl_s * 1000), 1)
+        wrap_errors(lambda: self.client.set(key, copy, px=ttl_ms))
+
+    def stale_copy(self, task_id: str, copy: int) -> bool:
+        """Whether a newer copy of task ``task_id`` than number ``copy`` was sent back:
+        this one, delivered again, must not run (the newer one runs)."""
+        key = self.keyspace.copy_key(task_id)
+        raw = wrap_errors(lambda: self.client.get(key))
+        if raw is None:
+            return False
+        try:
+            return int(raw) > copy
+        except ValueError:
+            return False
 
     def find(self, task_id: str) -> Parked | None:
         """The parked task of ``task_id`` (from the lot's index), or None."""

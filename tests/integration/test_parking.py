@@ -339,3 +339,19 @@ def test_scan_reads_a_lot_larger_than_its_batch(lot: ParkingLot) -> None:
     seen = list(lot.scan(count=5))
     assert {p.token for p in seen} == parked
     assert {p.task_id for p in seen} == {f"id-{i}" for i in range(23)}
+
+
+def test_a_copy_delivered_again_after_a_newer_one_was_sent_is_stale(
+    client: redis.Redis, lot: ParkingLot
+) -> None:
+    # Nothing sent back yet: the first delivery and its redeliveries run.
+    assert lot.stale_copy("task-1", 0) is False
+    lot.sent_copy("task-1", 1, ttl_s=60.0)
+    # The original (copy 0), delivered again, is stale; copy 1 is not, nor another task.
+    assert lot.stale_copy("task-1", 0) is True
+    assert lot.stale_copy("task-1", 1) is False
+    assert lot.stale_copy("task-2", 0) is False
+    lot.sent_copy("task-1", 2, ttl_s=60.0)
+    assert lot.stale_copy("task-1", 1) is True
+    assert lot.stale_copy("task-1", 2) is False
+    assert 59_000 < client.pttl(lot.keyspace.copy_key("task-1")) <= 60_000

@@ -31,7 +31,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from throttle.celery.arrival import eta_lead_s
 from throttle.celery.deadlines import MAX_RESERVE_S, capped_s, lease_s, overdue, set_deadlines
 from throttle.celery.execution import Execution, Ticket, current_ticket
-from throttle.celery.message import H_PARKED, H_PUBLISH, eta_header, id_header
+from throttle.celery.message import H_PARKED, H_PUBLISH, count_header, eta_header, id_header
 from throttle.celery.plan import Plan, hand_back, reserve_plan
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
@@ -173,15 +173,27 @@ def restore_eta(execution: Execution) -> None:
 
 
 def drop_second_copy(execution: Execution) -> None:
-    """A parked task released twice (a releaser died between publishing and committing)
-    runs once: the parking lot accepts one publish of each token; the second copy is
-    dropped (raises celery's ``Ignore``)."""
+    """A task sent back runs once, as one copy (a second one is dropped: raises celery's
+    ``Ignore``, which acknowledges it):
+
+    - a parked task released twice (a releaser died between publishing and committing):
+      the parking lot accepts one publish of each token;
+    - a copy delivered again after it was sent back (its worker died between sending the
+      next copy and acknowledging this one): the lot knows the number of the newest copy
+      (:func:`throttle.celery.reschedule.defer`). Asked only of a message the broker
+      delivered again, so that a first delivery pays no round trip."""
     headers = execution.message_headers
     token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
-    if (
-        token is not None
-        and publish is not None
-        and not execution.throttler.parking.accept(token, publish)
-    ):
+    parking = execution.throttler.parking
+    if token is not None and publish is not None and not parking.accept(token, publish):
         logger.info("throttle: dropping a second copy of parked task %s", execution.request.id)
+        raise Ignore()
+    delivery = execution.request.delivery_info or {}
+    if delivery.get("redelivered") and parking.stale_copy(
+        execution.request.id, count_header(headers)
+    ):
+        logger.info(
+            "throttle: dropping task %s delivered again: a newer copy was sent back",
+            execution.request.id,
+        )
         raise Ignore()

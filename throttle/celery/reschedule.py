@@ -108,8 +108,21 @@ def defer(
         sig = task.signature_from_request(request, countdown=countdown_s, headers=headers, **route)
         publish(sig)
         how = "republish"
+    sent_copy(execution, count)
     execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
     raise Retry(exc=Throttled(wait_s, limits), when=countdown_s, sig=sig)
+
+
+def sent_copy(execution: Execution, count: int) -> None:
+    """Record copy ``count`` of the task as sent, before the message being run is
+    acknowledged (see :func:`throttle.celery.comeback.drop_second_copy`). A failure to
+    record loses only that protection: the copy is out, and this message must still be
+    acknowledged."""
+    try:
+        execution.throttler.parking.sent_copy(execution.request.id, count)
+    except BackendError as exc:  # the copy runs in any case
+        logger.warning("throttle: task %s: recording its copy %d failed: %r",
+                       execution.request.id, count, exc)  # fmt: skip
 
 
 def mapping_headers(request: Any) -> None:

@@ -277,6 +277,12 @@ class KeySpace:
         """Which published copy of a parked task may run (the first one to start)."""
         return f"{self.base}park:run:{encode(token)}"
 
+    def copy_key(self, task_id: str) -> str:
+        """The number of the newest copy of one task that throttling sent back
+        (re-published or parked): an older copy that the broker delivers again is stale
+        (see :meth:`throttle.parking.ParkingLot.sent_copy`); it expires."""
+        return f"{self.base}copy:{encode(task_id)}"
+
     def alive_key(self) -> str:
         """The marker that this Redis kept the namespace's data (no TTL): its absence tells
         a worker that Redis is new or restarted empty (the ``cold_start`` setting)."""
