@@ -6,8 +6,11 @@ the demo's (``workers.harness.WORKER_SETTINGS``: late acks, one prefetched task 
 slot), results ignored, and kombu's Redis transport allowed ``RATES_CONNECTIONS``
 connections (its default of 10 is fewer than a large gevent or threads pool acks with).
 
-Each task makes one ``requests`` call with a session of its thread (greenlet, under
-gevent), kept alive, as a user's task would. ``plain`` is not throttled: the pool's own
+Each task makes one ``requests`` call on a kept-alive session taken from a pool of idle
+ones (made on demand, one per call in flight at most). Not a session per thread
+(``threading.local``): the gevent pool runs every task in a new greenlet, and gevent's
+``local`` is per greenlet, so that would open a new connection per call, and leave the
+old one open until the session is collected. ``plain`` is not throttled: the pool's own
 ceiling, measured in the same invocation; ``limited_100`` and ``limited_500`` are
 throttled by a GCRA limit of 100/s and 500/s (:data:`LIMITS`).
 """
@@ -15,7 +18,7 @@ throttled by a GCRA limit of 100/s and 500/s (:data:`LIMITS`).
 from __future__ import annotations
 
 import os
-import threading
+import queue
 from typing import Any
 
 import requests
@@ -45,15 +48,22 @@ app.conf.update(
 )
 install(app)
 
-_local = threading.local()
+_idle: queue.SimpleQueue[requests.Session] = queue.SimpleQueue()
+"""Sessions no call is using (per process: made after the fork)."""
 
 
 def _call(task_id: str) -> int:
-    """One POST to the API on this thread's kept-alive session; the HTTP status."""
-    session = getattr(_local, "session", None)
-    if session is None:
-        session = _local.session = requests.Session()
-    response = session.post(f"{API_URL}/call", headers={"X-Task-Id": task_id}, timeout=30)
+    """One POST to the API on an idle kept-alive session; the HTTP status."""
+    try:
+        session = _idle.get_nowait()
+    except queue.Empty:
+        session = requests.Session()
+    try:
+        response = session.post(f"{API_URL}/call", headers={"X-Task-Id": task_id}, timeout=30)
+    except requests.RequestException:
+        session.close()
+        raise
+    _idle.put(session)
     return response.status_code
 
 
