@@ -40,7 +40,7 @@ What is measured, per phase
   transport publishes and restores messages) in ``INFO commandstats``, counted from
   before the phase's enqueueing to its end, over its tasks: 1.00 when nothing is sent
   twice (the target: at most 1.1);
-* CPU: the workers' process trees, the API and redis-server, per task, and the machine's
+* CPU: the workers' process trees, the API and redis-server, per call, and the machine's
   busy share over the phase (2 cores: 100 % is both), with the load average at its start
   and end: a CPU-bound phase shows it.
 """
@@ -52,6 +52,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,7 @@ def phase(
     procs: list[subprocess.Popen[bytes]],
     server: RedisServer,
     index: int,
+    spy: Path | None = None,
 ) -> dict[str, Any]:
     client = server.client()
     api.post("/limit", {"rate": api_limit[0], "burst": api_limit[1]})
@@ -170,6 +172,27 @@ def phase(
     psutil.cpu_percent()  # starts the machine's busy share from here
     cpu0 = (tree_cpu_s(procs), cpu_s(api.proc.pid, False), cpu_s(server.process.pid, False))
     started = time.monotonic()
+    spies = [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "-p",
+                str(proc.pid),
+                "-r",
+                "200",
+                "-f",
+                "raw",
+                "--nonblocking",
+                "--subprocesses",
+                "-o",
+                str(spy / f"phase{index}-{proc.pid}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for proc in (procs if spy is not None else [])
+    ]
     with producer.producer_or_acquire() as pub:
         for n in range(tasks):
             producer.send_task(f"{APP}.{task}", args=(n,), queue=queue, producer=pub)
@@ -179,6 +202,9 @@ def phase(
     elapsed = time.monotonic() - started
     time.sleep(1.0)  # a copy sent twice shows up late
     busy = psutil.cpu_percent()
+    for proc in spies:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
     cpu1 = (tree_cpu_s(procs), cpu_s(api.proc.pid, False), cpu_s(server.process.pid, False))
     arrivals = api.get("/arrivals")
     pushed = pushes(client) - pushed0
@@ -199,9 +225,9 @@ def phase(
         "steady_rate": steady_rate(times), "whole_rate": whole, "elapsed_s": elapsed,
         "workers_cores": (cpu1[0] - cpu0[0]) / (elapsed + 1.0),
         "publishes_per_task": pushed / tasks,
-        "workers_cpu_us": 1e6 * (cpu1[0] - cpu0[0]) / tasks,
-        "api_cpu_us": 1e6 * (cpu1[1] - cpu0[1]) / tasks,
-        "redis_cpu_us": 1e6 * (cpu1[2] - cpu0[2]) / tasks,
+        "workers_cpu_us": 1e6 * (cpu1[0] - cpu0[0]) / max(len(arrivals), 1),
+        "api_cpu_us": 1e6 * (cpu1[1] - cpu0[1]) / max(len(arrivals), 1),
+        "redis_cpu_us": 1e6 * (cpu1[2] - cpu0[2]) / max(len(arrivals), 1),
         "machine_busy": busy, "load": (load0, os.getloadavg()[0]),
     }  # fmt: skip
 
@@ -213,7 +239,8 @@ def run_pool(pool: str, concurrency: int, args: argparse.Namespace, logs: Path) 
     try:
         with RedisServer() as server:
             env = {"RATES_BROKER_URL": server.url, "MOCK_API_URL": api.url}
-            queues = [f"phase-{i}" for i in range(1 + len(LIMITS))]
+            per_round = 1 + len(LIMITS)
+            queues = [f"phase-{i}" for i in range(args.rounds * per_round)]
             with fleet(APP, pool, concurrency, queues, server.url, env, logs) as (
                 producer,
                 procs,
@@ -221,25 +248,30 @@ def run_pool(pool: str, concurrency: int, args: argparse.Namespace, logs: Path) 
             ):
                 ceiling = 2 * concurrency / args.latency
                 control = round(2 * args.seconds * min(ceiling, CONTROL_MAX))
-                common = (api, (UNLIMITED, UNLIMITED), producer, procs, server)
-                # The pool's ceiling: as many tasks as it could run in 2 x --seconds at
-                # 2 x c / latency (capped), stopped after that time.
-                row = phase("unthrottled", "plain", control, 2 * args.seconds + 5,
-                            *common, 0)  # fmt: skip
-                rows.append(row)
-                print(pool, concurrency, row, flush=True)
-                own = row["steady_rate"]
-                for i, (rate, _) in enumerate(LIMITS.items(), start=1):
-                    api_limit = (float(rate), rate * API_BURST_S)
-                    common = (api, api_limit, producer, procs, server)
-                    tasks = round(args.seconds * rate)
-                    row = phase(f"{rate}/s", f"limited_{rate}", tasks,
-                                3 * tasks / min(rate, own or rate) + 30, *common, i)  # fmt: skip
-                    row["limit"] = rate
-                    row["target_rate"] = min(float(rate), own)
-                    row["share"] = row["steady_rate"] / row["target_rate"] if own else 0.0
+                for round_no in range(args.rounds):
+                    first = round_no * per_round
+                    common = (api, (UNLIMITED, UNLIMITED), producer, procs, server)
+                    # The pool's ceiling: as many tasks as it could run in 2 x --seconds
+                    # at 2 x c / latency (capped), stopped after that time.
+                    row = phase("unthrottled", "plain", control, 2 * args.seconds + 5,
+                                *common, first, args.spy)  # fmt: skip
+                    row["round"] = round_no + 1
                     rows.append(row)
                     print(pool, concurrency, row, flush=True)
+                    own = row["steady_rate"]
+                    for i, (rate, _) in enumerate(LIMITS.items(), start=first + 1):
+                        api_limit = (float(rate), rate * API_BURST_S)
+                        common = (api, api_limit, producer, procs, server)
+                        tasks = round(args.seconds * rate)
+                        row = phase(f"{rate}/s", f"limited_{rate}", tasks,
+                                    3 * tasks / min(rate, own or rate) + 30, *common, i,
+                                    args.spy)  # fmt: skip
+                        row["round"] = round_no + 1
+                        row["limit"] = rate
+                        row["target_rate"] = min(float(rate), own)
+                        row["share"] = row["steady_rate"] / row["target_rate"] if own else 0.0
+                        rows.append(row)
+                        print(pool, concurrency, row, flush=True)
     finally:
         api.stop()
     for row in rows:
@@ -252,17 +284,19 @@ def table(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Two workers per pool, an API answering after {1000 * args.latency:.0f} ms; "
         f"--seconds {args.seconds:g}.",
         "",
-        "| pool | phase | tasks | rate at the API, steady (whole) | of the target | refused "
-        "| twice / missing | publishes per task | CPU µs/task: workers / API / redis "
+        "| pool | round | phase | tasks | rate at the API, steady (whole) | of the target "
+        "| refused "
+        "| twice / missing | publishes per task | CPU µs/call: workers / API / redis "
         "| workers' cores | machine busy | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         share = ""
         if "limit" in r:
             share = f"{100 * r['share']:.1f} % of {r['target_rate']:.1f}/s"
         lines.append(
-            f"| {r['pool']} | {r['phase']} | {r['tasks']} | {r['steady_rate']:.1f}/s "
+            f"| {r['pool']} | {r['round']} | {r['phase']} | {r['tasks']} "
+            f"| {r['steady_rate']:.1f}/s "
             f"({r['whole_rate']:.1f}) | {share} | {r['refused']} | {r['twice']} / "
             f"{r['missing'] if 'limit' in r else 'n/a'} | {r['publishes_per_task']:.2f} | "
             f"{r['workers_cpu_us']:.0f} / "
@@ -278,9 +312,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pools", default="gevent:100,threads:50,prefork:4")
     parser.add_argument("--latency", type=float, default=0.1)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="the three phases this many times on the same workers (each throttled phase "
+        "judged against its own round's control: the load of a shared host drifts)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep the workers' and API's logs here")
+    parser.add_argument(
+        "--spy", type=Path, metavar="DIR",
+        help="record each worker with py-spy (on PATH) during each phase, raw stacks in DIR",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.spy is not None:
+        args.spy.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-rates-") as tmp:
         logs = args.logs or Path(tmp)
