@@ -13,8 +13,9 @@ requests unlimited) and charges each call its real usage at its arrival: the pro
 characters: 60 tokens) and the reply (``--fill`` 0.516 of ``max_tokens`` 1,000: 516
 tokens), 576 tokens. Our limit is the same: 2,000 tokens/s, burst 4,000.
 
-Two phases on the same workers, each ``--tasks`` tasks enqueued at once (a backlog) on a
-queue of its own, which the workers consume from their start:
+Two phases, each on fresh pieces (its own redis-server, provider and workers), each
+``--tasks`` tasks enqueued at once (a backlog), ending when every task has called the
+provider or after ``--timeout`` s:
 
 * ``estimated``: each task reserves prompt + ``max_tokens`` = 1,060 tokens and reports its
   usage, 576, with ``report_cost``: the refund (484 tokens a task) should let the waiting
@@ -101,45 +102,45 @@ def measure(arrivals: list[dict[str, Any]], tasks: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    return [run_phase(name, args, logs) for name in args.phases.split(",")]
+
+
+def run_phase(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """One phase on fresh pieces (a phase that did not finish leaves nothing behind)."""
     (pool, concurrency), = parse_pools(args.pool)  # fmt: skip
-    rows = []
-    provider = ProviderProcess(logs / "provider.log")
+    cost = ESTIMATE if name == "estimated" else USAGE
+    (logs / name).mkdir(parents=True, exist_ok=True)
+    provider = ProviderProcess(logs / name / "provider.log")
     try:
         with RedisServer() as server:
             env = {"REFUND_BROKER_URL": server.url, "MOCK_PROVIDER_URL": provider.url}
-            phases = args.phases.split(",")
-            queues = [f"phase-{i}" for i in range(len(phases))]
-            with fleet(APP, pool, concurrency, queues, server.url, env, logs) as (
+            with fleet(APP, pool, concurrency, ["bench"], server.url, env, logs / name) as (
                 producer, _, _,
             ):  # fmt: skip
                 client = server.client()
-                for index, name in enumerate(phases):
-                    cost = ESTIMATE if name == "estimated" else USAGE
-                    provider.post("/_mock/reset", {})
-                    queue = f"phase-{index}"
-                    pushed0 = pushes(client)
-                    load0 = os.getloadavg()[0]
-                    started = time.monotonic()
-                    with producer.producer_or_acquire() as pub:
-                        for _ in range(args.tasks):
-                            producer.send_task(f"{APP}.{name}", args=(PROMPT, MAX_TOKENS, cost),
-                                               queue=queue, producer=pub)  # fmt: skip
-                    deadline = started + 2 * args.tasks * ESTIMATE / RATE + 60
-                    while (provider.get("/_mock/stats")["calls"] < args.tasks
-                           and time.monotonic() < deadline):  # fmt: skip
-                        time.sleep(0.25)
-                    time.sleep(1.0)  # a copy sent twice shows up late
-                    row = measure(provider.get("/_mock/arrivals"), args.tasks)
-                    row.update(phase=name, tasks=args.tasks, reserved=cost,
-                               publishes_per_task=(pushes(client) - pushed0) / args.tasks,
-                               elapsed_s=time.monotonic() - started,
-                               load=(load0, os.getloadavg()[0]))  # fmt: skip
-                    print(row, flush=True)
-                    rows.append(row)
+                provider.post("/_mock/reset", {})
+                pushed0 = pushes(client)
+                load0 = os.getloadavg()[0]
+                started = time.monotonic()
+                with producer.producer_or_acquire() as pub:
+                    for _ in range(args.tasks):
+                        producer.send_task(f"{APP}.{name}", args=(PROMPT, MAX_TOKENS, cost),
+                                           queue="bench", producer=pub)  # fmt: skip
+                deadline = started + args.timeout
+                while (provider.get("/_mock/stats")["calls"] < args.tasks
+                       and time.monotonic() < deadline):  # fmt: skip
+                    time.sleep(0.25)
+                time.sleep(1.0)  # a copy sent twice shows up late
+                row = measure(provider.get("/_mock/arrivals"), args.tasks)
+                row.update(phase=name, tasks=args.tasks, reserved=cost,
+                           publishes_per_task=(pushes(client) - pushed0) / args.tasks,
+                           elapsed_s=time.monotonic() - started,
+                           load=(load0, os.getloadavg()[0]))  # fmt: skip
                 client.close()
     finally:
         provider.stop()
-    return rows
+    print(row, flush=True)
+    return row
 
 
 def table(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -167,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=150)
     parser.add_argument("--pool", default="prefork:4")
     parser.add_argument("--phases", default="estimated,exact")
+    parser.add_argument(
+        "--timeout", type=float, default=240.0,
+        help="a phase ends after this many s, its tasks done or not (missing)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep the workers' and provider's logs here")
     args = parser.parse_args(argv)
