@@ -18,6 +18,9 @@ The variants explain a reading of 10 calls/s on ``-P gevent -c 10`` (issue 25):
 * ``gevent (-Pgevent as one word)``: click reads ``-Pgevent`` as ``-P gevent``, but
   ``celery.maybe_patch_concurrency`` looks for ``-P`` as a word of its own (or
   ``--pool``): no monkey-patching.
+* ``gevent (GEVENT_RESOLVER=block)``: gevent resolves host names in a pool of native
+  threads by default (``gevent.resolver.thread``), a hand-over per ``getaddrinfo``, which
+  ``requests`` calls for every new connection; ``block`` resolves in the calling greenlet.
 * ``gevent (worker_pool setting and no -P)``: the pool named in the app's ``worker_pool``
   setting (here through ``POOLS_WORKER_POOL``) and not on the command line: Celery runs
   the gevent pool, and nothing patches.
@@ -63,6 +66,7 @@ VARIANTS: dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]] = {
     "gevent -c 50": ("gevent", 50, (), ()),
     "gevent -c 10 (-Pgevent as one word)": ("gevent", 10, ATTACHED, ()),
     "gevent -c 10 (worker_pool setting and no -P)": ("gevent", 10, FROM_SETTING, ()),
+    "gevent -c 10 (GEVENT_RESOLVER=block)": ("gevent", 10, ("<env>", "GEVENT_RESOLVER=block"), ()),
     "gevent -c 100": ("gevent", 100, (), ()),
     "threads -c 50": ("threads", 50, (), ()),
 }
@@ -77,7 +81,7 @@ def fleet(
 
     procs = []
     for name in ("p1", "p2"):
-        marked = extra in (ATTACHED, FROM_SETTING)
+        marked = extra in (ATTACHED, FROM_SETTING) or extra[:1] == ("<env>",)
         argv = worker_argv(
             name, app=APP, concurrency=concurrency, pool=pool, extra=() if marked else extra
         )
@@ -89,6 +93,9 @@ def fleet(
         elif extra == FROM_SETTING:
             del argv[at : at + 2]
             full["POOLS_WORKER_POOL"] = pool
+        elif extra[:1] == ("<env>",):
+            name_, _, value = extra[1].partition("=")
+            full[name_] = value
         with open(logs / f"{name}-{pool}-{concurrency}.log", "wb") as out:
             procs.append(
                 subprocess.Popen(argv, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT)
