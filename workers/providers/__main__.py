@@ -1,6 +1,6 @@
 """``python -m workers.providers KIND [--port N] [--requests-per-min R] [--tokens-per-min T]
-[--burst-s S] [--halve-after S] [--fill F]``: one mock provider on a port, in a process of its own (as
-the benchmarks run it, so that its clock and threads are not the benchmark's).
+[--burst-s S] [--halve-after S] [--fill F]``: one mock provider on a port, in a process of
+its own (as the benchmarks run it, so that its clock and threads are not the benchmark's).
 
 KIND is ``openai``, ``anthropic``, ``stripe`` or ``github``. ``--halve-after S`` halves the
 ``tokens`` limit S seconds after the start (``requests`` for Stripe, ``secondary`` for
