@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers bench-plans bench-kill
+.PHONY: setup system-deps test-deps test test-fast lint typecheck pytest docs docs-check demo demo-core screenshot screenshot-web bench bench-celery bench-cluster soak clean bench-skew bench-overhead bench-tenants bench-adaptive bench-restart bench-strict bench-fair bench-lua bench-gate bench-providers bench-plans bench-kill bench-rates bench-refund
 
 setup: system-deps $(STAMP)
 
@@ -174,6 +174,19 @@ bench-fair: setup
 # the provider halving its token limit (docs/benchmarks/providers.md). About 5 minutes.
 bench-providers: setup
 	$(PY) -m bench.providers $(PROVIDERS_ARGS)
+
+# High rates: 100/s and 500/s limits against an API with 100 ms of latency, each pool
+# (gevent -c 100, threads -c 50, prefork -c 4) beside its own unthrottled ceiling in the
+# same invocation: the share of the limit, refusals, tasks twice, broker publishes per
+# task (docs/benchmarks/rates.md). About 5 minutes on a quiet host.
+bench-rates: setup
+	$(PY) -m bench.rates $(RATES_ARGS)
+
+# Cost and refund: a token limit (2,000/s, burst 4,000) whose tasks reserve about twice
+# what they report, against a mock provider charging the usage; beside tasks that reserve
+# exactly their usage (docs/benchmarks/refund.md). About 3 minutes on a quiet host.
+bench-refund: setup
+	$(PY) -m bench.refund $(REFUND_ARGS)
 
 # Three tenants on three plans through 2 workers x 4 children against a mock API enforcing
 # each plan; an override mid-run; the same fleet in shadow mode beside an unthrottled

@@ -15,6 +15,15 @@ The variants explain a reading of 10 calls/s on ``-P gevent -c 10`` (issue 25):
   (``celery.maybe_patch_concurrency``) and runs the pool of the last, so the greenlets
   share unpatched, blocking sockets: one call at a time per worker.
 * ``gevent (API backlog 5)``: the mock API with socketserver's default listen backlog.
+* ``gevent (-Pgevent as one word)``: click reads ``-Pgevent`` as ``-P gevent``, but
+  ``celery.maybe_patch_concurrency`` looks for ``-P`` as a word of its own (or
+  ``--pool``): no monkey-patching.
+* ``gevent (GEVENT_RESOLVER=block)``: gevent resolves host names in a pool of native
+  threads by default (``gevent.resolver.thread``), a hand-over per ``getaddrinfo``, which
+  ``requests`` calls for every new connection; ``block`` resolves in the calling greenlet.
+* ``gevent (worker_pool setting and no -P)``: the pool named in the app's ``worker_pool``
+  setting (here through ``POOLS_WORKER_POOL``) and not on the command line: Celery runs
+  the gevent pool, and nothing patches.
 
 Run: ``.venv/bin/python -m bench.pools [--tasks 400] [--latency 0.1]``.
 """
@@ -41,6 +50,12 @@ from workers.stack import worker_argv
 
 APP = "bench.pools_app"
 
+ATTACHED = ("<attached>",)
+"""Marks a variant whose command line says ``-Pgevent`` (one word, as click accepts it)."""
+FROM_SETTING = ("<setting>",)
+"""Marks a variant that names the pool in the app's ``worker_pool`` setting, without
+``-P``."""
+
 VARIANTS: dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]] = {
     # name: (pool, concurrency, extra worker args, extra API args)
     "prefork -c 4": ("prefork", 4, (), ()),
@@ -49,6 +64,11 @@ VARIANTS: dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]] = {
     "gevent -c 10 (-P given twice)": ("prefork", 10, ("-P", "gevent"), ()),
     "gevent -c 10 (API backlog 5)": ("gevent", 10, (), ("--backlog", "5")),
     "gevent -c 50": ("gevent", 50, (), ()),
+    "gevent -c 10 (-Pgevent as one word)": ("gevent", 10, ATTACHED, ()),
+    "gevent -c 10 (worker_pool setting and no -P)": ("gevent", 10, FROM_SETTING, ()),
+    "gevent -c 10 (GEVENT_RESOLVER=block)": ("gevent", 10, ("<env>", "GEVENT_RESOLVER=block"), ()),
+    "gevent -c 100": ("gevent", 100, (), ()),
+    "threads -c 50": ("threads", 50, (), ()),
 }
 
 
@@ -61,9 +81,21 @@ def fleet(
 
     procs = []
     for name in ("p1", "p2"):
-        argv = worker_argv(name, app=APP, concurrency=concurrency, pool=pool, extra=extra)
+        marked = extra in (ATTACHED, FROM_SETTING) or extra[:1] == ("<env>",)
+        argv = worker_argv(
+            name, app=APP, concurrency=concurrency, pool=pool, extra=() if marked else extra
+        )
         argv[0] = sys.executable
         full = {**os.environ, **env, "POOLS_CONNECTIONS": str(concurrency + 10)}
+        at = argv.index("-P")
+        if extra == ATTACHED:
+            argv[at : at + 2] = [f"-P{pool}"]
+        elif extra == FROM_SETTING:
+            del argv[at : at + 2]
+            full["POOLS_WORKER_POOL"] = pool
+        elif extra[:1] == ("<env>",):
+            name_, _, value = extra[1].partition("=")
+            full[name_] = value
         with open(logs / f"{name}-{pool}-{concurrency}.log", "wb") as out:
             procs.append(
                 subprocess.Popen(argv, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT)

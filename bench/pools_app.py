@@ -22,6 +22,9 @@ app.conf.update(
     # large gevent or threads pool acks with (MaxConnectionsError, then redeliveries).
     broker_transport_options={"max_connections": int(os.environ.get("POOLS_CONNECTIONS", "20"))},
 )
+if os.environ.get("POOLS_WORKER_POOL"):
+    # The pool chosen in the settings, not by -P (bench.pools: nothing monkey-patches).
+    app.conf.worker_pool = os.environ["POOLS_WORKER_POOL"]
 
 
 @app.task(bind=True)

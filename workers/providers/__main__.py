@@ -1,6 +1,6 @@
 """``python -m workers.providers KIND [--port N] [--requests-per-min R] [--tokens-per-min T]
-[--burst-s S] [--halve-after S]``: one mock provider on a port, in a process of its own (as
-the benchmarks run it, so that its clock and threads are not the benchmark's).
+[--burst-s S] [--halve-after S] [--fill F]``: one mock provider on a port, in a process of
+its own (as the benchmarks run it, so that its clock and threads are not the benchmark's).
 
 KIND is ``openai``, ``anthropic``, ``stripe`` or ``github``. ``--halve-after S`` halves the
 ``tokens`` limit S seconds after the start (``requests`` for Stripe, ``secondary`` for
@@ -22,7 +22,9 @@ from workers.providers.stripe_api import StripeMock
 def build(args: argparse.Namespace) -> tuple[Provider, str]:
     """The provider asked for, and the dimension ``--halve-after`` halves."""
     if args.kind == "openai":
-        mock = OpenAIMock(args.requests_per_min, args.tokens_per_min, burst_s=args.burst_s)
+        mock = OpenAIMock(
+            args.requests_per_min, args.tokens_per_min, burst_s=args.burst_s, fill=args.fill
+        )
         return mock, "tokens"
     if args.kind == "anthropic":
         limits = {"requests": args.requests_per_min, "tokens": args.tokens_per_min}
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-min", type=float, default=120_000.0)
     parser.add_argument("--burst-s", type=float, default=60.0, help="seconds' worth a bucket holds")
     parser.add_argument("--halve-after", type=float, default=None, metavar="S")
+    parser.add_argument(
+        "--fill", type=float, default=0.75,
+        help="openai: the reply's share of max_tokens (the usage a task reports)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     provider, dimension = build(args)
     running = start(provider, args.host, args.port)
