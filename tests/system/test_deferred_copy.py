@@ -4,8 +4,8 @@ RabbitMQ (the service at 127.0.0.1:5672, a private vhost per run: see
 tests/system/test_rabbitmq.py). One ``celery worker`` subprocess (solo pool) of
 tests/apps/copy_app.py; results and limiter on a private redis-server.
 
-Each test first sends a task that takes the limit's slot, so that the task under test
-waits: about 0.5 s on ``hop`` (between ``sleep_max`` and ``park_after``: re-published),
+Each test first sends tasks that take the limit's next slots, so that the task under test
+waits: about 1 s on ``hop`` (between ``sleep_max`` and ``park_after``: re-published),
 about 3 s on ``lot`` (parked). The task's own headers say it was deferred, and how.
 """
 
@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from kombu import Exchange, Queue
 
 from tests.support.servers import RedisServer
 from tests.system.test_rabbitmq import AMQP, vhost  # noqa: F401 (the vhost fixture)
+from throttle import Limiter
 from workers.harness import Worker, running
 
 pytestmark = pytest.mark.slow
@@ -60,6 +62,8 @@ class Fleet:
             "copy", env, concurrency=1, queues="hop,lot", app=APP, log=tmp / "worker.log",
             pool="solo",
         )  # fmt: skip
+        self.client = redis.Redis.from_url(server.url)
+        self.limiter = Limiter(self.client)
         self.app = Celery("copy-producer", broker=broker, backend=server.url)
         self.app.conf.update(
             task_queues=[
@@ -75,20 +79,23 @@ class Fleet:
             f"{APP}.{name}", queue=queue, exchange=exchange, routing_key=routing_key, **options
         )
 
+    def take_slots(self, queue: str) -> None:
+        """Send tasks that take the next slots of ``queue``'s limit, so that the next task
+        waits: about 1 s on ``hop`` (two slots: it still waits beyond ``sleep_max`` when
+        the worker receives it late, on a loaded host), 3 s on ``lot``."""
+        for _ in range(2 if queue == "hop" else 1):
+            self.send("block", queue)
+
     def runs(self, task_id: str) -> int:
-        client = self.server.client()
-        try:
-            return int(client.hget("copy:runs", task_id) or 0)
-        finally:
-            client.close()
+        return int(self.client.hget("copy:runs", task_id) or 0)
 
     def deferrals(self, task_id: str) -> list[int]:
         """How many times throttling had deferred the task, at each of its executions."""
-        client = self.server.client()
-        try:
-            return [int(n) for n in client.lrange(f"copy:deferrals:{task_id}", 0, -1)]
-        finally:
-            client.close()
+        return [int(n) for n in self.client.lrange(f"copy:deferrals:{task_id}", 0, -1)]
+
+    def close(self) -> None:
+        self.app.close()
+        self.client.close()
 
 
 @pytest.fixture(scope="module", params=["redis", "rabbitmq"])
@@ -106,14 +113,14 @@ def fleet(
             with running(fleet.app, [fleet.worker]):
                 yield fleet
         finally:
-            fleet.app.close()
+            fleet.close()
 
 
 @pytest.mark.parametrize("queue", ["hop", "lot"])
 def test_a_deferred_task_keeps_what_its_message_carried(fleet: Fleet, queue: str) -> None:
     # Given a task sent with properties, a header and a routing key of its own, while the
     # slot of its limit is taken
-    fleet.send("block", queue)
+    fleet.take_slots(queue)
     sent = fleet.send(
         "seen", queue, app_id="1234", correlation_id="corr-1", reply_to="replies",
         priority=3, headers={"tenant": "acme"},
@@ -139,7 +146,7 @@ def test_a_deferred_task_keeps_what_its_message_carried(fleet: Fleet, queue: str
 def test_a_tasks_own_reject_with_requeue_is_redelivered_and_runs(fleet: Fleet) -> None:
     # Given a task (acks_late) that gives its first delivery back to the broker, deferred
     # by throttling before that
-    fleet.send("block", "hop")
+    fleet.take_slots("hop")
     sent = fleet.send("reject_once", "hop")
     # When it runs
     seen = sent.get(timeout=60)
@@ -151,23 +158,22 @@ def test_a_tasks_own_reject_with_requeue_is_redelivered_and_runs(fleet: Fleet) -
 
 
 def test_throttling_never_overwrites_the_state_a_task_stored(fleet: Fleet) -> None:
-    # Given a task that retries itself once (countdown 1 s) with an error of its own, and
-    # is deferred by throttling when its retry comes (three tasks take the slots of the
-    # 1.5 s after its first run; maybe before its first run too: a slot is taken)
-    fleet.send("block", "hop")
+    # Given a task that retries itself once (countdown 1 s) with an error of its own,
+    # deferred by throttling before its first run (its slot is taken) and when its retry
+    # comes (the limit is held for 2 s once the task's RETRY shows)
+    fleet.take_slots("hop")
     sent = fleet.send("retry_once", "hop")
-    result = fleet.app.AsyncResult(sent.id)
     seen: list[tuple[str, str]] = []
     deadline = time.monotonic() + 60
-    blocked = False
+    held = False
     while time.monotonic() < deadline:
-        state, value = result.state, result.result
+        meta = fleet.app.backend.get_task_meta(sent.id)  # state and result: one read
+        state, value = meta["status"], meta["result"]
         if not seen or seen[-1] != (state, repr(value)):
             seen.append((state, repr(value)))
-        if state == "RETRY" and not blocked:
-            for _ in range(3):
-                fleet.send("block", "hop")
-            blocked = True
+        if state == "RETRY" and not held:
+            fleet.limiter.hold("hop", None, 2.0)
+            held = True
         if state == "SUCCESS":
             break
         time.sleep(0.01)
@@ -176,6 +182,7 @@ def test_throttling_never_overwrites_the_state_a_task_stored(fleet: Fleet) -> No
     states = [state for state, _ in seen]
     assert states == ["PENDING", "RETRY", "SUCCESS"], seen
     assert seen[1][1] == repr(ValueError("the task's own retry")), seen
-    # while throttling deferred its retry (once or more, between its two executions)
+    # while throttling deferred it before its first run, and its retry (once or more,
+    # between its two executions)
     first, second = fleet.deferrals(sent.id)
-    assert second > first, (first, second)
+    assert 0 < first < second, (first, second)
