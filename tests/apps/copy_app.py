@@ -84,12 +84,6 @@ def _seen(task: Any) -> dict[str, Any]:
 
 
 @app.task(bind=True)
-def block(self: Any) -> None:
-    """Takes a slot, so that the next task of its queue waits."""
-    _ran(self)
-
-
-@app.task(bind=True)
 def seen(self: Any) -> dict[str, Any]:
     _ran(self)
     return _seen(self)

@@ -4,9 +4,10 @@ RabbitMQ (the service at 127.0.0.1:5672, a private vhost per run: see
 tests/system/test_rabbitmq.py). One ``celery worker`` subprocess (solo pool) of
 tests/apps/copy_app.py; results and limiter on a private redis-server.
 
-Each test first sends tasks that take the limit's next slots, so that the task under test
-waits: about 1 s on ``hop`` (between ``sleep_max`` and ``park_after``: re-published),
-about 3 s on ``lot`` (parked). The task's own headers say it was deferred, and how.
+Each test first holds the limit (as an upstream's 429 does), so that the task under test
+is denied and comes back when the hold ends: in 1 s on ``hop`` (between ``sleep_max`` and
+``park_after``: re-published), 3 s on ``lot`` (parked). The task's own headers say it
+was deferred, and how.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ settings:
   sleep_max: 0.05s
   park_after: 1.5s
   park_lead: 0.02s
+  jitter: 0.1s  # a hop task denied by a 1 s hold comes back within 1.1 s: re-published
 limits:
   hop: {algorithm: gcra, rate: 2/s, burst: 1}
   lot: {algorithm: gcra, rate: 20/m, burst: 1}
@@ -79,12 +81,12 @@ class Fleet:
             f"{APP}.{name}", queue=queue, exchange=exchange, routing_key=routing_key, **options
         )
 
-    def take_slots(self, queue: str) -> None:
-        """Send tasks that take the next slots of ``queue``'s limit, so that the next task
-        waits: about 1 s on ``hop`` (two slots: it still waits beyond ``sleep_max`` when
-        the worker receives it late, on a loaded host), 3 s on ``lot``."""
-        for _ in range(2 if queue == "hop" else 1):
-            self.send("block", queue)
+    def hold(self, queue: str) -> None:
+        """Hold ``queue``'s limit, so that the next task is denied and comes back when the
+        hold ends: in 1 s on ``hop`` (re-published), 3 s on ``lot`` (parked). A hold, not
+        tasks taking the slots: a solo worker runs those in its consumer, which receives
+        the next task only once their slots have passed."""
+        self.limiter.hold(queue, None, 1.0 if queue == "hop" else 3.0)
 
     def runs(self, task_id: str) -> int:
         return int(self.client.hget("copy:runs", task_id) or 0)
@@ -118,9 +120,9 @@ def fleet(
 
 @pytest.mark.parametrize("queue", ["hop", "lot"])
 def test_a_deferred_task_keeps_what_its_message_carried(fleet: Fleet, queue: str) -> None:
-    # Given a task sent with properties, a header and a routing key of its own, while the
-    # slot of its limit is taken
-    fleet.take_slots(queue)
+    # Given a task sent with properties, a header and a routing key of its own, while its
+    # limit is held
+    fleet.hold(queue)
     sent = fleet.send(
         "seen", queue, app_id="1234", correlation_id="corr-1", reply_to="replies",
         priority=3, headers={"tenant": "acme"},
@@ -145,8 +147,8 @@ def test_a_deferred_task_keeps_what_its_message_carried(fleet: Fleet, queue: str
 
 def test_a_tasks_own_reject_with_requeue_is_redelivered_and_runs(fleet: Fleet) -> None:
     # Given a task (acks_late) that gives its first delivery back to the broker, deferred
-    # by throttling before that
-    fleet.take_slots("hop")
+    # by throttling before that (its limit is held)
+    fleet.hold("hop")
     sent = fleet.send("reject_once", "hop")
     # When it runs
     seen = sent.get(timeout=60)
@@ -159,9 +161,9 @@ def test_a_tasks_own_reject_with_requeue_is_redelivered_and_runs(fleet: Fleet) -
 
 def test_throttling_never_overwrites_the_state_a_task_stored(fleet: Fleet) -> None:
     # Given a task that retries itself once (countdown 1 s) with an error of its own,
-    # deferred by throttling before its first run (its slot is taken) and when its retry
-    # comes (the limit is held for 2 s once the task's RETRY shows)
-    fleet.take_slots("hop")
+    # deferred by throttling before its first run (its limit is held) and when its retry
+    # comes (held for 2 s again once the task's RETRY shows)
+    fleet.hold("hop")
     sent = fleet.send("retry_once", "hop")
     seen: list[tuple[str, str]] = []
     deadline = time.monotonic() + 60

@@ -19,7 +19,11 @@ does, but without spending ``max_retries``:
   as expired, as Celery does (:func:`expire`).
 
 A re-published copy keeps the ETA the producer gave the task in the ``throttle_eta``
-header; the gate shows it to the task as ``request.eta``.
+header; the gate shows it to the task as ``request.eta``. It keeps the message's
+properties (``app_id``, ``correlation_id``, ...) and, in ``throttle_delivery``, the
+producer's exchange, routing key and ``redelivered``, shown to the body as
+``request.delivery_info`` (:func:`copy_of`). A deferral writes nothing to the result
+backend (:func:`come_back`): the task's state is what the task stored.
 
 Every function here ends the execution by raising (celery's ``Retry`` or ``Ignore``, or
 ThrottleTimeout): none returns.
