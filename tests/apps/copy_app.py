@@ -78,6 +78,7 @@ def _seen(task: Any) -> dict[str, Any]:
         "tenant": headers.get("tenant", getattr(request, "tenant", None)),
         "deferrals": headers.get("throttle_deferrals", 0),
         "parked": bool(headers.get("throttle_parked")),
+        "parent_id": request.parent_id,
         "correlation_id": request.correlation_id,
         "reply_to": request.reply_to,
     }

@@ -102,6 +102,8 @@ SELECTION = (
     + [f"t/integration/test_tasks.py::{t}" for t in TASKS]
     + [f"t/integration/test_canvas.py::{ERRBACKS}"]
 )
+SUITE_TIMEOUT_S = 600
+"""The most the selection may take, in s (about 2 min on a quiet 2-core host)."""
 OVERRIDES = "\n\nfrom tests.support.celery_suite import *  # noqa: E402,F403 (celery-throttled)\n"
 
 
@@ -145,7 +147,8 @@ def run_selection(
             [sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest",
              "-p", "no:cacheprovider", "-q", "-rfE", "--timeout", "60", "--durations", "5",
              *SELECTION],
-            cwd=suite, env=env, capture_output=True, text=True, timeout=900, check=False,
+            cwd=suite, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S,
+            check=False,
         )  # fmt: skip
         client = redis.Redis.from_url(server.url)
         trails = KeySpace().task_key("x").removesuffix("x") + "*"
@@ -161,6 +164,7 @@ def failures(output: str) -> set[str]:
     return set(found)
 
 
+@pytest.mark.timeout(SUITE_TIMEOUT_S + 60)  # pytest's default (120 s) cuts the suite short
 def test_celerys_own_canvas_tests_pass_under_a_binding_limit(tmp_path: Path) -> None:
     if not SDIST.exists():
         pytest.fail(f"{SDIST} is missing: `make test` downloads Celery's sdist (make pytest)")

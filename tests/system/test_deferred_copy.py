@@ -138,6 +138,7 @@ def test_a_deferred_task_keeps_what_its_message_carried(fleet: Fleet, queue: str
     assert seen["reply_to"] == "replies", seen
     assert seen["priority"] == 3, seen
     assert seen["tenant"] == "acme", seen
+    assert seen["parent_id"] is None, seen  # sent by no task: the copy's is not the task
     exchange, routing_key = ROUTES[queue]
     assert seen["delivery_info"] == {
         "exchange": exchange, "routing_key": routing_key, "redelivered": False,

@@ -31,12 +31,13 @@ ThrottleTimeout): none returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-from celery import signals
+from celery import _state, signals
 from celery.exceptions import Ignore, Retry
 
 from throttle.celery.arrival import park_lead_s
@@ -209,7 +210,8 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
     headers = {k: v for k, v in headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)}
     headers[H_DEAD] = queue
     sig = copy_of(execution, headers, queue=queue)
-    sig.apply_async(queue=queue)
+    with outside_the_task():
+        sig.apply_async(queue=queue)
     execution.throttler.observer.timed_out(execution, limits, "dead_letter")
     logger.warning(
         "throttle: task %s timed out; sent to dead-letter queue %s", execution.request.id, queue
@@ -257,6 +259,25 @@ def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> N
     come_back(execution, exc, countdown_s, sig)
 
 
+@contextlib.contextmanager
+def outside_the_task() -> Iterator[None]:
+    """Publish a copy of the running task as its producer did: from outside any task.
+    Celery's ``send_task`` takes the task a worker runs for the parent of what it sends
+    (its ``parent_id``, and ``root_id`` when the message has none; the result added to the
+    task's children): a task's copy sent from the task itself would read its own id as its
+    parent (Celery's test_chord::test_parent_ids, its first task deferred). So the
+    thread's task stack is set aside while the copy is sent, and restored."""
+    stack = _state._task_stack
+    saved = []
+    while stack.top is not None:
+        saved.append(stack.pop())
+    try:
+        yield
+    finally:
+        for task in reversed(saved):
+            stack.push(task)
+
+
 def publish(sig: Any) -> None:
     """Re-publish the task, waiting for a broker that went away (up to about
     :data:`PUBLISH_WAIT_S`).
@@ -268,7 +289,8 @@ def publish(sig: Any) -> None:
     task fails with the broker's error (``OperationalError``), as it would without the
     throttler; the message, unacknowledgeable while the broker is away, comes back after
     the visibility timeout."""
-    sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
+    with outside_the_task():
+        sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
 
 
 def denied_limits(execution: Execution, decision: Decision) -> tuple[str, ...]:
