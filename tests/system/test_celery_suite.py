@@ -84,7 +84,8 @@ LIMITED = {
         "42 header tasks fail, each calls its errback (a task of the same queue, limited to "
         "10/s with the rest): the test waits for the first errback's count, then reads "
         "the other 41 with a timeout of 0 after one second, which needs 42 errbacks/s. "
-        "The limit spaces them 100 ms apart: 4 s. The limit doing its job."
+        "The limit spaces them 100 ms apart: 4 s. The limit doing its job: read with a "
+        "timeout each, all 42 errbacks are counted, once each (the test passes)."
     )
     for style in ("errback_old_style", "errback_new_style")
 }
