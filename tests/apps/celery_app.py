@@ -61,7 +61,9 @@ def _record(task: Any, name: str) -> dict[str, Any]:
         "at": at,
         "slot": None if slot_us is None else float(slot_us) / 1e6,
         "blocks": int(blocks or 0),
-        "queue": (task.request.delivery_info or {}).get("routing_key"),
+        # The queue the worker consumed it from (a deferred copy: the lane), as it resolved
+        # it; the routing key the task sees is the one its producer sent it with.
+        "queue": (task.request.delivery_info or {}).get("queue"),
     }
 
 

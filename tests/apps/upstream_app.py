@@ -65,7 +65,9 @@ def _result(task: Any, n: int, status: int) -> dict[str, Any]:
     return {
         "n": n, "id": task.request.id, "status": status, "retries": task.request.retries,
         "deferrals": headers.get("throttle_deferrals", 0),
-        "queue": (task.request.delivery_info or {}).get("routing_key"),
+        # The queue the worker consumed it from (a deferred copy: the lane), as it resolved
+        # it; the routing key the task sees is the one its producer sent it with.
+        "queue": (task.request.delivery_info or {}).get("queue"),
         "runs": int(_clients["redis"].get(f"test:runs:{task.request.id}") or 0),
     }  # fmt: skip
 

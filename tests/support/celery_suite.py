@@ -3,6 +3,11 @@ sdist, at the pinned version) with every task a ``ThrottledTask`` and the sessio
 throttled (``install``): star-imported at the end of Celery's t/integration/conftest.py by
 tests/system/test_celery_suite.py, so that these definitions replace Celery's.
 
+Before each test the next :data:`TAKEN_SLOTS` slots of the limit ``celery`` are taken, so
+that the limit binds from the test's first task on: that task waits beyond ``sleep_max``
+and is re-published, whatever the test before left (a test of a single task would
+otherwise run it at once, never deferred).
+
 The limits file is ``THROTTLE_CONFIG``; the broker and result backend Celery's
 ``TEST_BROKER`` and ``TEST_BACKEND`` (the test's private redis-server, also the limiter's).
 """
@@ -17,9 +22,10 @@ import pytest
 from celery import Celery
 from celery.contrib.pytest import _create_app
 
-from throttle.celery import ThrottledTask, install
+from throttle.celery import ThrottledTask, Throttler, install
 
 __all__ = [
+    "ZZZZ_binding_limit",
     "ZZZZ_set_app_current",
     "celery_config",
     "celery_parameters",
@@ -77,3 +83,18 @@ def ZZZZ_set_app_current(app: Celery, celery_session_app: Celery) -> Iterator[No
     app.set_current()
     app.set_default()
     yield
+
+
+TAKEN_SLOTS = 5
+"""Slots of the limit ``celery`` taken before each test (GCRA 10/s burst 1: 0.5 s, beyond
+``sleep_max``, even once a loaded host took a while to deliver the task)."""
+
+
+@pytest.fixture(autouse=True)
+def ZZZZ_binding_limit(celery_session_app: Celery, celery_session_worker: Any) -> None:  # noqa: N802
+    """Take the next :data:`TAKEN_SLOTS` slots of the limit ``celery`` (see the module),
+    once the session worker runs (its start takes longer than the slots)."""
+    limiter = Throttler.of(celery_session_app).limiter
+    limit = limiter.limits["celery"]
+    for _ in range(TAKEN_SLOTS):
+        limiter.acquire(limit, max_wait_s=1.0)

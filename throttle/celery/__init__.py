@@ -53,7 +53,8 @@ How the package is laid out, in the order a task meets it:
 
 Monitoring: each deferral sends a ``task-throttled`` event and raises Celery's ``Retry``
 carrying :class:`Throttled`, so Flower lists the waiting task as RETRY with
-``Throttled(limit='upstream', wait=3.2s)``; it adds to the fleet-wide counts of
+``Throttled(limit='upstream', wait=3.2s)`` (the result backend is not written: it keeps
+what the task stored); it adds to the fleet-wide counts of
 :class:`throttle.stats.StatsBook`, and with ``settings.metrics`` to the worker's Prometheus
 counters (:mod:`throttle.metrics`), served on ``settings.metrics_port`` and on Flower's
 ``/metrics``.

@@ -6,8 +6,11 @@ them. Each is read defensively: a value of the wrong type or out of range is abs
 an exception), and none of them can make a task skip the limiter or pay less: a deadline
 only shortens the wait a task accepts (it times out sooner, it never runs sooner), the
 parking ids only let a second copy of a parked task be dropped, the dead-letter mark
-only keeps a timed-out task from being dead-lettered again, and the saved ETA is only
-shown to the task as ``request.eta``.
+only keeps a timed-out task from being dead-lettered again, and the saved ETA and
+delivery are only shown to the task (``request.eta``, ``request.delivery_info``).
+
+A deferred copy keeps what its message carried besides its headers: its properties
+(:func:`carried_properties`) and how it was delivered (:data:`H_DELIVERY`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ H_ETA = "throttle_eta"
 producer's ISO 8601 string, or None) and its ``retries`` then. The re-published message has
 the throttler's own ETA (or none); the gate restores this one into ``request.eta`` while
 ``retries`` is unchanged (a Celery ``retry`` since has an ETA of its own)."""
+H_DELIVERY = "throttle_delivery"
+"""``[exchange, routing_key, redelivered]``: how the message the producer sent was
+delivered (``request.delivery_info``), before throttling first re-published it. A copy goes
+to its queue (or lane) through the default exchange, so its own delivery names the queue,
+not the producer's exchange and routing key (a topic's key may mean something to the task),
+and it is a new message, never ``redelivered``; the task is shown these instead
+(:func:`restore_delivery`). ``redelivered`` is true once any delivery of the task was (a
+task that checks it for work done before must still see it after a deferral)."""
 H_PLANNED = "throttle_planned"
 """Set when the task holds a plan on its keyed limits (see :mod:`throttle.celery.plan`): the
 planned slot (epoch s, Redis clock; 1 when unknown). Back, the task waits for that time
@@ -143,6 +154,101 @@ def eta_value(eta: object) -> str | None:
         return eta[:MAX_ETA_CHARS]
     isoformat = getattr(eta, "isoformat", None)
     return str(isoformat()) if callable(isoformat) else None
+
+
+MAX_ROUTE_CHARS = 255
+"""The longest exchange or routing key kept in the ``throttle_delivery`` header (AMQP's
+limit for both)."""
+
+
+def delivery_header(headers: Mapping[str, Any]) -> tuple[str, str, bool] | None:
+    """The ``throttle_delivery`` header as (exchange, routing_key, redelivered), or None
+    when absent or corrupt."""
+    value = headers.get(H_DELIVERY)
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        return None
+    exchange, routing_key, redelivered = value
+    for name in (exchange, routing_key):
+        if not isinstance(name, str) or len(name) > MAX_ROUTE_CHARS:
+            return None
+    if not isinstance(redelivered, bool):
+        return None
+    return exchange, routing_key, redelivered
+
+
+def delivery_value(headers: Mapping[str, Any], delivery_info: object) -> list[Any]:
+    """The ``throttle_delivery`` header of a copy about to be re-published: the one the
+    message carried (its producer's delivery), else this delivery's; ``redelivered`` if
+    either says so."""
+    info = delivery_info if isinstance(delivery_info, Mapping) else {}
+    redelivered = bool(info.get("redelivered"))
+    saved = delivery_header(headers)
+    if saved is not None:
+        return [saved[0], saved[1], saved[2] or redelivered]
+    exchange, routing_key = info.get("exchange"), info.get("routing_key")
+    return [
+        exchange[:MAX_ROUTE_CHARS] if isinstance(exchange, str) else "",
+        routing_key[:MAX_ROUTE_CHARS] if isinstance(routing_key, str) else "",
+        redelivered,
+    ]
+
+
+def restore_delivery(request: Any) -> None:
+    """Show a re-published copy the delivery of the message its producer sent
+    (``exchange``, ``routing_key``, ``redelivered``, from ``throttle_delivery``) in
+    ``request.delivery_info``. Done just before the body runs: the gate decides on the
+    copy's own delivery (the queue it came from, whether the broker redelivered it)."""
+    headers = request.headers
+    saved = delivery_header(headers) if isinstance(headers, Mapping) else None
+    if saved is None:
+        return
+    info = request.delivery_info
+    info = dict(info) if isinstance(info, Mapping) else {}
+    info["exchange"], info["routing_key"] = saved[0], saved[1]
+    info["redelivered"] = saved[2] or bool(info.get("redelivered"))
+    request.delivery_info = info
+
+
+TRANSPORT_PROPERTIES = frozenset(
+    {
+        # The transport's own bookkeeping of this delivery (Redis, the AMQP frame).
+        "delivery_info",
+        "delivery_tag",
+        "body_encoding",
+        "application_headers",
+        "redelivered",  # (Redis) shown to the task from ``throttle_delivery`` instead
+        # Set by the copy's own publish: its body's serializer, and the time it was sent.
+        "content_type",
+        "content_encoding",
+        "timestamp",
+        # Checked by RabbitMQ against the publishing connection's user: the producer's,
+        # re-published by a worker connected as another user, is refused.
+        "user_id",
+        # Celery derives it from the task's ``expires`` at each publish (the time left
+        # then); the message's own would restart the broker's TTL.
+        "expiration",
+    }
+)
+"""Message properties a deferred copy does not take from the message (see
+:func:`carried_properties`)."""
+
+
+def carried_properties(request: Any) -> dict[str, Any]:
+    """The message properties a deferred copy is published with: every property the
+    message came with (``request.properties``: ``app_id``, ``correlation_id``,
+    ``reply_to``, ``priority``, ``delivery_mode``, ``type``, ``message_id``, and on the
+    Redis transport any other property a producer passed to ``apply_async``), but those
+    of :data:`TRANSPORT_PROPERTIES`. Celery's ``signature_from_request`` keeps only
+    ``reply_to`` and ``priority`` of them; the rest reach the copy's publish as options
+    (``send_task`` passes unknown options on as properties)."""
+    properties = getattr(request, "properties", None)
+    if not isinstance(properties, Mapping):
+        return {}
+    return {
+        name: value
+        for name, value in properties.items()
+        if isinstance(name, str) and name not in TRANSPORT_PROPERTIES and value is not None
+    }
 
 
 def parked_payload(signature: Mapping[str, Any], serializer: str | None) -> bytes:

@@ -19,7 +19,11 @@ does, but without spending ``max_retries``:
   as expired, as Celery does (:func:`expire`).
 
 A re-published copy keeps the ETA the producer gave the task in the ``throttle_eta``
-header; the gate shows it to the task as ``request.eta``.
+header; the gate shows it to the task as ``request.eta``. It keeps the message's
+properties (``app_id``, ``correlation_id``, ...) and, in ``throttle_delivery``, the
+producer's exchange, routing key and ``redelivered``, shown to the body as
+``request.delivery_info`` (:func:`copy_of`). A deferral writes nothing to the result
+backend (:func:`come_back`): the task's state is what the task stored.
 
 Every function here ends the execution by raising (celery's ``Retry`` or ``Ignore``, or
 ThrottleTimeout): none returns.
@@ -27,12 +31,13 @@ ThrottleTimeout): none returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-from celery import signals
+from celery import _state, signals
 from celery.exceptions import Ignore, Retry
 
 from throttle.celery.arrival import park_lead_s
@@ -41,11 +46,14 @@ from throttle.celery.message import (
     H_DEAD,
     H_DEADLINE,
     H_DEFERRALS,
+    H_DELIVERY,
     H_ETA,
     H_PARKED,
     H_PLANNED,
     H_PUBLISH,
+    carried_properties,
     count_header,
+    delivery_value,
     eta_value,
     parked_payload,
 )
@@ -83,7 +91,6 @@ def defer(
     takes its limits when it comes back."""
     task, request, settings = execution.task, execution.request, execution.settings
     countdown_s = max(countdown_s, 0.0)
-    mapping_headers(request)
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
     headers[H_ETA] = saved_eta(execution)
     if execution.timeout_at is not None:
@@ -96,7 +103,7 @@ def defer(
     limits = denied_limits(execution, decision)
     route = route_of(execution)
     if countdown_s > settings.park_after_s and execution.throttler.releasing:
-        sig = task.signature_from_request(request, headers=headers, **route)
+        sig = copy_of(execution, headers, **route)
         lead_s = park_lead_s(settings) if slot else 0.0
         execution.throttler.parking.park(
             parked_payload(sig, task.serializer),
@@ -105,12 +112,45 @@ def defer(
         )
         how = "park"
     else:
-        sig = task.signature_from_request(request, countdown=countdown_s, headers=headers, **route)
+        sig = copy_of(execution, headers, countdown=countdown_s, **route)
         publish(sig)
         how = "republish"
     sent_copy(execution, count)
     execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
-    raise Retry(exc=Throttled(wait_s, limits), when=countdown_s, sig=sig)
+    end_as_retry(execution, Throttled(wait_s, limits), countdown_s, sig)
+
+
+def copy_of(execution: Execution, headers: dict[str, Any], **options: Any) -> Any:
+    """The signature of the task's deferred copy: Celery's ``signature_from_request``
+    (the same id, arguments, options, links, chord, reply_to, priority) with ``headers``
+    and ``options`` (the throttler's: routing, countdown), plus what that leaves out of the
+    message: its other properties (``app_id``, ``correlation_id``, ...:
+    :func:`throttle.celery.message.carried_properties`; one named as a Celery option is
+    that option's) and, in ``throttle_delivery``, how the producer's message was
+    delivered (shown to the task again, :func:`throttle.celery.message.restore_delivery`).
+    Only scalar properties travel (a parked copy is serialized with the task's serializer).
+    """
+    request = execution.request
+    mapping_headers(request)
+    headers[H_DELIVERY] = delivery_value(execution.message_headers, request.delivery_info)
+    sig = execution.task.signature_from_request(request, headers=headers, **options)
+    for name, value in carried_properties(request).items():
+        if isinstance(value, str | int | float | bool):
+            sig.options.setdefault(name, value)
+    return sig
+
+
+def end_as_retry(execution: Execution, exc: Exception, countdown_s: float, sig: Any) -> NoReturn:
+    """End this execution as Celery's ``Task.retry`` does once its copy is published
+    (raises ``Retry``: the worker acknowledges the message, sends ``task-retried``, fires
+    ``task_retry``), but without writing the result backend: Celery would store RETRY
+    with ``exc``, over whatever the task itself stored there (its own ``retry(exc=...)``,
+    its PENDING), and the task's result must say what the task did, not that it waits.
+    The request's ``ignore_result`` (read by Celery when it handles the ``Retry``) says
+    so; it is set after the copy's signature took the task's own. A task with
+    ``store_errors_even_if_ignored`` still gets RETRY stored: Celery stores it then."""
+    execution.request.ignore_result = True
+    raise Retry(exc=exc, when=countdown_s, sig=sig)
 
 
 def sent_copy(execution: Execution, count: int) -> None:
@@ -182,9 +222,9 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
         raise ThrottleTimeout(decision.denied_by, needed_s, left)
     headers = {k: v for k, v in headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)}
     headers[H_DEAD] = queue
-    mapping_headers(execution.request)
-    sig = execution.task.signature_from_request(execution.request, queue=queue, headers=headers)
-    sig.apply_async(queue=queue)
+    sig = copy_of(execution, headers, queue=queue)
+    with outside_the_task():
+        sig.apply_async(queue=queue)
     execution.throttler.observer.timed_out(execution, limits, "dead_letter")
     logger.warning(
         "throttle: task %s timed out; sent to dead-letter queue %s", execution.request.id, queue
@@ -227,12 +267,28 @@ def defer_down(execution: Execution, exc: BackendError, countdown_s: float) -> N
     # Jittered, so that the tasks deferred during an outage do not all come back at once.
     countdown_s += random.uniform(0.0, min(execution.settings.jitter_s, countdown_s))
     headers = {**execution.headers, H_ETA: saved_eta(execution)}
-    mapping_headers(execution.request)
-    sig = execution.task.signature_from_request(
-        execution.request, countdown=countdown_s, headers=headers, **route_of(execution)
-    )
+    sig = copy_of(execution, headers, countdown=countdown_s, **route_of(execution))
     publish(sig)
-    raise Retry(exc=exc, when=countdown_s, sig=sig)
+    end_as_retry(execution, exc, countdown_s, sig)
+
+
+@contextlib.contextmanager
+def outside_the_task() -> Iterator[None]:
+    """Publish a copy of the running task as its producer did: from outside any task.
+    Celery's ``send_task`` takes the task a worker runs for the parent of what it sends
+    (its ``parent_id``, and ``root_id`` when the message has none; the result added to the
+    task's children): a task's copy sent from the task itself would read its own id as its
+    parent (Celery's test_chord::test_parent_ids, its first task deferred). So the
+    thread's task stack is set aside while the copy is sent, and restored."""
+    stack = _state._task_stack
+    saved = []
+    while stack.top is not None:
+        saved.append(stack.pop())
+    try:
+        yield
+    finally:
+        for task in reversed(saved):
+            stack.push(task)
 
 
 def publish(sig: Any) -> None:
@@ -246,7 +302,8 @@ def publish(sig: Any) -> None:
     task fails with the broker's error (``OperationalError``), as it would without the
     throttler; the message, unacknowledgeable while the broker is away, comes back after
     the visibility timeout."""
-    sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
+    with outside_the_task():
+        sig.apply_async(retry=True, retry_policy=PUBLISH_RETRY)
 
 
 def denied_limits(execution: Execution, decision: Decision) -> tuple[str, ...]:

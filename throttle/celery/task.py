@@ -18,16 +18,19 @@ from typing import Any, ClassVar, TypeVar
 
 from celery import Task
 from celery._state import get_current_task
+from celery.exceptions import Reject
 from celery.local import Proxy
 
 from throttle.celery.comeback import come_back_if_refused
 from throttle.celery.execution import (
+    Execution,
     current_ticket,
     enter_ticket,
     leave_ticket,
     take_admission,
 )
 from throttle.celery.gate import Gate
+from throttle.celery.message import restore_delivery
 from throttle.celery.runtime import throttling_enabled
 from throttle.celery.settle import settle
 from throttle.errors import ConfigError
@@ -50,21 +53,48 @@ def run(
     if not throttling_enabled(task.app):
         return call()  # switched off (tests): no limiter, no ticket
     gate = Gate(task, declared, fn, args, kwargs)
-    ticket = gate.enter(take_admission(gate.execution.request))
+    execution = gate.execution
+    ticket = gate.enter(take_admission(execution.request))
+    # The gate decided on this message's own delivery; the body sees the producer's.
+    restore_delivery(execution.request)
     if ticket is None:
         return call()
     token = enter_ticket(ticket)
     failed = True
+    settles = True
     try:
         result = call()
         failed = False
         return result
     except Exception as exc:
+        settles = not requeued(execution, exc)
         come_back_if_refused(ticket, exc)  # the upstream refused the call: re-published here
         raise
     finally:
         leave_ticket(token)
-        settle(gate.execution.throttler, ticket, failed)
+        if settles:
+            settle(execution.throttler, ticket, failed)
+
+
+def requeued(execution: Execution, exc: Exception) -> bool:
+    """Whether the body gave its message back to the broker (celery's
+    ``Reject(requeue=True)`` from a task with ``acks_late``; without it the message was
+    acknowledged when the task started, and the reject changes nothing): the broker
+    delivers it again, and that delivery is this execution again.
+
+    Its acquisition is then left unsettled: the redelivered copy acquires with the same
+    id (the task id), finds the slot this one reserved ("held"), and runs on it at once,
+    as a copy redelivered after its worker died does (a redelivered task keeps a slot it
+    is late for). Settled here, it would take a new slot, be deferred when that is beyond
+    ``sleep_max``, and come back as a new message, which the broker does not mark
+    ``redelivered``. The slot's concurrency units stay held until the redelivered copy
+    settles (or the lease ends); its cost is paid once for both deliveries."""
+    return (
+        isinstance(exc, Reject)
+        and bool(exc.requeue)
+        and bool(execution.task.acks_late)
+        and not execution.eager
+    )
 
 
 def gated_call(
