@@ -23,7 +23,7 @@ header; the gate shows it to the task as ``request.eta``. It keeps the message's
 properties (``app_id``, ``correlation_id``, ...) and, in ``throttle_delivery``, the
 producer's exchange, routing key and ``redelivered``, shown to the body as
 ``request.delivery_info`` (:func:`copy_of`). A deferral writes nothing to the result
-backend (:func:`come_back`): the task's state is what the task stored.
+backend (:func:`end_as_retry`): the task's state is what the task stored.
 
 Every function here ends the execution by raising (celery's ``Retry`` or ``Ignore``, or
 ThrottleTimeout): none returns.
