@@ -294,6 +294,9 @@ class RequestBuilder(Generic[_S]):
         for (limit, key), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(target_args(limit, key))
             args.append(b"" if actual is None else _number(actual, "actual_cost"))
+        # A refund or a released unit is announced, for the tasks waiting for it.
+        args.append(self.keyspace.capacity_channel())
+        args.append(" ".join(limit.name for limit, _ in acquisition.targets))
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
@@ -342,8 +345,11 @@ class RequestBuilder(Generic[_S]):
         return (*self._hold_call(limit, key, for_us), _held_s)
 
     def _unhold_request(self, limit: Limit | str, key: str | None) -> Request[_S, None]:
-        """The call of an unhold (see :meth:`Limiter.unhold`)."""
-        return (*self._hold_call(limit, key, b""), _nothing)
+        """The call of an unhold (see :meth:`Limiter.unhold`): the lifting is announced
+        on the capacity channel (:meth:`KeySpace.capacity_channel`)."""
+        script, keys, args = self._hold_call(limit, key, b"")
+        name = limit.name if isinstance(limit, Limit) else limit
+        return script, keys, [*args, self.keyspace.capacity_channel(), name], _nothing
 
     def _hold_call(
         self, limit: Limit | str, key: str | None, for_us: int | bytes

@@ -342,6 +342,9 @@ class _Pipeline:
     def zcard(self, key: str) -> None:
         self.calls.append(lambda: 0)  # nothing is ever parked
 
+    def publish(self, channel: str, message: Any) -> None:
+        self.calls.append(lambda: 0)  # nobody listens: one process waits in its caller
+
     def execute(self) -> list[Any]:
         with self.server.lock:
             results = [call() for call in self.calls]
