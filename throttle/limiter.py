@@ -296,7 +296,7 @@ class RequestBuilder(Generic[_S]):
             args.append(b"" if actual is None else _number(actual, "actual_cost"))
         # A refund or a released unit is announced, for the tasks waiting for it.
         args.append(self.keyspace.capacity_channel())
-        args.append(" ".join(limit.name for limit, _ in acquisition.targets))
+        args.extend(limit.name for limit, _ in acquisition.targets)
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
@@ -379,6 +379,7 @@ class RequestBuilder(Generic[_S]):
         seconds to wait before the call."""
         keys: list[str] = []
         args: list[Any] = [b"" if self._clock_us is None else self._clock_us(), b""]
+        units: list[str] = []
         for limit, key, cost in targets:
             if not isinstance(limit, Limit) or limit.code == "conc":
                 raise RequestError(f"the spacing guard needs a rate limit (got {limit!r})")
@@ -388,8 +389,10 @@ class RequestBuilder(Generic[_S]):
             # A fair limit's rate is its keys' total: its calls are spaced as one.
             keys.append(self.keyspace.space_key(limit, None if limit.fair else key))
             args.append(repr(spacing_us))
+            units.append(repr(limit.period_s * 1e6 / limit.count))
         if not keys:
             raise RequestError("the spacing guard needs at least one limit")
+        args.extend(units)  # the spacing per unit now: a rate raised since shortens the wait
         if self.fence_s:
             keys.append(self.keyspace.fence_key())
             args[1] = round(self.fence_s * 1e6)

@@ -53,7 +53,13 @@ def run(
     if not throttling_enabled(task.app):
         return call()  # switched off (tests): no limiter, no ticket
     gate = Gate(task, declared, fn, args, kwargs)
-    ticket = gate.enter(take_admission(gate.execution.request))
+    admission = take_admission(gate.execution.request)
+    if admission is not None and admission.rates_changed:
+        # The consumer decided on a rate announced since (celery throttle set): the pool
+        # child's own cache of the rates (up to refresh_s old) must not space the call
+        # by the old one.
+        gate.execution.throttler.rates.refresh_soon()
+    ticket = gate.enter(admission)
     if ticket is None:
         return call()
     token = enter_ticket(ticket)

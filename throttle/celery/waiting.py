@@ -68,7 +68,7 @@ from celery.worker import state
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
-from throttle.celery.execution import Admission, carry
+from throttle.celery.execution import ADMISSION_KEY, Admission, carry
 from throttle.celery.gate import Gate
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import RABBITMQ_CONSUMER_TIMEOUT_S, Throttler, throttling_enabled
@@ -232,10 +232,11 @@ class Waiting:
             look = self.looks[queue] = Look()
         look.saw(decision, time.monotonic())
         if decision.allowed:
-            carry(request.request_dict, Admission(request.id, decision, now))
+            fresh = self.line is not None and self.line.rates_changed_lately()
+            carry(request.request_dict, Admission(request.id, decision, now, fresh))
             wait = decision.wait_s
             if decision.acquisition is not None and LEAD_S < wait <= self.settings_sleep_max:
-                self._hold(request, wait - LEAD_S, self._release, decision)
+                self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait)
             else:
                 self._to_pool(request)
             return None
@@ -303,13 +304,29 @@ class Waiting:
         gate.evaluate()
         return gate
 
-    def _release(self, request: Any, decision: Any) -> None:
+    def _release(
+        self, request: Any, decision: Any, pending: Pending | None = None, slot_at: float = 0.0
+    ) -> None:
         """The slot of a held task is near: to the pool (a revoked or expired one gives
-        its reservation up instead: a concurrency unit it took comes back)."""
+        its reservation up instead: a concurrency unit it took comes back). A timer that
+        fired after the slot had passed (a busy consumer) gives the slot up here and asks
+        again, rather than have the pool child find it late and send the task back
+        through the broker (``slot_at``: epoch s, this host's clock)."""
         try:
             if request.revoked():
                 if decision.acquisition is not None:
                     self.throttler.limiter.settle(decision.acquisition, None)
+                return
+            if (
+                pending is not None
+                and decision.acquisition is not None
+                and time.time() - slot_at > pending.gate._late_tolerance()
+            ):
+                self.throttler.limiter.settle(decision.acquisition, None)  # passed: lost
+                request.request_dict.pop(ADMISSION_KEY, None)
+                blocks = self.ask(pending)
+                if blocks is not None and self.line is not None:
+                    self.line.join(pending, pairs_of(pending.gate), priority_of(request), blocks)
                 return
             self._to_pool(request)
         except Exception:
@@ -471,6 +488,8 @@ class WaitingLine:
         self.armed_at = math.inf
         self.announcements: Announcements | None = None
         self.throttler: Throttler | None = None
+        self.rates_changed_at = -math.inf
+        """When a rate set at run time was last announced (monotonic s)."""
 
     def listen(self, throttler: Throttler) -> None:
         """Listen to the capacity announcements of ``throttler``'s namespace."""
@@ -557,6 +576,7 @@ class WaitingLine:
         """Capacity appeared on the limits ``names`` (None: any): serve their tasks now."""
         if names is not None and RATES_CHANGED in names:
             names = names - {RATES_CHANGED}
+            self.rates_changed_at = time.monotonic()
             if self.throttler is not None:
                 self.throttler.rates.refresh_soon()
         if self.line.wake(names or None):
@@ -565,6 +585,13 @@ class WaitingLine:
                 self.line.serve(time.monotonic())
             finally:
                 self._arm()
+
+    def rates_changed_lately(self) -> bool:
+        """Whether a rate set was announced within the rates' ``refresh_s`` (the pool
+        children's caches may not have it yet)."""
+        if self.throttler is None:
+            return False
+        return time.monotonic() - self.rates_changed_at < self.throttler.rates.refresh_s
 
     def clear(self) -> None:
         """Forget every waiting task (the consumer stops: their messages, unacknowledged,
