@@ -14,11 +14,17 @@ goes through :meth:`Waiting.admit` first:
    came from) and the gate's first acquisition is taken: one ``acquire_many``, the task id
    as acquisition id (:meth:`throttle.celery.gate.Gate.admit`). A task back with a plan
    (:mod:`throttle.celery.plan`) is first held until just before its planned time.
-2. Allowed now, denied, or a slot further than ``sleep_max``: the task goes to the pool at
-   once, where the gate runs it, or sends it back (re-published or parked) as it would
-   have: that costs the pool slot no wait.
+   The acquisition reserves a slot only within ``sleep_max`` (the near horizon).
+2. Allowed now: the task goes to the pool at once, where the gate runs it.
 3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
    one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
+4. Denied (no slot within ``sleep_max``): the task reserves nothing and waits in the
+   consumer's line (:class:`WaitingLine`, the prefetch count raised by one for at most
+   :data:`LINE_MAX_TASKS` of them), and asks again when capacity should be there or is
+   announced (:mod:`throttle.celery.capacity`: how capacity is handed out). A task that
+   may not wait so long in a worker (:func:`line_budget_s`, its deadline) goes to the
+   pool with its denial: the gate there sends it back (re-published or parked) for when
+   its limits said, reserving nothing; that costs the pool slot no wait.
 
 While a task's limits have room (the consumer's last look, at most :data:`FRESH_S` ago,
 admitted at once and left room for :data:`ROOM_TASKS` more: :class:`Look`), its tasks go
