@@ -46,7 +46,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     # The lease of a task's acquisition is its hard time limit + wait + 60 s
-    # (throttle.celery.gate.Gate._lease_s): a short limit keeps the tests' leases short.
+    # (throttle.celery.deadlines.lease_s): a short limit keeps the tests' leases short.
     task_time_limit=20,
     broker_transport_options={
         "visibility_timeout": VISIBILITY_S,

@@ -342,7 +342,7 @@ def test_a_fixed_cost_task_makes_one_round_trip(
         ttl_s = redis_client.pttl(lease) / 1000
     finally:
         redis_client.close()
-    lease_s = DEFAULT_LEASE_S + 60  # Gate._lease_s without a time limit
+    lease_s = DEFAULT_LEASE_S + 60  # deadlines.lease_s without a time limit
     assert lease_s - 5 < ttl_s <= lease_s
 
 
@@ -469,7 +469,7 @@ def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
             # Then a task whose reserving limits are all guarded keeps a slot up to one
             # spacing (of the tightest; at most half a sleep_max; at least late_tolerance)
             # late; any other, late_tolerance
-            assert gate._late_tolerance() == pytest.approx(tolerance_s)
+            assert gate.late_tolerance() == pytest.approx(tolerance_s)
         finally:
             call.pop_request()
     finally:

@@ -28,11 +28,17 @@ one task; ``base=ThrottledTask`` with a ``throttle = [...]`` attribute does the 
 How the package is laid out, in the order a task meets it:
 
 - :mod:`~throttle.celery.task`: ``@throttled``, ``ThrottledTask``, ``report_cost``,
-  ``slot_time``, ``defer_task``; each execution runs gate -> body -> settle.
+  ``slot_time``; each execution runs gate -> body -> settle.
 - :mod:`~throttle.celery.message`: the queue and ``throttle_*`` headers of a message.
 - :mod:`~throttle.celery.runtime`: the ``Throttler`` of a process (config, limiter, rules).
-- :mod:`~throttle.celery.gate`: acquire, then run now, sleep to the slot, or come back.
-- :mod:`~throttle.celery.reschedule`: re-publish through the lane, park, time out.
+- :mod:`~throttle.celery.waiting`: the worker's consumer admits a task and holds it until
+  shortly before its slot, outside the pool.
+- :mod:`~throttle.celery.gate`: admit, wait to the slot, run.
+- :mod:`~throttle.celery.deadlines`: ``max_wait``, ``expires``, the lease;
+  :mod:`~throttle.celery.plan`: shared capacity taken when a task can run.
+- :mod:`~throttle.celery.comeback`: every way a task comes back later (a denial, a far
+  slot, a plan, ``defer_task``); :mod:`~throttle.celery.reschedule` re-publishes it
+  through the lane, parks it, or times it out.
 - :mod:`~throttle.celery.redis_down`: the rules' ``on_redis_down``, for a task that met an
   outage of the limiter's Redis; :mod:`~throttle.celery.outage`: what a process knows of it.
 - :mod:`~throttle.celery.settle`: after the body, the actual cost;
@@ -53,16 +59,11 @@ counters (:mod:`throttle.metrics`), served on ``settings.metrics_port`` and on F
 ``/metrics``.
 """
 
+from throttle.celery.comeback import defer_task
 from throttle.celery.exporter import register_metrics
 from throttle.celery.runtime import Throttler
 from throttle.celery.steps import install
-from throttle.celery.task import (
-    ThrottledTask,
-    defer_task,
-    report_cost,
-    slot_time,
-    throttled,
-)
+from throttle.celery.task import ThrottledTask, report_cost, slot_time, throttled
 from throttle.celery.usage import metered, report_usage
 
 __all__ = [

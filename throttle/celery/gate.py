@@ -1,24 +1,21 @@
-"""The gate: decide for one execution whether it runs now, sleeps to its slot, or comes back.
+"""The gate: admit one execution, let it wait to its slot, and run it.
 
-1. The task's rules are evaluated (:func:`throttle.rules.targets`): key and cost from its
-   arguments, the rate in force from Redis when an operator changed it at run time.
-2. One :meth:`Limiter.acquire_many` with the task id as acquisition id: a redelivered task
-   does not pay twice. Token bucket and GCRA limits *reserve* the next free slot.
-3. A slot within ``sleep_max``: the task sleeps until it (looking once more just before
-   it, for a hold placed meanwhile) and the body runs on a :class:`Ticket`. In a worker,
-   the worker's consumer takes step 2 before the pool and holds the task until shortly
-   before its slot (:mod:`throttle.celery.waiting`): the gate gets that decision
-   (:class:`Admission`) and sleeps only the rest, at most ``waiting.LEAD_S``.
-   Further ahead: the task is re-published for just before its slot
-   (:mod:`throttle.celery.reschedule`). A task late for its slot (busy workers) gives it
-   up and takes a new one. A denial that reserved nothing (windows, concurrency) comes
-   back when the limit says it could admit, plus a random jitter.
-4. Past the task's deadline: past its ``max_wait``, ``on_timeout``; past its ``expires``
-   (Celery's: the task must not start after it), the task is revoked as expired, as
-   Celery's worker does with a task received too late.
-
-A re-published task is shown the ETA its producer gave it as ``request.eta`` (None when it
-had none), not the throttler's own.
+1. **Admit.** The task's rules are evaluated (:func:`throttle.rules.targets`): key and
+   cost from its arguments, the rate in force from Redis when an operator changed it at
+   run time, its deadlines (:mod:`throttle.celery.deadlines`), its plan
+   (:mod:`throttle.celery.plan`). Then one :meth:`Limiter.acquire_many` with the task id
+   as acquisition id: a redelivered task does not pay twice. Token bucket and GCRA limits
+   *reserve* the next free slot, never past the task's deadline. In a worker, the
+   worker's consumer takes this step before the pool (:mod:`throttle.celery.waiting`):
+   the gate gets that decision (:class:`Admission`).
+2. **Wait.** A slot within ``sleep_max``: the task sleeps until it, looking once more
+   :data:`RECHECK_LEAD_S` before it (for a hold placed meanwhile); after the consumer
+   held it, only the rest, at most ``waiting.LEAD_S``. A task late for its slot (busy
+   workers) gives it up and takes a new one (:meth:`Gate.late_tolerance`). Anything
+   else comes back later (:mod:`throttle.celery.comeback`: a slot further ahead, a
+   denial, a plan, a deadline passed).
+3. **Run.** The body runs on a :class:`Ticket` (after the spacing guard, for limits that
+   have it), settled afterwards (:mod:`throttle.celery.settle`).
 
 Eager mode (``task_always_eager``, ``Task.apply``) and direct calls block the caller until
 the slot comes (one sleep per denial, never a busy loop), or raise ThrottleTimeout.
@@ -28,42 +25,38 @@ When the limiter's Redis fails, the rules' ``on_redis_down`` decide
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import time
 from collections.abc import Callable
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore
 
 from throttle.celery import shadow
-from throttle.celery.arrival import eta_lead_s
-from throttle.celery.execution import Admission, Execution, Ticket
-from throttle.celery.message import (
-    H_PARKED,
-    H_PUBLISH,
-    deadline_header,
-    eta_header,
-    id_header,
-    planned_header,
+from throttle.celery.comeback import (
+    come_back,
+    come_back_planned,
+    come_back_to_slot,
+    drop_second_copy,
+    restore_eta,
 )
-from throttle.celery.plan import Plan, hand_back, plan_at, plan_id
+from throttle.celery.deadlines import (
+    MAX_RESERVE_S,
+    lease_s,
+    left_s,
+    reserve_within,
+    set_deadlines,
+)
+from throttle.celery.execution import Admission, Execution, Ticket
+from throttle.celery.message import planned_header
+from throttle.celery.plan import Plan, due_wait_s, plan_at
 from throttle.celery.redis_down import run_while_down
-from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.limiter import DEFAULT_LEASE_S
 from throttle.rules import Declared, Target, targets
 
-logger = logging.getLogger("throttle")
-
-MAX_RESERVE_S = 86400.0
-"""The farthest ahead a slot is reserved, in s; a task that would wait longer is denied and
-comes back when the limit says (a rate changed at run time applies to it then)."""
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
@@ -110,7 +103,7 @@ class Gate:
         if not execution.rules:
             return None
         try:
-            self._drop_second_copy()
+            drop_second_copy(execution)
             self.evaluate()
             now = time.time()
             if execution.eager:
@@ -145,19 +138,24 @@ class Gate:
             self.planned = planned_header(execution.message_headers)
             self.acquiring = self.plan.due if self.planned is not None else self.plan.admit
 
-    def admit(self) -> Decision:
+    def admit(self, near_s: float | None = None) -> Decision:
         """The first acquisition of an evaluated execution (one round trip): what the
-        worker's consumer decides before the pool (:mod:`throttle.celery.waiting`)."""
-        return self._acquire(*self._horizon())
+        worker's consumer decides before the pool (:mod:`throttle.celery.waiting`).
+        ``near_s``: reserve a slot only within it (s; not past the deadline either): a
+        task further from its slot reserves nothing and waits in the consumer's line
+        (:mod:`throttle.celery.capacity`). A task with a plan keeps its own horizon."""
+        if near_s is None or self.plan is not None:
+            return self._acquire(*self._horizon())
+        return self._acquire(*reserve_within(self.execution, near_s))
 
     def plan_wait_s(self) -> float:
         """How long a task back with a plan waits before it acquires its real limits, in
         s (0 without a plan): until just before its planned time, at most ``sleep_max``
-        (see :meth:`_wait_for_plan`)."""
+        (:func:`~throttle.celery.plan.due_wait_s`)."""
         if self.planned is None:
             return 0.0
-        lead = self.planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
-        return min(max(lead, 0.0), self.settings.sleep_max_s)
+        now = self.execution.throttler.clock.now()
+        return due_wait_s(self.planned, now, RECHECK_LEAD_S, self.settings.sleep_max_s)
 
     def _space(self) -> None:
         """The call-time spacing guard of the limits that have it (``Rule.guarded``): one
@@ -179,47 +177,18 @@ class Gate:
             for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True)
         ]
 
-    def _drop_second_copy(self) -> None:
-        """A parked task released twice (a releaser died between publishing and committing)
-        runs once: the parking lot accepts one publish of each token."""
-        headers = self.execution.message_headers
-        token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
-        if (
-            token is not None
-            and publish is not None
-            and not self.execution.throttler.parking.accept(token, publish)
-        ):
-            logger.info(
-                "throttle: dropping a second copy of parked task %s", self.execution.request.id
-            )
-            raise Ignore()
-
     # -- horizons
 
     def _horizon(self) -> tuple[float, float | None]:
-        """How far ahead a slot may be reserved: ``(max_wait_s, reserve_until)``, the
-        second the task's deadline (epoch s, Redis clock) when it comes first, else None.
-        The deadline goes to the script as a time, not as a wait measured here: the call's
-        latency would carry the window past it. A concurrency unit must not be held while
-        the task waits, so with one the wait is at most a sleep."""
-        execution = self.execution
+        """How far ahead a slot may be reserved: ``(max_wait_s, reserve_until)``
+        (:func:`~throttle.celery.deadlines.reserve_within`: not past the task's deadline).
+        A concurrency unit must not be held while the task waits, so with one the wait is
+        at most a sleep."""
         horizon = self.settings.sleep_max_s if self.rule_set.concurrency else MAX_RESERVE_S
         if self.plan is not None:
             # A task with a plan reserves real slots within a sleep only (see plan.py).
             horizon = self.settings.sleep_max_s
-        deadline = execution.deadline
-        if deadline is not None and deadline - execution.throttler.clock.now() < horizon:
-            return 0.0, deadline
-        return horizon, None
-
-    def _lease_s(self) -> float:
-        """How long the acquisition's record and concurrency units live after its slot, in
-        s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from
-        the slot, so a wait before the slot is in it already."""
-        execution = self.execution
-        limit = execution.request.timelimit or (None, None)
-        hard = limit[0] or execution.task.time_limit or execution.throttler.task_time_limit
-        return max(float(hard or DEFAULT_LEASE_S), 1.0) + 60.0
+        return reserve_within(self.execution, horizon)
 
     def _acquire(self, max_wait_s: float, reserve_until: float | None = None) -> Decision:
         """Acquire (or look again at) the execution's slot, reserving up to ``max_wait_s``
@@ -231,7 +200,7 @@ class Gate:
             execution.targets if self.acquiring is None else self.acquiring,
             max_wait_s=max_wait_s,
             acquisition_id=execution.request.id,
-            lease_s=self._lease_s(),
+            lease_s=lease_s(execution),
             reserve_until=reserve_until,
         )
         if decision.held and not decision.allowed and decision.acquisition is not None:
@@ -251,7 +220,7 @@ class Gate:
         """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
         task comes back later (raises). ``admission``: the first acquisition, taken by
         the worker's consumer, which held the task until shortly before its slot."""
-        late_tolerance = self._late_tolerance()
+        late_tolerance = self.late_tolerance()
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         planned = self.planned
         first: Decision | None = None
@@ -259,8 +228,12 @@ class Gate:
         if admission is not None:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
             first, first_slot = admission.as_of(now)
-        elif planned is not None and self._wait_for_plan(planned):
-            now = time.time()
+        elif planned is not None:
+            # Back with a plan: its real limits are taken just before the planned time.
+            plan_wait = self.plan_wait_s()
+            if plan_wait > 0:
+                time.sleep(plan_wait)
+                now = time.time()
         while True:
             decision = first if first is not None else self._acquire(*self._horizon())
             # The consumer's decision counts as held: its slot was reserved before the
@@ -287,17 +260,15 @@ class Gate:
             self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
-                    self._make_plan(decision)
-                self._come_back(decision, planned=planned)
+                    come_back_planned(self.execution, decision, self.plan)
+                come_back(self.execution, decision, plan=self.plan, planned=planned)
             wait = decision.wait_s
             if wait > self.settings.sleep_max_s:
-                # A slot is reserved, further ahead: come back just before it, never more
-                # than sleep_max before it (throttle.celery.arrival): once per slot.
-                defer(self.execution, wait - eta_lead_s(self.settings), wait, decision, slot=True)
+                come_back_to_slot(self.execution, decision)  # a slot further ahead
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision, late_tolerance)
                 if not decision.allowed:
-                    self._come_back(decision, planned=planned)
+                    come_back(self.execution, decision, plan=self.plan, planned=planned)
                 if not on_time:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self._give_up(decision)
@@ -308,7 +279,7 @@ class Gate:
             slot_at = first_slot if on_first else now + wait
             return Ticket(decision.acquisition, self.execution.rules, slot_at, plan=plan)
 
-    def _late_tolerance(self) -> float:
+    def late_tolerance(self) -> float:
         """How late a task may reach its reserved slot and still call on it, in s.
 
         ``late_tolerance``; but when every reserving limit of the task (token bucket,
@@ -355,83 +326,6 @@ class Gate:
         time.sleep(left)
         return decision, time.monotonic() - start - left <= late_tolerance
 
-    def _wait_for_plan(self, planned: float) -> bool:
-        """A task back with a plan for ``planned`` (epoch s, Redis clock) sleeps until just
-        before it (at most ``sleep_max``) and only then takes its real limits: reserved
-        earlier, the shared limit's next slot would be set that far ahead, and a task of an
-        idle key arriving meanwhile would wait behind it (a GCRA or a token bucket keeps
-        one next slot; the time before it cannot be handed to another). It came back half
-        a sleep early, so that a late delivery still makes its slot. Returns whether it
-        slept."""
-        lead = planned - self.execution.throttler.clock.now() - RECHECK_LEAD_S
-        if lead <= 0:
-            return False
-        time.sleep(min(lead, self.settings.sleep_max_s))
-        return True
-
-    def _make_plan(self, decision: Decision) -> None:
-        """An arriving task with a plan could not be admitted within a sleep: reserve its
-        place on the plans of its keyed limits, and come back for it (raises); or, when
-        the plans deny (a wait beyond the horizon), return to come back as they say."""
-        assert self.plan is not None
-        execution = self.execution
-        # Recorded under the plan's id: a copy redelivered after this worker died before
-        # re-publishing finds this plan (held, wait_s: until its slot) and takes no other.
-        plan = self.limiter.acquire_many(
-            self.plan.plan, max_wait_s=self._plan_horizon(),
-            acquisition_id=plan_id(execution.request.id), lease_s=self._lease_s(),
-        )  # fmt: skip
-        if not plan.allowed:
-            return
-        # The plan says when the task's own limits let it run; the limits of the admit
-        # step (the shared one too) when it could at the earliest.
-        wait = max(plan.wait_s, decision.retry_after_s)
-        if math.isinf(wait):
-            return
-        if execution.deadline is not None:
-            now = execution.throttler.clock.now()
-            if now + wait > execution.deadline:
-                assert plan.acquisition is not None
-                self.limiter.settle(plan.acquisition, 0.0)  # handed back: it will not come
-                time_out(execution, now, wait, decision)
-        # Back half a sleep early: it then reserves its real slots (within sleep_max) and
-        # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
-        # its keyed limit's slot unused.
-        planned = execution.throttler.clock.now() + plan.wait_s
-        defer(execution, wait - self.settings.sleep_max_s / 2, wait, decision, slot=True,
-              planned=planned)  # fmt: skip
-
-    def _plan_horizon(self) -> float:
-        horizon = MAX_RESERVE_S
-        if self.execution.deadline is not None:
-            left = self.execution.deadline - self.execution.throttler.clock.now()
-            horizon = min(horizon, max(left, 0.0))
-        return horizon
-
-    def _come_back(self, decision: Decision, *, planned: float | None = None) -> NoReturn:
-        """A denial: come back when the limits say, plus a jitter; or time out (the
-        deadline is on the Redis clock). ``planned``: the task keeps its plan (for that
-        time, epoch s)."""
-        execution, settings = self.execution, self.settings
-        retry = decision.retry_after_s
-        if math.isinf(retry):
-            # Paused (celery throttle pause): look again now and then; nothing is lost.
-            recheck = settings.pause_recheck_s
-            retry = recheck + random.uniform(0.0, recheck / 2)
-            defer(execution, retry, retry, decision, planned=planned)
-        if execution.deadline is not None:
-            now = execution.throttler.clock.now()
-            if now + retry > execution.deadline:
-                if planned is not None and self.plan is not None:
-                    # Its plan slot is handed back: the key's next tasks need not wait for it.
-                    hand_back(self.limiter, self.plan.plan, execution.request.id,
-                              [0.0] * len(self.plan.plan), self._lease_s())  # fmt: skip
-                time_out(execution, now, retry, decision)
-        jitter = 0.0
-        if not planned_by_fair(execution, decision):
-            jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
-        defer(execution, retry + jitter, retry, decision, planned=planned)
-
     # -- eager mode and direct calls
 
     def _block(self) -> Ticket:
@@ -444,71 +338,7 @@ class Gate:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
             retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
-            deadline = execution.deadline
-            if deadline is not None:
-                left = deadline - execution.throttler.clock.now()
-                if retry > left:
-                    raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
+            left = left_s(execution)
+            if left is not None and retry > left:
+                raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
-
-
-def planned_by_fair(execution: Execution, decision: Decision) -> bool:
-    """Whether only fair limits denied: their script has already spread the comebacks (one
-    share interval apart per key, a little before the key is due), so a jitter would only
-    make them late and leave slots of the shared rate unused. The price: tasks a hold of a
-    fair limit denied come back together at its end, and the script spreads them then."""
-    fair = {limit.name for limit, _, _ in execution.targets if limit.fair}
-    denied = decision.denied_by
-    return bool(denied) and fair.issuperset(denied)
-
-
-def restore_eta(execution: Execution) -> None:
-    """Show the task the ETA its producer gave it: a re-published copy carries the
-    throttler's own ETA (or none, once parked), and the original in ``throttle_eta``, which
-    is restored into ``request.eta`` (None: the producer gave none) unless a Celery
-    ``retry`` came since (its ETA is the one to show)."""
-    saved = eta_header(execution.message_headers)
-    if saved is not None and saved[1] == execution.request.retries:
-        execution.request.eta = saved[0]
-
-
-def set_deadlines(execution: Execution) -> None:
-    """Set the execution's ``timeout_at`` (:func:`timeout_of`), ``expires``
-    (:func:`expires_of`) and ``deadline``, the earlier of the two."""
-    execution.timeout_at = timeout_of(execution)
-    execution.expires = expires_of(execution)
-    execution.deadline = _earliest(execution.timeout_at, execution.expires)
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
-def timeout_of(execution: Execution) -> float | None:
-    """The execution's ``max_wait`` deadline on the Redis clock (epoch s), which any worker
-    reads the same whatever its own clock: its ``throttle_deadline`` header (set at its
-    first deferral), else now + the shortest ``max_wait`` of its rules; None without one."""
-    deadline = deadline_header(execution.message_headers)
-    if deadline is None:
-        waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
-        deadline = execution.throttler.clock.now() + min(waits) if waits else None
-    return deadline
-
-
-def expires_of(execution: Execution) -> float | None:
-    """The task's ``expires`` on the Redis clock (epoch s), or None. ``expires`` is
-    Celery's: an absolute time on the producer's clock, which Celery compares with the
-    receiving worker's clock; the throttler reads it as Celery does, on this worker's clock,
-    converted to Redis time by its measured offset."""
-    expires = execution.request.expires
-    if not expires:
-        return None
-    try:
-        stamp = (
-            datetime.fromisoformat(expires).timestamp()
-            if isinstance(expires, str)
-            else float(expires.timestamp())
-        )
-    except (TypeError, ValueError, AttributeError, OverflowError):
-        return None
-    return execution.throttler.clock.from_wall(stamp)

@@ -9,13 +9,15 @@ the shared rate goes unused. Instead:
 - **Admit** (a task arriving): one acquisition of every limit, and of the *plan* of its
   keyed limits, within ``sleep_max``. Admitted: it runs as any task (one round trip).
 - **Plan** (denied): the task reserves only on the plan of its keyed limits, as far ahead
-  as needed (one more round trip), and comes back for that time. A plan is a twin limit
+  as needed (one more round trip, :func:`reserve_plan`), and comes back for that time
+  (:mod:`throttle.celery.comeback`). A plan is a twin limit
   (the same numbers under the name ``NAME.plan``, its own state per key): it orders the
   key's tasks and says when each should come back; it never takes real capacity.
 - **Due** (a task back with a plan, header ``throttle_planned`` = the planned time): it
-  sleeps to that time (it came back half a sleep early), then one acquisition of every
-  real limit within ``sleep_max`` (one round trip, as the look-again of a reserved task
-  costs); denied, it comes back when that acquisition says, without reserving.
+  sleeps to that time (it came back half a sleep early; :func:`due_wait_s`), then one
+  acquisition of every real limit within ``sleep_max`` (one round trip, as the look-again
+  of a reserved task costs); denied, it comes back when that acquisition says, without
+  reserving.
 
 Only the near future is reserved on the real limits, so every limit keeps its own shape
 (the slot of several limits is the earliest at which all conform) and the shared limit is
@@ -42,10 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from throttle.decision import Settlement
+from throttle.decision import Acquisition, Decision, Settlement
 from throttle.limiter import Limiter
 from throttle.rules import Rule, Target
 from throttle.spec import PLAN_SUFFIX, Limit
@@ -61,6 +64,19 @@ class Plan:
     """The plans of the keyed limits alone: reserved as far ahead as needed."""
     due: list[Target]
     """Every real limit: the acquisition of a task back with a plan."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """A task's place on the plans of its keyed limits (:func:`reserve_plan`)."""
+
+    acquisition: Acquisition | None
+    """The plans' acquisition, recorded under the task's plan id."""
+    slot_s: float
+    """Until the plan's slot, in s: when the task's own keyed limits let it run."""
+    wait_s: float
+    """Until the task comes back, in s: its plan slot, or later when the limits of the
+    admit step (the shared one too) could admit it only later."""
 
 
 def plan_id(task_id: str) -> str:
@@ -157,3 +173,39 @@ def hand_back(
     if not found.held:
         actuals = [0.0] * len(targets)
     return limiter.settle(found.acquisition, actuals)
+
+
+def due_wait_s(planned: float, now: float, lead_s: float, sleep_max_s: float) -> float:
+    """How long a task back with a plan for ``planned`` (epoch s, Redis clock, as ``now``)
+    sleeps before it takes its real limits, in s: until ``lead_s`` before it, at most
+    ``sleep_max_s``, 0 when that time has come.
+
+    Reserved earlier, the shared limit's next slot would be set that far ahead, and a task
+    of an idle key arriving meanwhile would wait behind it (a GCRA or a token bucket keeps
+    one next slot; the time before it cannot be handed to another). It came back half a
+    sleep early, so that a late delivery still makes its slot."""
+    return min(max(planned - now - lead_s, 0.0), sleep_max_s)
+
+
+def reserve_plan(
+    limiter: Limiter, plan: Plan, task_id: str, denied: Decision, horizon_s: float,
+    lease_s: float,
+) -> Place | None:  # fmt: skip
+    """An arriving task with a plan was ``denied`` within a sleep: reserve its place on the
+    plans of its keyed limits, up to ``horizon_s`` ahead (one round trip). None when the
+    plans deny (a wait beyond the horizon) or no limit says when it could run.
+
+    Recorded under the plan's id (:func:`plan_id`): a copy redelivered after its worker
+    died before re-publishing finds this plan (held, ``wait_s``: until its slot) and takes
+    no other."""
+    found = limiter.acquire_many(
+        plan.plan, max_wait_s=horizon_s, acquisition_id=plan_id(task_id), lease_s=lease_s
+    )
+    if not found.allowed:
+        return None
+    # The plan says when the task's own limits let it run; the limits of the admit
+    # step (the shared one too) when it could at the earliest.
+    wait = max(found.wait_s, denied.retry_after_s)
+    if math.isinf(wait):
+        return None
+    return Place(found.acquisition, found.wait_s, wait)

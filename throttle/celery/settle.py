@@ -6,8 +6,8 @@ body that raised refunds the limits whose rule says ``on_error: refund``; concur
 come back. One round trip (``Limiter.settle``), and none at all when the body returned and
 nothing changes: every cost stays as reserved (fixed costs, estimates not corrected) and no
 concurrency unit is held. The lease record is then left to expire on its own (the lease
-after the slot, ``Gate._lease_s``): until then a redelivered copy of the task still finds
-its reservation instead of paying twice.
+after the slot, :func:`throttle.celery.deadlines.lease_s`): until then a redelivered copy
+of the task still finds its reservation instead of paying twice.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The public faces of the Celery layer: ``@throttled``, ``ThrottledTask``, and what a
-running task may call (:func:`report_cost`, :func:`slot_time`, :func:`defer_task`).
+running task may call (:func:`report_cost`, :func:`slot_time`; ``defer_task`` is
+:mod:`throttle.celery.comeback`'s).
 
 Every throttled execution goes through :func:`run`: the gate decides (run, sleep to the
 slot, or come back later), the body runs on its ticket, then the acquisition is settled.
 A body that exits by an exception after its upstream refused a call (recorded on the
 ticket by :func:`throttle.upstream.report_upstream`) comes back once, from here
-(:func:`come_back_if_refused`).
+(:func:`throttle.celery.comeback.come_back_if_refused`).
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ from typing import Any, ClassVar, TypeVar
 
 from celery import Task
 from celery._state import get_current_task
-from celery.exceptions import Ignore, Reject, Retry
 from celery.local import Proxy
 
+from throttle.celery.comeback import come_back_if_refused
 from throttle.celery.execution import (
-    Execution,
-    Ticket,
     current_ticket,
     enter_ticket,
     leave_ticket,
     take_admission,
 )
-from throttle.celery.gate import Gate, set_deadlines
-from throttle.celery.reschedule import defer, time_out
-from throttle.celery.runtime import Throttler, throttling_enabled
+from throttle.celery.gate import Gate
+from throttle.celery.runtime import throttling_enabled
 from throttle.celery.settle import settle
-from throttle.decision import Decision, LimitState
-from throttle.errors import ConfigError, Throttled
+from throttle.errors import ConfigError
 from throttle.rules import UNSET, Declared, Rule, declare
 from throttle.spec import Algorithm, Limit
 from throttle.units import real
@@ -208,53 +205,3 @@ def slot_time() -> float | None:
     throttled task: ``time.time() - slot_time()`` is how late the call is behind its slot."""
     ticket = current_ticket()
     return None if ticket is None else ticket.slot_at
-
-
-def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
-    """Run the running throttled task again in ``countdown_s`` seconds, as the throttler
-    re-runs a denied task: the same id, arguments, options, headers, links and chord, through
-    its queue's lane (parked in Redis beyond ``park_after``), without spending
-    ``max_retries``; past its deadline (``max_wait``, ``expires``), ``on_timeout`` applies.
-    Raises celery's ``Retry``: let it propagate. For a task that its upstream told to come
-    back later (:func:`throttle.upstream.report_upstream`); ``limits`` names the limits that
-    wait (default: all the task's), as the reason shown. In eager mode and direct calls,
-    where there is no queue, raises :class:`Throttled` instead."""
-    task, ticket = get_current_task(), current_ticket()
-    if task is None or ticket is None:
-        raise RuntimeError("defer_task() is for the body of a running throttled task")
-    countdown_s = max(float(countdown_s), 0.0)
-    names = tuple(limits) or tuple(rule.name for rule in ticket.rules)
-    if task.request.is_eager or task.request.called_directly:
-        raise Throttled(countdown_s, names)
-    execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
-    set_deadlines(execution)
-    states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
-    denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
-    if execution.deadline is not None:
-        now = execution.throttler.clock.now()
-        if now + countdown_s > execution.deadline:
-            time_out(execution, now, countdown_s, denied)
-    defer(execution, countdown_s, countdown_s, denied)
-
-
-def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
-    """The body of ``ticket``'s task raised ``exc``: when the upstream refused its last call
-    (``report_upstream(..., retry=True)`` recorded it), the task comes back now, once, with
-    :func:`defer_task` (raises celery's ``Retry``, or :class:`Throttled` in eager mode).
-
-    The refusal is answered here, after control has left the HTTP client and the SDK
-    around it, and not in the hook that saw the 429: an SDK that wraps the hook's
-    exception, retries the request itself, or meets a 429 again in its own retry loop
-    cannot make the task come back twice, nor run on after its copy was published
-    (``anthropic`` wraps any exception of its HTTP client as ``APIConnectionError`` and
-    retries it). ``exc`` may be the hook's :class:`Throttled` or whatever the SDK made of
-    it. A body that ended with celery's ``Retry``, ``Ignore`` or ``Reject`` has decided
-    already (``self.retry()``, :func:`defer_task`): nothing more is published."""
-    refusal = ticket.refusal
-    if refusal is None or isinstance(exc, (Retry, Ignore, Reject)):
-        return
-    ticket.refusal = None
-    try:
-        defer_task(refusal.countdown_s, refusal.limits)
-    except Throttled as throttled:  # eager mode: no queue to come back through
-        raise throttled from exc

@@ -5,7 +5,7 @@ The Celery binding of :mod:`throttle.upstream`: it finds the running task's limi
 ticket), applies the signal to them (:func:`throttle.upstream.policy.apply_signal`), and
 with ``retry=True`` records a refusal on the ticket and raises :class:`Throttled`: the
 task is re-published once its body exits (:func:`throttle.celery.task.run`, through
-:func:`~throttle.celery.task.defer_task`), never from inside the HTTP client or SDK.
+:func:`~throttle.celery.comeback.defer_task`), never from inside the HTTP client or SDK.
 Users import these from :mod:`throttle.upstream`, as before::
 
     from throttle.upstream import report_upstream, upstream_hook
@@ -125,7 +125,7 @@ def report_upstream(
       when its body exits with an exception, whichever (the ``Throttled``, or what the
       SDK made of it), it is re-published once, with the same id, arguments, options and
       links, through the queue's lane, without spending ``max_retries``
-      (:func:`throttle.celery.task.defer_task`). Never from inside the HTTP client: an
+      (:func:`throttle.celery.comeback.defer_task`). Never from inside the HTTP client: an
       SDK that wraps the exception, retries the request or meets a 429 again in its own
       retry loop publishes no second copy. A later answer in the same body that is not a
       refusal (the SDK's retry was served) cancels it, and a body that returns normally

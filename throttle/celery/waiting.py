@@ -227,7 +227,7 @@ class Waiting:
                 gate.evaluate()  # the rates in force now (one set at run time, announced)
             pending.asked = True
             now = time.time()
-            decision = near_acquire(gate, self.throttler.settings.sleep_max_s)
+            decision = gate.admit(near_s=self.throttler.settings.sleep_max_s)
         except Exception as exc:
             self._undecided(request, exc)
             self._to_pool(request)
@@ -326,7 +326,7 @@ class Waiting:
             if (
                 pending is not None
                 and decision.acquisition is not None
-                and time.time() - slot_at > pending.gate._late_tolerance()
+                and time.time() - slot_at > pending.gate.late_tolerance()
             ):
                 self.throttler.limiter.settle(decision.acquisition, None)  # passed: lost
                 request.request_dict.pop(ADMISSION_KEY, None)
@@ -439,19 +439,6 @@ def priority_of(request: Any) -> int:
         return int(priority) if priority is not None else 0
     except (TypeError, ValueError):
         return 0
-
-
-def near_acquire(gate: Gate, horizon_s: float) -> Decision:
-    """The gate's first acquisition, reserving a slot only within ``horizon_s`` (or until
-    the task's deadline, when that comes first): a task further from its slot reserves
-    nothing and waits in the line (:mod:`throttle.celery.capacity`)."""
-    if gate.plan is not None:
-        return gate.admit()  # a plan's own horizon (sleep_max), see plan.py
-    execution = gate.execution
-    deadline = execution.deadline
-    if deadline is not None and deadline - execution.throttler.clock.now() < horizon_s:
-        return gate._acquire(0.0, deadline)
-    return gate._acquire(horizon_s)
 
 
 def line_budget_s(app: Celery, throttler: Throttler) -> float:

@@ -1,0 +1,187 @@
+"""Coming back later: every way a task that may not run now goes back, in one place.
+
+- A denial (:func:`come_back`): back when the limits say it could be admitted, plus a
+  random jitter (none when only fair limits denied: their script spread the comebacks
+  already); while a limit is paused, back every ``pause_recheck`` to look again; past the
+  task's deadline (:mod:`throttle.celery.deadlines`), it times out.
+- A slot reserved beyond ``sleep_max`` (:func:`come_back_to_slot`): back just before the
+  slot (:mod:`throttle.celery.arrival`), once per slot.
+- A task with a plan that could not be admitted within a sleep (:func:`come_back_planned`):
+  back at its place on the plans of its keyed limits (:mod:`throttle.celery.plan`).
+- The body's own word (:func:`defer_task`; :func:`come_back_if_refused` after the upstream
+  refused a call): back in the given time, past the deadline ``on_timeout``.
+
+Each one ends the execution by raising (:mod:`throttle.celery.reschedule` re-publishes,
+parks, or times the task out), except where said. A copy that came back is the same task:
+it is shown the ETA its producer gave it (:func:`restore_eta`), and a parked copy released
+twice runs once (:func:`drop_second_copy`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Sequence
+from typing import NoReturn
+
+from celery._state import get_current_task
+from celery.exceptions import Ignore, Reject, Retry
+
+from throttle.celery.arrival import eta_lead_s
+from throttle.celery.deadlines import MAX_RESERVE_S, capped_s, lease_s, overdue, set_deadlines
+from throttle.celery.execution import Execution, Ticket, current_ticket
+from throttle.celery.message import H_PARKED, H_PUBLISH, eta_header, id_header
+from throttle.celery.plan import Plan, hand_back, reserve_plan
+from throttle.celery.reschedule import defer, time_out
+from throttle.celery.runtime import Throttler
+from throttle.decision import Decision, LimitState
+from throttle.errors import Throttled
+
+logger = logging.getLogger("throttle")
+
+
+def come_back(
+    execution: Execution,
+    decision: Decision,
+    *,
+    plan: Plan | None = None,
+    planned: float | None = None,
+) -> NoReturn:
+    """A denial: come back when the limits say, plus a jitter; or time out (the
+    deadline is on the Redis clock). ``planned``: the task keeps its ``plan`` (for that
+    time, epoch s)."""
+    settings = execution.settings
+    retry = decision.retry_after_s
+    if math.isinf(retry):
+        # Paused (celery throttle pause): look again now and then; nothing is lost.
+        recheck = settings.pause_recheck_s
+        retry = recheck + random.uniform(0.0, recheck / 2)
+        defer(execution, retry, retry, decision, planned=planned)
+    now = overdue(execution, retry)
+    if now is not None:
+        if planned is not None and plan is not None:
+            # Its plan slot is handed back: the key's next tasks need not wait for it.
+            hand_back(execution.throttler.limiter, plan.plan, execution.request.id,
+                      [0.0] * len(plan.plan), lease_s(execution))  # fmt: skip
+        time_out(execution, now, retry, decision)
+    jitter = 0.0
+    if not planned_by_fair(execution, decision):
+        jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))
+    defer(execution, retry + jitter, retry, decision, planned=planned)
+
+
+def come_back_to_slot(execution: Execution, decision: Decision) -> NoReturn:
+    """A slot is reserved further ahead than ``sleep_max``: come back just before it, never
+    more than ``sleep_max`` before it (:mod:`throttle.celery.arrival`): once per slot."""
+    wait = decision.wait_s
+    defer(execution, wait - eta_lead_s(execution.settings), wait, decision, slot=True)
+
+
+def come_back_planned(execution: Execution, decision: Decision, plan: Plan) -> None:
+    """An arriving task with a plan could not be admitted within a sleep: reserve its
+    place on the plans of its keyed limits (:func:`~throttle.celery.plan.reserve_plan`),
+    and come back for it (raises); or, when the plans deny (a wait beyond the horizon),
+    return: the task then comes back as :func:`come_back` says."""
+    limiter = execution.throttler.limiter
+    place = reserve_plan(
+        limiter, plan, execution.request.id, decision, capped_s(execution, MAX_RESERVE_S),
+        lease_s(execution),
+    )  # fmt: skip
+    if place is None:
+        return
+    now = overdue(execution, place.wait_s)
+    if now is not None:
+        assert place.acquisition is not None
+        limiter.settle(place.acquisition, 0.0)  # handed back: it will not come
+        time_out(execution, now, place.wait_s, decision)
+    # Back half a sleep early: it then reserves its real slots (within sleep_max) and
+    # sleeps to them, so that a late return (ETA precision, a busy pool) does not leave
+    # its keyed limit's slot unused.
+    planned = execution.throttler.clock.now() + place.slot_s
+    back_in = place.wait_s - execution.settings.sleep_max_s / 2
+    defer(execution, back_in, place.wait_s, decision, slot=True, planned=planned)
+
+
+def planned_by_fair(execution: Execution, decision: Decision) -> bool:
+    """Whether only fair limits denied: their script has already spread the comebacks (one
+    share interval apart per key, a little before the key is due), so a jitter would only
+    make them late and leave slots of the shared rate unused. The price: tasks a hold of a
+    fair limit denied come back together at its end, and the script spreads them then."""
+    fair = {limit.name for limit, _, _ in execution.targets if limit.fair}
+    denied = decision.denied_by
+    return bool(denied) and fair.issuperset(denied)
+
+
+def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
+    """Run the running throttled task again in ``countdown_s`` seconds, as the throttler
+    re-runs a denied task: the same id, arguments, options, headers, links and chord, through
+    its queue's lane (parked in Redis beyond ``park_after``), without spending
+    ``max_retries``; past its deadline (``max_wait``, ``expires``), ``on_timeout`` applies.
+    Raises celery's ``Retry``: let it propagate. For a task that its upstream told to come
+    back later (:func:`throttle.upstream.report_upstream`); ``limits`` names the limits that
+    wait (default: all the task's), as the reason shown. In eager mode and direct calls,
+    where there is no queue, raises :class:`Throttled` instead."""
+    task, ticket = get_current_task(), current_ticket()
+    if task is None or ticket is None:
+        raise RuntimeError("defer_task() is for the body of a running throttled task")
+    countdown_s = max(float(countdown_s), 0.0)
+    names = tuple(limits) or tuple(rule.name for rule in ticket.rules)
+    if task.request.is_eager or task.request.called_directly:
+        raise Throttled(countdown_s, names)
+    execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
+    set_deadlines(execution)
+    states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
+    denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
+    now = overdue(execution, countdown_s)
+    if now is not None:
+        time_out(execution, now, countdown_s, denied)
+    defer(execution, countdown_s, countdown_s, denied)
+
+
+def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
+    """The body of ``ticket``'s task raised ``exc``: when the upstream refused its last call
+    (``report_upstream(..., retry=True)`` recorded it), the task comes back now, once, with
+    :func:`defer_task` (raises celery's ``Retry``, or :class:`Throttled` in eager mode).
+
+    The refusal is answered here, after control has left the HTTP client and the SDK
+    around it, and not in the hook that saw the 429: an SDK that wraps the hook's
+    exception, retries the request itself, or meets a 429 again in its own retry loop
+    cannot make the task come back twice, nor run on after its copy was published
+    (``anthropic`` wraps any exception of its HTTP client as ``APIConnectionError`` and
+    retries it). ``exc`` may be the hook's :class:`Throttled` or whatever the SDK made of
+    it. A body that ended with celery's ``Retry``, ``Ignore`` or ``Reject`` has decided
+    already (``self.retry()``, :func:`defer_task`): nothing more is published."""
+    refusal = ticket.refusal
+    if refusal is None or isinstance(exc, (Retry, Ignore, Reject)):
+        return
+    ticket.refusal = None
+    try:
+        defer_task(refusal.countdown_s, refusal.limits)
+    except Throttled as throttled:  # eager mode: no queue to come back through
+        raise throttled from exc
+
+
+def restore_eta(execution: Execution) -> None:
+    """Show the task the ETA its producer gave it: a re-published copy carries the
+    throttler's own ETA (or none, once parked), and the original in ``throttle_eta``, which
+    is restored into ``request.eta`` (None: the producer gave none) unless a Celery
+    ``retry`` came since (its ETA is the one to show)."""
+    saved = eta_header(execution.message_headers)
+    if saved is not None and saved[1] == execution.request.retries:
+        execution.request.eta = saved[0]
+
+
+def drop_second_copy(execution: Execution) -> None:
+    """A parked task released twice (a releaser died between publishing and committing)
+    runs once: the parking lot accepts one publish of each token; the second copy is
+    dropped (raises celery's ``Ignore``)."""
+    headers = execution.message_headers
+    token, publish = id_header(headers, H_PARKED), id_header(headers, H_PUBLISH)
+    if (
+        token is not None
+        and publish is not None
+        and not execution.throttler.parking.accept(token, publish)
+    ):
+        logger.info("throttle: dropping a second copy of parked task %s", execution.request.id)
+        raise Ignore()
