@@ -114,14 +114,20 @@ def test_a_task_not_blocked_is_due_now() -> None:
         pytest.param(
             [("shared", False, 0.5), ("tenant", False, 5.0)],
             5.0,
-            {SHARED: MIN_BLOCK_S, A: 4.0},
-            id="both deny, one within the horizon",
+            {SHARED: 0.5, A: 4.0},
+            id="both deny, one within the horizon (a hold: asked again at its end)",
         ),
         pytest.param(
             [("shared", True, 0.0), ("tenant", True, 0.0)],
             3.0,
             {SHARED: 2.0, A: 2.0},
             id="none denies alone (a later window)",
+        ),
+        pytest.param(
+            [("shared", False, 0.0), ("tenant", True, 0.0)],
+            0.0,
+            {SHARED: MIN_BLOCK_S},
+            id="denied now for now: asked again after the shortest block",
         ),
     ],
 )

@@ -269,17 +269,23 @@ def blocks_of(
     ``retry_after_s`` (its ``limits``: name, allowed, retry_after_s, in the order of
     ``pairs``) less the near horizon ``horizon_s`` (asked then, the task can reserve its
     slot within the horizon); every pair for the whole decision's ``retry_after_s`` when
-    the limits do not line up or none of them denied (a slot that fell into a later window)."""
+    the limits do not line up or none of them denied (a slot that fell into a later window).
+    A limit that denied although it could admit within the horizon cannot reserve that
+    time (a hold until then, a window that turns then): blocked for the whole of it, or
+    the task would ask again and again until then."""
     states = list(limits)
     blocks: dict[Pair, float] = {}
     if len(states) == len(pairs):
         for pair, (_, allowed, retry) in zip(pairs, states, strict=True):
             if not allowed:
-                blocks[pair] = max(retry - horizon_s, MIN_BLOCK_S)
+                blocks[pair] = _block_s(retry, horizon_s)
     if not blocks:
-        wait = max(retry_after_s - horizon_s, MIN_BLOCK_S)
-        blocks = dict.fromkeys(pairs, wait)
+        blocks = dict.fromkeys(pairs, _block_s(retry_after_s, horizon_s))
     return blocks
+
+
+def _block_s(retry_s: float, horizon_s: float) -> float:
+    return max(retry_s - horizon_s if retry_s > horizon_s else retry_s, MIN_BLOCK_S)
 
 
 def monotonic() -> float:
