@@ -79,6 +79,6 @@ def rated(tag: str) -> None:
 @app.task(shared=False)
 @throttled("ordered")
 def ordered(tag: str) -> None:
-    """Under ``ordered`` (GCRA, one call per 1.5 s: longer than ``sleep_max``, so that a
+    """Under ``ordered`` (GCRA, one call per 5 s: longer than ``sleep_max``, so that a
     second task waits in the line, reserving nothing)."""
     log(tag, "start")

@@ -227,7 +227,10 @@ class Waiting:
                 gate.evaluate()  # the rates in force now (one set at run time, announced)
             pending.asked = True
             now = time.time()
-            decision = gate.admit(near_s=self.throttler.settings.sleep_max_s)
+            # Without a line (a broker whose visibility timeout leaves it no time, the
+            # in-memory throttler) a far slot is reserved, as the pool's gate would.
+            near = self.settings_sleep_max if self.line is not None else None
+            decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
             self._to_pool(request)
