@@ -68,6 +68,8 @@ class Waiter:
     """When it joined the line (monotonic s)."""
     raised: bool = False
     """Whether its worker raised the prefetch count for it (undone when it leaves)."""
+    gone: bool = False
+    """Whether it left the line (a pass that began before does not ask for it again)."""
 
     def order(self) -> tuple[int, int]:
         return (-self.priority, self.seq)
@@ -144,7 +146,7 @@ class Line:
         """Ask for every waiting task that nothing blocks, in order (see the module): a
         denial blocks its pairs, and the tasks behind it that need them are skipped."""
         for waiter in list(self.waiters):
-            if self._is_blocked(waiter, now):
+            if waiter.gone or self._is_blocked(waiter, now):
                 continue
             try:
                 blocks = self.ask(waiter)
@@ -161,6 +163,7 @@ class Line:
         return any(blocked.get(pair, -math.inf) > now for pair in waiter.pairs)
 
     def _remove(self, waiter: Waiter) -> None:
+        waiter.gone = True
         with contextlib.suppress(ValueError):
             self.waiters.remove(waiter)
         live = {pair for w in self.waiters for pair in w.pairs}
@@ -195,6 +198,8 @@ class Line:
 
     def clear(self) -> list[Waiter]:
         waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            waiter.gone = True
         self.blocked.clear()
         return waiters
 

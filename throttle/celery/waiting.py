@@ -486,6 +486,8 @@ class WaitingLine:
         self.throttler: Throttler | None = None
         self.rates_changed_at = -math.inf
         """When a rate set at run time was last announced (monotonic s)."""
+        self.serving = False
+        self.again = False
 
     def listen(self, throttler: Throttler) -> None:
         """Listen to the capacity announcements of ``throttler``'s namespace."""
@@ -527,20 +529,39 @@ class WaitingLine:
     def _due(self) -> None:
         """The timer: send on the tasks that waited too long, serve the others."""
         self.entry, self.armed_at = None, math.inf
-        now = time.monotonic()
+        self._run()
+
+    def _run(self) -> None:
+        """Send on the tasks that waited too long and serve the others, once at a time:
+        under gevent and eventlet the timer, an announcement and the consumer are
+        greenlets, and a pass yields at every round trip; a second pass asked for
+        meanwhile runs after the first (one pass asking for a task while another hands
+        it to the pool would run it twice)."""
+        if self.serving:
+            self.again = True
+            return
+        self.serving = True
         try:
-            for waiter in self.line.expired(now):
-                pending: Pending = waiter.item
-                left = self.line.blocked_for(waiter, now) + pending.waiting.settings_sleep_max
-                try:
-                    pending.waiting.send_on(pending, left)
-                except Exception:
-                    logger.exception("throttle: sending on waiting task %s", pending.request.id)
-                finally:
-                    self._left(waiter)
-            self.line.serve(now)
+            self.again = True
+            while self.again:
+                self.again = False
+                now = time.monotonic()
+                for waiter in self.line.expired(now):
+                    self._send_on(waiter, now)
+                self.line.serve(time.monotonic())
         finally:
+            self.serving = False
             self._arm()
+
+    def _send_on(self, waiter: Waiter, now: float) -> None:
+        pending: Pending = waiter.item
+        left = self.line.blocked_for(waiter, now) + pending.waiting.settings_sleep_max
+        try:
+            pending.waiting.send_on(pending, left)
+        except Exception:
+            logger.exception("throttle: sending on waiting task %s", pending.request.id)
+        finally:
+            self._left(waiter)
 
     def _arm(self) -> None:
         due = self.line.due()
@@ -577,10 +598,7 @@ class WaitingLine:
                 self.throttler.rates.refresh_soon()
         if self.line.wake(names or None):
             self._cancel()
-            try:
-                self.line.serve(time.monotonic())
-            finally:
-                self._arm()
+            self._run()
 
     def rates_changed_lately(self) -> bool:
         """Whether a rate set was announced within the rates' ``refresh_s`` (the pool
