@@ -93,6 +93,8 @@ class Line:
     waiters: list[Waiter] = field(default_factory=list)
     blocked: dict[Pair, float] = field(default_factory=dict)
     """Pair -> until when (monotonic s) no task asks for it."""
+    counts: dict[Pair, int] = field(default_factory=dict)
+    """Pair -> how many waiting tasks need it (so that a look costs no pass over the line)."""
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -101,8 +103,7 @@ class Line:
     def needs(self, pairs: Iterable[Pair]) -> bool:
         """Whether a task already waits for any of ``pairs``: a task arriving for them
         joins the line behind it instead of asking first."""
-        wanted = set(pairs)
-        return any(not wanted.isdisjoint(w.pairs) for w in self.waiters)
+        return any(pair in self.counts for pair in pairs)
 
     def join(
         self,
@@ -121,6 +122,8 @@ class Line:
         while index > 0 and self.waiters[index - 1].order() > key:
             index -= 1
         self.waiters.insert(index, waiter)
+        for pair in waiter.pairs:
+            self.counts[pair] = self.counts.get(pair, 0) + 1
         if blocks:
             self.block(blocks, now)
         return waiter
@@ -140,7 +143,7 @@ class Line:
         named = set(names)
         for pair in [pair for pair in self.blocked if pair[0] in named]:
             del self.blocked[pair]
-        return any(pair[0] in named for w in self.waiters for pair in w.pairs)
+        return any(pair[0] in named for pair in self.counts)
 
     def serve(self, now: float) -> None:
         """Ask for every waiting task that nothing blocks, in order (see the module): a
@@ -163,12 +166,18 @@ class Line:
         return any(blocked.get(pair, -math.inf) > now for pair in waiter.pairs)
 
     def _remove(self, waiter: Waiter) -> None:
+        if waiter.gone:
+            return
         waiter.gone = True
         with contextlib.suppress(ValueError):
             self.waiters.remove(waiter)
-        live = {pair for w in self.waiters for pair in w.pairs}
-        for pair in [pair for pair in self.blocked if pair not in live]:
-            del self.blocked[pair]
+        for pair in waiter.pairs:
+            left = self.counts.get(pair, 0) - 1
+            if left > 0:
+                self.counts[pair] = left
+            else:
+                self.counts.pop(pair, None)
+                self.blocked.pop(pair, None)  # nobody waits for it any more
 
     def leave(self, waiter: Waiter) -> None:
         """Take ``waiter`` out of the line (sent on by its caller)."""
@@ -183,6 +192,12 @@ class Line:
             free_at = max(blocked.get(pair, -math.inf) for pair in waiter.pairs)
             soonest = min(soonest, free_at, waiter.since + self.max_wait_s)
         return None if soonest == math.inf else soonest
+
+    def free_at(self, waiter: Waiter) -> float:
+        """When ``waiter`` may ask again, or must be sent on (monotonic s; -inf: now)."""
+        blocked = self.blocked
+        free = max(blocked.get(pair, -math.inf) for pair in waiter.pairs)
+        return min(free, waiter.since + self.max_wait_s)
 
     def expired(self, now: float) -> list[Waiter]:
         """Take out, and return, the tasks that waited ``max_wait_s`` or longer."""
@@ -201,6 +216,7 @@ class Line:
         for waiter in waiters:
             waiter.gone = True
         self.blocked.clear()
+        self.counts.clear()
         return waiters
 
 

@@ -510,10 +510,12 @@ class WaitingLine:
         if raised:
             self.consumer.qos.increment_eventually()
         state.reserved_requests.discard(request)
-        self.line.join(
+        waiter = self.line.join(
             pending, pairs, priority=priority, blocks=blocks, now=time.monotonic(), raised=raised
         )
-        self._arm()
+        # Only this task's own time can be earlier than the timer's: no pass over the line
+        # per arrival (a backlog of a thousand would cost the consumer a million looks).
+        self._arm_at(self.line.free_at(waiter))
 
     def _ask(self, waiter: Waiter) -> dict[Pair, float] | None:
         pending: Pending = waiter.item
@@ -568,6 +570,12 @@ class WaitingLine:
         if due is None:
             self._cancel()
             return
+        self._arm_at(due)
+
+    def _arm_at(self, due: float) -> None:
+        """Have the timer serve the line at ``due`` (monotonic s) unless it will sooner."""
+        if self.serving:
+            return  # the pass under way arms the timer when it ends
         due = max(due, time.monotonic())
         if self.entry is not None and self.armed_at <= due + 0.0005:
             return
