@@ -10,6 +10,9 @@
 -- ARGV[1]  now_us    '' = read Redis TIME (always, outside tests)
 -- ARGV[2]  field
 -- ARGV[3]  for_us    hold this long from now; '' = lift the hold of this field
+-- ARGV[4]  channel   optional: where a lifted hold is announced (PUBLISH channel ARGV[5]:
+--                    tasks waiting for the limit look again at once)
+-- ARGV[5]  name      the limit's name (the message)
 --
 -- A hold only ever lengthens: a shorter one (a later 429 with a shorter Retry-After) leaves
 -- a longer one (a pause) in place; only lifting removes it. The hash has no TTL (a pause
@@ -31,6 +34,9 @@ for i = 1, #ended, 1000 do
 end
 if ARGV[3] == '' then
   redis.call('HDEL', KEYS[1], field)
+  if ARGV[4] and ARGV[4] ~= '' then
+    redis.call('PUBLISH', ARGV[4], ARGV[5] or '')
+  end
   return '0'
 end
 local until_us = now + tonumber(ARGV[3])

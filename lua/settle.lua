@@ -9,6 +9,10 @@
 -- ARGV[4..]    5 per limit:  code, count, period_us, burst (acquire.lua's numbers, here as
 --              text), then the actual cost for this limit ('' = as reserved: a plain
 --              release)
+-- ARGV[4+5n]   channel       optional: where to announce capacity given back (a refund,
+--                            a concurrency unit released): PUBLISH channel, the names of
+--                            the limits that gave some back, space-separated
+-- ARGV[5+5n..] 1 per limit:  its name (for the announcement)
 --
 -- Returns 'status' then, when settled, one delta per limit
 --   status 0 = settled: delta = actual - reserved, > 0 charged, < 0 refunded;
@@ -56,12 +60,22 @@ for i = 1, n do
 end
 
 local reply = '0'
+local given = nil
 for i = 1, n do
   local l = limits[i]
   if l.delta ~= 0 or l.code == 'conc' then
     l.algo.adjust(l.k, l.count, l.period_us, l.burst, now, l.delta, l.mark, ARGV[2])
+    if (l.delta < 0 or l.code == 'conc') and ARGV[5 + 5 * n + i - 1] then
+      given = (given and given .. ' ' or '') .. ARGV[5 + 5 * n + i - 1]
+    end
   end
   reply = reply .. ' ' .. fmt(l.delta)
+end
+-- Capacity came back before its time: tasks waiting for it (in any worker) look again now
+-- rather than at the time their last denial named.
+local channel = ARGV[4 + 5 * n]
+if given and channel ~= '' then
+  redis.call('PUBLISH', channel, given)
 end
 -- Keep the record (marked settled) until it expires, so that a second settle says so.
 redis.call('HSET', lease, 's', '2')

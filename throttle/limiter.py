@@ -294,6 +294,9 @@ class RequestBuilder(Generic[_S]):
         for (limit, key), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(target_args(limit, key))
             args.append(b"" if actual is None else _number(actual, "actual_cost"))
+        # A refund or a released unit is announced, for the tasks waiting for it.
+        args.append(self.keyspace.capacity_channel())
+        args.extend(limit.name for limit, _ in acquisition.targets)
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)
@@ -342,8 +345,11 @@ class RequestBuilder(Generic[_S]):
         return (*self._hold_call(limit, key, for_us), _held_s)
 
     def _unhold_request(self, limit: Limit | str, key: str | None) -> Request[_S, None]:
-        """The call of an unhold (see :meth:`Limiter.unhold`)."""
-        return (*self._hold_call(limit, key, b""), _nothing)
+        """The call of an unhold (see :meth:`Limiter.unhold`): the lifting is announced
+        on the capacity channel (:meth:`KeySpace.capacity_channel`)."""
+        script, keys, args = self._hold_call(limit, key, b"")
+        name = limit.name if isinstance(limit, Limit) else limit
+        return script, keys, [*args, self.keyspace.capacity_channel(), name], _nothing
 
     def _hold_call(
         self, limit: Limit | str, key: str | None, for_us: int | bytes
@@ -373,6 +379,7 @@ class RequestBuilder(Generic[_S]):
         seconds to wait before the call."""
         keys: list[str] = []
         args: list[Any] = [b"" if self._clock_us is None else self._clock_us(), b""]
+        units: list[str] = []
         for limit, key, cost in targets:
             if not isinstance(limit, Limit) or limit.code == "conc":
                 raise RequestError(f"the spacing guard needs a rate limit (got {limit!r})")
@@ -382,8 +389,10 @@ class RequestBuilder(Generic[_S]):
             # A fair limit's rate is its keys' total: its calls are spaced as one.
             keys.append(self.keyspace.space_key(limit, None if limit.fair else key))
             args.append(repr(spacing_us))
+            units.append(repr(limit.period_s * 1e6 / limit.count))
         if not keys:
             raise RequestError("the spacing guard needs at least one limit")
+        args.extend(units)  # the spacing per unit now: a rate raised since shortens the wait
         if self.fence_s:
             keys.append(self.keyspace.fence_key())
             args[1] = round(self.fence_s * 1e6)

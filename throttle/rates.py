@@ -36,7 +36,12 @@ from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.spec import Limit
 
-__all__ = ["MODES", "RateBook", "RateBookBase"]
+__all__ = ["MODES", "RATES_CHANGED", "RateBook", "RateBookBase"]
+
+RATES_CHANGED = "!rates"
+"""The word an announcement of a rate set at run time carries on the capacity channel
+(:meth:`KeySpace.capacity_channel`) besides the limit's name (no limit is named so): a
+listening worker re-reads the rates before its waiting tasks ask again."""
 
 MODES = ("enforce", "shadow")
 """The modes of a limit (``Rule.mode``): it delays its tasks, or records what it would."""
@@ -58,6 +63,9 @@ class RateBookBase:
         self.followed_key = keyspace.followed_rates_key()
         self.key_rates_key = keyspace.key_rates_key()
         self.modes_key = keyspace.modes_key()
+        self.channel = keyspace.capacity_channel()
+        """Where a rate set is announced: tasks waiting for the limit look again at once
+        (a raised rate is capacity), rather than at the time their last denial named."""
         self._keyspace = keyspace
         self.refresh_s = refresh_s
         self._monotonic = monotonic
@@ -116,6 +124,11 @@ class RateBookBase:
     def _changed(self) -> None:
         """After a write: the next :meth:`current` reads the book afresh."""
         self._read_at = -float("inf")
+
+    def refresh_soon(self) -> None:
+        """The next :meth:`current` reads the book afresh (a rate set elsewhere was
+        announced)."""
+        self._changed()
 
     def _stale(self) -> float | None:
         """Now, when the cache is due for a re-read; None while it is fresh."""
@@ -275,6 +288,8 @@ class RateBook(RateBookBase):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key, limit.name, rate)
                 pipe.hdel(self.followed_key, limit.name)
+                # Tasks waiting for the limit look again now (a raised rate is capacity).
+                pipe.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
                 pipe.execute()
 
         wrap_errors(write)
@@ -289,6 +304,7 @@ class RateBook(RateBookBase):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.key, name)
                 pipe.hdel(self.followed_key, name)
+                pipe.publish(self.channel, f"{RATES_CHANGED} {name}")
                 pipe.execute()
 
         wrap_errors(write)
@@ -302,7 +318,14 @@ class RateBook(RateBookBase):
         it is its weight), raises ConfigError, nothing stored."""
         changed = self._checked_key(limit, key, rate)
         field = self._keyspace.hold_fields(limit.name, key)[1]
-        wrap_errors(lambda: self.client.hset(self.key_rates_key, field, rate))
+
+        def write() -> None:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key_rates_key, field, rate)
+                pipe.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
+                pipe.execute()
+
+        wrap_errors(write)
         self._changed()
         return changed
 

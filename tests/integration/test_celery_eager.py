@@ -469,7 +469,7 @@ def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
             # Then a task whose reserving limits are all guarded keeps a slot up to one
             # spacing (of the tightest; at most half a sleep_max; at least late_tolerance)
             # late; any other, late_tolerance
-            assert gate._late_tolerance() == pytest.approx(tolerance_s)
+            assert gate.late_tolerance() == pytest.approx(tolerance_s)
         finally:
             call.pop_request()
     finally:

@@ -149,6 +149,9 @@ class Admission:
     task_id: str
     decision: Decision
     decided_at: float
+    rates_changed: bool = False
+    """Whether the consumer had heard of a rate set at run time lately (within the
+    rates' ``refresh_s``): the pool child re-reads the rates before it runs the task."""
 
     def as_of(self, now: float) -> tuple[Decision, float]:
         """The decision as it stands at ``now`` (epoch s): its ``wait_s`` what is left of

@@ -11,7 +11,7 @@
 2. **Wait.** A slot within ``sleep_max``: the task sleeps until it, looking once more
    :data:`RECHECK_LEAD_S` before it (for a hold placed meanwhile); after the consumer
    held it, only the rest, at most ``waiting.LEAD_S``. A task late for its slot (busy
-   workers) gives it up and takes a new one (:meth:`Gate._late_tolerance`). Anything
+   workers) gives it up and takes a new one (:meth:`Gate.late_tolerance`). Anything
    else comes back later (:mod:`throttle.celery.comeback`: a slot further ahead, a
    denial, a plan, a deadline passed).
 3. **Run.** The body runs on a :class:`Ticket` (after the spacing guard, for limits that
@@ -138,10 +138,15 @@ class Gate:
             self.planned = planned_header(execution.message_headers)
             self.acquiring = self.plan.due if self.planned is not None else self.plan.admit
 
-    def admit(self) -> Decision:
+    def admit(self, near_s: float | None = None) -> Decision:
         """The first acquisition of an evaluated execution (one round trip): what the
-        worker's consumer decides before the pool (:mod:`throttle.celery.waiting`)."""
-        return self._acquire(*self._horizon())
+        worker's consumer decides before the pool (:mod:`throttle.celery.waiting`).
+        ``near_s``: reserve a slot only within it (s; not past the deadline either): a
+        task further from its slot reserves nothing and waits in the consumer's line
+        (:mod:`throttle.celery.capacity`). A task with a plan keeps its own horizon."""
+        if near_s is None or self.plan is not None:
+            return self._acquire(*self._horizon())
+        return self._acquire(*reserve_within(self.execution, near_s))
 
     def plan_wait_s(self) -> float:
         """How long a task back with a plan waits before it acquires its real limits, in
@@ -215,7 +220,7 @@ class Gate:
         """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
         task comes back later (raises). ``admission``: the first acquisition, taken by
         the worker's consumer, which held the task until shortly before its slot."""
-        late_tolerance = self._late_tolerance()
+        late_tolerance = self.late_tolerance()
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         planned = self.planned
         first: Decision | None = None
@@ -274,7 +279,7 @@ class Gate:
             slot_at = first_slot if on_first else now + wait
             return Ticket(decision.acquisition, self.execution.rules, slot_at, plan=plan)
 
-    def _late_tolerance(self) -> float:
+    def late_tolerance(self) -> float:
         """How late a task may reach its reserved slot and still call on it, in s.
 
         ``late_tolerance``; but when every reserving limit of the task (token bucket,

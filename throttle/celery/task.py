@@ -54,7 +54,13 @@ def run(
         return call()  # switched off (tests): no limiter, no ticket
     gate = Gate(task, declared, fn, args, kwargs)
     execution = gate.execution
-    ticket = gate.enter(take_admission(execution.request))
+    admission = take_admission(execution.request)
+    if admission is not None and admission.rates_changed:
+        # The consumer decided on a rate announced since (celery throttle set): the pool
+        # child's own cache of the rates (up to refresh_s old) must not space the call
+        # by the old one.
+        execution.throttler.rates.refresh_soon()
+    ticket = gate.enter(admission)
     # The gate decided on this message's own delivery; the body sees the producer's.
     restore_delivery(execution.request)
     if ticket is None:

@@ -14,11 +14,17 @@ goes through :meth:`Waiting.admit` first:
    came from) and the gate's first acquisition is taken: one ``acquire_many``, the task id
    as acquisition id (:meth:`throttle.celery.gate.Gate.admit`). A task back with a plan
    (:mod:`throttle.celery.plan`) is first held until just before its planned time.
-2. Allowed now, denied, or a slot further than ``sleep_max``: the task goes to the pool at
-   once, where the gate runs it, or sends it back (re-published or parked) as it would
-   have: that costs the pool slot no wait.
+   The acquisition reserves a slot only within ``sleep_max`` (the near horizon).
+2. Allowed now: the task goes to the pool at once, where the gate runs it.
 3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
    one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
+4. Denied (no slot within ``sleep_max``): the task reserves nothing and waits in the
+   consumer's line (:class:`WaitingLine`, the prefetch count raised by one for at most
+   :data:`LINE_MAX_TASKS` of them), and asks again when capacity should be there or is
+   announced (:mod:`throttle.celery.capacity`: how capacity is handed out). A task that
+   may not wait so long in a worker (:func:`line_budget_s`, its deadline) goes to the
+   pool with its denial: the gate there sends it back (re-published or parked) for when
+   its limits said, reserving nothing; that costs the pool slot no wait.
 
 While a task's limits have room (the consumer's last look, at most :data:`FRESH_S` ago,
 admitted at once and left room for :data:`ROOM_TASKS` more: :class:`Look`), its tasks go
@@ -67,13 +73,15 @@ from celery.app.task import Context
 from celery.worker import state
 from celery.worker.strategy import default
 
-from throttle.celery.execution import Admission, carry
+from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
+from throttle.celery.execution import ADMISSION_KEY, Admission, carry
 from throttle.celery.gate import Gate
 from throttle.celery.message import queue_of
-from throttle.celery.runtime import Throttler, throttling_enabled
+from throttle.celery.runtime import RABBITMQ_CONSUMER_TIMEOUT_S, Throttler, throttling_enabled
 from throttle.celery.task import gated_call
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
+from throttle.rates import RATES_CHANGED
 
 logger = logging.getLogger("throttle")
 
@@ -101,6 +109,16 @@ pool stays full (only then: an idle or unsaturated worker does not poll). A pool
 tasks frees a slot within a millisecond: waiting 5 ms for it cost a worker of no-op tasks
 a tenth of its throughput."""
 
+LINE_MAX_TASKS = 1000
+"""How many waiting tasks (:class:`WaitingLine`) a worker raises its prefetch count for:
+beyond, a task that joins the line takes one of the worker's ordinary prefetch slots, so
+that once they are all taken the consumer receives no more and the rest of a backlog stays
+in the broker (nothing published, nothing held)."""
+LINE_MAX_S = 300.0
+"""The longest a task waits in the line, in s, at most: past it (or past the broker's
+budget, :func:`line_budget_s`) it is sent on, as a task that may not wait in a worker
+(re-published or parked, for when its limits said, reserving nothing)."""
+
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -119,11 +137,14 @@ class Waiting:
     """The consumer side of one throttled task: admits its requests before the pool, and
     holds those whose slot is near in the consumer's timer."""
 
-    def __init__(self, task: Task, consumer: Any, queue: Undecided) -> None:
+    def __init__(
+        self, task: Task, consumer: Any, queue: Undecided, line: WaitingLine | None = None
+    ) -> None:
         self.task = task
         self.consumer = consumer
         self.throttler = Throttler.of(task.app)
         self.undecided = queue
+        self.line = line
         self.looks: dict[str | None, Look] = {}
         """What the last decisions said of the task's limits, per queue it came from."""
 
@@ -177,30 +198,96 @@ class Waiting:
             self.consumer.qos.decrement_eventually()
 
     def _decide(self, request: Any, gate: Gate) -> None:
-        """Take the gate's first acquisition; hold the task to a near slot, else hand it
-        to the pool."""
+        """Take the gate's first acquisition within the near horizon: hold the task to a
+        near slot, or hand it to the pool; denied, it joins the consumer's line
+        (:class:`WaitingLine`), behind the tasks already waiting for the same limits
+        (then without asking: they would be served first)."""
+        line = self.line
+        pairs = pairs_of(gate)
+        if line is not None and self._may_line(gate) and line.line.needs(pairs):
+            line.join(Pending(self, request, gate, None), pairs, priority_of(request))
+            return
+        pending = Pending(self, request, gate, None)
+        blocks = self.ask(pending)
+        if blocks is not None and line is not None:
+            line.join(pending, pairs, priority_of(request), blocks)
+
+    def ask(self, pending: Pending) -> dict[Pair, float] | None:
+        """Ask the limiter for ``pending`` (its slot within ``sleep_max``): held to a near
+        slot or handed to the pool (None), or, denied, how long each of its limits stays
+        blocked (s) when it may wait in the line; a task that may not (no line, a plan, a
+        deadline before its limits could admit it, a wait longer than the line's) goes to
+        the pool with the denial, whose gate sends it back for when the limits said,
+        reserving nothing."""
+        request, gate = pending.request, pending.gate
+        if request.revoked():
+            return None
         try:
+            if pending.asked:
+                gate.evaluate()  # the rates in force now (one set at run time, announced)
+            pending.asked = True
             now = time.time()
-            decision = gate.admit()
+            # Without a line (a broker whose visibility timeout leaves it no time, the
+            # in-memory throttler) a far slot is reserved, as the pool's gate would.
+            near = self.settings_sleep_max if self.line is not None else None
+            decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
             self._to_pool(request)
-            return
-        carry(request.request_dict, Admission(request.id, decision, now))
+            return None
         queue = queue_of(request.delivery_info)
         look = self.looks.get(queue)
         if look is None:
             look = self.looks[queue] = Look()
         look.saw(decision, time.monotonic())
-        wait = decision.wait_s
+        if decision.allowed:
+            fresh = self.line is not None and self.line.rates_changed_lately()
+            carry(request.request_dict, Admission(request.id, decision, now, fresh))
+            wait = decision.wait_s
+            if decision.acquisition is not None and LEAD_S < wait <= self.settings_sleep_max:
+                self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait)
+            else:
+                self._to_pool(request)
+            return None
+        pending.decision, pending.decided_at = decision, time.monotonic()
+        horizon = self.settings_sleep_max
+        line = self.line
+        retry = decision.retry_after_s
+        deadline = gate.execution.deadline
         if (
-            decision.allowed
-            and decision.acquisition is not None
-            and LEAD_S < wait <= self.throttler.settings.sleep_max_s
+            line is None
+            or not self._may_line(gate)
+            or (not math.isinf(retry) and retry - horizon > line.line.max_wait_s)
+            or (deadline is not None and self.throttler.clock.now() + retry > deadline)
         ):
-            self._hold(request, wait - LEAD_S, self._release, decision)
-        else:
-            self._to_pool(request)
+            self.send_on(pending, None)
+            return None
+        states = [(state.limit, state.allowed, state.retry_after_s) for state in decision.limits]
+        return blocks_of(pairs_of(gate), states, retry, horizon)
+
+    @property
+    def settings_sleep_max(self) -> float:
+        return self.throttler.settings.sleep_max_s
+
+    @staticmethod
+    def _may_line(gate: Gate) -> bool:
+        """Whether the task may wait in the line: not a task with a plan (its gate keeps
+        its own way of coming back, :mod:`throttle.celery.plan`)."""
+        return gate.plan is None
+
+    def send_on(self, pending: Pending, retry_s: float | None) -> None:
+        """Hand a task that may not wait (any longer) to the pool with its last denial
+        (``retry_s``: what is left of its wait, s; None: as the denial said): the gate
+        there sends it back for then, reserving nothing. Without a denial (it joined the
+        line behind others and never asked), the gate decides."""
+        request, decision = pending.request, pending.decision
+        if request.revoked():
+            return
+        if decision is not None:
+            if retry_s is not None:
+                decision = decision._replace(retry_after_s=retry_s)
+            carry(request.request_dict, Admission(request.id, decision, time.time()))
+        self._to_pool(request)
 
     def _undecided(self, request: Any, exc: Exception) -> None:
         """The consumer could not decide (the limiter's Redis is away, an argument the
@@ -226,13 +313,29 @@ class Waiting:
         gate.evaluate()
         return gate
 
-    def _release(self, request: Any, decision: Any) -> None:
+    def _release(
+        self, request: Any, decision: Any, pending: Pending | None = None, slot_at: float = 0.0
+    ) -> None:
         """The slot of a held task is near: to the pool (a revoked or expired one gives
-        its reservation up instead: a concurrency unit it took comes back)."""
+        its reservation up instead: a concurrency unit it took comes back). A timer that
+        fired after the slot had passed (a busy consumer) gives the slot up here and asks
+        again, rather than have the pool child find it late and send the task back
+        through the broker (``slot_at``: epoch s, this host's clock)."""
         try:
             if request.revoked():
                 if decision.acquisition is not None:
                     self.throttler.limiter.settle(decision.acquisition, None)
+                return
+            if (
+                pending is not None
+                and decision.acquisition is not None
+                and time.time() - slot_at > pending.gate.late_tolerance()
+            ):
+                self.throttler.limiter.settle(decision.acquisition, None)  # passed: lost
+                request.request_dict.pop(ADMISSION_KEY, None)
+                blocks = self.ask(pending)
+                if blocks is not None and self.line is not None:
+                    self.line.join(pending, pairs_of(pending.gate), priority_of(request), blocks)
                 return
             self._to_pool(request)
         except Exception:
@@ -309,6 +412,219 @@ def has_room(decision: Decision) -> bool:
     )
 
 
+class Pending:
+    """A task in the line: its consumer side, request and gate, and its last denial
+    (None until it asked)."""
+
+    __slots__ = ("asked", "decided_at", "decision", "gate", "request", "waiting")
+
+    def __init__(self, waiting: Waiting, request: Any, gate: Gate, decision: Decision | None):
+        self.waiting = waiting
+        self.request = request
+        self.gate = gate
+        self.decision = decision
+        self.decided_at = 0.0
+        self.asked = False
+
+
+def pairs_of(gate: Gate) -> tuple[Pair, ...]:
+    """The (limit name, key) pairs the task of ``gate`` acquires."""
+    targets = gate.acquiring if gate.acquiring is not None else gate.execution.targets
+    return tuple((limit.name, key) for limit, key, _ in targets)
+
+
+def priority_of(request: Any) -> int:
+    """The task's priority in the line: its message's (Celery's ``priority``, as sent:
+    higher first; 0 without one)."""
+    info = getattr(request, "delivery_info", None) or {}
+    priority = info.get("priority")
+    try:
+        return int(priority) if priority is not None else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+def line_budget_s(app: Celery, throttler: Throttler) -> float:
+    """How long a task may wait in a worker's line, in s: :data:`LINE_MAX_S`, but at most
+    half the broker's visibility timeout (Redis, SQS: counted from delivery, kombu#337)
+    or RabbitMQ's ``consumer_timeout``, less what a task may be held after it
+    (``sleep_max``, ``park_lead``); 0 (no line) when nothing is left."""
+    settings = throttler.settings
+    options: dict[str, Any] = app.conf.broker_transport_options or {}
+    budget = LINE_MAX_S
+    timeouts = [options.get("visibility_timeout"), options.get("consumer_timeout")]
+    if options.get("consumer_timeout") is None and str(app.conf.broker_url or "").startswith(
+        ("amqp", "pyamqp")
+    ):
+        timeouts.append(RABBITMQ_CONSUMER_TIMEOUT_S)
+    for timeout in timeouts:
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+            budget = min(budget, timeout / 2 - settings.sleep_max_s - settings.park_lead_s)
+    return max(budget, 0.0)
+
+
+class WaitingLine:
+    """Where the consumer keeps the tasks that wait for capacity (reserving nothing): a
+    :class:`throttle.celery.capacity.Line`, served from the consumer's timer when its
+    limits should have room again, and at once when capacity is announced
+    (:class:`throttle.celery.capacity.Announcements`).
+
+    As for Celery's ETA tasks, a waiting task's message is unacknowledged and the prefetch
+    count is raised by one for it, so that the consumer keeps receiving (the tasks of other
+    limits or tenants, behind a flood on the same queue, are seen and served); for at most
+    :data:`LINE_MAX_TASKS` tasks: beyond, a task takes one of the ordinary prefetch slots,
+    and once those are taken the rest of the backlog stays in the broker. A task waits at
+    most :func:`line_budget_s` (well within the visibility timeout), then goes back through
+    the broker as any long wait does (re-published or parked by the pool's gate)."""
+
+    def __init__(self, consumer: Any, max_wait_s: float) -> None:
+        self.consumer = consumer
+        self.line = Line(self._ask, max_wait_s)
+        self.entry: Any = None
+        self.armed_at = math.inf
+        self.announcements: Announcements | None = None
+        self.throttler: Throttler | None = None
+        self.rates_changed_at = -math.inf
+        """When a rate set at run time was last announced (monotonic s)."""
+        self.serving = False
+        self.again = False
+
+    def listen(self, throttler: Throttler) -> None:
+        """Listen to the capacity announcements of ``throttler``'s namespace."""
+        self.throttler = throttler
+        limiter = throttler.limiter
+        self.announcements = Announcements(
+            limiter.client, limiter.keyspace.capacity_channel(), self._announced
+        )
+        self.announcements.start()
+
+    def join(
+        self,
+        pending: Pending,
+        pairs: tuple[Pair, ...],
+        priority: int,
+        blocks: dict[Pair, float] | None = None,
+    ) -> None:
+        request = pending.request
+        raised = len(self.line) < LINE_MAX_TASKS
+        if raised:
+            self.consumer.qos.increment_eventually()
+        state.reserved_requests.discard(request)
+        waiter = self.line.join(
+            pending, pairs, priority=priority, blocks=blocks, now=time.monotonic(), raised=raised
+        )
+        # Only this task's own time can be earlier than the timer's: no pass over the line
+        # per arrival (a backlog of a thousand would cost the consumer a million looks).
+        self._arm_at(self.line.free_at(waiter))
+
+    def _ask(self, waiter: Waiter) -> dict[Pair, float] | None:
+        pending: Pending = waiter.item
+        blocks = pending.waiting.ask(pending)
+        if blocks is None:
+            self._left(waiter)
+        return blocks
+
+    def _left(self, waiter: Waiter) -> None:
+        if waiter.raised:
+            self.consumer.qos.decrement_eventually()
+
+    def _due(self) -> None:
+        """The timer: send on the tasks that waited too long, serve the others."""
+        self.entry, self.armed_at = None, math.inf
+        self._run()
+
+    def _run(self) -> None:
+        """Send on the tasks that waited too long and serve the others, once at a time:
+        under gevent and eventlet the timer, an announcement and the consumer are
+        greenlets, and a pass yields at every round trip; a second pass asked for
+        meanwhile runs after the first (one pass asking for a task while another hands
+        it to the pool would run it twice)."""
+        if self.serving:
+            self.again = True
+            return
+        self.serving = True
+        try:
+            self.again = True
+            while self.again:
+                self.again = False
+                now = time.monotonic()
+                for waiter in self.line.expired(now):
+                    self._send_on(waiter, now)
+                self.line.serve(time.monotonic())
+        finally:
+            self.serving = False
+            self._arm()
+
+    def _send_on(self, waiter: Waiter, now: float) -> None:
+        pending: Pending = waiter.item
+        left = self.line.blocked_for(waiter, now) + pending.waiting.settings_sleep_max
+        try:
+            pending.waiting.send_on(pending, left)
+        except Exception:
+            logger.exception("throttle: sending on waiting task %s", pending.request.id)
+        finally:
+            self._left(waiter)
+
+    def _arm(self) -> None:
+        due = self.line.due()
+        if due is None:
+            self._cancel()
+            return
+        self._arm_at(due)
+
+    def _arm_at(self, due: float) -> None:
+        """Have the timer serve the line at ``due`` (monotonic s) unless it will sooner."""
+        if self.serving:
+            return  # the pass under way arms the timer when it ends
+        due = max(due, time.monotonic())
+        if self.entry is not None and self.armed_at <= due + 0.0005:
+            return
+        self._cancel()
+        self.armed_at = due
+        self.entry = self.consumer.timer.call_at(due, self._due, priority=_TIMER_PRIORITY)
+
+    def _cancel(self) -> None:
+        entry, self.entry, self.armed_at = self.entry, None, math.inf
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.timer.cancel(entry)
+
+    def _announced(self, names: set[str] | None) -> None:
+        """An announcement (in the listening thread): hand it to the consumer's loop."""
+        hub = getattr(self.consumer, "hub", None)
+        if hub is not None:
+            hub.call_soon(self.wake, names)  # thread-safe: it wakes the hub's poll
+        else:  # gevent, eventlet: the timer's own greenlet (a thread-safe schedule)
+            self.consumer.timer.call_after(0.0, self.wake, (names,), priority=_TIMER_PRIORITY)
+
+    def wake(self, names: set[str] | None) -> None:
+        """Capacity appeared on the limits ``names`` (None: any): serve their tasks now."""
+        if names is not None and RATES_CHANGED in names:
+            names = names - {RATES_CHANGED}
+            self.rates_changed_at = time.monotonic()
+            if self.throttler is not None:
+                self.throttler.rates.refresh_soon()
+        if self.line.wake(names or None):
+            self._cancel()
+            self._run()
+
+    def rates_changed_lately(self) -> bool:
+        """Whether a rate set was announced within the rates' ``refresh_s`` (the pool
+        children's caches may not have it yet)."""
+        if self.throttler is None:
+            return False
+        return time.monotonic() - self.rates_changed_at < self.throttler.rates.refresh_s
+
+    def clear(self) -> None:
+        """Forget every waiting task (the consumer stops: their messages, unacknowledged,
+        come back from the broker) and stop listening."""
+        self.line.clear()
+        self._cancel()
+        if self.announcements is not None:
+            self.announcements.stop()
+            self.announcements = None
+
+
 class Undecided:
     """The throttled tasks of one consumer that wait for a free pool slot to be decided,
     in arrival order. Dropped when the consumer stops (a lost broker connection, a
@@ -381,13 +697,15 @@ class _ConsumerView:
         return getattr(self._consumer, name)
 
 
-def install_strategies(app: Celery, consumer: Any, undecided: Undecided) -> list[str]:
+def install_strategies(
+    app: Celery, consumer: Any, undecided: Undecided, line: WaitingLine | None = None
+) -> list[str]:
     """Give every governed task of ``app`` its waiting strategy in ``consumer``; returns
     their names."""
     names = []
     for name, task in list(app.tasks.items()):
         if governed(task):
-            consumer.strategies[name] = Waiting(task, consumer, undecided).strategy()
+            consumer.strategies[name] = Waiting(task, consumer, undecided, line).strategy()
             names.append(name)
     return names
 
@@ -403,19 +721,29 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, consumer: Any, **kwargs: Any) -> None:
         super().__init__(consumer, **kwargs)
         self.undecided: Undecided | None = None
+        self.line: WaitingLine | None = None
 
     def start(self, consumer: Any) -> None:
         app = consumer.app
         if not throttling_enabled(app):
             return
         self.undecided = undecided = Undecided(consumer)
-        names = install_strategies(app, consumer, undecided)
+        throttler = Throttler.of(app)
+        budget = line_budget_s(app, throttler)
+        line = None
+        if budget > 0 and not throttler.in_memory:
+            self.line = line = WaitingLine(consumer, budget)
+            line.listen(throttler)
+        names = install_strategies(app, consumer, undecided, line)
         survive_broker_loss(consumer)
         logger.debug("throttle: %d throttled tasks wait in the consumer", len(names))
 
     def stop(self, consumer: Any) -> None:
         if self.undecided is not None:
             self.undecided.clear()
+        if self.line is not None:
+            self.line.clear()
+            self.line = None
 
     def shutdown(self, consumer: Any) -> None:
         self.stop(consumer)

@@ -77,7 +77,8 @@ class MemoryRedis:
         self.model = ModelLimiter()
         self.holds: dict[str, dict[str, float]] = {}  # holds key -> field -> until (us)
         self.hashes: dict[str, dict[bytes, bytes]] = {}  # plain HASHes (rates, stats, clocks)
-        self.spaced: dict[str, float] = {}  # spacing guard key -> next call at (us)
+        # spacing guard key -> (next call at, last call stamped at, spacing per unit then), us
+        self.spaced: dict[str, tuple[float, float, float]] = {}
         self.learned: dict[str, dict[str, float]] = {}  # lua/adapt.lua's states
 
     # -- what redis-py's client offers, as far as the package uses it
@@ -286,9 +287,19 @@ class MemoryRedis:
         and move each key's next call a spacing past the stamp. (No restart fence: this
         server's state cannot be lost while the limiter that uses it lives.)"""
         now = self._now(args[0])
-        at = max([now, *(self.spaced.get(key, now) for key in keys)])
-        for key, spacing in zip(keys, args[2:], strict=False):
-            self.spaced[key] = at + float(_text(spacing))
+        n = (len(args) - 2) // 2
+        spacings = [float(_text(a)) for a in args[2 : 2 + n]]
+        units = [float(_text(a)) for a in args[2 + n : 2 + 2 * n]]
+        at = now
+        for key, unit_now in zip(keys, units, strict=False):
+            kept = self.spaced.get(key)
+            if kept is not None:
+                next_at, stamped, unit = kept
+                if unit_now < unit:  # a rate raised since: the wait shrinks in proportion
+                    next_at = stamped + (next_at - stamped) * unit_now / unit
+                at = max(at, next_at)
+        for key, spacing, unit_now in zip(keys, spacings, units, strict=False):
+            self.spaced[key] = (at + spacing, at, unit_now)
         return ceil_us(at - now)
 
     def _accept_parked(self, code: str | None, keys: list[str], args: list[Any]) -> int:
@@ -341,6 +352,9 @@ class _Pipeline:
 
     def zcard(self, key: str) -> None:
         self.calls.append(lambda: 0)  # nothing is ever parked
+
+    def publish(self, channel: str, message: Any) -> None:
+        self.calls.append(lambda: 0)  # nobody listens: one process waits in its caller
 
     def execute(self) -> list[Any]:
         with self.server.lock:

@@ -229,6 +229,13 @@ class KeySpace:
         """A SCAN pattern of every learned state of the namespace."""
         return f"{_glob_escape(self.base)}learned:*"
 
+    def capacity_channel(self) -> str:
+        """The pub/sub channel on which capacity given back is announced: settle.lua
+        publishes the names of an acquisition's limits when it refunds or releases, the
+        lifting of a hold and a rate set at run time publish the limit's name. Waiting
+        tasks listen (:mod:`throttle.celery.capacity`). Not a key: no TTL, nothing kept."""
+        return f"{self.base}capacity"
+
     def rates_key(self) -> str:
         """The HASH of rates changed at run time: limit name -> rate spec."""
         return f"{self.base}rates"

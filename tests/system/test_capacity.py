@@ -1,0 +1,188 @@
+"""Capacity goes to the tasks that wait in the worker's consumer as it appears
+(:mod:`throttle.celery.capacity`): a refund settled by another task, a rate raised at run
+time, in priority order; with real ``celery worker`` subprocesses on a private
+redis-server (broker, results, limiter); app: tests/apps/capacity_app.py.
+
+Judged on the Redis clock (each body logs ``TIME``; a task's slot is its lease record's
+``at``), never on host speed. Without the announcements of :mod:`throttle.celery.capacity`
+the waiting task of each test would start tens of seconds later: at the time its limit's
+own refill named.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.support.servers import RedisServer
+from throttle.rates import RateBook
+from throttle.redis.keys import KeySpace
+from throttle.spec import Limit
+from workers.harness import Worker, running
+
+REFUND_BOUND_S = 0.25
+"""The most a refund may take to reach a task waiting for it, in s: from the end of the
+body that reports the lower cost (its settle follows) to the waiting task's slot. What
+it takes: the settle's round trip, the announcement's, a wake-up of the consumer's loop
+and one acquisition (a few ms on an idle host); the bound leaves room for a loaded one."""
+RATE_BOUND_S = 1.0
+"""The most a rate raised at run time may take to reach a task waiting for it, in s."""
+# late_tolerance: a pool child that starts a task more than this after its slot gives the
+# slot up and sends the task back through the broker; on a loaded host (the first task of
+# a prefork child loads the throttler) 20 ms is often passed, which is not what these
+# tests are about.
+CONFIG = """
+settings:
+  sleep_max: 1s
+  late_tolerance: 500ms
+limits:
+  tokens: {algorithm: token_bucket, rate: 6/m, burst: 10, cost: cost}
+  rated: {algorithm: token_bucket, rate: 2/m, burst: 1}
+  ordered: {algorithm: gcra, rate: 12/m, burst: 1}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Path]]:
+    tmp = tmp_path_factory.mktemp("capacity")
+    (tmp / "limits.yaml").write_text(CONFIG)
+    with RedisServer() as server:
+        yield server, tmp
+
+
+def worker(server: RedisServer, tmp: Path, name: str, pool: str, concurrency: int = 1) -> Worker:
+    env = {"CAPACITY_BROKER_URL": server.url, "THROTTLE_CONFIG": str(tmp / "limits.yaml")}
+    return Worker(
+        name, env, concurrency=concurrency, queues="capacity", app="tests.apps.capacity_app",
+        log=tmp / f"{name}.log", pool=pool,
+    )  # fmt: skip
+
+
+def events(client: redis.Redis) -> list[tuple[str, str, float]]:
+    """(tag, event, Redis time) of every body's start and end, in order."""
+    entries = [entry.decode().split() for entry in client.lrange("capacity:log", 0, -1)]
+    return [(tag, event, float(at)) for tag, event, at in entries]
+
+
+def at(client: redis.Redis, tag: str, event: str) -> float:
+    return next(t for name, what, t in events(client) if (name, what) == (tag, event))
+
+
+def slot_of(client: redis.Redis, task_id: str) -> float:
+    """The slot of a task's acquisition (Redis time, s)."""
+    slot_us = client.hget(KeySpace().lease_key(task_id), "at")
+    assert slot_us is not None
+    return float(slot_us) / 1e6
+
+
+def wait_for(what: Any, timeout_s: float, step_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise TimeoutError(f"not true after {timeout_s} s: {what}")
+
+
+def fresh(server: tuple[RedisServer, Path]) -> tuple[Any, redis.Redis]:
+    from tests.apps.capacity_app import app  # noqa: PLC0415
+
+    redis_server, _ = server
+    client = redis_server.client()
+    client.flushall()
+    # A restart's fence long over: a limit the fence would start empty starts full
+    # (lua/prelude.lua), so that the first task takes the whole bucket at once.
+    client.set(KeySpace().fence_key(), 0)
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    return app, client
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent", "eventlet", "solo"])
+def test_a_refund_reaches_a_waiting_task_within_a_round_trip_of_the_settle(
+    server: tuple[RedisServer, Path], pool: str
+) -> None:
+    from tests.apps.capacity_app import spend  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    with running(app, [worker(redis_server, tmp, f"w-refund-{pool}", pool, 2)]):
+        # Given a task that reserved the whole bucket (10 tokens, refilled at 0.1/s)
+        first = spend.delay("t1", 10, 1, 1.0)
+        wait_for(lambda: any(tag == "t1" for tag, _, _ in events(client)), 30)
+        # and a second one that needs 5: its limit says 50 s, so it waits, reserving nothing
+        second = spend.delay("t2", 5, 5, 0.0)
+        first.get(timeout=30)
+        # When the first reports 1 token used (9 refunded when it settles)
+        second.get(timeout=30)
+        # Then the second's slot came within a round trip or so of the settle (the settle
+        # follows the end of the first's body), not 50 s later
+        took = slot_of(client, second.id) - at(client, "t1", "end")
+        print(f"refund reached the waiting task after {took * 1000:.1f} ms ({pool})")
+        assert 0 <= took <= REFUND_BOUND_S
+        assert at(client, "t2", "start") >= at(client, "t1", "end")
+    assert client.hgetall("capacity:done") == {b"t1": b"1", b"t2": b"1"}
+
+
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
+    server: tuple[RedisServer, Path], pool: str
+) -> None:
+    from tests.apps.capacity_app import rated  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    with running(app, [worker(redis_server, tmp, f"w-rate-{pool}", pool)]):
+        # Given a limit of 2/m, burst 1: after one task the next waits 30 s
+        rated.delay("r1").get(timeout=30)
+        second = rated.delay("r2")
+        time.sleep(0.5)
+        assert client.hget("capacity:done", "r2") is None
+        # When an operator raises the rate (celery throttle set rated 100/s)
+        seconds, micros = client.time()
+        raised_at = seconds + micros / 1e6
+        RateBook(client, KeySpace()).set(Limit.parse("2/m burst 1", name="rated"), "100/s")
+        second.get(timeout=30)
+        # Then the waiting task runs at once, not at its old slot
+        took = at(client, "r2", "start") - raised_at
+        print(f"raised rate reached the waiting task after {took * 1000:.1f} ms ({pool})")
+        assert 0 <= took <= RATE_BOUND_S
+    assert client.hgetall("capacity:done") == {b"r1": b"1", b"r2": b"1"}
+
+
+def test_waiting_tasks_take_capacity_by_priority_then_arrival(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.capacity_app import ordered  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    with running(app, [worker(redis_server, tmp, "w-order", "prefork")]):
+        # Given one task running under a limit of one call per 5 s (the next waits 4 s in
+        # the line before it asks again: time for all four to arrive, on a loaded host)
+        first = ordered.delay("o0")
+        first.get(timeout=30)
+        # When four more arrive at once, two of priority 0 then two of priority 9
+        handles = [
+            ordered.apply_async(("a1",), priority=0),
+            ordered.apply_async(("a2",), priority=0),
+        ]
+        handles += [
+            ordered.apply_async(("b1",), priority=9),
+            ordered.apply_async(("b2",), priority=9),
+        ]
+        for handle in handles:
+            handle.get(timeout=90)
+    # Then the higher priority goes first, each priority in arrival order, once each
+    starts = [tag for tag, event, _ in events(client) if event == "start"]
+    assert starts == ["o0", "b1", "b2", "a1", "a2"], starts
+    # on slots one spacing apart (Redis time; a body may start late on a loaded host)
+    slots = sorted(slot_of(client, h.id) for h in [first, *handles])
+    assert all(b - a >= 5.0 - 0.001 for a, b in itertools.pairwise(slots)), slots
+    assert all(int(n) == 1 for n in client.hvals("capacity:done"))
