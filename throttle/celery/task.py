@@ -67,7 +67,7 @@ def run(
         raise
     finally:
         leave_ticket(token)
-        settle(gate.execution.throttler, ticket, failed)
+        settle(gate.execution.throttler, ticket, failed, gate.execution.estimates)
 
 
 def gated_call(
