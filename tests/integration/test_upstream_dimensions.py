@@ -20,7 +20,9 @@ from throttle import Limit, Limiter
 from throttle import aio as throttle_aio
 from throttle.adaptive import Adaptive, LearnedRates
 from throttle.celery import report_cost, throttled
+from throttle.celery.estimates import Estimates
 from throttle.rates import RateBook
+from throttle.rules import Rule
 from throttle.upstream import apply_upstream, parse_upstream, report_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S
 from throttle.upstream.policy import Target, apply_signal
@@ -332,3 +334,26 @@ def test_an_estimated_cost_is_reserved_at_the_share_its_calls_use(
         complete.delay(1000, None).get()
     assert inside[3:] == [998000, 997500]
     assert limiter.peek(limit).remaining == 1000000 - 2000 - 1000
+
+
+def test_a_process_that_settles_nothing_reserves_the_fleets_share(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A worker's consumer decides the reservations of the tasks it holds, but the pool
+    children settle them: it reads the share they learned from Redis."""
+    keyspace = Limiter(client, prefix=prefix).keyspace
+    now = [0.0]
+    child = Estimates(client, keyspace, refresh_s=2.0, monotonic=lambda: now[0])
+    consumer = Estimates(client, keyspace, refresh_s=2.0, monotonic=lambda: now[0])
+    rule = Rule(TOKENS, cost="estimate", upstream="tokens")
+    targets = [(TOKENS, None, 250.0)]
+    assert consumer.scaled([rule], targets)[0] == targets  # nothing learned anywhere yet
+    for _ in range(3):
+        child.settled({"openai-tokens": 250.0}, {"openai-tokens": 200.0})
+    assert consumer.scaled([rule], targets)[0] == targets  # read 2 s ago at most: not yet
+    now[0] += 2.0
+    assert consumer.scaled([rule], targets)[0] == [(TOKENS, None, pytest.approx(200.0))]
+    # A share written by hand that is no share is ignored
+    client.hset(keyspace.estimate_shares_key(), "openai-tokens", "lots")
+    now[0] += 2.0
+    assert consumer.scaled([rule], targets)[0] == targets

@@ -88,7 +88,7 @@ class Throttler:
         self.limiter = limiter
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
-        self.estimates = Estimates()
+        self.estimates = Estimates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         """The share of their estimate the calls of each limit use, in this process."""
         self.learned = LearnedRates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
