@@ -141,7 +141,7 @@ def test_anthropic_sdk_reads_the_mock_and_its_429_carries_anthropic_headers() ->
 
 
 def test_stripe_sdk_rate_limit_error_carries_the_reason_and_idempotency_replays() -> None:
-    running = start(StripeMock(requests_per_min=60, burst_s=1, should_retry=False))
+    running = start(StripeMock(requests_per_min=6, burst_s=10, should_retry=False))
     mock = running.provider
     assert isinstance(mock, StripeMock)
     try:
@@ -163,6 +163,9 @@ def test_stripe_sdk_rate_limit_error_carries_the_reason_and_idempotency_replays(
         assert answer is not None and answer.status_code == 429
         signal = report_upstream(error)
         assert signal is not None and signal.refused
+        assert signal.final and not signal.comes_back  # Stripe-Should-Retry: false
+        with pytest.raises(UpstreamFinal):
+            report_upstream(error, retry=True)  # outside a task too: not Throttled
         assert mock.charges() == {"t1": 1} and mock.stats()["refused"] == 1
     finally:
         running.stop()

@@ -164,7 +164,8 @@ def report_upstream(
             raise UpstreamFinal(_status(response))
         if signal is not None and retry and signal.comes_back:
             _release(response)
-            raise Throttled(max(signal.hold_s, 0.0 if signal.refused else DEFAULT_HOLD_S))
+            later = signal.hold_s if signal.refused else _retry_after_s(response)
+            raise Throttled(DEFAULT_HOLD_S if later is None else later)
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
     acquisition = ticket.acquisition
