@@ -250,12 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--after-s", type=float, default=AFTER_S)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--arrivals", type=Path, default=None, help="a directory: each run's calls")
+    parser.add_argument("--logs", type=Path, default=None, help="a directory kept: the logs")
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-providers-") as tmp:
+        logs = Path(tmp) if args.logs is None else args.logs
+        logs.mkdir(parents=True, exist_ok=True)
         for scenario in args.scenarios.split(","):
-            run = one_run(scenario, Path(tmp), args)
+            run = one_run(scenario, logs, args)
             runs.append(run)
             print(f"{scenario:16} {run.calls} calls, {run.refused} refused, {run.sent} sent  "
                   f"{run.metrics}")  # fmt: skip
