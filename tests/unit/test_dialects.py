@@ -389,7 +389,7 @@ def check_total(signal: UpstreamSignal | None) -> None:
     for seen in [signal, *(signal.follow(name) for name in [*dimensions, "tokens", "x"])]:
         assert 0.0 <= seen.hold_s <= MAX_HOLD_S and not math.isnan(seen.hold_s)
         assert not (seen.final and seen.comes_back)
-        assert (seen.final, seen.comes_back) == (signal.final, signal.comes_back)
+        assert seen.final == signal.final  # a refusal is per dimension, "do not retry" is not
         rate = seen.rate_per_s
         assert rate is None or (0 < rate < math.inf)
     for reading in signal.readings:
