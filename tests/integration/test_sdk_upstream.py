@@ -568,8 +568,10 @@ def test_stripe_should_retry_false_fails_the_task_once_and_true_runs_it_again(
         t: int(o == "charged") for t, o in outcomes.items()
     }
     for task_id in final:
+        # (the gate's own deferrals before the body ran are executions that end in RETRY)
         published, runs, ends = fleet.executions(task_id)
-        assert (published, runs, ends) == (1, 1, {"FAILURE": 1}), (task_id, fleet.log())
+        assert (runs, ends.get("FAILURE")) == (1, 1), (task_id, ends, fleet.log())
+        assert set(ends) <= {"FAILURE", "RETRY"} and published == sum(ends.values())
     # Given a 409 lock_timeout that Stripe says to retry (no refusal for the rate)
     stripe_mock.reset()
     stripe_mock.lock_timeouts = 2
