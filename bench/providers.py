@@ -32,6 +32,9 @@ Scenarios:
   share of calls refused from the change on; the tokens served from 5 s after the change
   as a share of the new limit, and the lowest 5 s window of it; tasks twice, failed,
   unfinished.
+* ``openai-halve-whole-estimate`` (not run by default): ``openai-halve`` with the tokens
+  limit reserving the whole estimate of each call, as before the learned share
+  (:mod:`throttle.celery.estimates`): its control, in the same invocation.
 * ``openai-halve-unfollowed``, ``anthropic-halve-unfollowed`` (not run by default): the
   same with limits that follow no dimension (no ``upstream:``): what the fleet did before
   the providers' dialects were read. With ``--sdk-retries 2`` (the SDKs' default), the
@@ -84,10 +87,15 @@ SCENARIOS = {
     "anthropic-halve": ("anthropic", True, True),
     "openai-halve-unfollowed": ("openai", True, False),
     "anthropic-halve-unfollowed": ("anthropic", True, False),
+    "openai-halve-whole-estimate": ("openai", True, True),
 }
 """Each scenario: the SDK, whether the provider halves its token limit, whether the limits
 follow the provider's dimensions (``upstream:``; without it, the limits read only the
 generic headers, as before the dialects)."""
+WHOLE_ESTIMATE = {"openai-halve-whole-estimate"}
+"""Scenarios whose tokens limit reserves the whole estimate of every call (the workers get
+``BENCH_WHOLE_ESTIMATE=1``): the control of the learned share
+(:mod:`throttle.celery.estimates`), as the fleet reserved before it."""
 DEFAULT_SCENARIOS = "openai-steady,openai-halve,anthropic-halve"
 
 
@@ -174,6 +182,7 @@ def one_run(scenario: str, logs: Path, args: argparse.Namespace) -> Run:
             "DEMO_BROKER_URL": server.url, "THROTTLE_REDIS_URL": server.url,
             "THROTTLE_CONFIG": str(config), "MOCK_PROVIDER_URL": provider.url,
             "SDK_MAX_RETRIES": str(args.sdk_retries),
+            "BENCH_WHOLE_ESTIMATE": "1" if scenario in WHOLE_ESTIMATE else "",
         }  # fmt: skip
         names = ("p1", "p2")
         procs = [start_worker(ROOT, APP, n, env, logs / f"{scenario}-{n}.log") for n in names]
@@ -241,12 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--after-s", type=float, default=AFTER_S)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--arrivals", type=Path, default=None, help="a directory: each run's calls")
+    parser.add_argument("--logs", type=Path, default=None, help="a directory kept: the logs")
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-providers-") as tmp:
+        logs = Path(tmp) if args.logs is None else args.logs
+        logs.mkdir(parents=True, exist_ok=True)
         for scenario in args.scenarios.split(","):
-            run = one_run(scenario, Path(tmp), args)
+            run = one_run(scenario, logs, args)
             runs.append(run)
             print(f"{scenario:16} {run.calls} calls, {run.refused} refused, {run.sent} sent  "
                   f"{run.metrics}")  # fmt: skip

@@ -31,6 +31,13 @@ app.conf.update(
 )
 install(app)
 
+if os.environ.get("BENCH_WHOLE_ESTIMATE"):
+    # The control of bench/providers.py's openai-halve-whole-estimate: every call reserves
+    # its whole estimate, as before the learned share (throttle/celery/estimates.py).
+    from throttle.celery.estimates import Estimates
+
+    Estimates.share = lambda self, name: 1.0  # type: ignore[method-assign]
+
 _clients: dict[str, Any] = {}
 """Per pool child, made on first use (after the fork)."""
 

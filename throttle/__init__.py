@@ -17,6 +17,7 @@ from throttle.errors import (
     Throttled,
     ThrottleError,
     ThrottleTimeout,
+    UpstreamFinal,
 )
 from throttle.limiter import DEFAULT_LEASE_S, Limiter
 from throttle.redis.keys import KeySpace
@@ -40,4 +41,5 @@ __all__ = [
     "ThrottleError",
     "ThrottleTimeout",
     "Throttled",
+    "UpstreamFinal",
 ]

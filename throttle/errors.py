@@ -10,7 +10,8 @@ Every error the package raises derives from :class:`ThrottleError`; driver excep
      ├── BackendError                    Redis answered with an error
      │    └── BackendUnavailable         Redis could not be reached (connection, timeout)
      ├── Throttled                       a limit denied; carries ``retry_after_s``
-     └── ThrottleTimeout                 a task's throttle deadline passed before its slot
+     ├── ThrottleTimeout                 a task's throttle deadline passed before its slot
+     └── UpstreamFinal                   the upstream refused a call and said not to retry it
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "ThrottleError",
     "ThrottleTimeout",
     "Throttled",
+    "UpstreamFinal",
 ]
 
 
@@ -184,3 +186,20 @@ class ThrottleTimeout(ThrottleError):
             f"throttle deadline: {', '.join(self.limits) or 'the limits'} would admit the task "
             f"in {self.needed_s:.3f} s, but its deadline is {self.left_s:.3f} s away"
         )
+
+
+class UpstreamFinal(ThrottleError):
+    """The upstream failed a call and said it must not be made again
+    (``Stripe-Should-Retry: false``): :func:`throttle.upstream.report_upstream` with
+    ``retry=True`` raises this instead of :class:`Throttled`, and the task is not re-run
+    for it (it fails, unless its body handles the error). Retrying would fail the same way,
+    or, for a write, do it twice."""
+
+    def __init__(self, status: int | None, header: str = "Stripe-Should-Retry") -> None:
+        self.status = status
+        self.header = header
+        super().__init__(status, header)
+
+    def __str__(self) -> str:
+        status = "" if self.status is None else f" {self.status}"
+        return f"the upstream's{status} answer says not to retry the call ({self.header}: false)"

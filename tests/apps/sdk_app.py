@@ -185,8 +185,9 @@ def stand_in(self: Any, n: int) -> dict[str, Any]:
 @app.task(bind=True, max_retries=0)
 @throttled("stripe")
 def charge(self: Any, n: int) -> dict[str, Any]:
-    """A payment intent through ``stripe`` (no retries of its own): its RateLimitError is
-    handed to report_upstream."""
+    """A payment intent through ``stripe`` (no retries of its own): its errors are handed
+    to report_upstream, which re-runs the task for a refusal or an error Stripe says to
+    retry, and fails it with UpstreamFinal for one Stripe says not to."""
     _run(self)
     client = stripe.StripeClient(
         "sk_test_mock", base_addresses={"api": os.environ["MOCK_STRIPE_URL"]},
@@ -196,7 +197,7 @@ def charge(self: Any, n: int) -> dict[str, Any]:
         intent = client.v1.payment_intents.create(
             params={"amount": 100 + n, "currency": "usd", "metadata": {"task_id": self.request.id}}
         )
-    except stripe.RateLimitError as exc:
+    except stripe.StripeError as exc:
         report_upstream(exc, retry=True)
         raise
     return {**_result(self, n), "intent": intent.id}

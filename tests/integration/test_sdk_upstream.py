@@ -31,7 +31,7 @@ from celery import Celery
 
 from tests.support.eager import eager_app
 from tests.support.servers import RedisServer
-from throttle import Limit, Limiter, Throttled
+from throttle import Limit, Limiter, Throttled, UpstreamFinal
 from throttle.celery import metered, report_usage, throttled
 from throttle.upstream import report_upstream, upstream_hook
 from throttle.upstream.answers import answer_of
@@ -141,7 +141,7 @@ def test_anthropic_sdk_reads_the_mock_and_its_429_carries_anthropic_headers() ->
 
 
 def test_stripe_sdk_rate_limit_error_carries_the_reason_and_idempotency_replays() -> None:
-    running = start(StripeMock(requests_per_min=60, burst_s=1, should_retry=False))
+    running = start(StripeMock(requests_per_min=6, burst_s=10, should_retry=False))
     mock = running.provider
     assert isinstance(mock, StripeMock)
     try:
@@ -163,6 +163,9 @@ def test_stripe_sdk_rate_limit_error_carries_the_reason_and_idempotency_replays(
         assert answer is not None and answer.status_code == 429
         signal = report_upstream(error)
         assert signal is not None and signal.refused
+        assert signal.final and not signal.comes_back  # Stripe-Should-Retry: false
+        with pytest.raises(UpstreamFinal):
+            report_upstream(error, retry=True)  # outside a task too: not Throttled
         assert mock.charges() == {"t1": 1} and mock.stats()["refused"] == 1
     finally:
         running.stop()
@@ -533,3 +536,50 @@ def test_stripe_and_github_errors_handed_to_report_upstream_run_every_task_once(
     assert stripe_mock.stats()["refused"] >= 1 and github_mock.stats()["refused"] >= 1
     assert github_mock.stats()["allowed"] == 6
     fleet.assert_each_once([h.id for h in charges + repos])
+
+
+def test_stripe_should_retry_false_fails_the_task_once_and_true_runs_it_again(
+    fleet: Fleet,
+) -> None:
+    from tests.apps.sdk_app import charge  # noqa: PLC0415
+
+    stripe_mock = fleet.mocks["stripe"].provider
+    assert isinstance(stripe_mock, StripeMock)
+    stripe_mock.reset()
+    # Given Stripe refusing calls over its rate and saying not to retry them
+    stripe_mock.should_retry = False
+    try:
+        handles = [charge.delay(n) for n in range(6)]
+        outcomes: dict[str, str] = {}
+        for handle in handles:
+            try:
+                handle.get(timeout=60)
+                outcomes[handle.id] = "charged"
+            except UpstreamFinal:
+                outcomes[handle.id] = "final"
+    finally:
+        stripe_mock.should_retry = True
+    # Then each refused task failed with UpstreamFinal, ran once, and was never
+    # re-published; the others charged once
+    final = [task_id for task_id, outcome in outcomes.items() if outcome == "final"]
+    assert final, fleet.log()  # the mock refused some (2 a second, called at 8)
+    charges = stripe_mock.charges()  # (of every test: reset() keeps the intents)
+    assert {t: charges.get(t, 0) for t in outcomes} == {
+        t: int(o == "charged") for t, o in outcomes.items()
+    }
+    for task_id in final:
+        # (the gate's own deferrals before the body ran are executions that end in RETRY)
+        published, runs, ends = fleet.executions(task_id)
+        assert (runs, ends.get("FAILURE")) == (1, 1), (task_id, ends, fleet.log())
+        assert set(ends) <= {"FAILURE", "RETRY"} and published == sum(ends.values())
+    # Given a 409 lock_timeout that Stripe says to retry (no refusal for the rate)
+    stripe_mock.reset()
+    stripe_mock.lock_timeouts = 2
+    handles = [charge.delay(n) for n in range(2)]
+    done = _run_all(handles)
+    # Then each task ran again after it and charged once
+    assert [r["n"] for r in done] == [0, 1], fleet.log()
+    charges = stripe_mock.charges()
+    assert [charges.get(h.id) for h in handles] == [1, 1]
+    fleet.assert_each_once([h.id for h in handles])
+    assert sum(fleet.executions(h.id)[1] for h in handles) == 4  # the 409s' runs, again

@@ -222,8 +222,9 @@ def test_the_parser_reads_every_dialect(
         assert signal is not None
         assert signal.hold_s == pytest.approx(expected.hold_s, abs=1e-6)
         assert signal == UpstreamSignal(
-            expected.refused, signal.hold_s, expected.source, expected.quota, expected.window_s
-        )
+            expected.refused, signal.hold_s, expected.source, expected.quota, expected.window_s,
+            error=status >= 400,
+        )  # fmt: skip
 
 
 NAMES = [

@@ -19,8 +19,10 @@ from tests.support.eager import eager_app
 from throttle import Limit, Limiter
 from throttle import aio as throttle_aio
 from throttle.adaptive import Adaptive, LearnedRates
-from throttle.celery import throttled
+from throttle.celery import report_cost, throttled
+from throttle.celery.estimates import Estimates
 from throttle.rates import RateBook
+from throttle.rules import Rule
 from throttle.upstream import apply_upstream, parse_upstream, report_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S
 from throttle.upstream.policy import Target, apply_signal
@@ -295,3 +297,63 @@ def test_a_refusal_that_blames_a_dimension_holds_it_at_once(
     limiter.client.delete(limiter.keyspace.holds_key())
     complete.delay(4000, openai(retry_after_ms="1500")).get()
     assert limiter.holds() == {}
+
+
+def test_an_estimated_cost_is_reserved_at_the_share_its_calls_use(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """A tokens limit that follows its upstream reserves, once its calls have reported a
+    few costs, the share of the estimate they use (spacing the slots by what calls cost,
+    not by max_tokens), and still charges the whole estimate to a call that reports
+    nothing."""
+    limits = {
+        "tokens": {
+            "algorithm": "fixed_window", "rate": "1000000/d", "cost": "estimate",
+            "upstream": "tokens",
+        }
+    }  # fmt: skip
+    limit = Limit.parse("1000000/d", name="tokens", algorithm="fixed_window")
+    limiter = Limiter(client, prefix=prefix)
+    inside: list[float] = []
+    with eager_app("estimates-eager", redis_url, prefix, limits) as app:
+
+        @app.task(shared=False)
+        @throttled("tokens")
+        def complete(estimate: int, used: int | None) -> None:
+            inside.append(limiter.peek(limit).remaining)  # with this call's reservation
+            if used is not None:
+                report_cost(used)
+
+        # Given three calls estimated at 1,000 tokens that used 500 each
+        for _ in range(3):
+            complete.delay(1000, 500).get()
+        assert inside == [999000, 998500, 998000]  # each reserved the whole estimate
+        assert limiter.peek(limit).remaining == 1000000 - 1500
+        # When the next call runs, it reserves 500; one that reports nothing pays 1,000
+        complete.delay(1000, 500).get()
+        complete.delay(1000, None).get()
+    assert inside[3:] == [998000, 997500]
+    assert limiter.peek(limit).remaining == 1000000 - 2000 - 1000
+
+
+def test_a_process_that_settles_nothing_reserves_the_fleets_share(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A worker's consumer decides the reservations of the tasks it holds, but the pool
+    children settle them: it reads the share they learned from Redis."""
+    keyspace = Limiter(client, prefix=prefix).keyspace
+    now = [0.0]
+    child = Estimates(client, keyspace, refresh_s=2.0, monotonic=lambda: now[0])
+    consumer = Estimates(client, keyspace, refresh_s=2.0, monotonic=lambda: now[0])
+    rule = Rule(TOKENS, cost="estimate", upstream="tokens")
+    targets = [(TOKENS, None, 250.0)]
+    assert consumer.scaled([rule], targets)[0] == targets  # nothing learned anywhere yet
+    for _ in range(3):
+        child.settled({"openai-tokens": 250.0}, {"openai-tokens": 200.0})
+    assert consumer.scaled([rule], targets)[0] == targets  # read 2 s ago at most: not yet
+    now[0] += 2.0
+    assert consumer.scaled([rule], targets)[0] == [(TOKENS, None, pytest.approx(200.0))]
+    # A share written by hand that is no share is ignored
+    client.hset(keyspace.estimate_shares_key(), "openai-tokens", "lots")
+    now[0] += 2.0
+    assert consumer.scaled([rule], targets)[0] == targets

@@ -16,7 +16,7 @@ from throttle import Limit
 from throttle.rates import RateBookBase
 from throttle.redis.keys import KeySpace
 from throttle.upstream import MAX_HOLD_S, PREEMPT_MIN_S, UpstreamSignal, parse_upstream
-from throttle.upstream.dialects import GITHUB_SECONDARY_S, PER_MINUTE_S, Reading
+from throttle.upstream.dialects import GITHUB_SECONDARY_S, PER_DAY_S, PER_MINUTE_S, Reading
 from throttle.upstream.policy import Target, plan
 from throttle.upstream.values import go_duration, rfc3339
 
@@ -142,6 +142,54 @@ def test_openai_spent_tokens_hold_before_the_429_only_when_the_reset_is_far() ->
     assert near.readings[1].spent
 
 
+@pytest.mark.parametrize(
+    ("limit", "remaining", "reset", "window"),
+    [
+        pytest.param(
+            "600", "599", "100ms", PER_MINUTE_S, id="per-minute: one of 600 back in 0.1 s"
+        ),
+        pytest.param(
+            "10000", "9999", "8.64s", PER_DAY_S, id="per-day: one of 10,000 back in 8.64 s"
+        ),
+        pytest.param("200", "199", "7m12s", PER_DAY_S, id="per-day: one of 200 back in 7m12s"),
+        pytest.param("10000", "9990", "1m26.4s", PER_DAY_S, id="per-day: ten used"),
+        pytest.param("10000", "9997", "8.64s", PER_DAY_S, id="per-day: concurrent calls blur it"),
+        pytest.param("10000", "10000", "0s", PER_MINUTE_S, id="nothing used: cannot tell"),
+        pytest.param("150000", "149984", "6m0s", PER_MINUTE_S, id="fits neither: a minute"),
+        pytest.param("120000", "116000", "1.9s", PER_MINUTE_S, id="a stricter bucket: a minute"),
+    ],
+)
+def test_openai_reset_tells_a_daily_limit_from_a_per_minute_one(
+    limit: str, remaining: str, reset: str, window: float
+) -> None:
+    headers = {
+        "x-ratelimit-limit-requests": limit,
+        "x-ratelimit-remaining-requests": remaining,
+        "x-ratelimit-reset-requests": reset,
+    }
+    (reading,) = parsed(200, headers).readings
+    assert reading.window_s == window
+    assert reading.rate_per_s == pytest.approx(float(limit) / window)
+
+
+def test_a_limit_following_a_daily_dimension_is_not_steered_per_minute() -> None:
+    # Given a limit of 600/m following requests, and a model limited to 10,000 a day
+    daily = {
+        "x-ratelimit-limit-requests": "10000",
+        "x-ratelimit-remaining-requests": "9999",
+        "x-ratelimit-reset-requests": "8.64s",
+    }
+    limit = Limit.parse("600/m", name="llm")
+    target = Target(limit, limit, None, True, dimension="requests")
+    # When an answer states it
+    (step,) = plan(parsed(200, daily), [target], RateBookBase(KeySpace()))
+    # Then the limit follows 10,000 a day (0.116/s), not 10,000 a minute (166/s, above
+    # the limit's own 10/s: it would not have been lowered at all)
+    assert step.follow and step.followed is not None
+    followed = Limit.parse(step.followed)
+    assert followed.rate_per_s == pytest.approx(10000 / 86400)
+
+
 def test_anthropic_reads_four_dimensions_with_rfc3339_resets() -> None:
     headers = {"date": DATE, "retry-after": "12"}
     for dimension, limit, left, reset in (
@@ -223,6 +271,36 @@ def test_stripe_names_the_limit_that_refused() -> None:
     assert not signal.follow("endpoint-concurrency").refused
     assert parsed(429, {"stripe-should-retry": "false"}).should_retry is False
     assert parsed(429, {"stripe-should-retry": "maybe"}).should_retry is None
+
+
+@pytest.mark.parametrize(
+    ("status", "should_retry", "comes_back", "final", "refused"),
+    [
+        (429, None, True, False, True),  # a refusal comes back
+        (429, "true", True, False, True),
+        (429, "false", False, True, True),  # ...unless Stripe says not to retry it
+        (409, "true", True, False, False),  # a lock timeout Stripe says to retry: no hold
+        (500, "true", True, False, False),
+        (500, "false", False, True, False),  # an error not to retry
+        (400, None, False, False, False),
+        (200, "false", False, False, False),  # not an error: nothing to retry
+    ],
+)
+def test_stripe_should_retry_decides_whether_the_call_comes_back(
+    status: int, should_retry: str | None, comes_back: bool, final: bool, refused: bool
+) -> None:
+    headers = {"request-id": "req_1"}
+    if should_retry is not None:
+        headers["Stripe-Should-Retry"] = should_retry
+    signal = parse_upstream(status, headers, now=NOW)
+    if not (comes_back or final or refused):
+        assert signal is None
+        return
+    assert signal is not None
+    assert (signal.comes_back, signal.final, signal.refused) == (comes_back, final, refused)
+    assert signal.hold_s == (1.0 if refused else 0.0)  # only a refusal for the rate holds
+    seen = signal.follow("global-rate")
+    assert (seen.comes_back, seen.final) == (comes_back, final)  # whatever a limit follows
 
 
 def test_discord_route_bucket_and_global_limit() -> None:
@@ -310,6 +388,8 @@ def check_total(signal: UpstreamSignal | None) -> None:
     dimensions = [reading.dimension for reading in signal.readings]
     for seen in [signal, *(signal.follow(name) for name in [*dimensions, "tokens", "x"])]:
         assert 0.0 <= seen.hold_s <= MAX_HOLD_S and not math.isnan(seen.hold_s)
+        assert not (seen.final and seen.comes_back)
+        assert seen.final == signal.final  # a refusal is per dimension, "do not retry" is not
         rate = seen.rate_per_s
         assert rate is None or (0 < rate < math.inf)
     for reading in signal.readings:

@@ -34,6 +34,13 @@ def _openai_error() -> openai.RateLimitError:
     return openai.RateLimitError("rate limited", response=response, body=None)
 
 
+def _openai_status_error() -> openai.APIStatusError:
+    """Any status error, not only RateLimitError: a 503 with Retry-After is a refusal."""
+    request = httpx2.Request("POST", "https://api.openai.com/v1/chat/completions")
+    response = httpx2.Response(503, headers=HEADERS, request=request)
+    return openai.APIStatusError("unavailable", response=response, body=None)
+
+
 def _anthropic_error() -> anthropic.RateLimitError:
     request = httpx2.Request("POST", "https://api.anthropic.com/v1/messages")
     response = httpx2.Response(429, headers=HEADERS, request=request)
@@ -57,6 +64,7 @@ def _httpx_error() -> httpx.HTTPStatusError:
     "error",
     [
         pytest.param(_openai_error(), id="openai"),
+        pytest.param(_openai_status_error(), id="openai-status"),
         pytest.param(_anthropic_error(), id="anthropic"),
         pytest.param(
             stripe.RateLimitError("too many", http_status=429, headers=HEADERS), id="stripe"

@@ -19,9 +19,9 @@ from throttle.aio.adaptive import LearnedRates
 from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.aio.refusals import RefusalBook
-from throttle.errors import Throttled
+from throttle.errors import Throttled, UpstreamFinal
 from throttle.spec import Limit
-from throttle.upstream.headers import UpstreamSignal, read_response, wants_body
+from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response, wants_body
 from throttle.upstream.policy import (
     Target,
     expect_dimension,
@@ -200,9 +200,13 @@ def upstream_hook(
     quota) raises :class:`~throttle.Throttled` with the hold as ``retry_after_s`` (and the
     limit's name as ``denied_by``), out of
     the ``await client.get(...)``, after the hold is placed (the response is read and
-    closed first): catch it to come back later. Without it, the response is returned as
-    usual. Redis errors propagate (:class:`~throttle.BackendError`): unlike the Celery
-    hook, nothing here decides for the caller what an outage means.
+    closed first): catch it to come back later. ``Stripe-Should-Retry`` decides over the
+    status: ``false`` raises :class:`~throttle.UpstreamFinal` (do not call again),
+    ``true`` on any error raises :class:`~throttle.Throttled` (of
+    :data:`~throttle.upstream.DEFAULT_HOLD_S` when it is no refusal). Without
+    ``retry``, the response is returned as usual. Redis errors propagate
+    (:class:`~throttle.BackendError`): unlike the Celery hook, nothing here decides for
+    the caller what an outage means.
     """
     expect_limit(limit)  # now, not on the first response
     expect_dimension(dimension)
@@ -212,8 +216,12 @@ def upstream_hook(
             limiter, response, limit, key, rates=rates, learned=learned, adaptive=adaptive,
             dimension=dimension, refusals=refusals,
         )  # fmt: skip
-        if retry and signal is not None and signal.refused:
+        if retry and signal is not None and signal.final:
             await _release(response)
-            raise Throttled(signal.hold_s, [limit.name])
+            raise UpstreamFinal(getattr(response, "status_code", None))
+        if retry and signal is not None and signal.comes_back:
+            await _release(response)
+            hold_s = signal.hold_s if signal.refused else DEFAULT_HOLD_S
+            raise Throttled(hold_s, [limit.name])
 
     return hook

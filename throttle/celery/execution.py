@@ -37,6 +37,10 @@ class Execution:
     kwargs: dict[str, Any] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
     """Each rule's (limit in force, key, cost); empty until the gate evaluates them."""
+    estimates: dict[str, float] = field(default_factory=dict)
+    """The whole estimates of the costs reserved at a learned share of them (rule name ->
+    cost, :mod:`throttle.celery.estimates`): what the settle charges when the body
+    reports no cost, and learns the share from when it does."""
     deadline: float | None = None
     """Epoch s on the Redis clock, the earlier of ``timeout_at`` and ``expires``: no slot
     is reserved past it."""

@@ -129,6 +129,10 @@ class Gate:
             execution.rules, execution.fn, execution.args, execution.kwargs,
             execution.throttler.rates.current, by_name=rule_set.by_name,
         )  # fmt: skip
+        if rule_set.estimates:  # estimated costs reserved at the share the calls use
+            execution.targets, execution.estimates = execution.throttler.estimates.scaled(
+                execution.rules, execution.targets
+            )
         if rule_set.adaptive:
             self._learn()
         set_deadlines(execution)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from throttle.celery.estimates import learns
 from throttle.celery.plan import plan_shape
 from throttle.rules import Rule, names_arguments
 
@@ -29,6 +30,9 @@ class RuleSet:
     plan: tuple[int, ...] | None
     """The indices of the narrow limits an arriving task plans on, or None when it
     acquires in one step (:func:`throttle.celery.plan.plan_shape`)."""
+    estimates: bool = False
+    """Some limit reserves the learned share of its estimated cost
+    (:mod:`throttle.celery.estimates`)."""
     shadow: tuple[Rule, ...] = ()
     """The task's limits in shadow mode (:mod:`throttle.celery.shadow`): left out of
     :attr:`rules`, which the task waits for; looked at on a twin state, never waited for."""
@@ -44,4 +48,5 @@ class RuleSet:
             guarded=tuple(i for i, rule in enumerate(rules) if rule.guarded),
             concurrency=any(rule.limit.algorithm.holds_units for rule in rules),
             plan=plan_shape(rules),
+            estimates=any(learns(rule) for rule in rules),
         )

@@ -18,6 +18,7 @@ from typing import Any
 from celery import Celery, Task
 
 from throttle.adaptive import LearnedRates
+from throttle.celery.estimates import Estimates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
 from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
@@ -87,6 +88,8 @@ class Throttler:
         self.limiter = limiter
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        self.estimates = Estimates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
+        """The share of their estimate the calls of each limit use, in this process."""
         self.learned = LearnedRates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)

@@ -12,6 +12,8 @@ of the task still finds its reservation instead of paying twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from throttle.celery.execution import Ticket
 from throttle.celery.plan import hand_back, rule_name
 from throttle.celery.runtime import Throttler
@@ -19,16 +21,26 @@ from throttle.decision import Acquisition
 from throttle.errors import BackendError
 
 
-def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
-    """Settle ``ticket`` once its body returned (``failed``: it raised). A Redis error is
-    noted, not raised: the lease expires by itself (concurrency units come back then, a
-    refund is lost)."""
+def settle(
+    throttler: Throttler,
+    ticket: Ticket,
+    failed: bool,
+    estimates: Mapping[str, float] | None = None,
+) -> None:
+    """Settle ``ticket`` once its body returned (``failed``: it raised). ``estimates``:
+    the whole estimates of the costs reserved at a learned share of them (rule name ->
+    cost, :mod:`throttle.celery.estimates`): charged when the body reports no cost, and
+    the share is learned from what it reports. A Redis error is noted, not raised: the
+    lease expires by itself (concurrency units come back then, a refund is lost)."""
     acquisition = ticket.acquisition
     if acquisition is None:
         return
-    if not failed and not ticket.reported and not holds_units(acquisition):
+    estimates = estimates or {}
+    if not failed and not ticket.reported and not holds_units(acquisition) and not estimates:
         return  # the common case, below without building the costs: nothing to settle
-    actuals = actual_costs(ticket, acquisition, failed)
+    actuals = actual_costs(ticket, acquisition, failed, estimates)
+    if estimates and ticket.reported:
+        throttler.estimates.settled(estimates, reported_costs(ticket))
     if not failed and not holds_units(acquisition) and all(a is None for a in actuals):
         # Nothing to settle. A body that raised is settled even then: it may come back
         # under the same id (self.retry, autoretry, defer_task), and that run must pay for
@@ -49,14 +61,20 @@ def settle(throttler: Throttler, ticket: Ticket, failed: bool) -> None:
     throttler.observer.settled(names, settlement.deltas)
 
 
-def actual_costs(ticket: Ticket, acquisition: Acquisition, failed: bool) -> list[float | None]:
+def actual_costs(
+    ticket: Ticket,
+    acquisition: Acquisition,
+    failed: bool,
+    estimates: Mapping[str, float] | None = None,
+) -> list[float | None]:
     """Each target's actual cost, in order (None: as reserved): the one the body reported
     for the limit by name; else, for an estimated cost, the one it reported for all; else
-    0 when the body raised and the rule refunds on error."""
+    0 when the body raised and the rule refunds on error; else, for a cost reserved at a
+    share of its estimate (``estimates``), the whole estimate."""
     reported = ticket.reported
     by_name = {rule.name: rule for rule in ticket.rules}
     actuals: list[float | None] = []
-    for limit, _ in acquisition.targets:
+    for (limit, _), reserved in zip(acquisition.targets, acquisition.costs, strict=True):
         name = rule_name(limit.name)  # a plan's cost follows its limit's
         rule = by_name.get(name)
         actual = reported.get(name) if reported else None
@@ -64,8 +82,24 @@ def actual_costs(ticket: Ticket, acquisition: Acquisition, failed: bool) -> list
             actual = reported.get(None)
         if actual is None and failed and rule is not None and rule.on_error == "refund":
             actual = 0.0
+        if actual is None and estimates:
+            whole = estimates.get(name)
+            actual = None if whole is None or whole == reserved else whole
         actuals.append(actual)
     return actuals
+
+
+def reported_costs(ticket: Ticket) -> dict[str, float]:
+    """The cost the body reported for each limit whose cost is an estimate (rule name ->
+    cost): by name, else the one reported for all."""
+    reported = ticket.reported
+    found: dict[str, float] = {}
+    for rule in ticket.rules:
+        if rule.estimated:
+            actual = reported.get(rule.name, reported.get(None))
+            if actual is not None:
+                found[rule.name] = actual
+    return found
 
 
 def holds_units(acquisition: Acquisition) -> bool:

@@ -79,7 +79,7 @@ def run(
     finally:
         leave_ticket(token)
         if settles:
-            settle(execution.throttler, ticket, failed)
+            settle(execution.throttler, ticket, failed, execution.estimates)
 
 
 def requeued(execution: Execution, exc: Exception) -> bool:

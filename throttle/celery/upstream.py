@@ -21,12 +21,13 @@ from celery._state import get_current_task
 
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
-from throttle.errors import BackendError, RequestError, Throttled
+from throttle.errors import BackendError, RequestError, Throttled, UpstreamFinal
 from throttle.refusals import Refusal as RefusalEntry
 from throttle.spec import Limit
 from throttle.upstream.answers import answer_of
-from throttle.upstream.headers import UpstreamSignal, read_response
+from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response
 from throttle.upstream.policy import Target, apply_signal, learn
+from throttle.upstream.values import normalize, seconds
 
 __all__ = ["report_upstream", "upstream_hook"]
 
@@ -140,6 +141,13 @@ def report_upstream(
       A call made again inside the body (an SDK's own retry, or any call after a
       refusal) logs a warning once per task: create the SDK's client with
       ``max_retries=0``.
+    * **Stripe-Should-Retry** (with ``retry=True``): ``false`` on an error answer means
+      the call must not be made again: this raises :class:`~throttle.errors.UpstreamFinal`
+      instead of :class:`Throttled`, and the task is not re-run for it (it fails, unless
+      the body handles the error; the limits are held as for any refusal). ``true`` on an
+      error that is no refusal for the rate (a 409 lock timeout, a 500) re-runs the task
+      after its ``Retry-After`` (else :data:`~throttle.upstream.headers.DEFAULT_HOLD_S`),
+      without holding the limits. As Stripe's own SDK decides its retries.
 
     Outside a throttled task this holds nothing (like ``report_cost``). Redis errors are
     logged, not raised: the call is made already. Returns what the response said (None:
@@ -151,9 +159,13 @@ def report_upstream(
     signal = read_response(response)
     ticket = current_ticket()
     if ticket is None or ticket.acquisition is None:
-        if signal is not None and retry and signal.refused:
+        if signal is not None and retry and signal.final:
             _release(response)
-            raise Throttled(signal.hold_s)
+            raise UpstreamFinal(_status(response))
+        if signal is not None and retry and signal.comes_back:
+            _release(response)
+            later = signal.hold_s if signal.refused else _retry_after_s(response)
+            raise Throttled(DEFAULT_HOLD_S if later is None else later)
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
     acquisition = ticket.acquisition
@@ -170,8 +182,8 @@ def report_upstream(
     again = _retried_by_client(response)
     if again or ticket.refusal is not None:
         _warn_retried(task, f"retry {again} of the client" if again else "after a refusal")
-    if signal is None or not signal.refused:
-        ticket.refusal = None  # this call was served: an earlier refusal is answered
+    if signal is None or not signal.comes_back:
+        ticket.refusal = None  # this call was served (or is final): an earlier refusal is answered
     adaptive = any(rule is not None and rule.adaptive for *_, rule in picked)
     if signal is None and not adaptive:
         return None
@@ -200,6 +212,20 @@ def report_upstream(
         _record(throttler, task, response, signal, targets, held)
     if signal is None:
         return None
+    if retry and signal.final:
+        # The provider says the call must not be made again: no come-back, whatever the
+        # body does with this (Stripe-Should-Retry: false; Stripe's SDK does not retry it
+        # either). The limits were held above as for any refusal.
+        _release(response)
+        raise UpstreamFinal(_status(response))
+    if retry and signal.comes_back and not signal.refused:
+        # An error the provider says to retry (Stripe-Should-Retry: true on a 409 lock
+        # timeout, a 500): not the rate's doing, so no hold; the task comes back after
+        # Retry-After, else DEFAULT_HOLD_S, as Stripe's SDK would retry it.
+        _release(response)
+        countdown = _retry_after_s(response) or DEFAULT_HOLD_S
+        ticket.refusal = Refusal(countdown, ())
+        raise Throttled(countdown)
     if retry and signal.refused:
         _release(response)
         # A refusal that held nothing is one the limit's schedule explains (jitter), and
@@ -214,6 +240,21 @@ def report_upstream(
         ticket.refusal = Refusal(countdown, limits)
         raise Throttled(countdown, limits)
     return signal
+
+
+def _status(response: Any) -> int | None:
+    status = getattr(response, "status_code", getattr(response, "status", None))
+    return status if isinstance(status, int) else None
+
+
+def _retry_after_s(response: Any) -> float | None:
+    """A response's ``Retry-After`` in delta seconds, or None (an error that is no
+    refusal has no hold to read it from)."""
+    try:
+        value = normalize(response.headers).get("retry-after")
+    except Exception:  # headers of no known shape: none
+        return None
+    return None if value is None else seconds(value)
 
 
 def _record(

@@ -247,6 +247,11 @@ class KeySpace:
         an operator's decision."""
         return f"{self.base}rates:followed"
 
+    def estimate_shares_key(self) -> str:
+        """The HASH of the share of their estimate the calls of each limit use, learned by
+        the workers (:mod:`throttle.celery.estimates`): limit name -> share (0.1 to 1)."""
+        return f"{self.base}estimates"
+
     def key_rates_key(self) -> str:
         """The HASH of rates set at run time for single keys of keyed limits: the key's
         field of :meth:`hold_fields` (``limit:key``, encoded) -> rate spec."""

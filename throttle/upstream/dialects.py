@@ -12,7 +12,8 @@ The readers are pure and total, like the rest of the parser: header text in (nam
 lower-cased, :func:`throttle.upstream.values.normalize`), readings out, never an exception.
 
 - OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset a Go duration,
-  ``6m0s``): ``requests``, ``tokens``.
+  ``6m0s``): ``requests``, ``tokens``, per minute or per day as the reset tells
+  (:func:`openai_window`).
 - Anthropic: ``anthropic-ratelimit-{dimension}-{limit,remaining,reset}`` (reset an RFC 3339
   time): ``requests``, ``tokens``, ``input-tokens``, ``output-tokens``.
 - GitHub: ``x-ratelimit-{limit,remaining,used,reset}`` with ``x-ratelimit-resource``: the
@@ -31,13 +32,16 @@ from dataclasses import dataclass, replace
 from throttle.upstream import values
 
 __all__ = [
+    "DAY_FACTOR",
     "GITHUB_SECONDARY_S",
     "MAX_COUNT",
     "MIN_QUOTA",
+    "PER_DAY_S",
     "PER_MINUTE_S",
     "Reading",
     "dimension_name",
     "github_secondary",
+    "openai_window",
     "readings",
     "should_retry",
 ]
@@ -45,6 +49,13 @@ __all__ = [
 PER_MINUTE_S = 60.0
 """The window of OpenAI's and Anthropic's stated limits, in s: both publish their limits
 per minute (requests, tokens per minute) and state the count only, not the window."""
+PER_DAY_S = 86400.0
+"""The window of OpenAI's daily limits (requests or tokens per day: some models and tiers
+are limited per day, and ``x-ratelimit-limit-requests`` then states the day's count)."""
+DAY_FACTOR = 8.0
+"""An OpenAI limit whose implied window (:func:`openai_window`) is a day within this
+factor (3 h to 8 days) is read as per day: concurrent calls make ``remaining`` and the
+reset disagree a little, never by a factor of 1,440."""
 GITHUB_SECONDARY_S = 60.0
 """The hold after GitHub's secondary rate limit when it gives no ``Retry-After``, in s:
 "wait for at least one minute before retrying", say GitHub's docs."""
@@ -77,7 +88,8 @@ class Reading:
         Seconds from the response until the dimension is replenished (None: not said).
     window_s:
         The window the quota is per, in s, when the provider's limits have a known one
-        (OpenAI and Anthropic: a minute); None otherwise (then the quota states no rate).
+        (Anthropic: a minute; OpenAI: a minute or a day, :func:`openai_window`); None
+        otherwise (then the quota states no rate).
     spent:
         The upstream says this dimension is spent: ``remaining`` 0, or it is named as the
         reason of a refusal (Stripe's reason, Discord's scope).
@@ -138,19 +150,43 @@ def _reading(
     return Reading(dimension, limit, remaining, reset_s, window_s, remaining == 0.0, 0.0, source)
 
 
+def openai_window(limit: float | None, remaining: float | None, reset_s: float | None) -> float:
+    """The window of an OpenAI limit, in s: a minute, or a day.
+
+    OpenAI states a limit's count, not its window, and most limits are per minute; but
+    some models and tiers are limited per day, and ``x-ratelimit-limit-requests`` then
+    states the day's count (10,000 a day read as per minute is 1,440 times too fast).
+    The reset tells them apart: OpenAI's limits refill continuously, and
+    ``x-ratelimit-reset-*`` is the time until the quota is whole again, so the used part
+    (limit - remaining) comes back in ``reset`` and the whole in ``limit x reset /
+    used``: about 60 s for a per-minute limit, about 86,400 for a daily one (10,000 a
+    day, one used: ``8.64s``; 200 a day: ``7m12s``). An implied window within a factor
+    :data:`DAY_FACTOR` of a day is a day. Anything else is a minute, as OpenAI's limits
+    mostly are: a response that says too little to tell (nothing used yet, no reset),
+    and one whose numbers fit neither (OpenAI's own documented example, 16 of 150,000
+    tokens used and ``6m0s``, implies 39 days): a reset alone decides nothing."""
+    if reset_s is None or not reset_s > 0:
+        return PER_MINUTE_S
+    if limit is None or remaining is None or not limit > remaining:
+        return PER_MINUTE_S
+    implied = reset_s * limit / (limit - remaining)
+    if PER_DAY_S / DAY_FACTOR <= implied <= PER_DAY_S * DAY_FACTOR:
+        return PER_DAY_S
+    return PER_MINUTE_S
+
+
 def _openai(fields: Mapping[str, str]) -> list[Reading]:
     found = []
     for dimension in _OPENAI:
         reset_name = f"x-ratelimit-reset-{dimension}"
         reset_text = fields.get(reset_name)
+        limit = _count(fields.get(f"x-ratelimit-limit-{dimension}"))
+        remaining = _count(fields.get(f"x-ratelimit-remaining-{dimension}"))
+        reset = None if reset_text is None else values.go_duration(reset_text)
         reading = _reading(
-            dimension,
-            _count(fields.get(f"x-ratelimit-limit-{dimension}")),
-            _count(fields.get(f"x-ratelimit-remaining-{dimension}")),
-            None if reset_text is None else values.go_duration(reset_text),
-            PER_MINUTE_S,
+            dimension, limit, remaining, reset, openai_window(limit, remaining, reset),
             values.title(reset_name),
-        )
+        )  # fmt: skip
         if reading is not None:
             found.append(reading)
     return found

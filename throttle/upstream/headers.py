@@ -88,6 +88,9 @@ class UpstreamSignal:
         A refusal that names this signal's dimension (spent, or left with less than the
         call took): for a limit following a dimension (:meth:`follow`), the upstream's
         explicit word, which holds the limit rather than being judged as jitter.
+    error:
+        The response's status is an error (400 or above), whether or not for its rate:
+        what ``should_retry`` speaks of (:attr:`comes_back`, :attr:`final`).
     """
 
     refused: bool
@@ -99,6 +102,25 @@ class UpstreamSignal:
     should_retry: bool | None = None
     dimension: str | None = None
     blamed: bool = False
+    error: bool = False
+
+    @property
+    def comes_back(self) -> bool:
+        """Whether the call is to be made again later (``upstream_hook(retry=True)``
+        re-runs the task): a refusal for the rate, unless the provider says not to retry
+        it (``Stripe-Should-Retry: false``); any other error the provider says to retry
+        (``Stripe-Should-Retry: true``: a lock timeout's 409, a 500), as Stripe's own
+        SDK does."""
+        if self.error and self.should_retry is not None:
+            return self.should_retry
+        return self.refused
+
+    @property
+    def final(self) -> bool:
+        """Whether the provider says the failed call must not be made again
+        (``Stripe-Should-Retry: false`` on an error): retrying it would fail the same
+        way, or do what the call did once more."""
+        return self.error and self.should_retry is False
 
     @property
     def rate_per_s(self) -> float | None:
@@ -140,11 +162,12 @@ class UpstreamSignal:
         named = refused and dimension in blamed
         if own is None or own.rate_per_s is None:  # its dimension states no rate here
             return UpstreamSignal(
-                refused, hold_s, source, should_retry=self.should_retry, blamed=named
-            )
+                refused, hold_s, source, should_retry=self.should_retry, blamed=named,
+                error=self.error,
+            )  # fmt: skip
         return UpstreamSignal(
             refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension,
-            named,
+            named, self.error,
         )  # fmt: skip
 
 
@@ -291,7 +314,12 @@ def parse_upstream(
     ``time.time()``). ``body`` (text or bytes, optional) is read only to tell GitHub's
     secondary rate limit from a plain 403 (:func:`read_response` passes it when needed).
 
-    Returns None when the response says nothing to act on (no refusal, no hold, no policy).
+    An error answer (400 or above) with Stripe's ``Stripe-Should-Retry`` says whether
+    the call may be made again (:attr:`UpstreamSignal.comes_back`,
+    :attr:`UpstreamSignal.final`), whatever its status.
+
+    Returns None when the response says nothing to act on (no refusal, no hold, no
+    policy, no word on retrying an error).
     """
     try:
         fields = values.normalize(headers)
@@ -335,16 +363,19 @@ def parse_upstream(
     hold_s, source = hold if hold is not None else (0.0, "")
     hold_s = min(hold_s, MAX_HOLD_S)
     readings = [_held(reading, refused, retry, hold_s) for reading in readings]
+    should_retry = dialects.should_retry(fields)
+    error = isinstance(status, int) and status >= 400
     if (
         not refused
         and hold is None
         and policy is None
         and not any(reading.hold_s > 0 or reading.rate_per_s for reading in readings)
+        and not (error and should_retry is not None)
     ):
         return None
     quota, window_s = policy if policy is not None else (None, None)
     return UpstreamSignal(
-        refused, hold_s, source, quota, window_s, tuple(readings), dialects.should_retry(fields)
+        refused, hold_s, source, quota, window_s, tuple(readings), should_retry, error=error
     )
 
 

@@ -9,6 +9,10 @@
   is not a second charge.
 * Over the limit: 429, ``Stripe-Rate-Limited-Reason: global-rate`` and
   ``Stripe-Should-Retry`` (``true`` by default), the error ``{"code": "rate_limit"}``.
+* ``lock_timeouts``: that many of the next creates (after the limit admitted them) answer
+  409 ``lock_timeout`` with ``Stripe-Should-Retry: true``, creating nothing, as Stripe
+  does when another request holds the object: not a refusal for the rate, and an error
+  Stripe says to retry.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class StripeMock(Provider):
     ) -> None:
         super().__init__({"requests": requests_per_min}, burst_s=burst_s)
         self.should_retry = should_retry
+        self.lock_timeouts = 0
+        """How many of the next admitted creates answer 409 ``lock_timeout``."""
         self.intents: dict[str, dict[str, Any]] = {}
         """Created intents by idempotency key (a fresh key when the request had none)."""
 
@@ -73,6 +79,16 @@ class StripeMock(Provider):
                      "message": "Request rate limit exceeded. Learn more about rate limits here "
                                 "https://stripe.com/docs/rate-limits."}  # fmt: skip
             return Reply(429, refusal, {"error": error})
+        with self.lock:
+            conflict = self.lock_timeouts > 0
+            self.lock_timeouts -= conflict
+        if conflict:
+            message = (
+                "This object cannot be accessed right now because another API request or "
+                "Stripe process is currently accessing it."
+            )
+            error = {"type": "invalid_request_error", "code": "lock_timeout", "message": message}
+            return Reply(409, {**request_id, "Stripe-Should-Retry": "true"}, {"error": error})
         intent = {
             "id": f"pi_{uuid.uuid4().hex[:24]}", "object": "payment_intent",
             "amount": int(form.get("amount") or 0), "currency": form.get("currency", "usd"),
