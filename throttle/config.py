@@ -79,6 +79,7 @@ _SETTINGS_FIELDS = {
     "refresh": "duration",
     "sleep_max": "duration",
     "park_after": "duration",
+    "line_max": "duration",
     "park_lead": "duration",
     "late_tolerance": "duration",
     "jitter": "duration",
@@ -254,6 +255,13 @@ class Settings:
         is due on the publishing worker's clock and held by the receiving worker until its
         own clock says so: workers whose clocks disagree then miss slots. The default (1 s,
         the default ``sleep_max``) parks every wait that is not slept.
+    line_max_s:
+        A task whose limits cannot admit it within ``sleep_max`` waits this long at most
+        in its worker's line (:mod:`throttle.celery.waiting`): it reserves nothing, its
+        message stays unacknowledged, and it runs as soon as capacity appears (a refund,
+        a rate raised, a hold ending); beyond, it is rescheduled (re-published or parked,
+        as ``park_after`` says). Capped by half the broker's visibility timeout (Redis,
+        SQS) or RabbitMQ's ``consumer_timeout``; 0 turns the line off.
     park_lead_s:
         A parked task with a reserved slot is sent back to the broker this long before
         it (at most half of ``sleep_max``), and sleeps the rest in the worker.
@@ -316,6 +324,7 @@ class Settings:
     refresh_s: float = 2.0
     sleep_max_s: float = 1.0
     park_after_s: float = 1.0
+    line_max_s: float = 300.0
     park_lead_s: float = 0.5
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0

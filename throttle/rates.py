@@ -288,9 +288,10 @@ class RateBook(RateBookBase):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key, limit.name, rate)
                 pipe.hdel(self.followed_key, limit.name)
-                # Tasks waiting for the limit look again now (a raised rate is capacity).
-                pipe.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
                 pipe.execute()
+            # Tasks waiting for the limit look again now (a raised rate is capacity). Not
+            # in the pipeline: a Redis Cluster pipeline refuses PUBLISH.
+            self.client.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
 
         wrap_errors(write)
         self._changed()
@@ -304,8 +305,8 @@ class RateBook(RateBookBase):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.key, name)
                 pipe.hdel(self.followed_key, name)
-                pipe.publish(self.channel, f"{RATES_CHANGED} {name}")
                 pipe.execute()
+            self.client.publish(self.channel, f"{RATES_CHANGED} {name}")
 
         wrap_errors(write)
         self._changed()
@@ -322,8 +323,8 @@ class RateBook(RateBookBase):
         def write() -> None:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key_rates_key, field, rate)
-                pipe.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
                 pipe.execute()
+            self.client.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
 
         wrap_errors(write)
         self._changed()

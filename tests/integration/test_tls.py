@@ -335,6 +335,7 @@ CONFIG = """
 settings:
   sleep_max: 0.2s
   park_after: 0.8s
+  line_max: 0s  # every wait beyond sleep_max deferred: the deferrals log too
   park_lead: 0.3s
   metrics: true
   metrics_dir: {metrics_dir}

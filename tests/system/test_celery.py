@@ -32,6 +32,7 @@ settings:
   refresh: 0.5s
   sleep_max: 0.5s
   park_after: 3s
+  line_max: 0s  # this module tests rescheduling (re-publish, park, lanes); the line: test_capacity
   park_lead: 1s
 limits:
   upstream: {algorithm: gcra, rate: 20/s, burst: 1}

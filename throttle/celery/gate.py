@@ -60,6 +60,12 @@ from throttle.rules import Declared, Target, targets
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
+EARLY_ACK_SLEEP_MAX_S = 0.05
+"""The longest a task without ``acks_late`` sleeps to its slot in its pool slot, in s. Its
+message is acknowledged when the pool starts it: a worker killed during the sleep would
+lose it. A slot further ahead (a task handed over undecided, or one that reached the
+consumer's slot late and took another) sends it back, to arrive shortly before the slot
+it reserved, and wait for it in a worker's consumer."""
 
 
 class Gate:
@@ -267,7 +273,7 @@ class Gate:
                     come_back_planned(self.execution, decision, self.plan)
                 come_back(self.execution, decision, plan=self.plan, planned=planned)
             wait = decision.wait_s
-            if wait > self.settings.sleep_max_s:
+            if wait > self._sleep_max_s():
                 come_back_to_slot(self.execution, decision)  # a slot further ahead
             if wait > 0 and decision.acquisition:
                 decision, on_time = self._sleep_to_slot(decision, late_tolerance)
@@ -282,6 +288,15 @@ class Gate:
             # The slot of the consumer's decision (its time, when it admitted at once).
             slot_at = first_slot if on_first else now + wait
             return Ticket(decision.acquisition, self.execution.rules, slot_at, plan=plan)
+
+    def _sleep_max_s(self) -> float:
+        """The longest this execution sleeps to a slot in its pool slot, in s:
+        ``sleep_max``; :data:`EARLY_ACK_SLEEP_MAX_S` at most for a task whose message was
+        acknowledged when it started (no ``acks_late``)."""
+        sleep_max = self.settings.sleep_max_s
+        if not self.execution.task.acks_late:
+            return min(sleep_max, EARLY_ACK_SLEEP_MAX_S)
+        return sleep_max
 
     def late_tolerance(self) -> float:
         """How late a task may reach its reserved slot and still call on it, in s.

@@ -114,11 +114,6 @@ LINE_MAX_TASKS = 1000
 beyond, a task that joins the line takes one of the worker's ordinary prefetch slots, so
 that once they are all taken the consumer receives no more and the rest of a backlog stays
 in the broker (nothing published, nothing held)."""
-LINE_MAX_S = 300.0
-"""The longest a task waits in the line, in s, at most: past it (or past the broker's
-budget, :func:`line_budget_s`) it is sent on, as a task that may not wait in a worker
-(re-published or parked, for when its limits said, reserving nothing)."""
-
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -445,13 +440,13 @@ def priority_of(request: Any) -> int:
 
 
 def line_budget_s(app: Celery, throttler: Throttler) -> float:
-    """How long a task may wait in a worker's line, in s: :data:`LINE_MAX_S`, but at most
+    """How long a task may wait in a worker's line, in s: the ``line_max`` setting, but at most
     half the broker's visibility timeout (Redis, SQS: counted from delivery, kombu#337)
     or RabbitMQ's ``consumer_timeout``, less what a task may be held after it
     (``sleep_max``, ``park_lead``); 0 (no line) when nothing is left."""
     settings = throttler.settings
     options: dict[str, Any] = app.conf.broker_transport_options or {}
-    budget = LINE_MAX_S
+    budget = settings.line_max_s
     timeouts = [options.get("visibility_timeout"), options.get("consumer_timeout")]
     if options.get("consumer_timeout") is None and str(app.conf.broker_url or "").startswith(
         ("amqp", "pyamqp")

@@ -108,6 +108,9 @@ ACL_COMMANDS = (
     # hgetall), a task's trail (multi, del, hset, pexpire, exec), `celery throttle parked`
     # (hscan)
     "hincrby", "expire", "scan", "multi", "exec", "hscan",
+    # waiting tasks hear of capacity given back (lua/settle.lua, a hold lifted, a rate
+    # set): the namespace's channel (throttle.celery.capacity)
+    "publish", "subscribe", "unsubscribe",
     # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
     # a refusal: add +client|setinfo there to keep it out of the ACL log)
     "ping",
@@ -119,11 +122,12 @@ def acl_rules(prefix: str = "throttle") -> str:
 
         ACL SETUSER limiter on >PASSWORD <acl_rules()>
 
-    Its keys only (``~PREFIX:*``), no channels, and only the commands the limiter sends
+    Its keys only (``~PREFIX:*``), its channels only (``&PREFIX:*``: capacity given back
+    is announced there), and only the commands the limiter sends
     (:data:`ACL_COMMANDS`). A shared broker and limiter Redis needs a user with the
     broker's rights as well (Celery's transport uses many more commands and keys)."""
     commands = " ".join(f"+{command}" for command in ACL_COMMANDS)
-    return f"resetkeys ~{prefix}:* resetchannels -@all {commands}"
+    return f"resetkeys ~{prefix}:* resetchannels &{prefix}:* -@all {commands}"
 
 
 def redact(url: str) -> str:
