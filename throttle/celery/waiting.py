@@ -717,6 +717,7 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(consumer, **kwargs)
         self.undecided: Undecided | None = None
         self.line: WaitingLine | None = None
+        self.restoring: Any = None
 
     def start(self, consumer: Any) -> None:
         app = consumer.app
@@ -731,6 +732,7 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
             line.listen(throttler)
         names = install_strategies(app, consumer, undecided, line)
         survive_broker_loss(consumer)
+        self.restoring = restore_when_idle(consumer)
         logger.debug("throttle: %d throttled tasks wait in the consumer", len(names))
 
     def stop(self, consumer: Any) -> None:
@@ -739,9 +741,45 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.line is not None:
             self.line.clear()
             self.line = None
+        entry, self.restoring = self.restoring, None
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                consumer.timer.cancel(entry)
 
     def shutdown(self, consumer: Any) -> None:
         self.stop(consumer)
+
+
+RESTORE_EVERY_S = 1.0
+"""How often a worker without an event loop asks kombu's Redis transport to deliver again
+the messages of dead workers, in s (kombu scans on one call of ten: about every 10 s, as
+an event loop's worker does)."""
+
+
+def restore_when_idle(consumer: Any) -> Any:
+    """Have a worker without an event loop (``-P gevent``, ``-P eventlet``) on the Redis
+    broker deliver again the unacknowledged messages of dead workers; returns the timer
+    entry (None: not needed).
+
+    kombu's Redis transport restores them (past the visibility timeout) from its event
+    loop's timer; a worker without one only restores after a poll that saw nothing at
+    all, and an idle one never sees nothing: every ``BRPOP`` times out with a reply
+    first. A fleet of such workers then never ran the tasks a killed one held, waiting
+    tasks and Celery's own ETA tasks alike (unacknowledged, in the ``unacked`` hash)."""
+    if consumer.hub is not None:
+        return None
+    transport = getattr(consumer.connection, "transport", None)
+    cycle = getattr(transport, "cycle", None)
+    if getattr(transport, "driver_type", None) != "redis" or cycle is None:
+        return None
+
+    def restore() -> None:
+        try:
+            cycle.maybe_restore_messages()
+        except Exception:  # the broker away: the consumer reconnects, this runs again
+            logger.debug("throttle: restoring unacknowledged messages failed", exc_info=True)
+
+    return consumer.timer.call_repeatedly(RESTORE_EVERY_S, restore, priority=_TIMER_PRIORITY)
 
 
 def survive_broker_loss(consumer: Any) -> None:
