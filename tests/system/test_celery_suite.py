@@ -36,6 +36,7 @@ CONFIG = """
 settings:
   sleep_max: 0.05s
   park_after: 0.5s
+  line_max: 0s  # tasks come back as copies (with the line on, the selection passes too)
   park_lead: 0.2s
   late_tolerance: 5s
 limits:

@@ -33,6 +33,7 @@ CONFIG = """
 settings:
   sleep_max: 0.05s
   park_after: 1.5s
+  line_max: 0s  # a held task comes back as a copy (re-published or parked), as checked here
   park_lead: 0.02s
   jitter: 0.1s  # a hop task denied by a 1 s hold comes back within 1.1 s: re-published
 limits:
