@@ -308,10 +308,14 @@ class Gate:
         by the lateness. Kept, a slot late by d delays the busy period's later calls by at
         most d (the guard's push is the largest lateness since the limit was last idle,
         not a sum), so never by more than one spacing; given up, it is a whole spacing of
-        the limit lost, and the task goes to the back of the queue."""
+        the limit lost, and the task goes to the back of the queue.
+
+        Without the guard, up to the burst's slack (:meth:`_slack_s`, at most half a
+        ``sleep_max``): a late call within it is one an upstream that enforces the same
+        limits admits, and giving the slot up would charge its cost again."""
         execution, tolerance = self.execution, self.settings.late_tolerance_s
         if not self.rule_set.guarded:
-            return tolerance
+            return max(tolerance, min(self._slack_s(), self.settings.sleep_max_s / 2))
         spacing = math.inf
         for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
             if limit.algorithm.reserves:
@@ -321,6 +325,20 @@ class Gate:
         if math.isinf(spacing):
             return tolerance
         return max(tolerance, min(spacing, self.settings.sleep_max_s / 2))
+
+    def _slack_s(self) -> float:
+        """How late a call may come after its reserved slot, in s, without an upstream
+        that enforces the same limits refusing it or the next call: for each reserving
+        limit (token bucket, GCRA), the time its burst beyond this call's cost takes to
+        refill, ``(burst - cost) x period / count`` (a call late by d brings the next one
+        d closer, which that much burst absorbs); the smallest over them, 0 without any
+        (a burst-1 limit has none)."""
+        slack = math.inf
+        for limit, _, cost in self.execution.targets:
+            if limit.algorithm.reserves:
+                spare = max(limit.capacity - cost, 0.0)
+                slack = min(slack, spare * limit.period_s / limit.count)
+        return 0.0 if math.isinf(slack) else slack
 
     def _sleep_to_slot(self, decision: Decision, late_tolerance: float) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
