@@ -1,6 +1,6 @@
 """A worker killed (SIGKILL) while it holds throttled tasks that wait for their slots loses
 none of them and runs none twice: on the Redis broker and on RabbitMQ classic and quorum
-queues, with ``acks_late`` and without, each execution pool once over the cases.
+queues, with ``acks_late`` and without, each execution pool once (five cases).
 
 The scenario is tests/support/held.py (app: tests/apps/held_app.py): a victim worker takes
 a backlog of 20 tasks at 4/s, holds some of them waiting, is killed between two bodies, and
@@ -29,7 +29,6 @@ CASES = [
     Case("threads", "classic", acks_late=True),
     Case("solo", "classic", acks_late=False),
     Case("eventlet", "quorum", acks_late=True),
-    Case("prefork", "quorum", acks_late=False),
 ]
 """Every pool once, every broker with and without ``acks_late``."""
 

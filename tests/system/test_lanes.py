@@ -30,6 +30,7 @@ CONFIG = """
 settings:
   sleep_max: 0.05s
   park_after: 0.5s
+  line_max: 0s  # waits beyond sleep_max are rescheduled (re-published, parked), as tested here
   park_lead: 0.2s
   late_tolerance: 5s
 limits:

@@ -41,6 +41,7 @@ CONFIG = (
 settings:
   sleep_max: 0.3s
   park_after: 1.5s
+  line_max: 0s  # waits beyond sleep_max are rescheduled (re-published, parked), as tested here
   park_lead: 0.5s
   metrics: true
   metrics_dir: {metrics_dir}

@@ -33,6 +33,8 @@ SKEW_S = 30.0
 MAX_WAIT_S = 120.0
 RATE = 3.96
 CONFIG = f"""
+settings:
+  line_max: 0s  # the backlog is deferred (parked, released on the Redis clock), as tested here
 limits:
   upstream: {{algorithm: gcra, rate: {RATE}/s, burst: 1, max_wait: {MAX_WAIT_S:g}s}}
 queues:
