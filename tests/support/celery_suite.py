@@ -1,7 +1,7 @@
 """Fixture overrides that run Celery's own integration tests (t/integration of Celery's
 sdist, at the pinned version) with every task a ``ThrottledTask`` and the session worker
 throttled (``install``): star-imported at the end of Celery's t/integration/conftest.py by
-tests/system/test_celery_suite.py, so that these definitions replace Celery's.
+bench/celery_suite.py, so that these definitions replace Celery's.
 
 Before each test the next :data:`TAKEN_SLOTS` slots of the limit ``celery`` are taken, so
 that the limit binds from the test's first task on: that task waits beyond ``sleep_max``

@@ -104,7 +104,8 @@ def fresh(server: tuple[RedisServer, Path]) -> tuple[Any, redis.Redis]:
     return app, client
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent", "eventlet", "solo"])
+# Every pool is covered by test_waiting.py (and the full matrix is bench.pools): here two.
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_a_refund_reaches_a_waiting_task_within_a_round_trip_of_the_settle(
     server: tuple[RedisServer, Path], pool: str
 ) -> None:
@@ -130,7 +131,7 @@ def test_a_refund_reaches_a_waiting_task_within_a_round_trip_of_the_settle(
     assert client.hgetall("capacity:done") == {b"t1": b"1", b"t2": b"1"}
 
 
-@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+@pytest.mark.parametrize("pool", ["threads"])
 def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
     server: tuple[RedisServer, Path], pool: str
 ) -> None:

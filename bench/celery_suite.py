@@ -1,6 +1,7 @@
-"""Celery's own integration tests under a binding limit: a selection of t/integration
-(chains, groups, chords, countdowns, ETAs, retries) from Celery's sdist at the pinned
-version, which ``make test`` downloads next to the virtualenv
+"""Celery's own integration tests under a binding limit (``make bench-celery-suite``; a
+benchmark rather than a test for the time ``make test`` may take: about 100 s): a
+selection of t/integration (chains, groups, chords, countdowns, ETAs, retries) from
+Celery's sdist at the pinned version, which that target downloads next to the virtualenv
 (``.venv/celery-VERSION.tar.gz``), run by pytest in a subprocess against a private
 redis-server (broker, result backend, limiter), with every task a ``ThrottledTask``, the
 session worker throttled (``install``) and the queue ``celery`` limited to GCRA 10/s burst 1
@@ -187,7 +188,7 @@ def test_celerys_own_canvas_tests_pass_under_a_binding_limit(tmp_path: Path) -> 
 
 
 if __name__ == "__main__":
-    # The baseline: `.venv/bin/python -m tests.system.test_celery_suite [--without-throttler]`
+    # The baseline: `.venv/bin/python -m bench.celery_suite [--without-throttler]`
     # runs the same selection and prints pytest's summary (without the throttler: Celery's
     # suite unchanged, on the same private redis-server).
     import tempfile
