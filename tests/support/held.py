@@ -43,6 +43,7 @@ from kombu import Connection
 
 from tests.support.publishes import publishes_of
 from tests.support.servers import RedisServer
+from tests.support.waits import wait_for
 from throttle.parking import ParkingLot
 from throttle.redis.keys import KeySpace
 from workers.harness import Worker, wait_ready
@@ -213,16 +214,6 @@ class RabbitBroker(Broker):
                 ready += int(parts[1])
                 unacked += int(parts[2])
         return ready, unacked
-
-
-def wait_for(what: Callable[[], Any], timeout_s: float, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise TimeoutError(f"not true after {timeout_s} s: {what}")
 
 
 def run_case(case: Case, tmp: Path, rabbit_url: str | None = None) -> Outcome:

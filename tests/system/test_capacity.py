@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
+from tests.support.waits import wait_for as _wait_for
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
@@ -81,14 +82,8 @@ def slot_of(client: redis.Redis, task_id: str) -> float:
     return float(slot_us) / 1e6
 
 
-def wait_for(what: Any, timeout_s: float, step_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise TimeoutError(f"not true after {timeout_s} s: {what}")
+def wait_for(what: Any, timeout_s: float) -> Any:
+    return _wait_for(what, timeout_s, 0.02)
 
 
 def fresh(server: tuple[RedisServer, Path]) -> tuple[Any, redis.Redis]:

@@ -18,12 +18,12 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from tests.support.servers import RedisServer
+from tests.support.waits import wait_for
 from throttle import Limit, Limiter
 from throttle.redis.keys import KeySpace
 from workers.harness import Worker, running
@@ -114,16 +114,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             fleet.limiter.client.close()
             for name in fleet.env:
                 os.environ.pop(name, None)
-
-
-def wait_for(what: Any, timeout_s: float, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise TimeoutError(f"not true after {timeout_s} s: {what}")
 
 
 def test_a_killed_pool_child_runs_again_once_and_pays_once(fleet: Fleet) -> None:

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
+from tests.support.waits import wait_for
 from throttle.celery.waiting import LEAD_S
 from throttle.redis.keys import KeySpace
 from workers.harness import Worker, running
@@ -84,16 +85,6 @@ def slept(client: redis.Redis) -> dict[str, float]:
     """How long each logged throttled body's pool child slept to its slot (s)."""
     entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
     return {tag: float(rest[0]) for tag, _, *rest in entries if rest}
-
-
-def wait_for(what: Any, timeout_s: float, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise TimeoutError(f"not true after {timeout_s} s: {what}")
 
 
 def fcalls(client: redis.Redis) -> int:
