@@ -111,6 +111,9 @@ def plain(tag: str) -> None:
 
 @app.task(shared=False)
 def busy(tag: str, seconds: float) -> None:
-    """Not throttled: holds its pool slot ``seconds``, then logs its end."""
+    """Not throttled: holds its pool slot ``seconds``, then logs its end and the limiter's
+    script calls so far (``waiting:fcalls:<tag>``)."""
     time.sleep(seconds)
+    stats = _redis().info("commandstats")
+    _redis().set(f"waiting:fcalls:{tag}", int(stats.get("cmdstat_fcall", {}).get("calls", 0)))
     _log(tag)
