@@ -51,7 +51,7 @@ limits:
   api: {rate: 1/h burst 5}
   shaper: {algorithm: gcra, rate: 2/s, burst: 1}
   tenant: {rate: 100/h, key: "{tenant}"}
-  tenant-eu: {rate: 100/h, key: "{tenant}"}
+  tenant-eu: {rate: 100/h, key: "{tenant}", cost: 2}
   pool: {rate: 3 concurrent}
   tokens: {rate: 1000/m, cost: 10}
   daily: {algorithm: fixed_window, rate: 1000/d}
@@ -348,7 +348,15 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
     # a bad rate, a key on an unkeyed limit: usage errors, nothing stored
     assert cli("set", "tiers", "fast", "--key", "acme").exit_code == 2
     assert cli("set", "api", "5/s", "--key", "acme").exit_code == 2
+    # a burst below the cost of each task (tenant-eu's 2): no task of the key could run
+    result = cli("set", "tenant-eu", "1/s", "--key", "acme")
+    assert result.exit_code == 2, result.output
+    assert "the burst 1 that '1/s' gives key 'acme' is below the cost 2" in " ".join(
+        result.output.split()
+    )
     assert book.key_overrides() == {("tiers", "acme"): "250/s"}
+    assert cli("set", "tenant-eu", "1/s burst 2", "--key", "acme").exit_code == 0
+    assert cli("clear", "tenant-eu", "--key", "acme").exit_code == 0
 
     result = cli("clear", "tiers", "--key", "acme")
     assert result.exit_code == 0, result.output

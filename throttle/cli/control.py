@@ -134,6 +134,19 @@ def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh
             f"limit {rule.name!r} has no key: it has one state for every task",
             param_hint="--key",
         )
+    cost = rule.cost
+    if isinstance(cost, float):
+        # Whatever the key's plan, a burst below the cost fails every task of the key with
+        # CostExceedsCapacity: refuse rather than break them (as `set` does for a limit).
+        bases = [rule.limit, *rule.plan_limits.values()]
+        smallest = min(throttler.rates.keyed_limit(base, rate).capacity for base in bases)
+        if cost > smallest:
+            raise click.BadParameter(
+                f"the burst {amount(smallest)} that {rate!r} gives key {key!r} is below the "
+                f"cost {amount(cost)} that each task of limit {rule.name!r} takes: no task "
+                "of the key could run",
+                param_hint="RATE",
+            )
     try:
         changed = throttler.rates.set_key(rule.limit, key, rate)
     except ConfigError as exc:
