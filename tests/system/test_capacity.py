@@ -65,6 +65,12 @@ def worker(server: RedisServer, tmp: Path, name: str, pool: str, concurrency: in
     )  # fmt: skip
 
 
+def waiting_in_lines(app: Any) -> dict[str, str]:
+    """Task id -> where it waits, of every worker's ``inspect throttle_waiting``."""
+    replies = app.control.inspect(timeout=1)._request("throttle_waiting") or {}
+    return {e["request"]["id"]: e["where"] for entries in replies.values() for e in entries}
+
+
 def events(client: redis.Redis) -> list[tuple[str, str, float]]:
     """(tag, event, Redis time) of every body's start and end, in order."""
     entries = [entry.decode().split() for entry in client.lrange("capacity:log", 0, -1)]
@@ -140,6 +146,10 @@ def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
         second = rated.delay("r2")
         time.sleep(0.5)
         assert client.hget("capacity:done", "r2") is None
+        # (it waits in the worker's line, reserving nothing: `inspect throttle_waiting`
+        # lists it, `inspect scheduled`, for tasks held to a near slot, does not)
+        assert waiting_in_lines(app) == {second.id: "line"}
+        assert not any((app.control.inspect(timeout=1).scheduled() or {}).values())
         # When an operator raises the rate (celery throttle set rated 100/s)
         seconds, micros = client.time()
         raised_at = seconds + micros / 1e6

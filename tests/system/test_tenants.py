@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from tests.support.clock import redis_now_s
+from tests.support.publishes import broker_lpushes
 from tests.support.servers import RedisServer
 from tests.support.tenants import LIMITS
 from throttle import Limit, ThrottleTimeout
@@ -81,6 +82,7 @@ def test_a_flood_of_one_tenant_leaves_the_shared_limit_to_the_others(
     from tests.apps.tenants_app import call  # noqa: PLC0415
 
     _, client = fleet
+    published = broker_lpushes(client)
     flood = [call.delay("A", n) for n in range(FLOOD)]
     start = redis_now_s(client)
     # B's tasks are sent once A's have all left the queue (each consumed once: run, or
@@ -93,6 +95,10 @@ def test_a_flood_of_one_tenant_leaves_the_shared_limit_to_the_others(
     done = [h.get(timeout=180) for h in flood + trickle]
     # Every task ran once, on a slot the limiter granted
     assert all(r["runs"] == 1 and r["slot"] is not None for r in done)
+    # and waited in its worker, not through the broker: the flood's tasks (a tenant's limit
+    # beside the shared one) wait in the consumer's line, where a plan used to re-publish
+    # each of them once (2 publishes per task)
+    assert (broker_lpushes(client) - published) / len(done) <= 1.1
     a_slots = [r["slot"] for r in done if r["tenant"] == "A"]
     b_slots = [r["slot"] for r in done if r["tenant"] == "B"]
     # each limit kept its shape: the shared one over both tenants, each tenant's own

@@ -153,8 +153,8 @@ class Gate:
         worker's consumer decides before the pool (:mod:`throttle.celery.waiting`).
         ``near_s``: reserve a slot only within it (s; not past the deadline either): a
         task further from its slot reserves nothing and waits in the consumer's line
-        (:mod:`throttle.celery.capacity`). A task with a plan keeps its own horizon."""
-        if near_s is None or self.plan is not None:
+        (:mod:`throttle.celery.capacity`). A task back with a plan keeps its own horizon."""
+        if near_s is None or self.planned is not None:
             return self._acquire(*self._horizon())
         return self._acquire(*reserve_within(self.execution, near_s))
 

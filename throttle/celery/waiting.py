@@ -71,6 +71,7 @@ from typing import Any
 from celery import Celery, Task, bootsteps
 from celery.app.task import Context
 from celery.worker import state
+from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
@@ -99,6 +100,12 @@ limits have room, every task's while they are busy."""
 BUSY_S = 1.0
 """How long after a decision that found a task's limits busy every task of it is decided
 in the consumer, in s."""
+SHARED_NEAR_S = 0.25
+"""How far ahead a task that takes a shared limit beside its own key's (a tenant's limit
+and the whole API's) reserves from the line, in s. Slots of a GCRA or token bucket are
+taken in order, so what one key's flood reserves ahead on the shared limit, every other
+key's task waits behind, even when its own limit is free: reserved this late, a flood of
+one tenant delays another tenant's task by at most this much."""
 ROOM_TASKS = 20
 """The room a look must find in every limit, in tasks of the same cost."""
 
@@ -210,10 +217,10 @@ class Waiting:
     def ask(self, pending: Pending) -> dict[Pair, float] | None:
         """Ask the limiter for ``pending`` (its slot within ``sleep_max``): held to a near
         slot or handed to the pool (None), or, denied, how long each of its limits stays
-        blocked (s) when it may wait in the line; a task that may not (no line, a plan, a
-        deadline before its limits could admit it, a wait longer than the line's) goes to
-        the pool with the denial, whose gate sends it back for when the limits said,
-        reserving nothing."""
+        blocked (s) when it may wait in the line; a task that may not (no line, back with
+        a plan, a deadline before its limits could admit it, a wait longer than the
+        line's) goes to the pool with the denial, whose gate sends it back for when the
+        limits said, reserving nothing."""
         request, gate = pending.request, pending.gate
         if request.revoked():
             return None
@@ -224,7 +231,7 @@ class Waiting:
             now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            near = self.settings_sleep_max if self.line is not None else None
+            near = self.near_s(gate) if self.line is not None else None
             decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
@@ -245,7 +252,7 @@ class Waiting:
                 self._to_pool(request)
             return None
         pending.decision, pending.decided_at = decision, time.monotonic()
-        horizon = self.settings_sleep_max
+        horizon = self.near_s(gate)
         line = self.line
         retry = decision.retry_after_s
         deadline = gate.execution.deadline
@@ -264,11 +271,23 @@ class Waiting:
     def settings_sleep_max(self) -> float:
         return self.throttler.settings.sleep_max_s
 
+    def near_s(self, gate: Gate) -> float:
+        """How far ahead a task of the line reserves its slot, in s: ``sleep_max``; at
+        most :data:`SHARED_NEAR_S` for a task that takes a shared limit beside its own
+        key's (the shape of a plan, :mod:`throttle.celery.plan`)."""
+        sleep_max = self.settings_sleep_max
+        return min(sleep_max, SHARED_NEAR_S) if gate.plan is not None else sleep_max
+
     @staticmethod
     def _may_line(gate: Gate) -> bool:
-        """Whether the task may wait in the line: not a task with a plan (its gate keeps
-        its own way of coming back, :mod:`throttle.celery.plan`)."""
-        return gate.plan is None
+        """Whether the task may wait in the line: not a task back with a plan (it keeps its
+        planned time, :mod:`throttle.celery.plan`). A task that would plan on arrival (a
+        keyed limit beside a shared one) waits in the line instead: the line already
+        takes the shared capacity only when the task can run, and skips a key whose own
+        limit is blocked, which is what a plan is for; and it does so without the
+        re-publish a plan costs. Sent on from the line (a wait longer than the line's),
+        it plans in the pool as before."""
+        return gate.planned is None
 
     def send_on(self, pending: Pending, retry_s: float | None) -> None:
         """Hand a task that may not wait (any longer) to the pool with its last denial
@@ -552,7 +571,7 @@ class WaitingLine:
 
     def _send_on(self, waiter: Waiter, now: float) -> None:
         pending: Pending = waiter.item
-        left = self.line.blocked_for(waiter, now) + pending.waiting.settings_sleep_max
+        left = self.line.blocked_for(waiter, now) + pending.waiting.near_s(pending.gate)
         try:
             pending.waiting.send_on(pending, left)
         except Exception:
@@ -723,6 +742,7 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = consumer.app
         if not throttling_enabled(app):
             return
+        consumer.throttle_wait_step = self  # what `inspect throttle_waiting` lists
         self.undecided = undecided = Undecided(consumer)
         throttler = Throttler.of(app)
         budget = line_budget_s(app, throttler)
@@ -748,6 +768,34 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, consumer: Any) -> None:
         self.stop(consumer)
+
+
+@inspect_command()  # type: ignore[untyped-decorator]
+def throttle_waiting(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """The throttled tasks a worker holds unreserved: in its line, waiting for capacity
+    (``"where": "line"``), and waiting for a free pool slot to be decided (``"pool"``).
+    ``celery inspect throttle_waiting`` (with the app's ``-A``); ``inspect scheduled``
+    lists the tasks held for a near slot, as Celery's own ETA tasks. Each entry as
+    ``scheduled`` gives one, plus where and how long it has waited (s)."""
+    step = getattr(state.consumer, "throttle_wait_step", None)
+    if step is None:
+        return []
+    now = time.monotonic()
+    entries: list[dict[str, Any]] = []
+    if step.line is not None:
+        for waiter in list(step.line.line.waiters):
+            request = waiter.item.request
+            entries.append({
+                "eta": None, "priority": waiter.priority, "request": request.info(),
+                "where": "line", "waited_s": round(now - waiter.since, 3),
+            })  # fmt: skip
+    if step.undecided is not None:
+        for _, request in list(step.undecided.waiting):
+            entries.append({
+                "eta": None, "priority": priority_of(request), "request": request.info(),
+                "where": "pool", "waited_s": None,
+            })  # fmt: skip
+    return entries
 
 
 RESTORE_EVERY_S = 1.0

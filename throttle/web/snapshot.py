@@ -6,9 +6,11 @@ Each :meth:`Sampler.sample` takes one snapshot:
 * every limit's row of :func:`throttle.cli.status.collect_status` (the rate in force and
   the configured one, tokens, next slot, holds, the learned rate, tasks running, the
   deferrals and time-outs per minute of the last minutes);
-* tasks **waiting** per limit: held by a worker until their ETA (the deferrals that were
-  re-published), from ``inspect().scheduled()``; and **parked** per limit, from the
-  parking lot in Redis; both also per key value for the busiest keys (:data:`TOP_KEYS`);
+* tasks **waiting** per limit: held by a worker, from ``inspect().scheduled()`` (held for
+  a near slot, or until the ETA of a deferral that was re-published) and from the
+  workers' ``throttle_waiting`` command (in their lines, waiting for capacity); and
+  **parked** per limit, from the parking lot in Redis; both also per key value for the
+  busiest keys (:data:`TOP_KEYS`);
 * **admitted per second** of each limit since the previous snapshot: from the workers'
   Prometheus counters (``throttle_decisions_total{decision="allowed"}``) when they are on
   this host (``settings.metrics``; the same files Flower sums), else estimated from the
@@ -156,7 +158,8 @@ class Sampler:
         return metrics.counter_totals(directories, ADMITTED, decision="allowed")
 
     def _waiting(self) -> dict[str, collections.Counter[str | None]]:
-        """Tasks the workers hold until their ETA, per limit and key."""
+        """Tasks the workers hold (for a near slot, an ETA, or in their lines), per limit
+        and key."""
         found: dict[str, collections.Counter[str | None]] = {}
         if self.timeout_s <= 0:
             return found
@@ -164,9 +167,19 @@ class Sampler:
         # shared one was seen to keep draining past the timeout from this thread.
         with self.app.connection_for_write() as connection:
             inspect = self.app.control.inspect(timeout=self.timeout_s, connection=connection)
-            replies = inspect.scheduled() or {}
-        for entries in replies.values():
-            for entry in entries or ():
+            replies = list((inspect.scheduled() or {}).values())
+            # and the tasks waiting unreserved in the workers' lines (throttle.celery.waiting)
+            for reply in (
+                self.app.control.broadcast(
+                    "throttle_waiting", reply=True, timeout=self.timeout_s, connection=connection
+                )
+                or ()
+            ):
+                replies.extend(reply.values() if isinstance(reply, Mapping) else ())
+        for entries in replies:
+            if not isinstance(entries, list):
+                continue  # a worker without the command answers {"error": ...}
+            for entry in entries:
                 request = entry.get("request") if isinstance(entry, Mapping) else None
                 if not isinstance(request, Mapping):
                     continue
