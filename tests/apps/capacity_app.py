@@ -77,6 +77,13 @@ def rated(tag: str) -> None:
 
 
 @app.task(shared=False)
+@throttled("learner")
+def learner(tag: str) -> None:
+    """Under ``learner`` (an adaptive token bucket: its learned rate set by the test)."""
+    log(tag, "start")
+
+
+@app.task(shared=False)
 @throttled("ordered")
 def ordered(tag: str) -> None:
     """Under ``ordered`` (GCRA, one call per 5 s: longer than ``sleep_max``, so that a

@@ -22,6 +22,7 @@ import redis
 
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for as _wait_for
+from throttle.adaptive import Adaptive, LearnedRates
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
@@ -42,9 +43,11 @@ CONFIG = """
 settings:
   sleep_max: 1s
   late_tolerance: 500ms
+  refresh: 500ms
 limits:
   tokens: {algorithm: token_bucket, rate: 6/m, burst: 10, cost: cost}
   rated: {algorithm: token_bucket, rate: 2/m, burst: 1}
+  learner: {algorithm: token_bucket, rate: 60/m, burst: 1, adaptive: true}
   ordered: {algorithm: gcra, rate: 12/m, burst: 1}
 """
 
@@ -160,6 +163,42 @@ def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
         print(f"raised rate reached the waiting task after {took * 1000:.1f} ms ({pool})")
         assert 0 <= took <= RATE_BOUND_S
     assert client.hgetall("capacity:done") == {b"r1": b"1", b"r2": b"1"}
+
+
+LEARNED_BOUND_S = 2.0
+"""The most a learned rate that rose may take to reach a task waiting for it, in s: the
+line reads it again every ``refresh`` (0.5 s here), twice at worst (the consumer's cache
+of learned rates is as old), then one acquisition; at the old rate the task waited 10 s."""
+
+
+def test_an_adaptive_limit_probing_up_reaches_a_waiting_task(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.capacity_app import learner  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    limit = Limit.parse("60/m burst 1", name="learner")
+    rates = LearnedRates(client, KeySpace())
+    with running(app, [worker(redis_server, tmp, "w-learner", "prefork")]):
+        # Given an adaptive limit that learned 6/m (its floor, a tenth of 60/m): after
+        # one task the next waits 10 s, in the line
+        rates.stated(limit, None, Adaptive(), 0.1)
+        learner.delay("l1").get(timeout=30)
+        second = learner.delay("l2")
+        time.sleep(0.5)
+        assert waiting_in_lines(app) == {second.id: "line"}
+        # When its learned rate climbs back to 60/m (what probing up does, as the
+        # upstream answers without refusing; nobody announces it)
+        seconds, micros = client.time()
+        risen_at = seconds + micros / 1e6
+        rates.stated(limit, None, Adaptive(), 1.0)
+        second.get(timeout=30)
+        # Then the waiting task runs within a refresh or two, not 10 s after the first
+        took = at(client, "l2", "start") - risen_at
+        print(f"a learned rate that rose reached the waiting task after {took:.2f} s")
+        assert 0 <= took <= LEARNED_BOUND_S
+    assert client.hgetall("capacity:done") == {b"l1": b"1", b"l2": b"1"}
 
 
 def test_waiting_tasks_take_capacity_by_priority_then_arrival(

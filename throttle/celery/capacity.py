@@ -16,7 +16,11 @@ capacity should be there:
   concerned. Every worker listens (:class:`Announcements`, one thread per consumer),
   unblocks those limits and asks again at once: a refund reaches a waiting task one
   Redis round trip (the publish) plus one wake-up of the consumer's loop after the settle,
-  instead of at the time the task's last denial named.
+  instead of at the time the task's last denial named;
+* **a learned rate that rose**: an adaptive limit probing up after refusals
+  (:mod:`throttle.adaptive`) is announced by nobody; every ``refresh_s`` a worker whose
+  line holds tasks of one reads its learned rate again, and a rise wakes them
+  (:meth:`throttle.celery.waiting.WaitingLine._probe`).
 
 The order (:class:`Line`): the waiting tasks are asked in the order of their priority,
 higher first (Celery's ``priority`` of the message), then of their arrival. A task is
@@ -28,9 +32,7 @@ limit says no, every task behind it on that limit stays blocked too.
 
 The price, and what is not covered: the order is each worker's. Two workers whose lines
 wait for the same limit both ask when it frees, and the first to reach Redis takes it;
-so across a fleet the order is by arrival at the limit, not by arrival in the queue. And
-an adaptive limit probing up is seen when the worker re-reads the learned rates
-(``refresh_s``), not announced.
+so across a fleet the order is by arrival at the limit, not by arrival in the queue.
 """
 
 from __future__ import annotations

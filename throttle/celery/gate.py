@@ -33,6 +33,7 @@ from typing import Any
 
 from celery import Task
 
+from throttle.adaptive import Adaptive
 from throttle.celery import shadow
 from throttle.celery.comeback import (
     come_back,
@@ -56,6 +57,7 @@ from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
 from throttle.rules import Declared, Target, targets
+from throttle.spec import Limit
 
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
@@ -97,6 +99,9 @@ class Gate:
         self.plan: Plan | None = None
         self.planned: float | None = None
         """The planned time of a task back with a plan (epoch s, Redis clock), else None."""
+        self.learning: list[tuple[Limit, str | None, Adaptive, float]] = []
+        """The adaptive limits of the last evaluation: (the limit in force, key, how it
+        learns, the learned rate used, per s)."""
 
     def enter(self, admission: Admission | None = None) -> Ticket | None:
         """Decide, and return the ticket to run on (see the class). ``admission``: what
@@ -182,10 +187,15 @@ class Gate:
         the rate in force, per key for a keyed limit."""
         execution = self.execution
         learned = execution.throttler.learned
-        execution.targets = [
-            (learned.current(limit, key, rule.adaptive) if rule.adaptive else limit, key, cost)
-            for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True)
-        ]
+        learning, targets = [], []
+        for rule, (limit, key, cost) in zip(execution.rules, execution.targets, strict=True):
+            if not rule.adaptive:
+                targets.append((limit, key, cost))
+                continue
+            at = learned.current(limit, key, rule.adaptive)
+            learning.append((limit, key, rule.adaptive, at.rate_per_s))
+            targets.append((at, key, cost))
+        execution.targets, self.learning = targets, learning
 
     # -- horizons
 

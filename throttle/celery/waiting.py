@@ -121,6 +121,10 @@ LINE_MAX_TASKS = 1000
 beyond, a task that joins the line takes one of the worker's ordinary prefetch slots, so
 that once they are all taken the consumer receives no more and the rest of a backlog stays
 in the broker (nothing published, nothing held)."""
+PROBE_MAX_PAIRS = 100
+"""The most (adaptive limit, key) pairs whose learned rate a line reads per probe."""
+PROBE_RISE = 1.01
+"""How much a learned rate must have risen (a factor) to wake the tasks waiting on it."""
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -502,15 +506,48 @@ class WaitingLine:
         """When a rate set at run time was last announced (monotonic s)."""
         self.serving = False
         self.again = False
+        self.probing: Any = None
 
     def listen(self, throttler: Throttler) -> None:
-        """Listen to the capacity announcements of ``throttler``'s namespace."""
+        """Listen to the capacity announcements of ``throttler``'s namespace, and follow
+        its adaptive limits' learned rates (:meth:`_probe`)."""
         self.throttler = throttler
         limiter = throttler.limiter
         self.announcements = Announcements(
             limiter.client, limiter.keyspace.capacity_channel(), self._announced
         )
         self.announcements.start()
+        self.probing = self.consumer.timer.call_repeatedly(
+            throttler.learned.refresh_s, self._probe, priority=_TIMER_PRIORITY
+        )
+
+    def _probe(self) -> None:
+        """An adaptive limit probing up (:mod:`throttle.adaptive`: its learned rate climbs
+        with the upstream's successes) is announced by nobody: every ``refresh_s`` while
+        tasks wait on one, its learned rate is read again (one round trip per limit and
+        key, at most :data:`PROBE_MAX_PAIRS`), and a rate above every one its waiting tasks
+        were denied at wakes them, as an announcement would: they were blocked until
+        the time the lower rate named."""
+        throttler = self.throttler
+        if throttler is None or not self.line.waiters:
+            return
+        known: dict[Pair, tuple[Any, str | None, Any, float]] = {}
+        for waiter in self.line.waiters:
+            for limit, key, adaptive, used in waiter.item.gate.learning:
+                seen = known.get((limit.name, key))
+                if seen is None and len(known) >= PROBE_MAX_PAIRS:
+                    continue
+                if seen is None or used > seen[3]:
+                    known[(limit.name, key)] = (limit, key, adaptive, used)
+        risen = set()
+        try:
+            for limit, key, adaptive, used in known.values():
+                if throttler.learned.current(limit, key, adaptive).rate_per_s > used * PROBE_RISE:
+                    risen.add(limit.name)
+        except Exception:  # Redis away: the next ask finds out, and the next probe retries
+            logger.debug("throttle: reading learned rates failed", exc_info=True)
+        if risen:
+            self.wake(risen)
 
     def join(
         self,
@@ -634,6 +671,10 @@ class WaitingLine:
         come back from the broker) and stop listening."""
         self.line.clear()
         self._cancel()
+        probing, self.probing = self.probing, None
+        if probing is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.timer.cancel(probing)
         if self.announcements is not None:
             self.announcements.stop()
             self.announcements = None
