@@ -267,7 +267,9 @@ def run_variant(variant: Variant, args: argparse.Namespace, logs: Path) -> dict[
     workers: list[Worker] = []
     producer = Celery(f"bench-{variant.key}", broker=server.url, backend=server.url)
     try:
-        env = demo_env(server.url, api.url, THROTTLE_CONFIG=str(args.config))
+        # TMPDIR: the demo limits' metric files in this run's directory (the default is
+        # shared by every worker of the namespace on this host, e.g. make demo's).
+        env = demo_env(server.url, api.url, THROTTLE_CONFIG=str(args.config), TMPDIR=str(logs))
         workers = [
             Worker(f"{variant.key}{i + 1}", env, concurrency=CONCURRENCY, queues=QUEUE,
                    app=variant.app, log=logs / f"{variant.key}-w{i + 1}.log")

@@ -266,7 +266,10 @@ class LocalStack:
         port = free_port()
         self.flower_url = f"http://127.0.0.1:{port}"
         addresses = Addresses(self.redis.url, self.api_url, "127.0.0.1", port, self.flower_url)
-        self.env = {**environment(addresses), **self.extra_env}
+        # The temporary directory of this stack's own: the workers' metric files (by
+        # default under the temp dir, shared by every worker of the namespace on this
+        # host, and summed by Flower) then hold this run's workers only.
+        self.env = {**environment(addresses), "TMPDIR": str(self.logs), **self.extra_env}
         workers = [self.start(name) for name in self.services if name.startswith("worker")]
         flower = self.start("flower")
         from celery import Celery  # noqa: PLC0415 (the harness's other users need no Celery)
