@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 import redis
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for as _wait_for
 from throttle.adaptive import Adaptive, LearnedRates
+from throttle.cli import throttle
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
@@ -153,6 +156,12 @@ def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
         # lists it, `inspect scheduled`, for tasks held to a near slot, does not)
         assert waiting_in_lines(app) == {second.id: "line"}
         assert not any((app.control.inspect(timeout=1).scheduled() or {}).values())
+        # and `celery throttle task ID` finds it there (Redis alone does not know it)
+        obj = CLIContext(app=app, no_color=True, workdir=None, quiet=False)
+        said = CliRunner().invoke(throttle, ["task", second.id], obj=obj)
+        assert said.exit_code == 0, said.output
+        assert "waiting in worker w-rate-threads@" in said.output, said.output
+        assert "for its limits to admit it, reserving nothing" in said.output, said.output
         # When an operator raises the rate (celery throttle set rated 100/s)
         seconds, micros = client.time()
         raised_at = seconds + micros / 1e6

@@ -1,8 +1,10 @@
 """``celery throttle task TASK_ID``: where the throttler has one task, and why it waits.
 
-Read from Redis alone: the parking lot's index (parked, being released), the task's lease
-record (its reserved slot and limits: sleeping, running, re-published, done) and its trail
-(the last deferral or time out, kept an hour past its due time).
+Read from Redis: the parking lot's index (parked, being released), the task's lease record
+(its reserved slot and limits: sleeping, running, re-published, done) and its trail (the
+last deferral or time out, kept an hour past its due time). A task that waits in a worker
+reserves nothing in Redis until its slot is near, so when Redis does not know it (or knows
+it only as sent back to the broker), the workers are asked (``throttle_waiting``).
 """
 
 from __future__ import annotations
@@ -115,6 +117,28 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
     return {**out, "state": "unknown", "until": None}
 
 
+def waiting_in_worker(app: Any, task_id: str, timeout_s: float) -> dict[str, Any] | None:
+    """Where a worker holds ``task_id`` unreserved (its line, or waiting for a free pool
+    slot: :func:`throttle.celery.waiting.throttle_waiting`), asking the workers for at
+    most ``timeout_s``; None when none does (or none answered)."""
+    if timeout_s <= 0:
+        return None
+    try:
+        replies = app.control.broadcast("throttle_waiting", reply=True, timeout=timeout_s)
+    except Exception:  # the broker away: the answer is only "not known"
+        return None
+    for reply in replies or ():
+        for worker, entries in reply.items() if isinstance(reply, dict) else ():
+            for entry in entries if isinstance(entries, list) else ():
+                request = entry.get("request") if isinstance(entry, dict) else None
+                if isinstance(request, dict) and request.get("id") == task_id:
+                    return {
+                        "state": "waiting", "worker": worker, "where": entry.get("where"),
+                        "waited_s": entry.get("waited_s"), "name": request.get("name"),
+                    }  # fmt: skip
+    return None
+
+
 def finished(app: Any, task_id: str) -> str | None:
     """The task's final state in the app's result backend (``SUCCESS``, ``FAILURE``,
     ``REVOKED``), or None: not finished, no result backend, or the backend unreachable (a
@@ -147,27 +171,43 @@ _SAYS = {
         "unknown: never throttled, finished more than its lease ago, or not a task of this "
         "fleet (prefix and namespace)"
     ),
+    "waiting": "waiting in worker {worker} {where}, reserving nothing{waited}",
 }
+_WHERE = {"line": "for its limits to admit it", "pool": "for a free pool slot"}
 
 
 @click.command()
 @click.argument("task_id", metavar="TASK_ID")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds to wait for the workers' replies when Redis does not know where the task "
+    "waits; 0: do not ask.",
+)
 @click.pass_context
-def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
+def task(ctx: click.Context, task_id: str, as_json: bool, timeout: float) -> None:
     """Why is TASK_ID waiting? Where the throttler has it, from Redis.
 
     One of: parked until T, being released, sleeping to its slot at T, started (finished,
     with its result state, when the app has a result backend), re-published
-    for T, held by limit L until T (or paused), timed out, done, unknown. Read from the
-    parking lot's index, the task's lease record (its reserved slot and limits) and its
-    trail (the last deferral or time out, kept an hour past its due time).
+    for T, held by limit L until T (or paused), timed out, done, waiting in a worker,
+    unknown. Read from the parking lot's index, the task's lease record (its reserved slot
+    and limits) and its trail (the last deferral or time out, kept an hour past its due
+    time); the workers are asked when Redis does not know where the task waits.
     """
     if not task_id.strip():
         raise click.BadParameter("the task id is empty", param_hint="TASK_ID")
     app, throttler = throttler_of(ctx)
     with one_line_errors():
         data = wrap_errors(lambda: task_status(app, throttler, task_id))
+    if data["state"] in ("unknown", "released"):
+        held = waiting_in_worker(app, task_id, timeout)
+        if held is not None:
+            data = {**data, **held, "name": data.get("name") or held["name"]}
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -181,6 +221,9 @@ def task(ctx: click.Context, task_id: str, as_json: bool) -> None:
         held_by=data.get("held_by"),
         action=data.get("action"),
         result=data.get("result") or "settled",
+        worker=data.get("worker"),
+        where=_WHERE.get(data.get("where") or "", "for capacity"),
+        waited="" if data.get("waited_s") is None else f", for {data['waited_s']:.1f} s so far",
     )
     click.echo(f"task {task_id}: " + _SAYS[data["state"]].format(**fields))
     if data.get("name") or data.get("queue"):
