@@ -321,7 +321,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
 
 
 def timeout_option(default_s: float) -> Callable[[FC], FC]:
-    """``--timeout S``: how long to wait for the workers' replies (``status``, ``web``)."""
+    """``--timeout S``: how long to wait for the workers' replies (``status``, ``web``,
+    ``task``)."""
     return click.option(
         "--timeout",
         type=click.FloatRange(min=0),

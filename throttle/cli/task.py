@@ -21,6 +21,7 @@ from throttle.celery.plan import rule_name
 from throttle.celery.runtime import Throttler
 from throttle.cli.base import moment, one_line_errors, throttler_of
 from throttle.cli.parked import read_parked
+from throttle.cli.status import timeout_option
 from throttle.redis.client import wrap_errors
 
 
@@ -179,15 +180,7 @@ _WHERE = {"line": "for its limits to admit it", "pool": "for a free pool slot"}
 @click.command()
 @click.argument("task_id", metavar="TASK_ID")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds to wait for the workers' replies when Redis does not know where the task "
-    "waits; 0: do not ask.",
-)
+@timeout_option(1.0)
 @click.pass_context
 def task(ctx: click.Context, task_id: str, as_json: bool, timeout: float) -> None:
     """Why is TASK_ID waiting? Where the throttler has it, from Redis.
