@@ -97,8 +97,10 @@ def test_a_flood_of_one_tenant_leaves_the_shared_limit_to_the_others(
     assert all(r["runs"] == 1 and r["slot"] is not None for r in done)
     # and waited in its worker, not through the broker: the flood's tasks (a tenant's limit
     # beside the shared one) wait in the consumer's line, where a plan used to re-publish
-    # each of them once (2 publishes per task)
-    assert (broker_lpushes(client) - published) / len(done) <= 1.1
+    # each of them once (2 publishes per task). The bound leaves room for the tasks a slow
+    # host starts later than their slot's tolerance, which go back through the broker
+    # (1.00 on a quiet one: bench.tenants)
+    assert (broker_lpushes(client) - published) / len(done) <= 1.5
     a_slots = [r["slot"] for r in done if r["tenant"] == "A"]
     b_slots = [r["slot"] for r in done if r["tenant"] == "B"]
     # each limit kept its shape: the shared one over both tenants, each tenant's own
