@@ -80,6 +80,7 @@ _SETTINGS_FIELDS = {
     "sleep_max": "duration",
     "park_after": "duration",
     "line_max": "duration",
+    "reserve_ahead": "duration",
     "park_lead": "duration",
     "late_tolerance": "duration",
     "jitter": "duration",
@@ -98,6 +99,9 @@ _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
 MIN_SLEEP_MAX_S = 0.05
 """The shortest ``sleep_max``, in s: a rescheduled task arrives up to three quarters of it
 before its slot, the rest covers Redis round trips (see :mod:`throttle.celery.arrival`)."""
+MIN_RESERVE_AHEAD_S = 0.05
+"""The shortest ``reserve_ahead``, in s: a task is handed to the pool 20 ms before its slot,
+and the consumer's loop must get there on time."""
 
 
 # The loader raises the first error it meets; ThrottleConfig.check passes a list instead, and
@@ -244,11 +248,14 @@ class Settings:
         How often a process re-reads rates changed at run time: the fleet follows a
         change within this time.
     sleep_max_s:
-        A slot at most this far ahead is waited for in the worker, in its consumer (not in
-        a pool slot: :mod:`throttle.celery.waiting`); beyond, the task is rescheduled, to
-        arrive shortly before its slot (at most three quarters of ``sleep_max`` before it)
-        and wait the rest. Long: more tasks held in workers' memory, unacknowledged. At
-        least :data:`MIN_SLEEP_MAX_S` (50 ms).
+        A slot at most this far ahead is waited for in the worker; beyond, the task is
+        rescheduled (or, in a worker's consumer, waits in its line: ``line_max``). In the
+        consumer (not in a pool slot: :mod:`throttle.celery.waiting`) a task reserves its
+        slot at most ``reserve_ahead`` ahead, or ``sleep_max`` if shorter; where
+        the pool decides, a slot within ``sleep_max`` is slept in the pool slot. A
+        rescheduled task is sent to arrive shortly before its slot (at most three quarters
+        of ``sleep_max`` before it) and wait the rest. Long: more tasks held in workers'
+        memory, unacknowledged. At least :data:`MIN_SLEEP_MAX_S` (50 ms).
     park_after_s:
         A wait longer than this is parked in Redis and sent back on the Redis clock; a
         shorter one (beyond ``sleep_max``) is re-published as a Celery ETA message, which
@@ -256,12 +263,21 @@ class Settings:
         own clock says so: workers whose clocks disagree then miss slots. The default (1 s,
         the default ``sleep_max``) parks every wait that is not slept.
     line_max_s:
-        A task whose limits cannot admit it within ``sleep_max`` waits this long at most
+        A task whose limits cannot admit it within ``reserve_ahead`` waits this long at most
         in its worker's line (:mod:`throttle.celery.waiting`): it reserves nothing, its
         message stays unacknowledged, and it runs as soon as capacity appears (a refund,
         a rate raised, a hold ending); beyond, it is rescheduled (re-published or parked,
         as ``park_after`` says). Capped by half the broker's visibility timeout (Redis,
         SQS) or RabbitMQ's ``consumer_timeout``; 0 turns the line off.
+    reserve_ahead_s:
+        How far ahead a task waiting in a worker's consumer reserves its slot (at most
+        ``sleep_max``): the near horizon. A task its limits cannot admit within it waits in
+        the line, reserving nothing. Slots are taken in order, so what is reserved ahead
+        every later task waits behind (another tenant's task behind a flood on a shared
+        limit, a refund that should reach a waiting task), and a worker that falls behind
+        (its consumer starved of CPU) loses the slots it reserved; too short, and the
+        consumer's timer and loop cannot hand a task over on time. At least
+        :data:`MIN_RESERVE_AHEAD_S` (50 ms).
     park_lead_s:
         A parked task with a reserved slot is sent back to the broker this long before
         it (at most half of ``sleep_max``), and sleeps the rest in the worker.
@@ -325,6 +341,7 @@ class Settings:
     sleep_max_s: float = 1.0
     park_after_s: float = 1.0
     line_max_s: float = 300.0
+    reserve_ahead_s: float = 0.25
     park_lead_s: float = 0.5
     late_tolerance_s: float = 0.02
     jitter_s: float = 1.0
@@ -383,6 +400,17 @@ class Settings:
                 ),
             )  # fmt: skip
             return settings
+        if settings.reserve_ahead_s < MIN_RESERVE_AHEAD_S:
+            _report(
+                errors,
+                ConfigError(
+                    f"reserve_ahead must be at least {MIN_RESERVE_AHEAD_S:g} s: a task is "
+                    f"handed to the pool shortly before its slot, and the consumer's loop "
+                    f"must get there on time",
+                    field="settings.reserve_ahead", value=config.get("reserve_ahead"),
+                    source=source,
+                ),
+            )  # fmt: skip
         if settings.park_lead_s >= settings.park_after_s:
             _report(
                 errors,

@@ -31,10 +31,13 @@ TIMER_SLACK_S = 0.005
 """How much earlier than asked a timer may fire (kombu's hub rounds its poll timeout)."""
 VISIBILITY_S = 8.0
 # A task is held at most park_after + park_lead + sleep_max = 3.6 s: within half the
-# visibility timeout, as the worker requires.
+# visibility timeout, as the worker requires. reserve_ahead as long: these tests hold a
+# task in the consumer's timer for its slot, seconds ahead (by default a slot more than
+# 250 ms ahead is waited for in the line, reserving nothing: test_capacity.py).
 CONFIG = """
 settings:
   sleep_max: 3s
+  reserve_ahead: 3s
   park_after: 0.5s
   park_lead: 0.1s
 limits:

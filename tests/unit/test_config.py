@@ -429,6 +429,14 @@ BAD_DOCUMENTS = [
         id="sleep-max-below-the-floor",
     ),
     pytest.param(
+        BASE + "settings:\n  reserve_ahead: 10ms\n",
+        None,
+        "settings.reserve_ahead",
+        "10ms",
+        "reserve_ahead must be at least 0.05 s",
+        id="reserve-ahead-below-the-floor",
+    ),
+    pytest.param(
         BASE + "settings:\n  refresh: soon\n",
         None,
         "settings.refresh",

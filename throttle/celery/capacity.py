@@ -1,6 +1,6 @@
 """How capacity is handed out to the throttled tasks that wait for it in a worker.
 
-A task that cannot have a slot within the near horizon (``sleep_max``) reserves nothing:
+A task that cannot have a slot within the near horizon (``reserve_ahead``) reserves nothing:
 it waits in its worker's consumer, in a :class:`Line` (where it waits, and what its
 waiting costs the broker, is :mod:`throttle.celery.waiting`'s), and asks again when
 capacity should be there:

@@ -6,8 +6,8 @@ then reserves the shared limit far ahead (its slots there are set by the tenant'
 and another tenant's task, which its own limit would let run now, waits behind them while
 the shared rate goes unused. In a worker such a task waits in the consumer's line
 (:mod:`throttle.celery.waiting`), which takes the shared limit only when the task's key
-can run, reserving at most ``SHARED_NEAR_S`` ahead; a task that may not wait there (a
-wait longer than the line's) plans instead:
+can run, reserving at most the near horizon (``reserve_ahead``) ahead; a task that may not
+wait there (a wait longer than the line's) plans instead:
 
 - **Admit** (a task arriving): one acquisition of every limit, and of the *plan* of its
   keyed limits, within ``sleep_max``. Admitted: it runs as any task (one round trip).

@@ -14,11 +14,12 @@ goes through :meth:`Waiting.admit` first:
    came from) and the gate's first acquisition is taken: one ``acquire_many``, the task id
    as acquisition id (:meth:`throttle.celery.gate.Gate.admit`). A task back with a plan
    (:mod:`throttle.celery.plan`) is first held until just before its planned time.
-   The acquisition reserves a slot only within ``sleep_max`` (the near horizon).
+   The acquisition reserves a slot only within the near horizon (``reserve_ahead``,
+   0.25 s by default, at most ``sleep_max``).
 2. Allowed now: the task goes to the pool at once, where the gate runs it.
-3. A slot within ``sleep_max``: held in the consumer's timer (the prefetch count raised by
+3. A slot within the near horizon: held in the consumer's timer (the prefetch count raised by
    one, as for an ETA task) until :data:`LEAD_S` before the slot, then handed to the pool.
-4. Denied (no slot within ``sleep_max``): the task reserves nothing and waits in the
+4. Denied (no slot within the near horizon): the task reserves nothing and waits in the
    consumer's line (:class:`WaitingLine`, the prefetch count raised by one for at most
    :data:`LINE_MAX_TASKS` of them), and asks again when capacity should be there or is
    announced (:mod:`throttle.celery.capacity`: how capacity is handed out). A task that
@@ -100,12 +101,6 @@ limits have room, every task's while they are busy."""
 BUSY_S = 1.0
 """How long after a decision that found a task's limits busy every task of it is decided
 in the consumer, in s."""
-SHARED_NEAR_S = 0.25
-"""How far ahead a task that takes a shared limit beside its own key's (a tenant's limit
-and the whole API's) reserves from the line, in s. Slots of a GCRA or token bucket are
-taken in order, so what one key's flood reserves ahead on the shared limit, every other
-key's task waits behind, even when its own limit is free: reserved this late, a flood of
-one tenant delays another tenant's task by at most this much."""
 ROOM_TASKS = 20
 """The room a look must find in every limit, in tasks of the same cost."""
 
@@ -219,7 +214,7 @@ class Waiting:
             line.join(pending, pairs, priority_of(request), blocks)
 
     def ask(self, pending: Pending) -> dict[Pair, float] | None:
-        """Ask the limiter for ``pending`` (its slot within ``sleep_max``): held to a near
+        """Ask the limiter for ``pending`` (its slot within the near horizon): held to a near
         slot or handed to the pool (None), or, denied, how long each of its limits stays
         blocked (s) when it may wait in the line; a task that may not (no line, back with
         a plan, a deadline before its limits could admit it, a wait longer than the
@@ -235,7 +230,7 @@ class Waiting:
             now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            near = self.near_s(gate) if self.line is not None else None
+            near = self.near_s() if self.line is not None else None
             decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
@@ -256,7 +251,7 @@ class Waiting:
                 self._to_pool(request)
             return None
         pending.decision, pending.decided_at = decision, time.monotonic()
-        horizon = self.near_s(gate)
+        horizon = self.near_s()
         line = self.line
         retry = decision.retry_after_s
         deadline = gate.execution.deadline
@@ -275,12 +270,11 @@ class Waiting:
     def settings_sleep_max(self) -> float:
         return self.throttler.settings.sleep_max_s
 
-    def near_s(self, gate: Gate) -> float:
-        """How far ahead a task of the line reserves its slot, in s: ``sleep_max``; at
-        most :data:`SHARED_NEAR_S` for a task that takes a shared limit beside its own
-        key's (the shape of a plan, :mod:`throttle.celery.plan`)."""
-        sleep_max = self.settings_sleep_max
-        return min(sleep_max, SHARED_NEAR_S) if gate.plan is not None else sleep_max
+    def near_s(self) -> float:
+        """How far ahead a task in the consumer reserves its slot, in s: the near horizon,
+        ``reserve_ahead`` (at most ``sleep_max``). Further, it waits in the line."""
+        settings = self.throttler.settings
+        return min(settings.sleep_max_s, settings.reserve_ahead_s)
 
     @staticmethod
     def _may_line(gate: Gate) -> bool:
@@ -608,7 +602,7 @@ class WaitingLine:
 
     def _send_on(self, waiter: Waiter, now: float) -> None:
         pending: Pending = waiter.item
-        left = self.line.blocked_for(waiter, now) + pending.waiting.near_s(pending.gate)
+        left = self.line.blocked_for(waiter, now) + pending.waiting.near_s()
         try:
             pending.waiting.send_on(pending, left)
         except Exception:
