@@ -15,13 +15,15 @@ Events:
 * ``parked``: of those, the ones whose wait was parked in Redis (counted in ``denied`` too);
 * ``timeout``: a task's throttle deadline passed before its slot (failed or dead-lettered);
 * ``waited``: a task was admitted for a slot a moment ahead and slept to it in the worker
-  (a wait up to ``settings.sleep_max``, not deferred).
+  (a wait up to ``settings.sleep_max``, not deferred); as frequent as the tasks at a high
+  rate, so a worker gathers these and writes them about once a second (:class:`Tally`).
 
 Limits in shadow mode (:mod:`throttle.celery.shadow`) add, per task they look at, one to
 ``shadow:LIMIT`` and, when they would have delayed it, one to ``shadow_w:BUCKET:LIMIT``,
 a bucket of the would-be wait (bucket ``i`` holds waits up to 1 ms x 1.1**i: a quantile read
 back is within 5 % of the true one). :meth:`StatsBook.shadow` reads them back: how many
-tasks each limit would have delayed, and by how much at p50 and p95.
+tasks each limit would have delayed, and by how much at p50 and p95. A worker gathers
+these, as it does ``waited``, and writes them about once a second (:class:`Tally`).
 
 The minute is taken in the recording process, not by a script from Redis ``TIME`` (a
 script building its own key name would break Redis Cluster's rule that scripts declare
@@ -33,14 +35,17 @@ These are counts for people; no limit is ever decided from them.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 from throttle.errors import RequestError
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
 
-__all__ = ["EVENTS", "MAX_MINUTES", "SHADOW_MIN_S", "StatsBook"]
+__all__ = ["EVENTS", "MAX_MINUTES", "SHADOW_MIN_S", "StatsBook", "Tally"]
 
 EVENTS = ("denied", "parked", "timeout", "waited")
 """The events counted, in the order :meth:`StatsBook.per_minute` lists them."""
@@ -114,23 +119,33 @@ class StatsBook:
 
         wrap_errors(send)
 
-    def record_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
-        """Count one task looked at by each of ``limits`` (in shadow mode), and the wait
-        each would have imposed on it (s). One pipelined round trip."""
-        if not limits:
+    def add_counts(self, counts: dict[tuple[int, str], int]) -> None:
+        """Add counts already keyed by minute and field (``(minute, "EVENT:LIMIT") -> n``,
+        as :class:`Tally` gathers them). One pipelined round trip."""
+        if not counts:
             return
-        key = self.keyspace.stats_key(int(self._clock() // 60))
 
         def send() -> None:
             with self.client.pipeline(transaction=False) as pipe:
-                for name, wait in zip(limits, waits, strict=True):
-                    pipe.hincrby(key, f"shadow:{name}", 1)
-                    if wait >= SHADOW_MIN_S:
-                        pipe.hincrby(key, f"shadow_w:{_bucket(wait)}:{name}", 1)
-                pipe.expire(key, TTL_S)
+                minutes = set()
+                for (minute, field), n in counts.items():
+                    pipe.hincrby(self.keyspace.stats_key(minute), field, n)
+                    minutes.add(minute)
+                for minute in minutes:
+                    pipe.expire(self.keyspace.stats_key(minute), TTL_S)
                 pipe.execute()
 
         wrap_errors(send)
+
+    def minute(self) -> int:
+        """The current minute (minutes since the epoch, on this book's clock)."""
+        return int(self._clock() // 60)
+
+    def record_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
+        """Count one task looked at by each of ``limits`` (in shadow mode), and the wait
+        each would have imposed on it (s). One pipelined round trip."""
+        minute = self.minute()
+        self.add_counts({(minute, field): 1 for field in shadow_fields(limits, waits)})
 
     def shadow(self, minutes: int = 5) -> dict[str, dict[str, float | int | None]]:
         """What the limits in shadow mode would have done over the last ``minutes``
@@ -237,3 +252,107 @@ def _quantile(counts: dict[int, int], q: float) -> float | None:
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def shadow_fields(limits: Sequence[str], waits: Sequence[float]) -> list[str]:
+    """The fields one task looked at by ``limits`` in shadow mode adds one to: each
+    limit's ``shadow:LIMIT``, and ``shadow_w:BUCKET:LIMIT`` where it would have waited
+    (``waits``, s)."""
+    fields = []
+    for name, wait in zip(limits, waits, strict=True):
+        fields.append(f"shadow:{name}")
+        if wait >= SHADOW_MIN_S:
+            fields.append(f"shadow_w:{_bucket(wait)}:{name}")
+    return fields
+
+
+TALLY_EVERY_S = 1.0
+"""How long a :class:`Tally` gathers counts before it writes them, in s."""
+
+
+class Tally:
+    """Counts of one process, gathered and added to a :class:`StatsBook` at most every
+    ``every_s`` seconds in one pipelined round trip, instead of one round trip per event.
+
+    For events as frequent as the tasks themselves (``waited``: at a high rate, most tasks
+    wait a moment for their slot), where a round trip each would cost the worker as much
+    as the throttling. The price: a count reaches Redis up to ``every_s`` late, and the
+    counts of a process that dies (or a pool child that exits) within ``every_s`` of them
+    are lost; they are counts for people. Written by a timer thread (a greenlet under
+    gevent and eventlet, which patch ``threading``); a forked child starts empty.
+
+    ``on_error(limits, exc)`` is called (in the timer thread) when a write fails; the
+    counts of that write are dropped.
+    """
+
+    def __init__(
+        self,
+        book: StatsBook,
+        *,
+        every_s: float = TALLY_EVERY_S,
+        on_error: Callable[[list[str], Exception], None] | None = None,
+    ) -> None:
+        self.book = book
+        self.every_s = every_s
+        self.on_error = on_error
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[int, str], int] = {}
+        self._limits: set[str] = set()
+        self._timer: threading.Timer | None = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)  # the hook must not keep the tally alive
+
+            def forget() -> None:
+                tally = ref()
+                if tally is not None:
+                    tally._forget()
+
+            os.register_at_fork(after_in_child=forget)
+
+    def add(self, limits: Iterable[str], event: str) -> None:
+        """Count one ``event`` (see :data:`EVENTS`) for each of ``limits`` (a limit listed
+        twice counts once); written within ``every_s``."""
+        if event not in EVENTS:
+            raise RequestError(
+                f"unknown stats event {event!r}; expected one of {', '.join(EVENTS)}"
+            )
+        names = list(dict.fromkeys(limits))
+        self._count(names, [f"{event}:{name}" for name in names])
+
+    def add_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
+        """:meth:`StatsBook.record_shadow`, written within ``every_s``."""
+        self._count(list(limits), shadow_fields(limits, waits))
+
+    def _count(self, limits: list[str], fields: Iterable[str]) -> None:
+        if not limits:
+            return
+        minute = self.book.minute()
+        with self._lock:
+            counts = self._counts
+            for field in fields:
+                counts[(minute, field)] = counts.get((minute, field), 0) + 1
+            self._limits.update(limits)
+            if self._timer is None:
+                self._timer = threading.Timer(self.every_s, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Write what was gathered now (one round trip; nothing when nothing was)."""
+        with self._lock:
+            counts, limits = self._counts, sorted(self._limits)
+            self._counts, self._limits, self._timer = {}, set(), None
+        if not counts:
+            return
+        try:
+            self.book.add_counts(counts)
+        except Exception as exc:
+            if self.on_error is None:
+                raise
+            self.on_error(limits, exc)
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's counts are the parent's to write, and its timer
+        thread does not exist here."""
+        self._lock = threading.Lock()
+        self._counts, self._limits, self._timer = {}, set(), None

@@ -8,9 +8,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.support.servers import free_port
+from tests.support.waits import wait_for
 from throttle.errors import BackendUnavailable, RequestError
 from throttle.redis.keys import KeySpace
-from throttle.stats import MAX_MINUTES, TTL_S, StatsBook
+from throttle.stats import MAX_MINUTES, TTL_S, StatsBook, Tally
 
 T0 = 1_763_776_800.0  # 2025-11-22 02:00:00 UTC, the start of a minute
 
@@ -114,4 +115,49 @@ def test_an_unreachable_redis_raises_the_package_error(prefix: str) -> None:
         book.record(["x"], "denied")
     with pytest.raises(BackendUnavailable):
         book.per_minute()
+    dead.close()
+
+
+def test_a_tally_writes_its_counts_together_after_its_interval(
+    book: StatsBook, clock: Clock
+) -> None:
+    # Given a tally gathering waits, written every 50 ms
+    tally = Tally(book, every_s=0.05)
+    for _ in range(5):
+        tally.add(["github", "github", "stripe"], "waited")  # a limit listed twice: once
+    clock.now += 60  # the next minute: the counted one is whole
+    # Then soon after (one write), all of it is in the minute it was counted in, with a TTL
+    key = book.keyspace.stats_key(int(T0 // 60))
+    wait_for(lambda: book.client.hlen(key) == 2, 5)
+    assert book.per_minute(1)["github"]["waited"] == 5.0
+    assert book.per_minute(1)["stripe"]["waited"] == 5.0
+    assert 0 < book.client.ttl(key) <= TTL_S
+
+
+def test_a_tally_flushed_at_once_and_its_failures_reported(book: StatsBook, prefix: str) -> None:
+    # Given a tally with counts, not written before its interval (a minute here)
+    tally = Tally(book, every_s=60)
+    tally.add(["github"], "waited")
+    key = book.keyspace.stats_key(int(T0 // 60))
+    assert book.client.hgetall(key) == {}
+    # When it is flushed by hand, they are written
+    tally.flush()
+    assert book.client.hgetall(key) == {b"waited:github": b"1"}
+    tally.flush()  # nothing gathered: nothing written
+    assert book.client.hgetall(key) == {b"waited:github": b"1"}
+    # When its Redis is unreachable, the failure goes to on_error with the limits, and
+    # the counts of that write are dropped
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    failed: list[tuple[list[str], Exception]] = []
+    lost = Tally(
+        StatsBook(dead, KeySpace(prefix), clock=lambda: T0),
+        every_s=60,
+        on_error=lambda limits, exc: failed.append((limits, exc)),
+    )
+    lost.add(["stripe", "github"], "waited")
+    lost.flush()
+    assert [limits for limits, _ in failed] == [["github", "stripe"]]
+    assert isinstance(failed[0][1], BackendUnavailable)
+    with pytest.raises(RequestError, match="unknown stats event 'waits'"):
+        lost.add(["github"], "waits")
     dead.close()

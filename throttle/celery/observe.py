@@ -30,7 +30,7 @@ from celery import Task
 from throttle import metrics
 from throttle.redis.keys import KeySpace
 from throttle.rules import Rule, Target
-from throttle.stats import StatsBook
+from throttle.stats import StatsBook, Tally
 
 logger = logging.getLogger("throttle")
 
@@ -147,17 +147,21 @@ class FlowerReporter(Observer):
 
 
 class FleetStatsReporter(Observer):
-    """The fleet-wide counts of denials, parkings and time-outs (:class:`StatsBook`).
-    A failed write counts as a Redis error (``on_error``), and is otherwise lost: a count
-    is not worth a task."""
+    """The fleet-wide counts of denials, parkings and time-outs (:class:`StatsBook`), one
+    round trip each; of waits and shadow looks, gathered and written about once a second
+    (:class:`Tally`). A failed write counts as a Redis error (``on_error``), and is
+    otherwise lost: a count is not worth a task."""
 
     def __init__(self, stats: StatsBook, on_error: Observer) -> None:
         self.stats = stats
         self.on_error = on_error
+        # Waits (at a high rate, most tasks wait a moment for their slot) and shadow looks
+        # (every task) come as often as the tasks: one round trip a second, not a task.
+        self.tally = Tally(stats, on_error=self._tally_failed)
 
     def allowed(self, execution: Observed, wait_s: float) -> None:
         if wait_s >= WAIT_LOGGED_S:
-            self._record([rule.name for rule in execution.rules], ("waited",))
+            self.tally.add([rule.name for rule in execution.rules], "waited")
 
     def deferred(
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
@@ -168,11 +172,11 @@ class FleetStatsReporter(Observer):
         self._record(limits, ("timeout",))
 
     def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
-        try:
-            self.stats.record_shadow(limits, waits)
-        except Exception as exc:
-            self.on_error.redis_error(limits)
-            logger.debug("throttle: cannot record a shadow decision in the fleet stats: %s", exc)
+        self.tally.add_shadow(limits, waits)
+
+    def _tally_failed(self, limits: list[str], exc: Exception) -> None:
+        self.on_error.redis_error(limits)
+        logger.debug("throttle: cannot record waits in the fleet stats: %s", exc)
 
     def _record(self, limits: Sequence[str], events: Sequence[str]) -> None:
         try:
