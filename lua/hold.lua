@@ -10,8 +10,10 @@
 -- ARGV[1]  now_us    '' = read Redis TIME (always, outside tests)
 -- ARGV[2]  field
 -- ARGV[3]  for_us    hold this long from now; '' = lift the hold of this field
--- ARGV[4]  channel   optional: where a lifted hold is announced (PUBLISH channel ARGV[5]:
---                    tasks waiting for the limit look again at once)
+-- ARGV[4]  channel   optional: where a hold is announced (PUBLISH channel): a lifted one
+--                    as ARGV[5] (tasks waiting for the limit look again at once), one
+--                    placed as '!held ' .. ARGV[5] (a task admitted before it, about to
+--                    run, must look again first)
 -- ARGV[5]  name      the limit's name (the message)
 --
 -- A hold only ever lengthens: a shorter one (a later 429 with a shorter Retry-After) leaves
@@ -45,5 +47,8 @@ if current and current > until_us then
   until_us = current
 else
   redis.call('HSET', KEYS[1], field, until_us)
+  if ARGV[4] and ARGV[4] ~= '' then
+    redis.call('PUBLISH', ARGV[4], '!held ' .. (ARGV[5] or ''))
+  end
 end
 return string.format('%d', until_us - now)

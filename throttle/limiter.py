@@ -71,12 +71,18 @@ from throttle.redis.wire import (
 from throttle.spec import Limit
 from throttle.units import real
 
-__all__ = ["DEFAULT_LEASE_S", "MAX_DURATION_S", "Limiter", "Request", "RequestBuilder"]
+__all__ = [
+    "DEFAULT_LEASE_S", "HOLD_PLACED", "MAX_DURATION_S", "Limiter", "Request", "RequestBuilder",
+]  # fmt: skip
 
 DEFAULT_LEASE_S = 300.0
 """How long a recorded acquisition (and its concurrency units) lives after its slot, in s."""
 MAX_DURATION_S = 10 * 365 * 86400.0
 """The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
+HOLD_PLACED = "!held"
+"""The word an announcement of a hold placed (or lengthened) carries on the capacity
+channel (:meth:`KeySpace.capacity_channel`) besides the limit's name (``lua/hold.lua``
+writes it; no limit is named so)."""
 
 _INF = math.inf
 _SEVERAL = ("conc", "fair")  # codes only lua/acquire.lua runs (not acquire_one.lua)
@@ -342,7 +348,11 @@ class RequestBuilder(Generic[_S]):
             for_us = HOLD_FOREVER_US
         else:
             for_us = max(round(_number(seconds, "seconds", most=MAX_DURATION_S) * 1e6), 1)
-        return (*self._hold_call(limit, key, for_us), _held_s)
+        script, keys, args = self._hold_call(limit, key, for_us)
+        name = limit.name if isinstance(limit, Limit) else limit
+        # Announced (HOLD_PLACED): a worker that admitted a task before the hold looks
+        # again before the task runs.
+        return script, keys, [*args, self.keyspace.capacity_channel(), name], _held_s
 
     def _unhold_request(self, limit: Limit | str, key: str | None) -> Request[_S, None]:
         """The call of an unhold (see :meth:`Limiter.unhold`): the lifting is announced

@@ -8,6 +8,7 @@ import pytest
 
 from tests.support.clock import FakeClock
 from throttle import Limit, Limiter, RequestError
+from throttle.limiter import HOLD_PLACED
 
 API = Limit.parse("10/s burst 2", name="api")
 SHAPER = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
@@ -144,3 +145,29 @@ def test_hold_arguments_are_checked(clocked: Limiter) -> None:
         clocked.hold(API, "", 1.0)
     with pytest.raises(RequestError, match="Limit"):
         clocked.peek("api")  # type: ignore[arg-type]
+
+
+def test_placing_and_lifting_a_hold_are_announced_to_the_waiting_workers(
+    clocked: Limiter,
+) -> None:
+    # Given a worker listening on the namespace's capacity channel
+    listener = clocked.client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(clocked.keyspace.capacity_channel())
+    listener.get_message(timeout=1.0)  # the subscription's confirmation
+
+    def heard() -> list[str]:
+        messages = []
+        while (message := listener.get_message(timeout=0.2)) is not None:
+            messages.append(message["data"].decode())
+        return messages
+
+    # A hold placed (of the limit or of one key) is announced with its limit's name; one
+    # that a longer hold already covers is not (nothing changed)
+    clocked.hold(API, None, 2.0)
+    clocked.hold(API, "tenant-a", 1.0)
+    clocked.hold(API, None, 1.0)
+    assert heard() == [f"{HOLD_PLACED} api", f"{HOLD_PLACED} api"]
+    # and its lifting is announced as capacity given back (the name alone)
+    clocked.unhold(API)
+    assert heard() == ["api"]
+    listener.close()

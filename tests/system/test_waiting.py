@@ -22,6 +22,7 @@ import redis
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 from throttle.celery.waiting import LEAD_S
+from throttle.limiter import Limiter
 from throttle.redis.keys import KeySpace
 from workers.harness import Worker, running
 
@@ -194,6 +195,31 @@ def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
         # (the acknowledgement leaves the consumer's loop shortly after: a loaded host
         # takes a while)
         wait_for(lambda: client.hlen("unacked") == 0, 10)
+
+
+def test_a_hold_placed_while_a_task_is_held_for_its_slot_keeps_it_from_calling(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, slow  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    with running(app, [worker(redis_server, tmp, "w-hold", "prefork")]):
+        # Given a task held in the consumer for its slot (2.5 s after the one before)
+        slow.delay("h1").get(timeout=30)
+        held = slow.delay("h2")
+        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # When the upstream's word holds its limit for 4 s, past that slot
+        seconds, micros = client.time()
+        placed = seconds + micros / 1e6
+        Limiter(client).hold("slow", None, 4.0)
+        held.get(timeout=30)
+    # Then it did not call inside the hold: the worker had heard of the hold when it
+    # handed the task to the pool, whose child looked again and sent it back for after
+    assert dict(log(client))["h2"] >= placed + 4.0 - 0.01
+    assert int(client.hget("waiting:done", "h2") or 0) == 1
 
 
 def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(

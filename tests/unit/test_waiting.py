@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 from celery.app.task import Context
 
-from throttle.celery.execution import Admission, carry, take_admission
-from throttle.celery.waiting import BUSY_S, FRESH_S, ROOM_TASKS, Look, has_room
+from throttle.celery.execution import Admission, carry, mark_clear, take_admission
+from throttle.celery.waiting import BUSY_S, FRESH_S, ROOM_TASKS, Look, WaitingLine, has_room
 from throttle.decision import Acquisition, Decision, LimitState
+from throttle.limiter import HOLD_PLACED
 from throttle.spec import Limit
 
 LIMIT = Limit.parse("10/s", name="api")
@@ -84,3 +85,35 @@ def test_the_pool_child_reads_the_decision_as_of_its_own_time() -> None:
     late, _ = admission.as_of(1000.8)  # the pool started it 300 ms after its slot
     assert late.wait_s == 0.0
     assert late.late_s == pytest.approx(0.3)
+
+
+def test_a_hold_announced_after_a_decision_makes_the_pool_look_again() -> None:
+    line = WaitingLine(SimpleNamespace(), max_wait_s=60.0)
+    pairs = (("api", "acme"), ("shared", None))
+    # Not listening (no announcements, or not yet): nothing is known for sure
+    assert not line.holds_clear(pairs, since=100.0)
+    line.announcements = SimpleNamespace(listening_since=50.0)  # type: ignore[assignment]
+    assert line.holds_clear(pairs, since=100.0)
+    assert not line.holds_clear(pairs, since=40.0)  # decided before it listened
+    # A hold placed on one of the limits (on any key of it) is noted at once, in the
+    # listening thread, and wakes nobody
+    line._announced({HOLD_PLACED, "shared"})
+    assert line.held_at.keys() == {"shared"}
+    assert not line.holds_clear(pairs, since=line.held_at["shared"] - 1.0)
+    assert line.holds_clear(pairs, since=line.held_at["shared"] + 1.0)  # decided after it
+    assert line.holds_clear((("api", "acme"),), since=line.held_at["shared"] - 1.0)
+    # A listener that lost its subscription knows nothing
+    line.announcements = SimpleNamespace(listening_since=None)  # type: ignore[assignment]
+    assert not line.holds_clear((("api", "acme"),), since=1e12)
+
+
+def test_the_hand_over_marks_the_carried_decision() -> None:
+    request_dict: dict[str, object] = {"id": "t1"}
+    mark_clear(request_dict, True)  # nothing carried: nothing to mark
+    assert request_dict == {"id": "t1"}
+    carry(request_dict, Admission("t1", decision(wait_s=0.5), 1000.0))
+    mark_clear(request_dict, True)
+    request = Context(pickle.loads(pickle.dumps(request_dict)), called_directly=False)
+    taken = take_admission(request)
+    assert taken is not None and taken.holds_clear
+    assert taken.decided_at == 1000.0

@@ -244,6 +244,9 @@ class Announcements:
         self.thread: threading.Thread | None = None
         self.heard = 0
         """Announcements heard (for tests and logs)."""
+        self.listening_since: float | None = None
+        """Since when this listener has been subscribed without a break (monotonic s);
+        None while it is not."""
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="throttle-capacity", daemon=True)
@@ -259,24 +262,29 @@ class Announcements:
             try:
                 pubsub = self.client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.channel)
+                # Heard from the subscription's confirmation on (the first reply read,
+                # within milliseconds): a hold placed before it may have been missed.
+                message = pubsub.get_message(timeout=self.retry_s)
+                self.listening_since = time.monotonic()
                 if not first:
                     self.on_capacity(None)  # what was announced meanwhile is unknown
                 first = False
                 while not self.stopping.is_set():
+                    if message is not None and message.get("type") == "message":
+                        self.heard += 1
+                        data = message.get("data") or b""
+                        text = data.decode() if isinstance(data, bytes) else str(data)
+                        self.on_capacity(set(text.split()) or None)
                     message = pubsub.get_message(timeout=self.retry_s)
-                    if message is None or message.get("type") != "message":
-                        continue
-                    self.heard += 1
-                    data = message.get("data") or b""
-                    text = data.decode() if isinstance(data, bytes) else str(data)
-                    self.on_capacity(set(text.split()) or None)
             except Exception as exc:
+                self.listening_since = None
                 if self.stopping.is_set():
                     break
                 logger.debug("throttle: capacity announcements interrupted: %r", exc)
                 first = False
                 self.stopping.wait(self.retry_s)
             finally:
+                self.listening_since = None
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         pubsub.close()

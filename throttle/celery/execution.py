@@ -13,7 +13,7 @@ import contextvars
 import functools
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery import Task
@@ -156,6 +156,11 @@ class Admission:
     rates_changed: bool = False
     """Whether the consumer had heard of a rate set at run time lately (within the
     rates' ``refresh_s``): the pool child re-reads the rates before it runs the task."""
+    holds_clear: bool = False
+    """Whether, when the consumer handed the task to the pool, it knew that no hold had
+    been placed on the task's limits since its decision (it listens to the holds'
+    announcements): the pool child then runs it at its slot without looking at Redis
+    again. False: it looks once more shortly before the slot."""
 
     def as_of(self, now: float) -> tuple[Decision, float]:
         """The decision as it stands at ``now`` (epoch s): its ``wait_s`` what is left of
@@ -172,6 +177,14 @@ class Admission:
 def carry(request_dict: dict[str, Any], admission: Admission) -> None:
     """Leave ``admission`` in a request's dict for the pool child (sealed)."""
     request_dict[ADMISSION_KEY] = (_SEAL, admission)
+
+
+def mark_clear(request_dict: dict[str, Any], clear: bool) -> None:
+    """Say, on the admission carried in ``request_dict`` (if any), whether no hold was
+    announced on its limits since its decision (:attr:`Admission.holds_clear`)."""
+    carried = request_dict.get(ADMISSION_KEY)
+    if isinstance(carried, tuple) and len(carried) == 2 and isinstance(carried[1], Admission):
+        request_dict[ADMISSION_KEY] = (carried[0], replace(carried[1], holds_clear=clear))
 
 
 def take_admission(request: Any) -> Admission | None:

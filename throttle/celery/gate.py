@@ -10,7 +10,8 @@
    the gate gets that decision (:class:`Admission`).
 2. **Wait.** A slot within ``sleep_max``: the task sleeps until it, looking once more
    :data:`RECHECK_LEAD_S` before it (for a hold placed meanwhile); after the consumer
-   held it, only the rest, at most ``waiting.LEAD_S``. A task late for its slot (busy
+   held it, only the rest, at most ``waiting.LEAD_S``, looking once more only when the
+   consumer had heard of a hold placed since its decision. A task late for its slot (busy
    workers) gives it up and takes a new one (:meth:`Gate.late_tolerance`). Anything
    else comes back later (:mod:`throttle.celery.comeback`: a slot further ahead, a
    denial, a plan, a deadline passed).
@@ -286,7 +287,9 @@ class Gate:
             if wait > self._sleep_max_s():
                 come_back_to_slot(self.execution, decision)  # a slot further ahead
             if wait > 0 and decision.acquisition:
-                decision, on_time = self._sleep_to_slot(decision, late_tolerance)
+                # The consumer knew of no hold placed since its decision: no second look.
+                recheck = not (on_first and admission is not None and admission.holds_clear)
+                decision, on_time = self._sleep_to_slot(decision, late_tolerance, recheck)
                 if not decision.allowed:
                     come_back(self.execution, decision, plan=self.plan, planned=planned)
                 if not on_time:
@@ -350,13 +353,16 @@ class Gate:
                 slack = min(slack, spare * limit.period_s / limit.count)
         return 0.0 if math.isinf(slack) else slack
 
-    def _sleep_to_slot(self, decision: Decision, late_tolerance: float) -> tuple[Decision, bool]:
+    def _sleep_to_slot(
+        self, decision: Decision, late_tolerance: float, recheck: bool = True
+    ) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
         decision as it stands then, and whether the wake-up came within ``late_tolerance``
-        (s)."""
+        (s). ``recheck``: look at Redis once more shortly before the slot, unless the
+        slot is closer than that."""
         wait = decision.wait_s
         left = wait
-        if wait > RECHECK_LEAD_S:
+        if recheck and wait > RECHECK_LEAD_S:
             # A hold may begin while this task sleeps (the upstream answered another task
             # 429): look once more, with the id, shortly before the slot, so that the call
             # itself still lands on the slot.

@@ -43,10 +43,15 @@ would have to give the slot up (capacity lost) and take another.
 The decision travels to the pool child in the request's dict (sealed:
 :func:`throttle.celery.execution.carry`), so the gate there pays no second round trip for
 it: it sleeps what is left to the slot (at most :data:`LEAD_S`, plus the time the pool
-took to start the task), looking once more for a hold placed meanwhile shortly before the
-slot (:data:`throttle.celery.gate.RECHECK_LEAD_S`), then runs the body. A task that the
-pool starts later than ``late_tolerance`` after its slot (a busy pool) gives the slot up
-and takes a new one, as a late task always has.
+took to start the task), then runs the body. A hold placed meanwhile (another worker's
+429, a pause) is announced on the capacity channel (``!held NAME``): when the consumer
+hands a task over after hearing of a hold on one of its limits since its decision, or
+while it was not listening, the pool child looks once more shortly before the slot
+(:data:`throttle.celery.gate.RECHECK_LEAD_S`; :attr:`Admission.holds_clear` says which).
+A hold placed after the hand-over, in the last :data:`LEAD_S` before the slot, is not
+seen: as for a call already made, the upstream's next answer places it again. A task
+that the pool starts later than ``late_tolerance`` after its slot (a busy pool) gives the
+slot up and takes a new one, as a late task always has.
 
 A held task is Celery's scheduled task in every respect: its message is unacknowledged
 (a worker killed meanwhile loses nothing: the broker delivers the message again, and the
@@ -67,6 +72,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from celery import Celery, Task, bootsteps
@@ -76,13 +82,14 @@ from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
-from throttle.celery.execution import ADMISSION_KEY, Admission, carry
+from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import RABBITMQ_CONSUMER_TIMEOUT_S, Throttler, throttling_enabled
 from throttle.celery.task import gated_call
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
+from throttle.limiter import HOLD_PLACED
 from throttle.rates import RATES_CHANGED
 
 logger = logging.getLogger("throttle")
@@ -227,6 +234,7 @@ class Waiting:
             if pending.asked:
                 gate.evaluate()  # the rates in force now (one set at run time, announced)
             pending.asked = True
+            since = time.monotonic()  # a hold announced after this may postdate the look
             now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
@@ -246,9 +254,11 @@ class Waiting:
             carry(request.request_dict, Admission(request.id, decision, now, fresh))
             wait = decision.wait_s
             if decision.acquisition is not None and LEAD_S < wait <= self.settings_sleep_max:
-                self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait)
+                self._hold(
+                    request, wait - LEAD_S, self._release, decision, pending, now + wait, since
+                )
             else:
-                self._to_pool(request)
+                self._to_pool(request, pairs_of(gate), since)
             return None
         pending.decision, pending.decided_at = decision, time.monotonic()
         horizon = self.near_s()
@@ -326,7 +336,12 @@ class Waiting:
         return gate
 
     def _release(
-        self, request: Any, decision: Any, pending: Pending | None = None, slot_at: float = 0.0
+        self,
+        request: Any,
+        decision: Any,
+        pending: Pending | None = None,
+        slot_at: float = 0.0,
+        since: float = math.inf,
     ) -> None:
         """The slot of a held task is near: to the pool (a revoked or expired one gives
         its reservation up instead: a concurrency unit it took comes back). A timer that
@@ -349,7 +364,7 @@ class Waiting:
                 if blocks is not None and self.line is not None:
                     self.line.join(pending, pairs_of(pending.gate), priority_of(request), blocks)
                 return
-            self._to_pool(request)
+            self._to_pool(request, pairs_of(pending.gate) if pending is not None else (), since)
         except Exception:
             logger.exception("throttle: releasing held task %s", request.id)
         finally:
@@ -370,7 +385,12 @@ class Waiting:
         )
         state.task_scheduled(request)
 
-    def _to_pool(self, request: Any) -> None:
+    def _to_pool(self, request: Any, pairs: tuple[Pair, ...] = (), since: float = math.inf) -> None:
+        """Hand ``request`` to the pool. With the ``pairs`` of a decision taken at
+        ``since`` (monotonic s), the admission it carries says whether a hold was announced
+        on any of them since (:attr:`Admission.holds_clear`)."""
+        if pairs and self.line is not None:
+            mark_clear(request.request_dict, self.line.holds_clear(pairs, since))
         state.task_reserved(request)
         self.consumer.on_task_request(request)
 
@@ -501,6 +521,8 @@ class WaitingLine:
         self.serving = False
         self.again = False
         self.probing: Any = None
+        self.held_at: dict[str, float] = {}
+        """When a hold on each limit was last announced (monotonic s, by name)."""
 
     def listen(self, throttler: Throttler) -> None:
         """Listen to the capacity announcements of ``throttler``'s namespace, and follow
@@ -635,7 +657,14 @@ class WaitingLine:
                 self.consumer.timer.cancel(entry)
 
     def _announced(self, names: set[str] | None) -> None:
-        """An announcement (in the listening thread): hand it to the consumer's loop."""
+        """An announcement (in the listening thread): hand it to the consumer's loop. A
+        hold placed is noted here at once (a task about to go to the pool must see it),
+        and wakes nobody."""
+        if names is not None and HOLD_PLACED in names:
+            now = time.monotonic()
+            for name in names - {HOLD_PLACED}:
+                self.held_at[name] = now
+            return
         hub = getattr(self.consumer, "hub", None)
         if hub is not None:
             hub.call_soon(self.wake, names)  # thread-safe: it wakes the hub's poll
@@ -652,6 +681,18 @@ class WaitingLine:
         if self.line.wake(names or None):
             self._cancel()
             self._run()
+
+    def holds_clear(self, pairs: Iterable[Pair], since: float) -> bool:
+        """Whether no hold was placed on the limits of ``pairs`` since ``since`` (monotonic
+        s), as far as this worker knows for sure: it has listened to the announcements
+        without a break since then, and none named them. A hold on one key is announced
+        as one on its limit (a look that finds none costs a round trip, not a call)."""
+        announcements = self.announcements
+        listening = None if announcements is None else announcements.listening_since
+        if listening is None or listening > since:
+            return False
+        held_at = self.held_at
+        return all(held_at.get(name, -math.inf) < since for name, _ in pairs)
 
     def rates_changed_lately(self) -> bool:
         """Whether a rate set was announced within the rates' ``refresh_s`` (the pool

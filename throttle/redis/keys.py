@@ -232,8 +232,9 @@ class KeySpace:
     def capacity_channel(self) -> str:
         """The pub/sub channel on which capacity given back is announced: settle.lua
         publishes the names of an acquisition's limits when it refunds or releases, the
-        lifting of a hold and a rate set at run time publish the limit's name. Waiting
-        tasks listen (:mod:`throttle.celery.capacity`). Not a key: no TTL, nothing kept."""
+        lifting of a hold and a rate set at run time publish the limit's name (a rate with
+        ``!rates`` before it); a hold placed publishes ``!held NAME``. Waiting tasks
+        listen (:mod:`throttle.celery.capacity`). Not a key: no TTL, nothing kept."""
         return f"{self.base}capacity"
 
     def rates_key(self) -> str:
