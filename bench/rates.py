@@ -42,7 +42,9 @@ What is measured, per phase
   twice (the target: at most 1.1);
 * CPU: the workers' process trees, the API and redis-server, per call, and the machine's
   busy share over the phase (2 cores: 100 % is both), with the load average at its start
-  and end: a CPU-bound phase shows it.
+  and end: a CPU-bound phase shows it;
+* in ``--json`` only, its ``timeline``: arrivals at the API per s in each quarter second
+  from the first (a ramp, or a worker that fell behind, shows there).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ CONTROL_MAX = 500.0
 TARGET_SHARE = 0.98
 TARGET_PUBLISHES = 1.1
 UNLIMITED = 1_000_000.0
+TIMELINE_S = 0.25
+"""The width of a bin of a phase's ``timeline`` in the JSON: arrivals at the API per s in
+each quarter second from the first."""
 
 
 def parse_pools(text: str) -> list[tuple[str, int]]:
@@ -217,6 +222,8 @@ def phase(
     client.close()
     ids = collections.Counter(a["task_id"] for a in arrivals)
     times = [a["at_s"] for a in arrivals]
+    start = min(times, default=0.0)
+    timeline = collections.Counter(int((t - start) / TIMELINE_S) for t in times)
     whole = (len(times) - 1) / (max(times) - min(times)) if len(times) > 1 else 0.0
     return {
         "phase": name, "tasks": tasks, "calls": len(arrivals),
@@ -229,6 +236,7 @@ def phase(
         "api_cpu_us": 1e6 * (cpu1[1] - cpu0[1]) / max(len(arrivals), 1),
         "redis_cpu_us": 1e6 * (cpu1[2] - cpu0[2]) / max(len(arrivals), 1),
         "machine_busy": busy, "load": (load0, os.getloadavg()[0]),
+        "timeline": [timeline[i] / TIMELINE_S for i in range(max(timeline, default=-1) + 1)],
     }  # fmt: skip
 
 
@@ -257,7 +265,7 @@ def run_pool(pool: str, concurrency: int, args: argparse.Namespace, logs: Path) 
                                 *common, first, args.spy)  # fmt: skip
                     row["round"] = round_no + 1
                     rows.append(row)
-                    print(pool, concurrency, row, flush=True)
+                    print(pool, concurrency, shown(row), flush=True)
                     own = row["steady_rate"]
                     for i, (rate, _) in enumerate(LIMITS.items(), start=first + 1):
                         api_limit = (float(rate), rate * API_BURST_S)
@@ -271,12 +279,17 @@ def run_pool(pool: str, concurrency: int, args: argparse.Namespace, logs: Path) 
                         row["target_rate"] = min(float(rate), own)
                         row["share"] = row["steady_rate"] / row["target_rate"] if own else 0.0
                         rows.append(row)
-                        print(pool, concurrency, row, flush=True)
+                        print(pool, concurrency, shown(row), flush=True)
     finally:
         api.stop()
     for row in rows:
         row["pool"] = f"{pool} -c {concurrency}"
     return rows
+
+
+def shown(row: dict[str, Any]) -> dict[str, Any]:
+    """A phase's row as printed while the bench runs (its timeline is in the JSON)."""
+    return {key: value for key, value in row.items() if key != "timeline"}
 
 
 def table(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
