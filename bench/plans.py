@@ -1,7 +1,7 @@
 """Plans: three tenants on three plans of one limit, through a real Celery fleet, against
 a mock API that enforces each tenant's plan; then the same fleet with the limit in shadow.
 
-``python -m bench.plans [--seconds 20] [--scale 0.4] [--json PATH]``
+``python -m bench.plans [--seconds 20] [--scale 0.4] [--margin 0.01] [--json PATH]``
 
 What runs
 ---------
@@ -12,6 +12,9 @@ processes of **4 prefork children** (``-P prefork``, default settings) of
 free, pro and enterprise at 10/s, 100/s and 1,000/s times ``--scale`` (default 0.05: 0.5/s,
 5/s, 50/s; the fleet's own ceiling on a 2-core host is a few hundred tasks/s, so the
 1,000/s plan itself is out of its reach), each with a burst of half a second of its rate.
+The API enforces exactly these plans; ``--margin M`` sets the fleet's plans (and the
+override) a fraction M below them, as a user leaves a margin below a provider's limit
+(default 0: the same rates on both sides).
 
 Phases, one after the other on the same fleet:
 
@@ -153,10 +156,17 @@ def open_api(api: Any, rates: dict[str, float]) -> None:
 
 
 def override_later(
-    api: Any, book: RateBook, limit: Limit, rates: dict[str, float], after_s: float, enforce: bool
+    api: Any,
+    book: RateBook,
+    limit: Limit,
+    rates: dict[str, float],
+    after_s: float,
+    enforce: bool,
+    margin: float = 0.0,
 ) -> dict[str, float]:
     """Sleep ``after_s`` from the API's first call, then give free twice its rate (the API
-    too, when it enforces); returns when (API clock, s) it was written."""
+    too, when it enforces; ours ``margin`` below it); returns when (API clock, s) it was
+    written."""
     while not api.api.arrivals_json():
         time.sleep(0.01)
     first = api.api.started + api.api.arrivals_json()[0]["at_s"]
@@ -164,7 +174,8 @@ def override_later(
     doubled = rates["free"] * 2
     if enforce:
         api.api.set_tenant_limit("free", doubled, max(doubled * 0.5, 1))
-    book.set_key(limit, "free", f"{doubled:g}/s burst {max(doubled * 0.5, 1):g}")
+    ours = doubled * (1 - margin)
+    book.set_key(limit, "free", f"{ours:g}/s burst {max(ours * 0.5, 1):g}")
     return {"at_s": time.monotonic() - api.api.started, "rate": doubled}
 
 
@@ -178,8 +189,17 @@ def judge(
         burst = max(rate * 0.5, 1)
         window = [t for t in mine if tenant != "free" or t < override["at_s"]]
         got = (len(window) - burst) / (window[-1] - window[0]) if len(window) > burst + 1 else None
+        # when each refusal came, s after the tenant's first call (the start of a flood,
+        # or later)
+        start = min((a["at_s"] for a in arrivals if a["tenant"] == tenant), default=0.0)
+        refused_at = [
+            round(a["at_s"] - start, 3)
+            for a in arrivals
+            if a["tenant"] == tenant and not a["allowed"]
+        ]
         per[tenant] = {
             "plan_per_s": rate, "calls": len(mine), "refused": refused,
+            "refused_at_s": refused_at,
             "rate_per_s": got, "of_plan": None if got is None else got / rate,
         }  # fmt: skip
     free = sorted(a["at_s"] for a in arrivals if a["tenant"] == "free" and a["allowed"])
@@ -217,6 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=0.05)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="our plans this fraction below the API's (default 0: the same rates, as the "
+        "issue's scenario; 0.01: 1 %% below, as a user leaves a margin)",
+    )
+    parser.add_argument(
         "--late-tolerance",
         help="a diagnosis: settings.late_tolerance of the fleet (default: the library's)",
     )
@@ -226,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api = start_api(WIDE_OPEN, WIDE_OPEN)
         env = {
             "DEMO_BROKER_URL": server.url, "MOCK_API_URL": api.url,
-            "PLANS_RATES": ",".join(f"{k}={v:g}" for k, v in rates.items()),
+            "PLANS_RATES": ",".join(f"{k}={v * (1 - args.margin):g}" for k, v in rates.items()),
             "PLANS_MODE": "enforce", "PLANS_LATE_TOLERANCE": args.late_tolerance or "",
         }  # fmt: skip
         os.environ.update(env)
@@ -244,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load = os.getloadavg()
         timeout_s = args.seconds * 3 + 60
         result: dict[str, Any] = {
-            "rates": rates, "seconds": args.seconds, "load": load,
+            "rates": rates, "margin": args.margin, "seconds": args.seconds, "load": load,
             "late_tolerance": args.late_tolerance,
         }  # fmt: skip
         try:
@@ -268,7 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 started = time.monotonic()
                 cpu.lap(1, 1)
                 sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
-                override = override_later(api, book, limit, rates, args.seconds / 2, True)
+                override = override_later(
+                    api, book, limit, rates, args.seconds / 2, True, args.margin
+                )
                 arrivals = wait_all(api, sent, timeout_s)
                 result["enforce_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
                 after = stat_counts(client, keyspace, "api")
@@ -290,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 started = time.monotonic()
                 cpu.lap(1, 1)
                 sent = flood(app, "bench.plans_app.plan_call", rates, args.seconds)
-                override_later(api, book, limit, rates, args.seconds / 2, False)
+                override_later(api, book, limit, rates, args.seconds / 2, False, args.margin)
                 arrivals = wait_all(api, sent, timeout_s)
                 result["shadow_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
                 result["shadow_per_s"] = speed(arrivals)
