@@ -241,7 +241,6 @@ class Gate:
         """A ticket for a slot within ``sleep_max`` (after sleeping to it); otherwise the
         task comes back later (raises). ``admission``: the first acquisition, taken by
         the worker's consumer, which held the task until shortly before its slot."""
-        late_tolerance = self.late_tolerance()
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         planned = self.planned
         first: Decision | None = None
@@ -265,7 +264,7 @@ class Gate:
             if (
                 decision.allowed
                 and reserved
-                and decision.late_s > late_tolerance
+                and self._too_late(decision.late_s)
                 and not redelivered
             ):
                 # The task reached its reserved slot late (busy workers): calling now could
@@ -289,7 +288,7 @@ class Gate:
             if wait > 0 and decision.acquisition:
                 # The consumer knew of no hold placed since its decision: no second look.
                 recheck = not (on_first and admission is not None and admission.holds_clear)
-                decision, on_time = self._sleep_to_slot(decision, late_tolerance, recheck)
+                decision, on_time = self._sleep_to_slot(decision, recheck)
                 if not decision.allowed:
                     come_back(self.execution, decision, plan=self.plan, planned=planned)
                 if not on_time:
@@ -353,13 +352,16 @@ class Gate:
                 slack = min(slack, spare * limit.period_s / limit.count)
         return 0.0 if math.isinf(slack) else slack
 
-    def _sleep_to_slot(
-        self, decision: Decision, late_tolerance: float, recheck: bool = True
-    ) -> tuple[Decision, bool]:
+    def _too_late(self, late_s: float) -> bool:
+        """Whether a task ``late_s`` behind its slot is later than :meth:`late_tolerance`
+        (worked out only past ``settings.late_tolerance``, below which it never is)."""
+        return late_s > self.settings.late_tolerance_s and late_s > self.late_tolerance()
+
+    def _sleep_to_slot(self, decision: Decision, recheck: bool = True) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, in the future); returns the
-        decision as it stands then, and whether the wake-up came within ``late_tolerance``
-        (s). ``recheck``: look at Redis once more shortly before the slot, unless the
-        slot is closer than that."""
+        decision as it stands then, and whether the wake-up came within
+        :meth:`late_tolerance`. ``recheck``: look at Redis once more shortly before the
+        slot, unless the slot is closer than that."""
         wait = decision.wait_s
         left = wait
         if recheck and wait > RECHECK_LEAD_S:
@@ -370,14 +372,14 @@ class Gate:
             decision = self._acquire(0.0)
             if not decision.allowed:
                 return decision, True
-            if decision.late_s > late_tolerance:
+            if self._too_late(decision.late_s):
                 return decision, False
             left = decision.wait_s
         if left <= 0:
             return decision, True
         start = time.monotonic()
         time.sleep(left)
-        return decision, time.monotonic() - start - left <= late_tolerance
+        return decision, not self._too_late(time.monotonic() - start - left)
 
     # -- eager mode and direct calls
 

@@ -176,7 +176,7 @@ class FleetStatsReporter(Observer):
 
     def _tally_failed(self, limits: list[str], exc: Exception) -> None:
         self.on_error.redis_error(limits)
-        logger.debug("throttle: cannot record waits in the fleet stats: %s", exc)
+        logger.debug("throttle: cannot record waits or shadow looks in the fleet stats: %s", exc)
 
     def _record(self, limits: Sequence[str], events: Sequence[str]) -> None:
         try:
