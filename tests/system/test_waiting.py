@@ -167,6 +167,21 @@ def held_ids(app: Any) -> set[str]:
     return {entry["request"]["id"] for entries in replies.values() for entry in entries}
 
 
+def held_slow(app: Any, slow: Any, first: str, second: str) -> Any:
+    """Run ``slow`` tagged ``first``, then send it tagged ``second``: a task held in the
+    consumer for its slot (:data:`SLOW_SPACING_S` after the first's); its handle, once the
+    worker lists it as scheduled."""
+    slow.delay(first).get(timeout=30)
+    held = slow.delay(second)
+    assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+    return held
+
+
+def redis_now_s(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds + micros / 1e6)
+
+
 def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
     server: tuple[RedisServer, Path],
 ) -> None:
@@ -178,9 +193,7 @@ def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
     app.conf.broker_url = app.conf.result_backend = redis_server.url
     with running(app, [worker(redis_server, tmp, "w-revoke", "prefork")]):
         # Given a task held in the consumer for its slot
-        slow.delay("r1").get(timeout=30)
-        held = slow.delay("r2")
-        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        held = held_slow(app, slow, "r1", "r2")
         # When it is revoked, as one revokes a task with an ETA
         app.control.revoke(held.id)
         # Then, when its timer fires at its slot, it is not handed to the pool: its
@@ -207,19 +220,24 @@ def test_a_hold_placed_while_a_task_is_held_for_its_slot_keeps_it_from_calling(
     client.flushall()
     app.conf.broker_url = app.conf.result_backend = redis_server.url
     with running(app, [worker(redis_server, tmp, "w-hold", "prefork")]):
-        # Given a task held in the consumer for its slot (2.5 s after the one before)
-        slow.delay("h1").get(timeout=30)
-        held = slow.delay("h2")
-        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        # Given a task held in the consumer for its slot (2.5 s after the one before),
+        # with time left before it (Redis time; on a slow host, the next one)
+        tag, held = "h2", held_slow(app, slow, "h1", "h2")
+        for later in ("h3", "h4"):
+            slot_us = client.hget(KeySpace().lease_key(held.id), "at")
+            if slot_us is not None and float(slot_us) / 1e6 - redis_now_s(client) > 0.3:
+                break
+            held.get(timeout=30)
+            tag, held = later, slow.delay(later)
+            assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
         # When the upstream's word holds its limit for 4 s, past that slot
-        seconds, micros = client.time()
-        placed = seconds + micros / 1e6
+        placed = redis_now_s(client)
         Limiter(client).hold("slow", None, 4.0)
         held.get(timeout=30)
     # Then it did not call inside the hold: the worker had heard of the hold when it
     # handed the task to the pool, whose child looked again and sent it back for after
-    assert dict(log(client))["h2"] >= placed + 4.0 - 0.01
-    assert int(client.hget("waiting:done", "h2") or 0) == 1
+    assert dict(log(client))[tag] >= placed + 4.0 - 0.01
+    assert int(client.hget("waiting:done", tag) or 0) == 1
 
 
 def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
@@ -234,9 +252,7 @@ def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
     first = worker(redis_server, tmp, "w-killed", "prefork")
     with running(app, [first], kill=True):
         # Given a worker that holds a task in its consumer, waiting for its slot
-        slow.delay("k1").get(timeout=30)
-        held = slow.delay("k2")
-        assert held.id in wait_for(lambda: held_ids(app), SLOW_SPACING_S)
+        held = held_slow(app, slow, "k1", "k2")
         # When the worker is killed (SIGKILL) before the slot
         first.kill()
     assert client.hget("waiting:done", "k2") is None
