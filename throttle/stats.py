@@ -96,28 +96,12 @@ class StatsBook:
     def record_events(self, limits: Iterable[str], events: Iterable[str], n: int = 1) -> None:
         """:meth:`record` of several events in the same round trip (a park is ``denied`` and
         ``parked``)."""
-        events = tuple(events)
-        for event in events:
-            if event not in EVENTS:
-                raise RequestError(
-                    f"unknown stats event {event!r}; expected one of {', '.join(EVENTS)}"
-                )
+        fields = event_fields(limits, events)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise RequestError(f"a stats count must be an integer >= 0 (got {n!r})")
-        names = list(dict.fromkeys(limits))  # a limit listed twice counts once
-        if not names or not events or n == 0:
-            return
-        key = self.keyspace.stats_key(int(self._clock() // 60))
-
-        def send() -> None:
-            with self.client.pipeline(transaction=False) as pipe:
-                for name in names:
-                    for event in events:
-                        pipe.hincrby(key, f"{event}:{name}", n)
-                pipe.expire(key, TTL_S)
-                pipe.execute()
-
-        wrap_errors(send)
+        if n:
+            minute = self.minute()
+            self.add_counts({(minute, field): n for field in fields})
 
     def add_counts(self, counts: dict[tuple[int, str], int]) -> None:
         """Add counts already keyed by minute and field (``(minute, "EVENT:LIMIT") -> n``,
@@ -254,6 +238,18 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
 
 
+def event_fields(limits: Iterable[str], events: Iterable[str]) -> list[str]:
+    """The fields (``EVENT:LIMIT``) that ``events`` of each of ``limits`` add to (a limit
+    listed twice counts once); a RequestError for an event not in :data:`EVENTS`."""
+    events = tuple(events)
+    for event in events:
+        if event not in EVENTS:
+            raise RequestError(
+                f"unknown stats event {event!r}; expected one of {', '.join(EVENTS)}"
+            )
+    return [f"{event}:{name}" for name in dict.fromkeys(limits) for event in events]
+
+
 def shadow_fields(limits: Sequence[str], waits: Sequence[float]) -> list[str]:
     """The fields one task looked at by ``limits`` in shadow mode adds one to: each
     limit's ``shadow:LIMIT``, and ``shadow_w:BUCKET:LIMIT`` where it would have waited
@@ -312,12 +308,8 @@ class Tally:
     def add(self, limits: Iterable[str], event: str) -> None:
         """Count one ``event`` (see :data:`EVENTS`) for each of ``limits`` (a limit listed
         twice counts once); written within ``every_s``."""
-        if event not in EVENTS:
-            raise RequestError(
-                f"unknown stats event {event!r}; expected one of {', '.join(EVENTS)}"
-            )
         names = list(dict.fromkeys(limits))
-        self._count(names, [f"{event}:{name}" for name in names])
+        self._count(names, event_fields(names, (event,)))
 
     def add_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
         """:meth:`StatsBook.record_shadow`, written within ``every_s``."""
