@@ -156,11 +156,13 @@ class Admission:
     rates_changed: bool = False
     """Whether the consumer had heard of a rate set at run time lately (within the
     rates' ``refresh_s``): the pool child re-reads the rates before it runs the task."""
-    holds_clear: bool = False
-    """Whether, when the consumer handed the task to the pool, it knew that no hold had
-    been placed on the task's limits since its decision (it listens to the holds'
-    announcements): the pool child then runs it at its slot without looking at Redis
-    again. False: it looks once more shortly before the slot."""
+    holds_clear: bool | None = None
+    """What the consumer knew, when it handed the task to the pool, of holds placed on the
+    task's limits since its decision (it listens to the holds' announcements). True:
+    none; the pool child runs the task at its slot without looking at Redis again.
+    False: one was; the pool child looks again before it calls, however near the slot.
+    None (it was not listening): it looks again when the slot is further than
+    ``gate.RECHECK_LEAD_S``, as a task the pool decided itself."""
 
     def as_of(self, now: float) -> tuple[Decision, float]:
         """The decision as it stands at ``now`` (epoch s): its ``wait_s`` what is left of
@@ -179,7 +181,7 @@ def carry(request_dict: dict[str, Any], admission: Admission) -> None:
     request_dict[ADMISSION_KEY] = (_SEAL, admission)
 
 
-def mark_clear(request_dict: dict[str, Any], clear: bool) -> None:
+def mark_clear(request_dict: dict[str, Any], clear: bool | None) -> None:
     """Say, on the admission carried in ``request_dict`` (if any), whether no hold was
     announced on its limits since its decision (:attr:`Admission.holds_clear`)."""
     carried = request_dict.get(ADMISSION_KEY)

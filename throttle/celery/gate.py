@@ -285,10 +285,11 @@ class Gate:
             wait = decision.wait_s
             if wait > self._sleep_max_s():
                 come_back_to_slot(self.execution, decision)  # a slot further ahead
-            if wait > 0 and decision.acquisition:
-                # The consumer knew of no hold placed since its decision: no second look.
-                recheck = not (on_first and admission is not None and admission.holds_clear)
-                decision, on_time = self._sleep_to_slot(decision, recheck)
+            # What the consumer knew of holds placed since its decision (None: nothing).
+            heard = admission.holds_clear if on_first and admission is not None else None
+            if (wait > 0 or heard is False) and decision.acquisition:
+                look = None if heard is None else not heard
+                decision, on_time = self._sleep_to_slot(decision, look)
                 if not decision.allowed:
                     come_back(self.execution, decision, plan=self.plan, planned=planned)
                 if not on_time:
@@ -357,18 +358,19 @@ class Gate:
         (worked out only past ``settings.late_tolerance``, below which it never is)."""
         return late_s > self.settings.late_tolerance_s and late_s > self.late_tolerance()
 
-    def _sleep_to_slot(self, decision: Decision, recheck: bool = True) -> tuple[Decision, bool]:
-        """Sleep until the slot of ``decision`` (allowed, in the future); returns the
-        decision as it stands then, and whether the wake-up came within
-        :meth:`late_tolerance`. ``recheck``: look at Redis once more shortly before the
-        slot, unless the slot is closer than that."""
+    def _sleep_to_slot(self, decision: Decision, look: bool | None = None) -> tuple[Decision, bool]:
+        """Sleep until the slot of ``decision`` (allowed, not past); returns the decision
+        as it stands then, and whether the wake-up came within :meth:`late_tolerance`.
+        ``look``: look at Redis once more shortly before the slot (True: in any case, a
+        hold was placed since the decision; False: not; None: when the slot is further
+        than :data:`RECHECK_LEAD_S`)."""
         wait = decision.wait_s
         left = wait
-        if recheck and wait > RECHECK_LEAD_S:
+        if look or (look is None and wait > RECHECK_LEAD_S):
             # A hold may begin while this task sleeps (the upstream answered another task
             # 429): look once more, with the id, shortly before the slot, so that the call
             # itself still lands on the slot.
-            time.sleep(wait - RECHECK_LEAD_S)
+            time.sleep(max(wait - RECHECK_LEAD_S, 0.0))
             decision = self._acquire(0.0)
             if not decision.allowed:
                 return decision, True

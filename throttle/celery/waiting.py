@@ -682,15 +682,16 @@ class WaitingLine:
             self._cancel()
             self._run()
 
-    def holds_clear(self, pairs: Iterable[Pair], since: float) -> bool:
+    def holds_clear(self, pairs: Iterable[Pair], since: float) -> bool | None:
         """Whether no hold was placed on the limits of ``pairs`` since ``since`` (monotonic
-        s), as far as this worker knows for sure: it has listened to the announcements
-        without a break since then, and none named them. A hold on one key is announced
-        as one on its limit (a look that finds none costs a round trip, not a call)."""
+        s): True when none was announced, False when one was; None when this worker does
+        not know (it has not listened to the announcements without a break since then).
+        A hold on one key is announced as one on its limit (a look that finds none costs
+        a round trip, not a call)."""
         announcements = self.announcements
         listening = None if announcements is None else announcements.listening_since
         if listening is None or listening > since:
-            return False
+            return None
         held_at = self.held_at
         return all(held_at.get(name, -math.inf) < since for name, _ in pairs)
 
