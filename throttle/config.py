@@ -83,6 +83,7 @@ _SETTINGS_FIELDS = {
     "reserve_ahead": "duration",
     "park_lead": "duration",
     "late_tolerance": "duration",
+    "burst_margin": "duration",
     "jitter": "duration",
     "pause_recheck": "duration",
     "fail_open_for": "duration",
@@ -287,6 +288,19 @@ class Settings:
         limits all have the spacing guard (``spacing_guard``) keeps a slot it is late for
         by up to one spacing of the tightest of them (at most half a ``sleep_max``): the
         guard pushes the next calls back instead of letting them bunch.
+    burst_margin_s:
+        How much of a bursty limit's refill workers keep in hand, in s: a token bucket or
+        GCRA limit whose burst exceeds 1 lets a worker's tasks take ``burst -
+        burst_margin x rate`` at once, never below 1 nor the task's cost
+        (:meth:`throttle.Limit.with_margin`). The first calls of a busy period reach the
+        upstream later than their slots (the time a worker takes to start them: tens of
+        ms on a loaded host), and an upstream whose bucket was full starts refilling only
+        when they arrive; without the margin, the calls after the burst find its bucket
+        short and are refused (one or two per busy period, against an upstream that
+        enforces exactly the same limit). It costs the burst ``burst_margin x rate``
+        tokens, once per busy period, and nothing of the sustained rate. 0: the whole
+        burst. Eager mode and direct calls, which call as soon as they are admitted,
+        take the whole burst.
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.
@@ -344,6 +358,7 @@ class Settings:
     reserve_ahead_s: float = 0.25
     park_lead_s: float = 0.5
     late_tolerance_s: float = 0.02
+    burst_margin_s: float = 0.05
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
     fail_open_for_s: float = 60.0

@@ -832,6 +832,18 @@ def targets(
     return found
 
 
+def kept_in_hand(found: Sequence[Target], margin_s: float) -> list[Target]:
+    """``found`` with ``margin_s`` s of each bursty limit's refill kept in hand
+    (:meth:`Limit.with_margin`), the burst never below the target's cost."""
+    kept: list[Target] = []
+    for limit, key, cost in found:
+        margined = limit.with_margin(margin_s)
+        if margined.capacity < cost:
+            margined = limit if cost >= limit.capacity else replace(limit, burst=cost)
+        kept.append((margined, key, cost))
+    return kept
+
+
 def names_arguments(rule: Rule) -> bool:
     """Whether ``rule`` reads the task's arguments by name: a key or plan template, or a
     cost named by an argument."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -291,6 +291,8 @@ class Limit:
     # Owned by throttle.redis.wire, which computes this limit's arguments to the scripts on
     # first use and keeps them here: they are read on every acquire, and a cache keyed by
     # the limit would hash its five fields each time. The Limit never reads it.
+    _in_hand: Any = field(default=None, init=False, repr=False, compare=False)
+    # (margin_s, the limit) of the last with_margin(): a worker asks it on every task.
 
     def __post_init__(self) -> None:
         name = check_name(self.name)
@@ -347,6 +349,30 @@ class Limit:
         """The largest cost one acquisition may take: the burst (the count for windows)."""
         assert self.burst is not None  # set by __post_init__
         return self.burst
+
+    def with_margin(self, margin_s: float) -> Limit:
+        """This limit with ``margin_s`` seconds of its refill kept in hand: a burst of
+        ``burst - margin_s x rate`` tokens, never below 1. A limit without a burst
+        beyond 1 (token bucket, GCRA), a fair limit, a window or a concurrency limit is
+        returned as it is.
+
+        An upstream that enforces the same bucket starts refilling at the first call it
+        receives, not at the slot that call was given: when the first calls of a busy
+        period arrive late (the time a worker takes to start them), the upstream's bucket
+        runs that much behind for as long as the calls keep coming, and the call after
+        the burst finds it a fraction of a token short. Kept in hand, the margin absorbs
+        that lateness; it costs ``margin_s x rate`` tokens of the burst once per busy
+        period, and nothing of the sustained rate."""
+        burst = self.capacity
+        if margin_s <= 0 or burst <= 1 or self.fair or not self.algorithm.reserves:
+            return self
+        kept = self._in_hand
+        if kept is not None and kept[0] == margin_s:
+            limit: Limit = kept[1]
+            return limit
+        limit = replace(self, burst=max(burst - margin_s * self.rate_per_s, 1.0))
+        object.__setattr__(self, "_in_hand", (margin_s, limit))
+        return limit
 
     @property
     def rate_per_s(self) -> float:

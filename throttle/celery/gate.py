@@ -57,7 +57,7 @@ from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.rules import Declared, Target, targets
+from throttle.rules import Declared, Target, kept_in_hand, targets
 from throttle.spec import Limit
 
 RECHECK_LEAD_S = 0.01
@@ -147,6 +147,9 @@ class Gate:
             )
         if rule_set.adaptive:
             self._learn()
+        margin = self.settings.burst_margin_s
+        if margin > 0 and not execution.eager:
+            execution.targets = kept_in_hand(execution.targets, margin)
         set_deadlines(execution)
         shape = rule_set.plan
         if shape is not None and not execution.eager:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from throttle.celery.execution import Execution
 from throttle.celery.message import H_DEFERRALS, sent_header
 from throttle.errors import BackendError
-from throttle.rules import Rule, targets
+from throttle.rules import Rule, kept_in_hand, targets
 from throttle.spec import SHADOW_SUFFIX, Limit
 
 logger = logging.getLogger("throttle")
@@ -61,6 +61,7 @@ def look(execution: Execution, rules: Sequence[Rule]) -> None:
         found = targets(
             rules, execution.fn, execution.args, execution.kwargs, throttler.rates.current
         )
+        found = kept_in_hand(found, throttler.settings.burst_margin_s)  # as enforced
         waits: list[float] = []
         queued_s = _queued_s(execution)
         for limit, key, cost in found:
