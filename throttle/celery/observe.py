@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from celery import Task
 
 from throttle import metrics
+from throttle.celery.events import BatchedEvents
 from throttle.redis.keys import KeySpace
 from throttle.rules import Rule, Target
 from throttle.stats import StatsBook, Tally
@@ -111,7 +112,13 @@ class PrometheusReporter(Observer):
 
 class FlowerReporter(Observer):
     """A ``task-throttled`` event per deferral: Flower shows the task as THROTTLED and
-    counts the events in ``flower_events_total``."""
+    counts the events in ``flower_events_total``. A ``task-shadowed`` event per task
+    that a limit in shadow mode would have delayed, sent in batches
+    (:class:`~throttle.celery.events.BatchedEvents`: as frequent as the tasks, an event
+    published each would cost the worker more than the look itself)."""
+
+    def __init__(self) -> None:
+        self._batched: BatchedEvents | None = None
 
     def deferred(
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
@@ -137,10 +144,14 @@ class FlowerReporter(Observer):
     def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
         if max(waits, default=0.0) <= 0:
             return  # a shadow that would not have delayed the task: no event
-        execution.task.send_event(
+        task = execution.task
+        if self._batched is None:
+            self._batched = BatchedEvents(task.app)
+        self._batched.send(
             "task-shadowed",
-            retry=False,
-            name=execution.task.name,
+            uuid=execution.request.id,
+            hostname=execution.request.hostname,
+            name=task.name,
             limits=list(limits),
             waits=[round(wait, 3) for wait in waits],
         )
