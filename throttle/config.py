@@ -291,8 +291,8 @@ class Settings:
     burst_margin_s:
         How much of a bursty limit's refill workers keep in hand, in s: a token bucket or
         GCRA limit whose burst exceeds 1 lets a worker's tasks take ``burst -
-        burst_margin x rate`` at once, never below 1 nor the task's cost
-        (:meth:`throttle.Limit.with_margin`). The first calls of a busy period reach the
+        burst_margin x rate`` at once, never less than half the burst beyond 1 nor the
+        task's cost (:meth:`throttle.Limit.with_margin`). The first calls of a busy period reach the
         upstream later than their slots (the time a worker takes to start them: tens of
         ms on a loaded host), and an upstream whose bucket was full starts refilling only
         when they arrive; without the margin, the calls after the burst find its bucket

@@ -352,9 +352,10 @@ class Limit:
 
     def with_margin(self, margin_s: float) -> Limit:
         """This limit with ``margin_s`` seconds of its refill kept in hand: a burst of
-        ``burst - margin_s x rate`` tokens, never below 1. A limit without a burst
-        beyond 1 (token bucket, GCRA), a fair limit, a window or a concurrency limit is
-        returned as it is.
+        ``burst - margin_s x rate`` tokens, but never less than half of it beyond 1 (the
+        burst also absorbs the late calls of a busy period: a high rate whose burst is a
+        few ms of it keeps half). A limit without a burst beyond 1 (token bucket, GCRA),
+        a fair limit, a window or a concurrency limit is returned as it is.
 
         An upstream that enforces the same bucket starts refilling at the first call it
         receives, not at the slot that call was given: when the first calls of a busy
@@ -370,7 +371,7 @@ class Limit:
         if kept is not None and kept[0] == margin_s:
             limit: Limit = kept[1]
             return limit
-        limit = replace(self, burst=max(burst - margin_s * self.rate_per_s, 1.0))
+        limit = replace(self, burst=max(burst - margin_s * self.rate_per_s, (burst + 1) / 2))
         object.__setattr__(self, "_in_hand", (margin_s, limit))
         return limit
 

@@ -68,7 +68,9 @@ def test_what_the_margin_changes() -> None:
     assert (margined.burst, margined.count, margined.period_s) == (22.5, 50, 1)
     assert limit.with_margin(0.05) is margined  # kept: a worker asks on every task
     assert limit.with_margin(0) is limit
-    assert Limit.parse("50/s burst 2", name="api").with_margin(0.05).burst == 1.0
+    # never less than half the burst beyond 1: 500/s burst 25 keeps 13 (a margin of 24 ms)
+    assert Limit.parse("500/s burst 25", name="api").with_margin(0.05).burst == 13.0
+    assert Limit.parse("50/s burst 2", name="api").with_margin(0.05).burst == 1.5
     # Nothing to keep: strict spacing, windows, concurrency, fair limits
     for unchanged in (
         Limit.parse("50/s burst 1", name="api", algorithm="gcra"),
