@@ -292,15 +292,15 @@ class Settings:
         How much of a bursty limit's refill workers keep in hand, in s: a token bucket or
         GCRA limit whose burst exceeds 1 lets a worker's tasks take ``burst -
         burst_margin x rate`` at once, never less than half the burst beyond 1 nor the
-        task's cost (:meth:`throttle.Limit.with_margin`). The first calls of a busy period reach the
-        upstream later than their slots (the time a worker takes to start them: tens of
-        ms on a loaded host), and an upstream whose bucket was full starts refilling only
-        when they arrive; without the margin, the calls after the burst find its bucket
-        short and are refused (one or two per busy period, against an upstream that
-        enforces exactly the same limit). It costs the burst ``burst_margin x rate``
-        tokens, once per busy period, and nothing of the sustained rate. 0: the whole
-        burst. Eager mode and direct calls, which call as soon as they are admitted,
-        take the whole burst.
+        task's cost (:meth:`throttle.Limit.with_margin`). The first calls of a busy
+        period reach the upstream later than their slots (the time a worker takes to
+        start them: tens of ms on a loaded host), and an upstream whose bucket was full
+        starts refilling only when they arrive; without the margin, the calls after the
+        burst find its bucket short and are refused (one or two per busy period, against
+        an upstream that enforces exactly the same limit). It costs at most
+        ``burst_margin x rate`` tokens of the burst, once per busy period, and nothing of
+        the sustained rate. 0: the whole burst. Eager mode and direct calls, which call
+        as soon as they are admitted, take the whole burst.
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.
