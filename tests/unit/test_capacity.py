@@ -4,6 +4,8 @@ worker itself is tested in tests/system/test_capacity.py."""
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Mapping
 
 import pytest
@@ -135,3 +137,41 @@ def test_a_denial_blocks_each_limit_until_it_could_admit_within_the_horizon(
     states: list[tuple[str, bool, float]], retry: float, expected: dict[Pair, float]
 ) -> None:
     assert blocks_of((SHARED, A), states, retry, horizon_s=1.0) == pytest.approx(expected)
+
+
+def test_the_line_s_indexes_agree_with_a_pass_over_it() -> None:
+    """``due``, ``expired`` and ``serve`` keep indexes (per shape of pairs, a heap of
+    ages) instead of passing over the line: what they answer is what a pass over every
+    waiting task would, through random joins, blocks, wakes, admissions and expiries."""
+    rng = random.Random(7)
+    limits = Limits()
+    waiting = line(limits, max_wait_s=5.0)
+    shapes = [(SHARED,), (A,), (SHARED, A), (SHARED, B), (B,)]
+    now = 0.0
+    for step in range(3000):
+        now += rng.uniform(0.0, 0.05)
+        roll = rng.random()
+        if roll < 0.45:
+            waiting.join(f"t{step}", rng.choice(shapes), priority=rng.choice((0, 0, 5)), now=now)
+        elif roll < 0.6:
+            waiting.block({rng.choice((SHARED, A, B)): rng.uniform(0.0, 0.5)}, now)
+        elif roll < 0.7:
+            waiting.wake(rng.choice((None, ["shared"], ["tenant"])))
+        elif roll < 0.85:
+            limits.room = {pair: rng.randint(0, 3) for pair in (SHARED, A, B)}
+            waiting.serve(now)
+            # served until every task left is blocked: none that nothing blocks was skipped
+            assert all(
+                any(waiting.blocked.get(pair, -1.0) > now for pair in w.pairs)
+                for w in waiting.waiters
+            )
+        else:
+            old = {w.item for w in waiting.waiters if now - w.since >= 5.0}
+            assert {w.item for w in waiting.expired(now)} == old
+        naive = min(
+            (min(max(waiting.blocked.get(p, -math.inf) for p in w.pairs), w.since + 5.0)
+             for w in waiting.waiters),
+            default=None,
+        )  # fmt: skip
+        assert waiting.due() == naive
+    assert len(waiting._ages) <= 2 * len(waiting) + 65

@@ -38,6 +38,7 @@ so across a fleet the order is by arrival at the limit, not by arrival in the qu
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 import math
@@ -97,6 +98,13 @@ class Line:
     """Pair -> until when (monotonic s) no task asks for it."""
     counts: dict[Pair, int] = field(default_factory=dict)
     """Pair -> how many waiting tasks need it (so that a look costs no pass over the line)."""
+    shapes: dict[tuple[Pair, ...], int] = field(default_factory=dict)
+    """The pairs of a waiting task -> how many need just those: when the next one may ask
+    (:meth:`due`), and whether any still may (:meth:`serve`), without a pass over the line,
+    which a worker serves hundreds of times a second at a high rate."""
+    _ages: list[tuple[float, int, Waiter]] = field(default_factory=list)
+    """A heap of (since, seq, waiter): the longest waiting first (:meth:`expired`); a
+    waiter that left stays in it until it comes to the top, or the heap is rebuilt."""
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -126,6 +134,11 @@ class Line:
         self.waiters.insert(index, waiter)
         for pair in waiter.pairs:
             self.counts[pair] = self.counts.get(pair, 0) + 1
+        self.shapes[waiter.pairs] = self.shapes.get(waiter.pairs, 0) + 1
+        if len(self._ages) > 2 * len(self.waiters) + 64:  # mostly waiters that left
+            self._ages = [(w.since, w.seq, w) for w in self.waiters if w is not waiter]
+            heapq.heapify(self._ages)
+        heapq.heappush(self._ages, (waiter.since, waiter.seq, waiter))
         if blocks:
             self.block(blocks, now)
         return waiter
@@ -149,7 +162,8 @@ class Line:
 
     def serve(self, now: float) -> None:
         """Ask for every waiting task that nothing blocks, in order (see the module): a
-        denial blocks its pairs, and the tasks behind it that need them are skipped."""
+        denial blocks its pairs, and the tasks behind it that need them are skipped (once
+        every task is blocked, the pass ends)."""
         for waiter in list(self.waiters):
             if waiter.gone or self._is_blocked(waiter, now):
                 continue
@@ -162,6 +176,14 @@ class Line:
                 self._remove(waiter)
             else:
                 self.block(blocks or {pair: MIN_BLOCK_S for pair in waiter.pairs}, now)
+                if self._all_blocked(now):
+                    return
+
+    def _all_blocked(self, now: float) -> bool:
+        blocked = self.blocked
+        return all(
+            any(blocked.get(pair, -math.inf) > now for pair in shape) for shape in self.shapes
+        )
 
     def _is_blocked(self, waiter: Waiter, now: float) -> bool:
         blocked = self.blocked
@@ -180,6 +202,11 @@ class Line:
             else:
                 self.counts.pop(pair, None)
                 self.blocked.pop(pair, None)  # nobody waits for it any more
+        left = self.shapes.get(waiter.pairs, 0) - 1
+        if left > 0:
+            self.shapes[waiter.pairs] = left
+        else:
+            self.shapes.pop(waiter.pairs, None)
 
     def leave(self, waiter: Waiter) -> None:
         """Take ``waiter`` out of the line (sent on by its caller)."""
@@ -188,12 +215,21 @@ class Line:
     def due(self) -> float | None:
         """When :meth:`serve` (or :meth:`expired`) has something to do next (monotonic
         s; -inf: now), or None when nobody waits."""
+        oldest = self._oldest()
+        if oldest is None:
+            return None
         blocked = self.blocked
-        soonest = math.inf
-        for waiter in self.waiters:
-            free_at = max(blocked.get(pair, -math.inf) for pair in waiter.pairs)
-            soonest = min(soonest, free_at, waiter.since + self.max_wait_s)
-        return None if soonest == math.inf else soonest
+        soonest = oldest.since + self.max_wait_s
+        for shape in self.shapes:
+            soonest = min(soonest, max(blocked.get(pair, -math.inf) for pair in shape))
+        return soonest
+
+    def _oldest(self) -> Waiter | None:
+        """The waiter that joined first (None: nobody waits)."""
+        ages = self._ages
+        while ages and ages[0][2].gone:
+            heapq.heappop(ages)
+        return ages[0][2] if ages else None
 
     def free_at(self, waiter: Waiter) -> float:
         """When ``waiter`` may ask again, or must be sent on (monotonic s; -inf: now)."""
@@ -203,9 +239,11 @@ class Line:
 
     def expired(self, now: float) -> list[Waiter]:
         """Take out, and return, the tasks that waited ``max_wait_s`` or longer."""
-        old = [w for w in self.waiters if now - w.since >= self.max_wait_s]
-        for waiter in old:
-            self._remove(waiter)
+        old = []
+        while (oldest := self._oldest()) is not None and now - oldest.since >= self.max_wait_s:
+            heapq.heappop(self._ages)
+            old.append(oldest)
+            self._remove(oldest)
         return old
 
     def blocked_for(self, waiter: Waiter, now: float) -> float:
@@ -219,6 +257,8 @@ class Line:
             waiter.gone = True
         self.blocked.clear()
         self.counts.clear()
+        self.shapes.clear()
+        self._ages.clear()
         return waiters
 
 
