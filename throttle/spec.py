@@ -362,7 +362,7 @@ class Limit:
         period arrive late (the time a worker takes to start them), the upstream's bucket
         runs that much behind for as long as the calls keep coming, and the call after
         the burst finds it a fraction of a token short. Kept in hand, the margin absorbs
-        that lateness; it costs ``margin_s x rate`` tokens of the burst once per busy
+        that lateness; it costs at most ``margin_s x rate`` tokens of the burst once per busy
         period, and nothing of the sustained rate."""
         burst = self.capacity
         if margin_s <= 0 or burst <= 1 or self.fair or not self.algorithm.reserves:
