@@ -35,13 +35,11 @@ These are counts for people; no limit is ever decided from them.
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 from throttle.errors import RequestError
+from throttle.gathering import Gathering
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace
 
@@ -266,16 +264,16 @@ TALLY_EVERY_S = 1.0
 """How long a :class:`Tally` gathers counts before it writes them, in s."""
 
 
-class Tally:
+class Tally(Gathering):
     """Counts of one process, gathered and added to a :class:`StatsBook` at most every
-    ``every_s`` seconds in one pipelined round trip, instead of one round trip per event.
+    ``every_s`` seconds in one pipelined round trip, instead of one round trip per event
+    (:class:`throttle.gathering.Gathering`).
 
     For events as frequent as the tasks themselves (``waited``: at a high rate, most tasks
     wait a moment for their slot), where a round trip each would cost the worker as much
     as the throttling. The price: a count reaches Redis up to ``every_s`` late, and the
     counts of a process that dies (or a pool child that exits) within ``every_s`` of them
-    are lost; they are counts for people. Written by a timer thread (a greenlet under
-    gevent and eventlet, which patch ``threading``); a forked child starts empty.
+    are lost; they are counts for people.
 
     ``on_error(limits, exc)`` is called (in the timer thread) when a write fails; the
     counts of that write are dropped.
@@ -289,21 +287,12 @@ class Tally:
         on_error: Callable[[list[str], Exception], None] | None = None,
     ) -> None:
         self.book = book
-        self.every_s = every_s
         self.on_error = on_error
-        self._lock = threading.Lock()
+        super().__init__(every_s)
+
+    def _reset(self) -> None:
         self._counts: dict[tuple[int, str], int] = {}
         self._limits: set[str] = set()
-        self._timer: threading.Timer | None = None
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)  # the hook must not keep the tally alive
-
-            def forget() -> None:
-                tally = ref()
-                if tally is not None:
-                    tally._forget()
-
-            os.register_at_fork(after_in_child=forget)
 
     def add(self, limits: Iterable[str], event: str) -> None:
         """Count one ``event`` (see :data:`EVENTS`) for each of ``limits`` (a limit listed
@@ -324,16 +313,14 @@ class Tally:
             for field in fields:
                 counts[(minute, field)] = counts.get((minute, field), 0) + 1
             self._limits.update(limits)
-            if self._timer is None:
-                self._timer = threading.Timer(self.every_s, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            self._arm()
 
     def flush(self) -> None:
         """Write what was gathered now (one round trip; nothing when nothing was)."""
         with self._lock:
             counts, limits = self._counts, sorted(self._limits)
-            self._counts, self._limits, self._timer = {}, set(), None
+            self._reset()
+            self._disarm()
         if not counts:
             return
         try:
@@ -342,9 +329,3 @@ class Tally:
             if self.on_error is None:
                 raise
             self.on_error(limits, exc)
-
-    def _forget(self) -> None:
-        """In a forked child: the parent's counts are the parent's to write, and its timer
-        thread does not exist here."""
-        self._lock = threading.Lock()
-        self._counts, self._limits, self._timer = {}, set(), None

@@ -5,14 +5,12 @@ subprocesses."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.apps.celery_limits import LIMITS
+from tests.support.events import EventLog
 from tests.support.servers import RedisServer, free_port
 from throttle.config import Settings
 from throttle.errors import ConfigError, Throttled
@@ -254,47 +253,6 @@ def test_throttled_tasks_in_flower_and_in_the_metrics(mon: Monitored) -> None:
     stats = StatsBook(mon.client, KeySpace(), clock=lambda: time.time() + 60).per_minute(2)
     assert stats["parked"]["denied"] * 2 == deferrals
     assert stats["parked"]["parked"] * 2 == parks
-
-
-class EventLog:
-    """The task-throttled events of the fleet, captured by a real event receiver."""
-
-    def __init__(self, app: Any) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.connection = app.connection_for_read()
-        self.receiver = app.events.Receiver(
-            self.connection, handlers={"task-throttled": self.events.append}
-        )
-        ready = threading.Event()
-        self.thread = threading.Thread(
-            target=self._run, args=(ready,), daemon=True, name="event-log"
-        )
-        self.thread.start()
-        ready.wait(5)
-        # Events sent before the receiver subscribed are lost: probe until one arrives.
-        with app.events.default_dispatcher() as dispatcher:
-            deadline = time.monotonic() + 10
-            while not self.events and time.monotonic() < deadline:
-                dispatcher.send("task-throttled", uuid="probe")
-                time.sleep(0.1)
-        assert self.events, "the event receiver did not start"
-        time.sleep(0.2)
-        self.events.clear()
-
-    def _run(self, ready: threading.Event) -> None:
-        ready.set()
-        with contextlib.suppress(Exception):
-            self.receiver.capture(limit=None, timeout=None, wakeup=False)
-
-    def wait_for(self, n: int, timeout_s: float = 10) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.events) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)  # and no more than n
-        self.receiver.should_stop = True
-        self.thread.join(5)
-        self.connection.release()
-        return list(self.events)
 
 
 def counts_per_file(directory: Path, name: str) -> dict[int, float]:

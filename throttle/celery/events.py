@@ -12,8 +12,7 @@ sends its own buffered task events (``celery/events/dispatcher.py``,
 ``EventDispatcher.flush``), which Celery's event receiver, and so Flower, reads as the
 events one by one. The price: an event reaches Flower up to :data:`EVERY_S` late, and
 the events of a process that dies (or a pool child that exits) within that time are
-lost; they are for people. Sent by a timer thread (a greenlet under gevent and eventlet,
-which patch ``threading``); a forked child starts empty.
+lost; they are for people (:mod:`throttle.gathering`).
 """
 
 from __future__ import annotations
@@ -21,12 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
 from celery import Celery
 from celery.events import Event
 from celery.utils.time import utcoffset
+
+from throttle.gathering import Gathering
 
 logger = logging.getLogger("throttle")
 
@@ -36,27 +36,18 @@ BATCH_MAX = 200
 """A batch this long is sent at once (one message stays small)."""
 
 
-class BatchedEvents:
+class BatchedEvents(Gathering):
     """Task events of this process, published together at most every ``every_s`` s (or
-    every ``batch_max`` events) in one message. A publish that fails loses its batch
-    (logged at DEBUG): never the task."""
+    every ``batch_max`` events) in one message (:class:`throttle.gathering.Gathering`). A
+    publish that fails loses its batch (logged at DEBUG): never the task."""
 
     def __init__(self, app: Celery, *, every_s: float = EVERY_S, batch_max: int = BATCH_MAX):
         self.app = app
-        self.every_s = every_s
         self.batch_max = batch_max
-        self._lock = threading.Lock()
+        super().__init__(every_s)
+
+    def _reset(self) -> None:
         self._pending: list[dict[str, Any]] = []
-        self._timer: threading.Timer | None = None
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)  # the hook must not keep the batch alive
-
-            def forget() -> None:
-                events = ref()
-                if events is not None:
-                    events._forget()
-
-            os.register_at_fork(after_in_child=forget)
 
     def send(self, type_: str, *, uuid: str, hostname: str | None, **fields: Any) -> None:
         """Add one event of the task ``uuid`` (the worker's ``hostname``, as the event of
@@ -68,18 +59,17 @@ class BatchedEvents:
         with self._lock:
             self._pending.append(event)
             full = len(self._pending) >= self.batch_max
-            if not full and self._timer is None:
-                self._timer = threading.Timer(self.every_s, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            if not full:
+                self._arm()
         if full:
             self.flush()
 
     def flush(self) -> None:
         """Publish what was gathered now, as one message (nothing when nothing was)."""
         with self._lock:
-            batch, self._pending = self._pending, []
-            timer, self._timer = self._timer, None
+            batch = self._pending
+            self._reset()
+            timer = self._disarm()
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
         if not batch:
@@ -99,9 +89,3 @@ class BatchedEvents:
                 )
         except Exception as exc:
             logger.debug("throttle: %d task events lost: %s", len(batch), exc)
-
-    def _forget(self) -> None:
-        """In a forked child: the parent's events are the parent's to send, and its timer
-        thread does not exist here."""
-        self._lock = threading.Lock()
-        self._pending, self._timer = [], None
