@@ -73,11 +73,18 @@ end
 -- Whether now is Redis TIME, the clock key expiry runs on (false: a test's explicit time).
 local REDIS_CLOCK = true
 
--- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)).
+-- The one clock. ARGV carries an explicit time only in tests (Limiter(clock_us=...)); a
+-- negative one is Redis TIME that many us ago (a shadow look sent a moment after it was
+-- taken: Limiter.acquire_each). Either way every write then sets its key's TTL.
 local function clock_us(explicit)
   if explicit ~= '' then
     REDIS_CLOCK = false
-    return tonumber(explicit)
+    local us = tonumber(explicit)
+    if us >= 0 then
+      return us
+    end
+    local t = redis.call('TIME')
+    return t[1] * 1000000 + t[2] + us
   end
   REDIS_CLOCK = true
   local t = redis.call('TIME')

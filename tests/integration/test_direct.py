@@ -79,6 +79,22 @@ def test_an_error_reply_keeps_the_connection(server: RedisServer) -> None:
     assert _clients(admin) == before
 
 
+def test_commands_sent_together_each_get_their_own_reply_or_error(server: RedisServer) -> None:
+    admin = server.client()
+    calls = _direct(server.client())
+    calls("ECHO", "warm")
+    before = _clients(admin)
+    # Given three commands in one write, the middle one an error on the server
+    replies = calls.each([("ECHO", "a"), ("FCALL", "no_such_function", 0), ("ECHO", "b")])
+    # Then each has its own reply in its place, and the connection goes back clean
+    assert replies[0] == b"a" and replies[2] == b"b"
+    assert isinstance(replies[1], redis.ResponseError)
+    assert "Function not found" in str(replies[1])
+    assert calls("ECHO", "after") == b"after"
+    assert (len(calls.idle), _clients(admin)) == (1, before)
+    assert calls.each([]) == []
+
+
 def test_threads_each_read_their_own_replies(server: RedisServer) -> None:
     calls = _direct(server.client())
     wrong: list[tuple[bytes, Any]] = []

@@ -192,6 +192,41 @@ def test_a_reservable_wait_counts_in_the_retry_after_of_a_denial(
     assert denied.retry_after_s == pytest.approx(0.5)
 
 
+def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
+    limiter: Limiter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+    limiter.acquire(gcra, "warm")  # the library loaded: what follows is pipelined
+    direct = limiter._direct
+    assert direct is not None
+    trips: list[int] = []
+    each = direct.each
+    monkeypatch.setattr(direct, "each", lambda cmds: trips.append(len(cmds)) or each(cmds))
+    # Given five asks of a 10/s burst-1 limit gathered as they came, 0.1 s apart, and sent
+    # together now: each dated when it was asked
+    dated = limiter.acquire_each(
+        [(gcra, "k", 1.0)] * 5, max_wait_s=HOUR, ago_s=[0.4, 0.3, 0.2, 0.1, 0.0]
+    )
+    # Then none waits (they came at the limit's rate), all in one round trip
+    assert [(d.allowed, d.wait_s) for d in dated] == [(True, 0.0)] * 5  # type: ignore[union-attr]
+    assert trips == [5]
+    # Undated, three asks at once are spaced by the limit, each on its own: one that can
+    # never pass (a cost above the capacity) fails alone in its place
+    asks = [(gcra, "n", 1.0), (gcra, "n", 2.0), (gcra, "n", 1.0), (gcra, "n", 1.0)]
+    now = limiter.acquire_each(asks, max_wait_s=HOUR)
+    assert isinstance(now[1], CostExceedsCapacity)
+    waits = [d.wait_s for d in (now[0], now[2], now[3]) if isinstance(d, Decision)]
+    assert waits[0] == 0.0
+    assert waits[1:] == pytest.approx([0.1, 0.2], abs=0.01)  # less what Redis took between
+    assert trips == [5, 3]
+    # and a limit that is full denies one ask without touching the others
+    window = Limit.parse("1/h", name="win", algorithm="fixed_window")
+    mixed = limiter.acquire_each([(window, None, 1.0), (window, None, 1.0), (gcra, "m", 1.0)])
+    assert [d.allowed for d in mixed if isinstance(d, Decision)] == [True, False, True]
+    with pytest.raises(RequestError, match="ago_s has 1 values for 2 targets"):
+        limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=[0.1])
+
+
 def test_settle_refunds_the_unused_part(clocked: Limiter) -> None:
     limit = Limit.parse("100/h burst 10", name="llm")
     decision = clocked.acquire(limit, "acme", cost=8, acquisition_id="task-1")

@@ -98,3 +98,13 @@ def test_clear_forgets_the_learned_rates() -> None:
     memory.server.clear()
     # Then the limit is back at its ceiling
     assert book.read(api, None, learn).rate_per_s == pytest.approx(20.0)
+
+
+def test_asks_dated_in_the_past_are_taken_as_of_then() -> None:
+    # The in-memory server reads a negative time as "that long ago" as the scripts do
+    memory = MemoryLimiter()
+    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+    dated = memory.acquire_each([(gcra, "k", 1.0)] * 3, max_wait_s=10, ago_s=[0.2, 0.1, 0.0])
+    assert [d.wait_s for d in dated] == [0.0, 0.0, 0.0]  # type: ignore[union-attr]
+    at_once = memory.acquire_each([(gcra, "n", 1.0)] * 2, max_wait_s=10)
+    assert [d.wait_s for d in at_once][1] == pytest.approx(0.1, abs=0.01)  # type: ignore[union-attr]

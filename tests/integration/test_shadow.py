@@ -22,6 +22,7 @@ from throttle.celery.gate import Gate
 from throttle.celery.message import H_DEFERRALS, H_SENT
 from throttle.celery.observe import FleetStatsReporter
 from throttle.celery.runtime import Throttler
+from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
 from throttle.config import ThrottleConfig
 from throttle.stats import StatsBook
 
@@ -61,8 +62,10 @@ def enter(app: Celery, task_id: str, headers: dict[str, object] | None = None) -
 
 
 def recorded(throttler: Throttler) -> dict[str, dict[str, Any]]:
-    """What the fleet stats say of the limits in shadow mode, once this process has
-    written what it gathered (a worker writes it about once a second)."""
+    """What the fleet stats say of the limits in shadow mode, once this process has sent
+    its looks (within shadow.BATCH_S in a worker) and written what it gathered (about once
+    a second)."""
+    looks_of(throttler).flush()
     for observer in throttler.observer.observers:
         if isinstance(observer, FleetStatsReporter):
             observer.tally.flush()
@@ -95,6 +98,31 @@ def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
     # A task that an enforced limit sent back is not looked at twice
     enter(app, "t0", {H_DEFERRALS: 1})
     assert recorded(throttler)["api"]["tasks"] == 30
+
+
+def test_a_task_does_not_wait_for_its_look_which_a_timer_sends_soon_after(
+    app: Celery,
+) -> None:
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    throttler = Throttler.of(app)
+    client = throttler.limiter.client
+    twin = shadow_limit(throttler.config.rules["api"].limit)
+    twin_key = throttler.limiter.keyspace.state_keys(twin, None)[0]
+    with looks_of(throttler)._sending:  # the timer cannot send while the tasks arrive
+        # Given 5 tasks of the limit in shadow mode
+        for i in range(5):
+            enter(app, f"w{i}")
+        # Then none of them sent its look (the twin's state is not in Redis yet)
+        assert not client.exists(twin_key)
+    # and the gathering's timer sends them within BATCH_S of the first (the Redis clock
+    # bounds the wait, generously: a timer thread on a busy host)
+    started = redis_now_s(client)
+    while not client.exists(twin_key):
+        assert redis_now_s(client) - started < 20 * BATCH_S
+        time.sleep(0.005)
+    assert recorded(throttler)["api"]["tasks"] == 5
 
 
 def test_shadow_events_reach_an_event_receiver_in_one_message(app: Celery) -> None:

@@ -142,8 +142,12 @@ class MemoryRedis:
         return known[source]
 
     def _now(self, explicit: Any) -> float:
+        """prelude.lua's ``clock_us``: the server's clock for '', an explicit time, or (a
+        negative one) the server's clock that many us ago."""
         number = _number(explicit)
-        return float(self.clock_us()) if number is None else number
+        if number is None:
+            return float(self.clock_us())
+        return number if number >= 0 else float(self.clock_us()) + number
 
     def _record(self, name: str) -> Record | None:
         """The live lease record ``name`` (expired ones are dropped, as Redis would)."""

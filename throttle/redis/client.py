@@ -148,6 +148,49 @@ def run_routine(
     return reply
 
 
+def run_routines(
+    client: RedisClient,
+    calls: Sequence[tuple[Routine[Script], Sequence[str], list[Any]]],
+    direct: DirectCalls | None = None,
+) -> list[Any]:
+    """Several independent calls, in one round trip when they can go as one (``FCALL`` on
+    ``direct``'s connections, the library known to be loaded), else one by one through
+    :func:`run_routine`. Each call's reply in order, or the :class:`BackendError` that
+    call failed with on the server; a Redis that cannot be reached raises
+    :class:`BackendUnavailable` for all."""
+    if direct is None or any(routine.library.functions is not True for routine, _, _ in calls):
+        return [_reply_or_error(client, call, direct) for call in calls]
+    try:
+        replies = direct.each(
+            [("FCALL", routine.function, len(keys), *keys, *args) for routine, keys, args in calls]
+        )
+    except _REFUSED as exc:
+        raise _wrapped(exc) from exc
+    out: list[Any] = []
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, ResponseError):
+            # A library flushed since (loaded again there), or the script's own error.
+            out.append(_reply_or_error(client, call, direct) if call[0].library.missing(reply)
+                       else _wrapped(reply))  # fmt: skip
+        else:
+            out.append(reply)
+    return out
+
+
+def _reply_or_error(
+    client: RedisClient,
+    call: tuple[Routine[Script], Sequence[str], list[Any]],
+    direct: DirectCalls | None,
+) -> Any:
+    """One call of :func:`run_routines` alone: its reply, or its :class:`BackendError`."""
+    try:
+        return run_routine(client, *call, direct)
+    except BackendUnavailable:
+        raise
+    except BackendError as exc:
+        return exc
+
+
 def _loaded(client: RedisClient, library: Library, exc: ResponseError) -> bool:
     """After ``FCALL`` failed with ``exc``: True when the library is loaded now (call
     again), False when this Redis takes no functions (use the script); raises ``exc`` when

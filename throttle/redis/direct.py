@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -136,6 +136,39 @@ class DirectCalls:
             raise
         idle.append(conn)
         return reply
+
+    def each(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` in one write and read their replies in order (a pipeline
+        without MULTI: one round trip, each command on its own). A command that fails on
+        the server has its ``ResponseError`` in its place; every reply is read whatever
+        came before, so the connection goes back clean. Anything else (a lost connection)
+        raises for all, and is not retried: which of the commands ran is not known."""
+        if not commands:
+            return []
+        idle = self.idle
+        conn = self._idle()
+        pack = self._pack
+        try:
+            packed: list[bytes] = []
+            for command in commands:
+                packed.extend(pack(command) if pack is not None else conn.pack_command(*command))
+        except BaseException:
+            idle.append(conn)  # nothing was sent on it
+            raise
+
+        replies: list[Any] = []
+        try:
+            conn.send_packed_command(packed)
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # read whole: the next reply follows it
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()
+            raise
+        idle.append(conn)
+        return replies
 
     def _idle(self) -> Any:
         """A connection ready to send, checked as the pool checks one it hands out: an
