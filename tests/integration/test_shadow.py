@@ -7,12 +7,14 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 import yaml
 from celery import Celery
+from celery.worker import state
 
 from tests.support.clock import redis_now_s
 from tests.support.events import EventLog
@@ -23,6 +25,7 @@ from throttle.celery.message import H_DEFERRALS, H_SENT
 from throttle.celery.observe import FleetStatsReporter
 from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
+from throttle.celery.waiting import Undecided, Waiting
 from throttle.config import ThrottleConfig
 from throttle.stats import StatsBook
 
@@ -41,7 +44,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
                 "api": {"algorithm": "gcra", "rate": "10/s", "burst": 1, "mode": "shadow"},
                 "other": {"rate": "1000/s"},
             },
-            "tasks": {"shadow.call": ["api", "other"]},
+            "tasks": {"shadow.call": ["api", "other"], "shadow.only": ["api"]},
         },
     )  # fmt: skip
     yield app
@@ -123,6 +126,39 @@ def test_a_task_does_not_wait_for_its_look_which_a_timer_sends_soon_after(
         assert redis_now_s(client) - started < 20 * BATCH_S
         time.sleep(0.005)
     assert recorded(throttler)["api"]["tasks"] == 5
+
+
+def test_a_task_with_only_limits_in_shadow_goes_to_the_pool_without_waiting_for_a_slot(
+    app: Celery,
+) -> None:
+    @app.task(name="shadow.only", shared=False)
+    def only() -> None: ...
+
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    class Request(SimpleNamespace):  # celery's reserved requests are a WeakSet
+        __hash__ = object.__hash__
+
+    # Given a worker's consumer whose one pool slot is taken
+    handed: list[Any] = []
+    timer = SimpleNamespace(call_after=lambda *args, **kwargs: object())
+    consumer = SimpleNamespace(
+        pool=SimpleNamespace(num_processes=1), on_task_request=handed.append, timer=timer
+    )
+    undecided = Undecided(consumer)
+    busy = Request(id="busy")
+    state.reserved_requests.add(busy)
+    try:
+        for task in (only, call):
+            request = Request(id=task.name, delivery_info={"routing_key": "celery"})
+            Waiting(task, consumer, undecided).on_request(request)
+    finally:
+        state.reserved_requests.difference_update([busy, *handed])
+    # Then the task whose one limit is in shadow mode went to the pool at once (the pool
+    # child's gate looks for it), and the task with a limit in force waits for the slot
+    assert [request.id for request in handed] == ["shadow.only"]
+    assert [request.id for _, request in undecided.waiting] == ["shadow.call"]
 
 
 def test_shadow_events_reach_an_event_receiver_in_one_message(app: Celery) -> None:

@@ -85,7 +85,12 @@ from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_o
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import queue_of
-from throttle.celery.runtime import RABBITMQ_CONSUMER_TIMEOUT_S, Throttler, throttling_enabled
+from throttle.celery.runtime import (
+    RABBITMQ_CONSUMER_TIMEOUT_S,
+    Throttler,
+    declared_by,
+    throttling_enabled,
+)
 from throttle.celery.task import gated_call
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
@@ -155,6 +160,7 @@ class Waiting:
         self.line = line
         self.looks: dict[str | None, Look] = {}
         """What the last decisions said of the task's limits, per queue it came from."""
+        self.declared = declared_by(task)
 
     def strategy(self) -> Any:
         """Celery's default strategy for the task, over a view of the consumer whose
@@ -166,12 +172,26 @@ class Waiting:
 
     def on_request(self, request: Any) -> None:
         """A task may run (no ETA, or its ETA came): admit it when a pool slot is free; or,
-        while its limits have room (:class:`Look`), hand it to the pool undecided."""
-        look = self.looks.get(queue_of(request.delivery_info))
-        if look is not None and look.roomy(time.monotonic()):
+        while its limits have room (:class:`Look`), or when it has no limit in force on
+        its queue, hand it to the pool undecided."""
+        queue = queue_of(request.delivery_info)
+        look = self.looks.get(queue)
+        if (look is not None and look.roomy(time.monotonic())) or not self._enforced(queue):
             self._to_pool(request)
             return
         self.undecided.submit(self, request)
+
+    def _enforced(self, queue: str | None) -> bool:
+        """Whether the task has a limit in force on ``queue`` now; not when it has none
+        there, or only limits in shadow mode, which never delay it: then nothing waits
+        for a free pool slot in the consumer (where the default strategy would not keep
+        it), and the pool child's gate makes its shadow look (the rule set is resolved
+        once per queue, the modes cached for ``settings.refresh``). True when this
+        cannot be told: :meth:`admit` then decides, and reports what went wrong."""
+        try:
+            return bool(self.throttler.rule_set(self.task, self.declared, queue).rules)
+        except Exception:
+            return True
 
     def on_eta(self, request: Any) -> None:
         """The ETA of a task came (Celery's ``apply_eta_task``, which had raised the
