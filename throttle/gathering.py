@@ -1,31 +1,38 @@
-"""What one process gathers and writes at most every so often, from a timer thread.
+"""What one process gathers and writes at most every so often, from a thread of its own.
 
 For events as frequent as the tasks themselves, where a write each (a Redis round trip, a
 broker publish) would cost a worker as much as the throttling: they are gathered under a
-lock, and a timer started by the first of them writes them all ``every_s`` later. The
+lock, and the gatherer's thread writes them all ``every_s`` after the first of them. The
 price: what was gathered reaches its destination up to ``every_s`` late, and what a
 process that dies (or a pool child that exits) gathered within that time is lost; it is
-for people. The timer is a thread (a greenlet under gevent and eventlet, which patch
-``threading``); a forked child starts empty.
+for people. The thread (a greenlet under gevent and eventlet, which patch ``threading``)
+is started by the first addition and then waits for the next: a thread started per write
+would cost the adding task a thread's start (tens of us, and a switch to the new thread),
+every ``every_s``. A forked child starts empty, its thread not yet started.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
+
+IDLE_CHECK_S = 30.0
+"""How often an idle gatherer's thread checks that its gatherer still exists, in s."""
 
 
 class Gathering:
-    """The lock, the timer and the fork hook of a gatherer. A subclass sets its empty state
-    in :meth:`_reset`; adds to it under ``_lock``, then calls :meth:`_arm`; and in
+    """The lock, the thread and the fork hook of a gatherer. A subclass sets its empty
+    state in :meth:`_reset`; adds to it under ``_lock``, then calls :meth:`_arm`; and in
     :meth:`flush` takes the state out under the lock (its own, then :meth:`_reset` and
     :meth:`_disarm`) and writes it outside."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
         self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
+        self._due = threading.Event()
+        self._thread: threading.Thread | None = None
         self._reset()
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)  # the hook must not keep the gatherer alive
@@ -42,24 +49,45 @@ class Gathering:
         raise NotImplementedError
 
     def _arm(self) -> None:
-        """Have the timer flush within ``every_s`` unless it is set already (under the
+        """Have the thread flush within ``every_s`` unless it is due to already (under the
         lock)."""
-        if self._timer is None:
-            self._timer = threading.Timer(self.every_s, self.flush)
-            self._timer.daemon = True
-            self._timer.start()
+        if not self._due.is_set():
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_flushing, args=(weakref.ref(self), self._due, self.every_s),
+                    name=f"throttle-{type(self).__name__}", daemon=True,
+                )  # fmt: skip
+                self._thread.start()
+            self._due.set()
 
-    def _disarm(self) -> threading.Timer | None:
-        """Take the timer out (under the lock): the next addition sets a new one."""
-        timer, self._timer = self._timer, None
-        return timer
+    def _disarm(self) -> None:
+        """Nothing is gathered any more (under the lock): the next addition arms again."""
+        self._due.clear()
 
     def flush(self) -> None:
         raise NotImplementedError
 
     def _forget(self) -> None:
         """In a forked child: the parent's gatherings are the parent's to write, and its
-        timer thread does not exist here."""
+        thread does not exist here."""
         self._lock = threading.Lock()
-        self._timer = None
+        self._due = threading.Event()
+        self._thread = None
         self._reset()
+
+
+def _flushing(ref: weakref.ref[Gathering], due: threading.Event, every_s: float) -> None:
+    """A gatherer's thread: ``every_s`` after it is armed, flush; until the gatherer is
+    gone (it holds the gatherer only while it flushes; an idle thread looks every
+    :data:`IDLE_CHECK_S`), or a fork replaced ``due``."""
+    while True:
+        if not due.wait(IDLE_CHECK_S):
+            if ref() is None:
+                return
+            continue
+        time.sleep(every_s)
+        gathering = ref()
+        if gathering is None or gathering._due is not due:
+            return
+        gathering.flush()
+        del gathering

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 from celery import Celery
@@ -69,9 +68,7 @@ class BatchedEvents(Gathering):
         with self._lock:
             batch = self._pending
             self._reset()
-            timer = self._disarm()
-        if timer is not None and timer is not threading.current_thread():
-            timer.cancel()
+            self._disarm()
         if not batch:
             return
         try:
