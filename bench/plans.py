@@ -37,6 +37,13 @@ within ``settings.refresh``, 2 s, plus one new spacing). In
 ``shadow``: the fleet's speed against the control (target: within the noise), and what
 ``status`` reports (``StatsBook.shadow``: tasks it would have delayed, p50 and p95 of the
 wait) beside the waits the enforced run imposed (API arrival - send, every task).
+
+Then ``--speed-rounds`` (default 3) pairs of floods with the limit in shadow again, the API
+open: unthrottled (``plain_call``) and in shadow (``plan_call``), alternating which goes
+first. Printed under ``speed``: each flood's speed and workers' CPU per task, the median
+shadow speed over the median unthrottled one (target: within the noise), and the spread of
+the unthrottled floods (their fastest over their slowest, less 1: the noise). The
+``shadow`` phase's own speed measures the same thing once, after an enforced phase.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -231,11 +239,48 @@ def speed(arrivals: list[dict[str, Any]]) -> float | None:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else None
 
 
+def speed_rounds(
+    app: Any, api: Any, rates: dict[str, float], args: Any, cpu: CpuMeter, timeout_s: float
+) -> dict[str, Any]:
+    """``--speed-rounds`` pairs of floods, unthrottled (``plain_call``) and in shadow mode
+    (``plan_call``), the API open, each pair in the other order than the one before (the
+    host's drift hits both alike): each flood's speed and workers' CPU per task, and the
+    shadow's median speed against the unthrottled median, beside the spread of the
+    unthrottled floods themselves (the noise)."""
+    runs: dict[str, list[dict[str, float]]] = {"plain_call": [], "plan_call": []}
+    for round_ in range(args.speed_rounds):
+        order = ("plain_call", "plan_call")
+        for task in order if round_ % 2 == 0 else order[::-1]:
+            api.api.reset()
+            started = time.monotonic()
+            cpu.lap(1, 1)
+            sent = flood(app, f"bench.plans_app.{task}", rates, args.seconds)
+            per_s = speed(wait_all(api, sent, timeout_s)) or 0.0
+            lap = cpu.lap(time.monotonic() - started, len(sent))
+            runs[task].append(
+                {"per_s": round(per_s, 1), "workers_ms": lap["workers"]["ms_per_task"]}
+            )
+            print(f"speed round {round_ + 1}: {task} {per_s:.1f}/s", file=sys.stderr)
+    plain = sorted(run["per_s"] for run in runs["plain_call"])
+    shadow = sorted(run["per_s"] for run in runs["plan_call"])
+    return {
+        "unthrottled": runs["plain_call"], "shadow": runs["plan_call"],
+        "shadow_of_unthrottled": round(statistics.median(shadow) / statistics.median(plain), 3),
+        "unthrottled_spread": round(plain[-1] / plain[0] - 1, 3),
+    }  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--scale", type=float, default=0.05)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=3,
+        help="pairs of unthrottled and shadow floods after the phases (0: none)",
+    )
     parser.add_argument(
         "--margin",
         type=float,
@@ -341,6 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sent = flood(app, "bench.plans_app.plain_call", rates, args.seconds)
                 result["control_again_per_s"] = speed(wait_all(api, sent, timeout_s))
                 result["control_again_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
+                # 5. speed: unthrottled and shadow floods alternated on the same fleet
+                if args.speed_rounds:
+                    book.set_mode("api", "shadow")
+                    time.sleep(REFRESH_S + 0.5)
+                    result["speed"] = speed_rounds(app, api, rates, args, cpu, timeout_s)
                 result["load_end"] = os.getloadavg()
         finally:
             api.stop()

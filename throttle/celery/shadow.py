@@ -105,13 +105,15 @@ class Looks(Gathering):
             self.flush()
 
     def flush(self) -> None:
-        """Send what is gathered, and report each look's waits to the observers."""
-        with self._lock:
-            looks = self._looks
-            self._reset()
-            self._disarm()
-        if looks:
-            with self._sending:
+        """Send what is gathered, and report each look's waits to the observers: when it
+        returns, every look gathered before the call was reported (one another thread
+        was sending included)."""
+        with self._sending:
+            with self._lock:
+                looks = self._looks
+                self._reset()
+                self._disarm()
+            if looks:
                 self._send(looks)
 
     def _send(self, looks: list[_Look]) -> None:
