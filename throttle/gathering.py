@@ -13,10 +13,13 @@ every ``every_s``. A forked child starts empty, its thread not yet started.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import weakref
+
+logger = logging.getLogger("throttle")
 
 IDLE_CHECK_S = 30.0
 """How often an idle gatherer's thread checks that its gatherer still exists, in s."""
@@ -89,5 +92,10 @@ def _flushing(ref: weakref.ref[Gathering], due: threading.Event, every_s: float)
         gathering = ref()
         if gathering is None or gathering._due is not due:
             return
-        gathering.flush()
+        try:
+            gathering.flush()
+        except Exception:  # the thread must outlive one failed write: the next ones come
+            logger.exception(
+                "throttle: %s could not write what it gathered", type(gathering).__name__
+            )
         del gathering

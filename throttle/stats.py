@@ -275,7 +275,7 @@ class Tally(Gathering):
     counts of a process that dies (or a pool child that exits) within ``every_s`` of them
     are lost; they are counts for people.
 
-    ``on_error(limits, exc)`` is called (in the timer thread) when a write fails; the
+    ``on_error(limits, exc)`` is called (in the gatherer's thread) when a write fails; the
     counts of that write are dropped.
     """
 

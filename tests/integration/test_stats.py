@@ -161,3 +161,20 @@ def test_a_tally_flushed_at_once_and_its_failures_reported(book: StatsBook, pref
     with pytest.raises(RequestError, match="unknown stats event 'waits'"):
         lost.add(["github"], "waits")
     dead.close()
+
+
+def test_a_tally_whose_write_failed_writes_the_next_counts_on_its_own(
+    book: StatsBook, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a tally (no on_error) whose first write, by its own thread, finds Redis away
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    tally = Tally(StatsBook(dead, KeySpace(prefix), clock=lambda: T0), every_s=0.05)
+    tally.add(["github"], "waited")
+    wait_for(lambda: "could not write" in caplog.text, 5)
+    # When Redis is back (its book reaches the live one) and more is counted
+    tally.book = book
+    tally.add(["stripe"], "waited")
+    # Then the same thread writes it, without a flush by hand
+    key = book.keyspace.stats_key(int(T0 // 60))
+    wait_for(lambda: book.client.hgetall(key) == {b"waited:stripe": b"1"}, 5)
+    dead.close()

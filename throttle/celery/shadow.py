@@ -80,8 +80,8 @@ class Looks(Gathering):
     """The shadow looks of one process and throttler, gathered for :data:`BATCH_S` (or
     :data:`BATCH_MAX` looks) and sent in one round trip (:meth:`Limiter.acquire_each`), each
     dated when its task arrived so that the twin sees the arrivals' own spacing. The task
-    never waits for its look: it runs while the look is gathered, and a timer thread
-    sends it. The price: a look reaches its twin up to :data:`BATCH_S` after its task, so
+    never waits for its look: it runs while the look is gathered, and the gatherer's
+    thread sends it. The price: a look reaches its twin up to :data:`BATCH_S` after its task, so
     the twins of several processes take their looks slightly out of order (each counts
     from its own arrival); the looks a process gathered in its last :data:`BATCH_S` are lost
     when it dies."""
