@@ -279,6 +279,34 @@ class RequestBuilder(Generic[_S]):
             args.append(round(self.fence_s * 1e6))
         return self._scripts_for(codes)[0], keys, args, decode
 
+    def _each_requests(
+        self,
+        targets: Sequence[tuple[Limit, str | None, float]],
+        max_wait_s: float,
+        ago_s: Sequence[float] | None,
+    ) -> list[Request[_S, Decision] | ThrottleError]:
+        """The calls of an acquire of each target on its own (see
+        :meth:`Limiter.acquire_each`): per target, its call dated ``ago_s`` back, or the
+        error its arguments raise."""
+        if ago_s is not None and len(ago_s) != len(targets):
+            raise RequestError(f"ago_s has {len(ago_s)} values for {len(targets)} targets")
+        built: list[Request[_S, Decision] | ThrottleError] = []
+        for i, (limit, key, cost) in enumerate(targets):
+            try:
+                request = self._many_request(
+                    [(limit, key, cost)], 1.0, max_wait_s, None, DEFAULT_LEASE_S
+                )
+            except ThrottleError as exc:
+                built.append(exc)
+                continue
+            ago = 0.0 if ago_s is None else min(max(float(ago_s[i]), 0.0), MAX_AGO_S)
+            if ago > 0:
+                ago_us = round(ago * 1e6)
+                args = request[2]
+                args[0] = -ago_us if self._clock_us is None else self._clock_us() - ago_us
+            built.append(request)
+        return built
+
     def _settle_request(
         self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
     ) -> Request[_S, Settlement]:
@@ -452,8 +480,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
     Notes
     -----
     For asyncio code (``redis.asyncio``), :class:`throttle.aio.Limiter` has the same
-    methods but :meth:`acquire_each`, awaited, and builds the same calls
-    (:class:`RequestBuilder`).
+    methods, awaited, and builds the same calls (:class:`RequestBuilder`).
     """
 
     def __init__(
@@ -611,23 +638,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
         CPU per call of separate round trips, for ten at a time. Otherwise they go one by
         one.
         """
-        if ago_s is not None and len(ago_s) != len(targets):
-            raise RequestError(f"ago_s has {len(ago_s)} values for {len(targets)} targets")
-        built: list[Request[Routine[Script], Decision] | ThrottleError] = []
-        for i, (limit, key, cost) in enumerate(targets):
-            try:
-                request = self._many_request(
-                    [(limit, key, cost)], 1.0, max_wait_s, None, DEFAULT_LEASE_S
-                )
-            except ThrottleError as exc:
-                built.append(exc)
-                continue
-            ago = 0.0 if ago_s is None else min(max(float(ago_s[i]), 0.0), MAX_AGO_S)
-            if ago > 0:
-                ago_us = round(ago * 1e6)
-                args = request[2]
-                args[0] = -ago_us if self._clock_us is None else self._clock_us() - ago_us
-            built.append(request)
+        built = self._each_requests(targets, max_wait_s, ago_s)
         sent = [request for request in built if not isinstance(request, ThrottleError)]
         replies = iter(run_routines(self.client, [r[:3] for r in sent], self._direct))
         out: list[Decision | ThrottleError] = []

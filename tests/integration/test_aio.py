@@ -90,6 +90,23 @@ def test_each_algorithm_allows_then_denies(
         assert denied.retry_after_s == pytest.approx(retry_after_s)
 
 
+def test_each_target_is_taken_alone_as_of_when_it_was_asked(redis_url: str, prefix: str) -> None:
+    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+
+    async def body(limiter: Limiter) -> tuple[list[Any], list[Any]]:
+        # asks that came 0.1 s apart, sent together now; then a cost that can never pass
+        dated = await limiter.acquire_each(
+            [(gcra, "k", 1.0)] * 3, max_wait_s=10, ago_s=[0.2, 0.1, 0.0]
+        )
+        mixed = await limiter.acquire_each([(gcra, "n", 2.0), (gcra, "n", 1.0)], max_wait_s=10)
+        return dated, mixed
+
+    dated, mixed = run(redis_url, prefix, body)  # on the Redis clock: dated asks need it
+    assert [(d.allowed, d.wait_s) for d in dated] == [(True, 0.0)] * 3
+    assert isinstance(mixed[0], CostExceedsCapacity)
+    assert mixed[1].allowed
+
+
 def test_the_test_clock_moves_the_limits(arun: Callable[[Body], Any], clock: FakeClock) -> None:
     limit = Limit.parse("10/s burst 1", name="shaper", algorithm="gcra")
 

@@ -32,6 +32,7 @@ import redis.asyncio
 from redis.commands.core import AsyncScript
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
+from throttle.errors import BackendError, BackendUnavailable, ThrottleError
 from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, RequestBuilder
 from throttle.redis.client import async_client_from_url, run_routine_async
 from throttle.redis.library import Library, Routine
@@ -136,6 +137,29 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
             targets, cost, max_wait_s, acquisition_id, lease_s, reserve_until
         )
         return decode(await self._call(script, keys, args))
+
+    async def acquire_each(
+        self,
+        targets: Sequence[tuple[Limit, str | None, float]],
+        *,
+        max_wait_s: float = _NO_WAIT,
+        ago_s: Sequence[float] | None = None,
+    ) -> list[Decision | ThrottleError]:
+        """Take each target on its own: :meth:`throttle.Limiter.acquire_each`, the calls
+        awaited one after the other (not pipelined)."""
+        out: list[Decision | ThrottleError] = []
+        for item in self._each_requests(targets, max_wait_s, ago_s):
+            if isinstance(item, ThrottleError):
+                out.append(item)
+                continue
+            script, keys, args, decode = item
+            try:
+                out.append(decode(await self._call(script, keys, args)))
+            except BackendUnavailable:
+                raise
+            except BackendError as exc:
+                out.append(exc)
+        return out
 
     async def settle(
         self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
