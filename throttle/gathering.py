@@ -26,14 +26,16 @@ IDLE_CHECK_S = 30.0
 
 
 class Gathering:
-    """The lock, the thread and the fork hook of a gatherer. A subclass sets its empty
+    """The locks, the thread and the fork hook of a gatherer. A subclass sets its empty
     state in :meth:`_reset`; adds to it under ``_lock``, then calls :meth:`_arm`; and in
-    :meth:`flush` takes the state out under the lock (its own, then :meth:`_reset` and
-    :meth:`_disarm`) and writes it outside."""
+    :meth:`flush`, under ``_writing``, takes the state out under ``_lock`` (its own, then
+    :meth:`_reset` and :meth:`_disarm`) and writes it: one write at a time, so that a
+    flush returns once what was gathered before it is written, whichever thread took it."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
         self._lock = threading.Lock()
+        self._writing = threading.Lock()
         self._due = threading.Event()
         self._thread: threading.Thread | None = None
         self._reset()
@@ -74,6 +76,7 @@ class Gathering:
         """In a forked child: the parent's gatherings are the parent's to write, and its
         thread does not exist here."""
         self._lock = threading.Lock()
+        self._writing = threading.Lock()
         self._due = threading.Event()
         self._thread = None
         self._reset()

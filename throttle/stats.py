@@ -317,15 +317,16 @@ class Tally(Gathering):
 
     def flush(self) -> None:
         """Write what was gathered now (one round trip; nothing when nothing was)."""
-        with self._lock:
-            counts, limits = self._counts, sorted(self._limits)
-            self._reset()
-            self._disarm()
-        if not counts:
-            return
-        try:
-            self.book.add_counts(counts)
-        except Exception as exc:
-            if self.on_error is None:
-                raise
-            self.on_error(limits, exc)
+        with self._writing:
+            with self._lock:
+                counts, limits = self._counts, sorted(self._limits)
+                self._reset()
+                self._disarm()
+            if not counts:
+                return
+            try:
+                self.book.add_counts(counts)
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self.on_error(limits, exc)

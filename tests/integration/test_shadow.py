@@ -113,7 +113,7 @@ def test_a_task_does_not_wait_for_its_look_which_a_timer_sends_soon_after(
     client = throttler.limiter.client
     twin = shadow_limit(throttler.config.rules["api"].limit)
     twin_key = throttler.limiter.keyspace.state_keys(twin, None)[0]
-    with looks_of(throttler)._sending:  # the timer cannot send while the tasks arrive
+    with looks_of(throttler)._writing:  # the timer cannot send while the tasks arrive
         # Given 5 tasks of the limit in shadow mode
         for i in range(5):
             enter(app, f"w{i}")

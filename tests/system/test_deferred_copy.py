@@ -6,7 +6,8 @@ tests/apps/copy_app.py; results and limiter on a private redis-server.
 
 Each test first holds the limit (as an upstream's 429 does), so that the task under test
 is denied and comes back when the hold ends: in 1 s on ``hop`` (between ``sleep_max`` and
-``park_after``: re-published), 3 s on ``lot`` (parked). The task's own headers say it
+``park_after``: re-published), 5 s on ``lot`` (parked: beyond ``park_after`` however late
+the worker takes the task, up to 3.5 s). The task's own headers say it
 was deferred, and how.
 """
 
@@ -84,10 +85,10 @@ class Fleet:
 
     def hold(self, queue: str) -> None:
         """Hold ``queue``'s limit, so that the next task is denied and comes back when the
-        hold ends: in 1 s on ``hop`` (re-published), 3 s on ``lot`` (parked). A hold, not
+        hold ends: in 1 s on ``hop`` (re-published), 5 s on ``lot`` (parked). A hold, not
         tasks taking the slots: a solo worker runs those in its consumer, which receives
         the next task only once their slots have passed."""
-        self.limiter.hold(queue, None, 1.0 if queue == "hop" else 3.0)
+        self.limiter.hold(queue, None, 1.0 if queue == "hop" else 5.0)
 
     def runs(self, task_id: str) -> int:
         return int(self.client.hget("copy:runs", task_id) or 0)

@@ -239,8 +239,11 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
 
     # Then the limit is paused in Redis, the page shows it, and the fleet admits nothing
     until(lambda: cell(browser, "live", "hold") == "paused", 5, "the pause on the page")
-    paused = {row["name"]: row for row in state(url)["limits"]}["live"]
-    assert paused["hold"] == {"paused": True, "held_s": None}
+    until(
+        lambda: {row["name"]: row for row in state(url)["limits"]}["live"]["hold"]
+        == {"paused": True, "held_s": None},
+        5, "the pause in the state",
+    )  # fmt: skip
     until(lambda: cell(browser, "live", "now") == "0/s", 5, "nothing admitted while paused")
 
     # When resumed from the page, tasks flow again

@@ -5,6 +5,8 @@ busiest keys, JSON without infinities; and the server's answers that need no fle
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from tests.support.http import post_json
 from throttle.spec import Limit
 from throttle.web import LimitsPage
 from throttle.web.server import _finite
-from throttle.web.snapshot import TOP_KEYS, _admitted, _by_key
+from throttle.web.snapshot import TOP_KEYS, Sampler, _admitted, _by_key
 
 GCRA = Limit.parse("10/s burst 5", name="api", algorithm="gcra")
 SLOTS = Limit.parse("4 concurrent", name="pool")
@@ -154,3 +156,30 @@ def test_control_wants_the_token_and_a_known_limit(controlled: Any) -> None:
 def test_a_short_token_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 16 characters"):
         LimitsPage(_Sampler(), control_token="short")  # type: ignore[arg-type]
+
+
+def test_a_snapshot_begun_before_the_one_kept_is_not_kept() -> None:
+    # The page's loop is taking a snapshot when a pause takes one at once: the pause's,
+    # begun later, finishes first; the loop's, older, must not replace it
+    release = threading.Event()
+
+    class Overtaken(Sampler):
+        calls = 0
+
+        def _collect(self) -> dict[str, Any]:
+            self.calls += 1
+            if self.calls == 1:
+                release.wait(10)
+                return {"limits": [], "seen": "before the pause"}
+            return {"limits": [], "seen": "after the pause"}
+
+    sampler = Overtaken(None, None)  # type: ignore[arg-type]
+    loop = threading.Thread(target=sampler.sample)
+    loop.start()
+    while sampler.calls == 0:
+        time.sleep(0.001)
+    sampler.sample()
+    release.set()
+    loop.join(10)
+    latest = sampler.latest()
+    assert latest is not None and latest["seen"] == "after the pause"

@@ -65,12 +65,15 @@ class BatchedEvents(Gathering):
 
     def flush(self) -> None:
         """Publish what was gathered now, as one message (nothing when nothing was)."""
-        with self._lock:
-            batch = self._pending
-            self._reset()
-            self._disarm()
-        if not batch:
-            return
+        with self._writing:
+            with self._lock:
+                batch = self._pending
+                self._reset()
+                self._disarm()
+            if batch:
+                self._publish(batch)
+
+    def _publish(self, batch: list[dict[str, Any]]) -> None:
         try:
             with self.app.events.default_dispatcher() as dispatcher:
                 # EventDispatcher.flush's own message for buffered task events

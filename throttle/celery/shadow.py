@@ -88,7 +88,6 @@ class Looks(Gathering):
 
     def __init__(self, throttler: Throttler) -> None:
         self.throttler = throttler
-        self._sending = threading.Lock()  # one batch at a time: the observers see them in order
         super().__init__(BATCH_S)
 
     def _reset(self) -> None:
@@ -108,7 +107,7 @@ class Looks(Gathering):
         """Send what is gathered, and report each look's waits to the observers: when it
         returns, every look gathered before the call was reported (one another thread
         was sending included)."""
-        with self._sending:
+        with self._writing:
             with self._lock:
                 looks = self._looks
                 self._reset()

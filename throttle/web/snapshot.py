@@ -78,6 +78,8 @@ class Sampler:
         self.minutes = minutes
         self._lock = threading.Lock()
         self._latest: dict[str, Any] | None = None
+        self._latest_started = -math.inf
+        """When the kept snapshot was begun (monotonic s)."""
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self._previous: tuple[float, dict[str, float] | None, dict[str, float]] | None = None
         """(monotonic s, admitted counters per limit, level per limit) of the last sample."""
@@ -97,13 +99,19 @@ class Sampler:
     def sample(self) -> dict[str, Any]:
         """Take a snapshot now and keep it; a Redis error is kept as the snapshot's
         ``error`` (the page shows it, the last good numbers stay in the history)."""
-        taken = time.time()
+        taken, started = time.time(), time.monotonic()
         try:
             data = self._collect()
         except ThrottleError as exc:
             data = {"error": str(exc)}
         data["taken"] = taken
         with self._lock:
+            if started < self._latest_started:
+                # Begun before the snapshot kept (the page's loop, overtaken by the snapshot
+                # a pause or resume takes at once): older, not kept, or the page would show
+                # the limit unpaused again until the next one.
+                return data
+            self._latest_started = started
             self._latest = data
             if "error" not in data:
                 self._history.append(
