@@ -103,7 +103,7 @@ def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
     assert recorded(throttler)["api"]["tasks"] == 30
 
 
-def test_a_task_does_not_wait_for_its_look_which_a_timer_sends_soon_after(
+def test_a_task_does_not_wait_for_its_look_which_a_thread_sends_soon_after(
     app: Celery,
 ) -> None:
     @app.task(name="shadow.call", shared=False)
@@ -119,11 +119,11 @@ def test_a_task_does_not_wait_for_its_look_which_a_timer_sends_soon_after(
             enter(app, f"w{i}")
         # Then none of them sent its look (the twin's state is not in Redis yet)
         assert not client.exists(twin_key)
-    # and the gathering's timer sends them within BATCH_S of the first (the Redis clock
-    # bounds the wait, generously: a timer thread on a busy host)
+    # and the gatherer's own thread sends them, BATCH_S after the first, with no flush by
+    # hand (the Redis clock bounds the wait, generously: a thread on a busy host)
     started = redis_now_s(client)
     while not client.exists(twin_key):
-        assert redis_now_s(client) - started < 20 * BATCH_S
+        assert redis_now_s(client) - started < 100 * BATCH_S
         time.sleep(0.005)
     assert recorded(throttler)["api"]["tasks"] == 5
 
