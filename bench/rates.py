@@ -40,6 +40,10 @@ What is measured, per phase
   transport publishes and restores messages) in ``INFO commandstats``, counted from
   before the phase's enqueueing to its end, over its tasks: 1.00 when nothing is sent
   twice (the target: at most 1.1);
+* the limiter's script calls per task (``FCALL``, ``EVALSHA``, ``EVAL``: acquisitions,
+  denials and settles) and the server's read events per task (``total_reads_processed``
+  in ``INFO stats``: about one per round trip, several pipelined calls in one; the
+  broker's traffic included, the same in every phase);
 * CPU: the workers' process trees, the API and redis-server, per call, and the machine's
   busy share over the phase (2 cores: 100 % is both), with the load average at its start
   and end: a CPU-bound phase shows it;
@@ -136,6 +140,17 @@ def pushes(client: Any) -> int:
     return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("lpush", "rpush"))
 
 
+def traffic(client: Any) -> tuple[int, int]:
+    """The limiter's script calls (FCALL, EVALSHA, EVAL) and the server's read events
+    (``total_reads_processed``: about one per round trip, pipelined calls included) so
+    far."""
+    stats = client.info("commandstats")
+    scripts = sum(
+        int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("fcall", "evalsha", "eval")
+    )
+    return scripts, int(client.info("stats")["total_reads_processed"])
+
+
 def tree_cpu_s(procs: Sequence[subprocess.Popen[bytes]]) -> float:
     total = 0.0
     for proc in procs:
@@ -173,6 +188,7 @@ def phase(
     api.reset()
     queue = f"phase-{index}"
     pushed0 = pushes(client)
+    traffic0 = traffic(client)
     load0 = os.getloadavg()[0]
     psutil.cpu_percent()  # starts the machine's busy share from here
     cpu0 = (tree_cpu_s(procs), cpu_s(api.proc.pid, False), cpu_s(server.process.pid, False))
@@ -213,6 +229,7 @@ def phase(
     cpu1 = (tree_cpu_s(procs), cpu_s(api.proc.pid, False), cpu_s(server.process.pid, False))
     arrivals = api.get("/arrivals")
     pushed = pushes(client) - pushed0
+    scripts, reads = (b - a for a, b in zip(traffic0, traffic(client), strict=True))
     # What a phase left (its time was up) must not run into the next one: the queue goes,
     # and the tasks the workers hold run out first.
     client.delete(queue)
@@ -232,6 +249,7 @@ def phase(
         "steady_rate": steady_rate(times), "whole_rate": whole, "elapsed_s": elapsed,
         "workers_cores": (cpu1[0] - cpu0[0]) / (elapsed + 1.0),
         "publishes_per_task": pushed / tasks,
+        "scripts_per_task": scripts / tasks, "reads_per_task": reads / tasks,
         "workers_cpu_us": 1e6 * (cpu1[0] - cpu0[0]) / max(len(arrivals), 1),
         "api_cpu_us": 1e6 * (cpu1[1] - cpu0[1]) / max(len(arrivals), 1),
         "redis_cpu_us": 1e6 * (cpu1[2] - cpu0[2]) / max(len(arrivals), 1),
@@ -299,9 +317,9 @@ def table(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         "| pool | round | phase | tasks | rate at the API, steady (whole) | of the target "
         "| refused "
-        "| twice / missing | publishes per task | CPU µs/call: workers / API / redis "
-        "| workers' cores | machine busy | load |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| twice / missing | publishes per task | scripts / Redis reads per task "
+        "| CPU µs/call: workers / API / redis | workers' cores | machine busy | load |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         share = ""
@@ -312,6 +330,7 @@ def table(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['steady_rate']:.1f}/s "
             f"({r['whole_rate']:.1f}) | {share} | {r['refused']} | {r['twice']} / "
             f"{r['missing'] if 'limit' in r else 'n/a'} | {r['publishes_per_task']:.2f} | "
+            f"{r['scripts_per_task']:.2f} / {r['reads_per_task']:.2f} | "
             f"{r['workers_cpu_us']:.0f} / "
             f"{r['api_cpu_us']:.0f} / {r['redis_cpu_us']:.0f} | {r['workers_cores']:.2f} | "
             f"{r['machine_busy']:.0f} % | "

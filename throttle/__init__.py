@@ -19,12 +19,13 @@ from throttle.errors import (
     ThrottleTimeout,
     UpstreamFinal,
 )
-from throttle.limiter import DEFAULT_LEASE_S, Limiter
+from throttle.limiter import DEFAULT_LEASE_S, Acquire, Limiter
 from throttle.redis.keys import KeySpace
 from throttle.spec import Algorithm, Limit
 
 __all__ = [
     "DEFAULT_LEASE_S",
+    "Acquire",
     "Acquisition",
     "Algorithm",
     "BackendError",

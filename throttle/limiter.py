@@ -37,7 +37,7 @@ import functools
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 
 from redis.commands.core import Script
 
@@ -72,7 +72,8 @@ from throttle.spec import Limit
 from throttle.units import real
 
 __all__ = [
-    "DEFAULT_LEASE_S", "HOLD_PLACED", "MAX_DURATION_S", "Limiter", "Request", "RequestBuilder",
+    "DEFAULT_LEASE_S", "HOLD_PLACED", "MAX_DURATION_S", "Acquire", "Limiter", "Request",
+    "RequestBuilder",
 ]  # fmt: skip
 
 DEFAULT_LEASE_S = 300.0
@@ -90,6 +91,18 @@ writes it; no limit is named so)."""
 _INF = math.inf
 _SEVERAL = ("conc", "fair")  # codes only lua/acquire.lua runs (not acquire_one.lua)
 _NO_WAIT = 0.0  # the default max_wait_s, recognised by identity
+
+
+class Acquire(NamedTuple):
+    """One acquisition of :meth:`Limiter.acquire_batch`: the arguments of
+    :meth:`Limiter.acquire_many`, with the same defaults and meaning."""
+
+    targets: Sequence[tuple[Limit, str | None] | tuple[Limit, str | None, float]]
+    cost: float = 1.0
+    max_wait_s: float = _NO_WAIT
+    acquisition_id: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
+    reserve_until: float | None = None
 
 
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
@@ -305,6 +318,22 @@ class RequestBuilder(Generic[_S]):
                 args = request[2]
                 args[0] = -ago_us if self._clock_us is None else self._clock_us() - ago_us
             built.append(request)
+        return built
+
+    def _batch_requests(
+        self, calls: Sequence[Acquire]
+    ) -> list[Request[_S, Decision] | ThrottleError]:
+        """The calls of :meth:`Limiter.acquire_batch`: per acquisition, its call or the
+        error its arguments raise."""
+        built: list[Request[_S, Decision] | ThrottleError] = []
+        for call in calls:
+            try:
+                built.append(self._many_request(
+                    call.targets, call.cost, call.max_wait_s, call.acquisition_id,
+                    call.lease_s, call.reserve_until,
+                ))  # fmt: skip
+            except ThrottleError as exc:
+                built.append(exc)
         return built
 
     def _settle_request(
@@ -638,7 +667,31 @@ class Limiter(RequestBuilder[Routine[Script]]):
         CPU per call of separate round trips, for ten at a time. Otherwise they go one by
         one.
         """
-        built = self._each_requests(targets, max_wait_s, ago_s)
+        return self._send_each(self._each_requests(targets, max_wait_s, ago_s))
+
+    def acquire_batch(self, calls: Sequence[Acquire]) -> list[Decision | ThrottleError]:
+        """Several independent :meth:`acquire_many` calls (each all or nothing, each with
+        its own targets, cost, wait and acquisition id), run by Redis one after the other
+        in the order given, in one round trip.
+
+        For a caller that decides for many waiting tasks at once (a worker's consumer
+        serving its line): one send and one read for all of them, where separate calls
+        would cost one each. The calls are independent: one denied does not stop the
+        next (a cheaper one behind it may pass).
+
+        Returns, per call, its :class:`Decision`, or the :class:`ThrottleError` it failed
+        with (an invalid argument, an error on the server). Raises
+        :class:`BackendUnavailable` when Redis cannot be reached (which calls were taken
+        is then not known: an acquisition id makes asking again safe). Pipelined as
+        :meth:`acquire_each` is; otherwise the calls go one by one.
+        """
+        return self._send_each(self._batch_requests(calls))
+
+    def _send_each(
+        self, built: Sequence[Request[Routine[Script], Decision] | ThrottleError]
+    ) -> list[Decision | ThrottleError]:
+        """Send the built calls in one round trip (:func:`run_routines`); each call's
+        decision, or the error it was built or answered with, in order."""
         sent = [request for request in built if not isinstance(request, ThrottleError)]
         replies = iter(run_routines(self.client, [r[:3] for r in sent], self._direct))
         out: list[Decision | ThrottleError] = []
@@ -647,7 +700,13 @@ class Limiter(RequestBuilder[Routine[Script]]):
                 out.append(item)
                 continue
             reply = next(replies)
-            out.append(reply if isinstance(reply, ThrottleError) else item[3](reply))
+            if isinstance(reply, ThrottleError):
+                out.append(reply)
+                continue
+            try:
+                out.append(item[3](reply))
+            except ThrottleError as exc:  # a reply that names a misuse (a lease in use)
+                out.append(exc)
         return out
 
     def settle(

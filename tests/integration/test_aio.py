@@ -20,6 +20,7 @@ import redis.asyncio
 from tests.support.clock import FakeClock
 from tests.support.servers import RedisServer, free_port
 from throttle import (
+    Acquire,
     BackendError,
     BackendUnavailable,
     ConfigError,
@@ -105,6 +106,24 @@ def test_each_target_is_taken_alone_as_of_when_it_was_asked(redis_url: str, pref
     assert [(d.allowed, d.wait_s) for d in dated] == [(True, 0.0)] * 3
     assert isinstance(mixed[0], CostExceedsCapacity)
     assert mixed[1].allowed
+
+
+def test_a_batch_of_acquisitions_is_taken_in_order(redis_url: str, prefix: str) -> None:
+    shared = Limit.parse("10/s burst 1", name="shared", algorithm="gcra")
+    window = Limit.parse("1/h", name="tenant", algorithm="fixed_window")
+
+    async def body(limiter: Limiter) -> list[Any]:
+        return await limiter.acquire_batch([
+            Acquire([(shared, None), (window, "a")], max_wait_s=1.0, acquisition_id="t1"),
+            Acquire([(shared, None), (window, "a")], max_wait_s=1.0, acquisition_id="t2"),
+            Acquire([(shared, None)], cost=5.0),
+            Acquire([(shared, None), (window, "b")], max_wait_s=1.0),
+        ])  # fmt: skip
+
+    first, second, third, fourth = run(redis_url, prefix, body)
+    assert (first.allowed, second.denied_by) == (True, ("tenant",))
+    assert isinstance(third, CostExceedsCapacity)
+    assert fourth.wait_s == pytest.approx(0.1, abs=0.01)  # the slot after t1's
 
 
 def test_the_test_clock_moves_the_limits(arun: Callable[[Body], Any], clock: FakeClock) -> None:

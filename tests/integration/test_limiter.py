@@ -10,6 +10,7 @@ import redis
 
 from tests.support.clock import FakeClock, redis_now_s
 from throttle import (
+    Acquire,
     Acquisition,
     CostExceedsCapacity,
     Decision,
@@ -225,6 +226,45 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     assert [d.allowed for d in mixed if isinstance(d, Decision)] == [True, False, True]
     with pytest.raises(RequestError, match="ago_s has 1 values for 2 targets"):
         limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=[0.1])
+
+
+def test_acquire_batch_runs_independent_acquisitions_in_order_in_one_round_trip(
+    limiter: Limiter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = Limit.parse("10/s burst 1", name="shared", algorithm="gcra")
+    tenant = Limit.parse("1/h", name="tenant", algorithm="fixed_window")
+    limiter.acquire(shared, "warm")  # the library loaded: what follows is pipelined
+    direct = limiter._direct
+    assert direct is not None
+    trips: list[int] = []
+    each = direct.each
+    monkeypatch.setattr(direct, "each", lambda cmds: trips.append(len(cmds)) or each(cmds))
+    # Given four tasks' acquisitions, each of both limits (all or nothing), with an id
+    calls = [
+        Acquire([(shared, None), (tenant, "a")], max_wait_s=1.0, acquisition_id="t1"),
+        Acquire([(shared, None), (tenant, "a")], max_wait_s=1.0, acquisition_id="t2"),
+        Acquire([(shared, None), (tenant, "b")], max_wait_s=1.0, acquisition_id="t3"),
+        Acquire([(shared, None)], max_wait_s=0.15, acquisition_id="t4"),
+    ]
+    decisions = limiter.acquire_batch(calls)
+    assert trips == [4]
+    assert all(isinstance(d, Decision) for d in decisions)
+    first, second, third, fourth = (d for d in decisions if isinstance(d, Decision))
+    # Then they are taken in order: t2 is denied by its tenant's window alone and takes
+    # nothing of the shared limit, whose next slot t3 gets; t4 would wait past its own
+    # horizon for the one after
+    assert (first.allowed, first.wait_s) == (True, 0.0)
+    assert (second.allowed, second.denied_by) == (False, ("tenant",))
+    assert third.allowed
+    assert third.wait_s == pytest.approx(0.1, abs=0.01)
+    assert (fourth.allowed, fourth.denied_by) == (False, ("shared",))
+    # and each is recorded under its id: asked again, it takes nothing twice
+    again = limiter.acquire_batch([calls[0], Acquire([(shared, None)], cost=-1)])
+    assert isinstance(again[0], Decision) and again[0].held
+    assert isinstance(again[1], RequestError)  # a bad call fails alone, before sending
+    assert trips == [4, 1]
+    assert first.acquisition is not None
+    assert limiter.settle(first.acquisition, None).status == "settled"
 
 
 def test_settle_refunds_the_unused_part(clocked: Limiter) -> None:

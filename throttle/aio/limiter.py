@@ -32,8 +32,8 @@ import redis.asyncio
 from redis.commands.core import AsyncScript
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
-from throttle.errors import BackendError, BackendUnavailable, ThrottleError
-from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, RequestBuilder
+from throttle.errors import BackendUnavailable, ThrottleError
+from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, Acquire, Request, RequestBuilder
 from throttle.redis.client import async_client_from_url, run_routine_async
 from throttle.redis.library import Library, Routine
 from throttle.redis.replies import one_limit_decision
@@ -147,8 +147,18 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
     ) -> list[Decision | ThrottleError]:
         """Take each target on its own: :meth:`throttle.Limiter.acquire_each`, the calls
         awaited one after the other (not pipelined)."""
+        return await self._send_each(self._each_requests(targets, max_wait_s, ago_s))
+
+    async def acquire_batch(self, calls: Sequence[Acquire]) -> list[Decision | ThrottleError]:
+        """Several independent acquisitions: :meth:`throttle.Limiter.acquire_batch`, the
+        calls awaited one after the other (not pipelined)."""
+        return await self._send_each(self._batch_requests(calls))
+
+    async def _send_each(
+        self, built: Sequence[Request[Any, Decision] | ThrottleError]
+    ) -> list[Decision | ThrottleError]:
         out: list[Decision | ThrottleError] = []
-        for item in self._each_requests(targets, max_wait_s, ago_s):
+        for item in built:
             if isinstance(item, ThrottleError):
                 out.append(item)
                 continue
@@ -157,7 +167,7 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
                 out.append(decode(await self._call(script, keys, args)))
             except BackendUnavailable:
                 raise
-            except BackendError as exc:
+            except ThrottleError as exc:
                 out.append(exc)
         return out
 
