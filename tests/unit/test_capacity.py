@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from throttle.celery.capacity import GRAIN, MIN_BLOCK_S, Line, Pair, Waiter, blocks_of
+from throttle.celery.capacity import MIN_BLOCK_S, Line, Pair, Waiter, blocks_of
 
 SHARED: Pair = ("shared", None)
 A: Pair = ("tenant", "a")
@@ -23,14 +23,8 @@ class Limits:
     def __init__(self) -> None:
         self.room: dict[Pair, int] = {}
         self.asked: list[str] = []
-        self.batches: list[list[str]] = []
-        """What each round trip asked for."""
 
-    def ask(self, waiters: list[Waiter]) -> list[Mapping[Pair, float] | None]:
-        self.batches.append([waiter.item for waiter in waiters])
-        return [self._one(waiter) for waiter in waiters]
-
-    def _one(self, waiter: Waiter) -> Mapping[Pair, float] | None:
+    def ask(self, waiter: Waiter) -> Mapping[Pair, float] | None:
         self.asked.append(waiter.item)
         short = [pair for pair in waiter.pairs if self.room.get(pair, 0) <= 0]
         if short:
@@ -71,39 +65,6 @@ def test_a_denial_blocks_the_tasks_behind_it_on_the_same_limit_only() -> None:
     assert [w.item for w in waiting.waiters] == ["a1", "a2"]
     assert waiting.blocked[A] == pytest.approx(1.0)
     assert SHARED not in waiting.blocked
-
-
-def test_a_pass_asks_in_one_round_trip_one_more_than_the_last_one_admitted() -> None:
-    limits = Limits()
-    waiting = line(limits)
-    for i in range(20):
-        waiting.join(f"t{i}", [SHARED], now=0.0)
-    # Given room for five: one asked alone, then twice as many while all pass, and the
-    # batch that meets the denial ends the pass
-    limits.room[SHARED] = 5
-    waiting.serve(0.0)
-    assert limits.batches == [["t0"], ["t1", "t2"], ["t3", "t4", "t5", "t6"]]
-    assert waiting.takes[SHARED] == 3  # two admitted in the last batch, one more
-    # When the block ends and six fit: three together, then twice three
-    limits.batches.clear()
-    limits.room[SHARED] = 6
-    waiting.serve(2.0)
-    assert limits.batches == [["t5", "t6", "t7"], ["t8", "t9", "t10", "t11", "t12", "t13"]]
-    assert [w.item for w in waiting.waiters][:2] == ["t11", "t12"]
-    assert waiting.takes[SHARED] == 4
-
-
-def test_a_batch_takes_each_pair_s_share_and_skips_what_a_full_pair_needs() -> None:
-    limits = Limits()
-    waiting = line(limits)
-    for tag, pairs in [("a1", [SHARED, A]), ("a2", [SHARED, A]), ("b1", [SHARED, B])]:
-        waiting.join(tag, pairs, now=0.0)
-    waiting.takes.update({SHARED: 3, A: 1})
-    limits.room.update({SHARED: 9, A: 9, B: 9})
-    waiting.serve(0.0)
-    # a2 waits for the next batch: a's share of this one is taken by a1
-    assert limits.batches == [["a1", "b1"], ["a2"]]
-    assert not waiting.waiters
 
 
 def test_capacity_announced_unblocks_its_limit_and_nothing_else() -> None:
@@ -169,12 +130,6 @@ def test_a_task_not_blocked_is_due_now() -> None:
             0.0,
             {SHARED: MIN_BLOCK_S},
             id="denied now for now: asked again after the shortest block",
-        ),
-        pytest.param(
-            [("shared", False, 1.002), ("tenant", True, 0.0)],
-            1.002,
-            {SHARED: GRAIN},
-            id="the next slot just past the horizon: asked again after a grain of it",
         ),
     ],
 )

@@ -44,7 +44,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,14 +56,6 @@ Pair = tuple[str, str | None]
 MIN_BLOCK_S = 0.001
 """The shortest a denial blocks a pair, in s: a limit that says "now" but denied (a window
 about to turn) is not asked again in a busy loop."""
-GRAIN = 1 / 16
-"""The shortest a denial of a slot past the near horizon blocks a pair, as a share of the
-horizon: at a high rate the next slot is a spacing away (2 ms at 500/s), and asking again
-then would cost the consumer a round trip per task; blocked for a sixteenth of the horizon
-(16 ms by default), the tasks that fit meanwhile are asked for together. They lose
-nothing: the slots they take are the limit's next ones, still within the horizon."""
-BATCH_MAX = 64
-"""The most tasks one pass over a line asks for in one round trip."""
 
 
 @dataclass(eq=False)
@@ -86,10 +78,9 @@ class Waiter:
         return (-self.priority, self.seq)
 
 
-Ask = Callable[[list[Waiter]], "Sequence[Mapping[Pair, float] | None]"]
-"""Asks the limiter for waiting tasks, in order (one round trip for all): per task, None
-when it left the line (admitted, sent on), else how long each denying pair stays blocked,
-in s."""
+Ask = Callable[[Waiter], "Mapping[Pair, float] | None"]
+"""Asks the limiter for a waiting task: None when it left the line (admitted, sent on),
+else how long each denying pair stays blocked, in s."""
 
 
 @dataclass(eq=False)
@@ -111,9 +102,6 @@ class Line:
     """The pairs of a waiting task -> how many need just those: when the next one may ask
     (:meth:`due`), and whether any still may (:meth:`serve`), without a pass over the line,
     which a worker serves hundreds of times a second at a high rate."""
-    takes: dict[Pair, int] = field(default_factory=dict)
-    """Pair -> how many of its tasks a pass asks for in one round trip: one more than the
-    last pass admitted, doubled while every one is admitted (:meth:`serve`)."""
     _ages: list[tuple[float, int, Waiter]] = field(default_factory=list)
     """A heap of (since, seq, waiter): the longest waiting first (:meth:`expired`); a
     waiter that left stays in it until it comes to the top, or the heap is rebuilt."""
@@ -173,76 +161,23 @@ class Line:
         return any(pair[0] in named for pair in self.counts)
 
     def serve(self, now: float) -> None:
-        """Ask for every waiting task that nothing blocks, in order (see the module), a
-        batch at a time: a denial blocks its pairs, and the tasks behind it that need them
-        are skipped (once every task is blocked, the pass ends).
-
-        A batch takes, in order, the tasks whose pairs are free, as many of each pair as
-        it is likely to admit (:attr:`takes`): one more than the last batch admitted, so
-        that each batch ends on a denial, which says when to ask again. The price: within
-        one batch, a task behind one that was denied may still pass (a cheaper one)."""
-        waiters = list(self.waiters)  # as it was: a task joining meanwhile waits a pass
-        while True:
-            batch = self._batch(waiters, now)
-            if not batch:
-                return
-            try:
-                answers = list(self.ask(batch))
-            except Exception:  # the tasks are the caller's to send on; the line goes on
-                logger.exception("throttle: serving waiting tasks")
-                answers = [None] * len(batch)
-            admitted: dict[Pair, int] = {}
-            denied: set[Pair] = set()
-            for waiter, blocks in zip(batch, answers, strict=True):
-                if blocks is None:
-                    self._remove(waiter)
-                    for pair in waiter.pairs:
-                        admitted[pair] = admitted.get(pair, 0) + 1
-                else:
-                    self.block(blocks or {pair: MIN_BLOCK_S for pair in waiter.pairs}, now)
-                    denied.update(blocks or waiter.pairs)
-            takes = self.takes
-            for pair in set(admitted) | denied:
-                count = admitted.get(pair, 0)
-                if pair in denied:
-                    takes[pair] = count + 1
-                else:
-                    takes[pair] = min(max(2 * count, takes.get(pair, 1)), BATCH_MAX)
-            if self._all_blocked(now):
-                return
-
-    def _batch(self, waiters: list[Waiter], now: float) -> list[Waiter]:
-        """The next tasks of ``waiters`` to ask for: in order, those still waiting that
-        nothing blocks, at most :attr:`takes` of each pair and :data:`BATCH_MAX` in all."""
-        batch: list[Waiter] = []
-        taken: dict[Pair, int] = {}
-        takes = self.takes
-        blocked = self.blocked
-        skipped = 0
-        for waiter in waiters:
-            pairs = waiter.pairs
-            if (
-                waiter.gone
-                or any(blocked.get(pair, -math.inf) > now for pair in pairs)
-                or any(taken.get(pair, 0) >= takes.get(pair, 1) for pair in pairs)
-            ):
-                skipped += 1
-                if skipped % 32 == 0 and not any(
-                    all(
-                        blocked.get(pair, -math.inf) <= now
-                        and taken.get(pair, 0) < takes.get(pair, 1)
-                        for pair in shape
-                    )
-                    for shape in self.shapes
-                ):
-                    break  # no task left that this batch could take: no pass over the rest
+        """Ask for every waiting task that nothing blocks, in order (see the module): a
+        denial blocks its pairs, and the tasks behind it that need them are skipped (once
+        every task is blocked, the pass ends)."""
+        for waiter in list(self.waiters):
+            if waiter.gone or self._is_blocked(waiter, now):
                 continue
-            batch.append(waiter)
-            for pair in pairs:
-                taken[pair] = taken.get(pair, 0) + 1
-            if len(batch) >= BATCH_MAX:
-                break
-        return batch
+            try:
+                blocks = self.ask(waiter)
+            except Exception:  # the task is the caller's to send on; the line goes on
+                logger.exception("throttle: serving a waiting task")
+                blocks = None
+            if blocks is None:
+                self._remove(waiter)
+            else:
+                self.block(blocks or {pair: MIN_BLOCK_S for pair in waiter.pairs}, now)
+                if self._all_blocked(now):
+                    return
 
     def _all_blocked(self, now: float) -> bool:
         blocked = self.blocked
@@ -267,7 +202,6 @@ class Line:
             else:
                 self.counts.pop(pair, None)
                 self.blocked.pop(pair, None)  # nobody waits for it any more
-                self.takes.pop(pair, None)
         left = self.shapes.get(waiter.pairs, 0) - 1
         if left > 0:
             self.shapes[waiter.pairs] = left
@@ -322,7 +256,6 @@ class Line:
         for waiter in waiters:
             waiter.gone = True
         self.blocked.clear()
-        self.takes.clear()
         self.counts.clear()
         self.shapes.clear()
         self._ages.clear()
@@ -423,9 +356,7 @@ def blocks_of(
 
 
 def _block_s(retry_s: float, horizon_s: float) -> float:
-    if retry_s > horizon_s:
-        return max(retry_s - horizon_s, GRAIN * horizon_s, MIN_BLOCK_S)
-    return max(retry_s, MIN_BLOCK_S)
+    return max(retry_s - horizon_s if retry_s > horizon_s else retry_s, MIN_BLOCK_S)
 
 
 def monotonic() -> float:

@@ -57,7 +57,6 @@ from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.limiter import Acquire
 from throttle.rules import Declared, Target, kept_in_hand, targets
 from throttle.spec import Limit
 
@@ -164,23 +163,9 @@ class Gate:
         ``near_s``: reserve a slot only within it (s; not past the deadline either): a
         task further from its slot reserves nothing and waits in the consumer's line
         (:mod:`throttle.celery.capacity`). A task back with a plan keeps its own horizon."""
-        return self.admitted(self.ask(self.admission(near_s)))
-
-    def admission(self, near_s: float | None = None) -> Acquire:
-        """The acquisition :meth:`admit` takes, to be sent with others
-        (:meth:`throttle.Limiter.acquire_batch`); its decision then goes through
-        :meth:`admitted`."""
         if near_s is None or self.planned is not None:
-            return self._acquisition(*self._horizon())
-        return self._acquisition(*reserve_within(self.execution, near_s))
-
-    def admitted(self, decision: Decision) -> Decision:
-        """The decision of :meth:`admission`: a reserved slot that a hold placed since has
-        voided (an upstream 429, a pause) is given up, and the decision reads as a denial
-        until the hold ends."""
-        if decision.held and not decision.allowed and decision.acquisition is not None:
-            self.limiter.settle(decision.acquisition, None)
-        return decision
+            return self._acquire(*self._horizon())
+        return self._acquire(*reserve_within(self.execution, near_s))
 
     def plan_wait_s(self) -> float:
         """How long a task back with a plan waits before it acquires its real limits, in
@@ -234,28 +219,17 @@ class Gate:
         ahead or until ``reserve_until`` (:meth:`_horizon`); a reserved slot that a hold
         placed since has voided (an upstream 429, a pause) is given up, and the decision
         reads as a denial until the hold ends."""
-        return self.admitted(self.ask(self._acquisition(max_wait_s, reserve_until)))
-
-    def ask(self, call: Acquire) -> Decision:
-        """Take the acquisition ``call`` (one round trip)."""
-        return self.limiter.acquire_many(
-            call.targets,
-            cost=call.cost,
-            max_wait_s=call.max_wait_s,
-            acquisition_id=call.acquisition_id,
-            lease_s=call.lease_s,
-            reserve_until=call.reserve_until,
-        )
-
-    def _acquisition(self, max_wait_s: float, reserve_until: float | None = None) -> Acquire:
         execution = self.execution
-        return Acquire(
+        decision = self.limiter.acquire_many(
             execution.targets if self.acquiring is None else self.acquiring,
             max_wait_s=max_wait_s,
             acquisition_id=execution.request.id,
             lease_s=lease_s(execution),
             reserve_until=reserve_until,
         )
+        if decision.held and not decision.allowed and decision.acquisition is not None:
+            self.limiter.settle(decision.acquisition, None)
+        return decision
 
     def _give_up(self, decision: Decision) -> None:
         """Give up the slot of ``decision`` (the task is too late for it). Not a refund:

@@ -72,7 +72,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from celery import Celery, Task, bootsteps
@@ -94,7 +94,7 @@ from throttle.celery.runtime import (
 from throttle.celery.task import gated_call
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
-from throttle.limiter import HOLD_PLACED, Acquire
+from throttle.limiter import HOLD_PLACED
 from throttle.rates import RATES_CHANGED
 
 logger = logging.getLogger("throttle")
@@ -246,12 +246,7 @@ class Waiting:
         blocked (s) when it may wait in the line; a task that may not (no line, back with
         a plan, a deadline before its limits could admit it, a wait longer than the
         line's) goes to the pool with the denial, whose gate sends it back for when the
-        limits said, reserving nothing. :func:`ask_all` asks for several at once."""
-        return ask_all([pending])[0]
-
-    def acquisition(self, pending: Pending) -> Acquire | None:
-        """The acquisition to ask for ``pending``; None when it is not asked for (revoked,
-        or handed to the pool undecided: its gate failed here)."""
+        limits said, reserving nothing."""
         request, gate = pending.request, pending.gate
         if request.revoked():
             return None
@@ -259,25 +254,12 @@ class Waiting:
             if pending.asked:
                 gate.evaluate()  # the rates in force now (one set at run time, announced)
             pending.asked = True
+            since = time.monotonic()  # a hold announced after this may postdate the look
+            now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            return gate.admission(self.near_s() if self.line is not None else None)
-        except Exception as exc:
-            self._undecided(request, exc)
-            self._to_pool(request)
-            return None
-
-    def answered(
-        self, pending: Pending, answer: Decision | Exception, since: float, now: float
-    ) -> dict[Pair, float] | None:
-        """What :meth:`ask` does with the limiter's ``answer`` for ``pending``, asked at
-        ``since`` (monotonic s: a hold announced after this may postdate it) and ``now``
-        (epoch s)."""
-        request, gate = pending.request, pending.gate
-        try:
-            if isinstance(answer, Exception):
-                raise answer
-            decision = gate.admitted(answer)
+            near = self.near_s() if self.line is not None else None
+            decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
             self._to_pool(request)
@@ -497,38 +479,6 @@ class Pending:
         self.asked = False
 
 
-def ask_all(pendings: Sequence[Pending]) -> list[dict[Pair, float] | None]:
-    """Ask the limiter for each of ``pendings`` as :meth:`Waiting.ask` does, in one round
-    trip for all (:meth:`throttle.Limiter.acquire_batch`; Redis runs the asks in the
-    order given): how a pass over the line asks for the tasks it serves. Every task of a
-    consumer is its app's, so they share one limiter."""
-    asked: list[tuple[int, Pending, Acquire]] = []
-    for index, pending in enumerate(pendings):
-        call = pending.waiting.acquisition(pending)
-        if call is not None:
-            asked.append((index, pending, call))
-    out: list[dict[Pair, float] | None] = [None] * len(pendings)
-    if not asked:
-        return out
-    since, now = time.monotonic(), time.time()
-    answers: list[Decision | Exception]
-    try:
-        if len(asked) == 1:
-            _, pending, call = asked[0]
-            answers = [pending.gate.ask(call)]
-        else:
-            limiter = asked[0][1].waiting.throttler.limiter
-            answers = list(limiter.acquire_batch([call for _, _, call in asked]))
-    except Exception as exc:  # Redis away: each goes to the pool, whose gate decides
-        answers = [exc] * len(asked)
-    for (index, pending, _), answer in zip(asked, answers, strict=True):
-        try:
-            out[index] = pending.waiting.answered(pending, answer, since, now)
-        except Exception:  # one task's hand-over failed: the others' go on
-            logger.exception("throttle: deciding for task %s", pending.request.id)
-    return out
-
-
 def pairs_of(gate: Gate) -> tuple[Pair, ...]:
     """The (limit name, key) pairs the task of ``gate`` acquires."""
     targets = gate.acquiring if gate.acquiring is not None else gate.execution.targets
@@ -654,12 +604,12 @@ class WaitingLine:
         # per arrival (a backlog of a thousand would cost the consumer a million looks).
         self._arm_at(self.line.free_at(waiter))
 
-    def _ask(self, waiters: list[Waiter]) -> list[dict[Pair, float] | None]:
-        answers = ask_all([waiter.item for waiter in waiters])
-        for waiter, blocks in zip(waiters, answers, strict=True):
-            if blocks is None:
-                self._left(waiter)
-        return answers
+    def _ask(self, waiter: Waiter) -> dict[Pair, float] | None:
+        pending: Pending = waiter.item
+        blocks = pending.waiting.ask(pending)
+        if blocks is None:
+            self._left(waiter)
+        return blocks
 
     def _left(self, waiter: Waiter) -> None:
         if waiter.raised:
