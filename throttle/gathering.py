@@ -18,19 +18,21 @@ import os
 import threading
 import time
 import weakref
+from typing import Generic, TypeVar
 
 logger = logging.getLogger("throttle")
 
 IDLE_CHECK_S = 30.0
 """How often an idle gatherer's thread checks that its gatherer still exists, in s."""
 
+S = TypeVar("S")
+"""What a gatherer takes out and writes at once."""
 
-class Gathering:
-    """The locks, the thread and the fork hook of a gatherer. A subclass sets its empty
-    state in :meth:`_reset`; adds to it under ``_lock``, then calls :meth:`_arm`; and in
-    :meth:`flush`, under ``_writing``, takes the state out under ``_lock`` (its own, then
-    :meth:`_reset` and :meth:`_disarm`) and writes it: one write at a time, so that a
-    flush returns once what was gathered before it is written, whichever thread took it."""
+
+class Gathering(Generic[S]):
+    """The locks, the thread, the flush and the fork hook of a gatherer. A subclass sets
+    its empty state in :meth:`_reset`, adds to it under ``_lock`` and then calls
+    :meth:`_arm`; :meth:`_take` hands what it gathered to :meth:`_write`."""
 
     def __init__(self, every_s: float) -> None:
         self.every_s = every_s
@@ -69,8 +71,26 @@ class Gathering:
         """Nothing is gathered any more (under the lock): the next addition arms again."""
         self._due.clear()
 
-    def flush(self) -> None:
+    def _take(self) -> S | None:
+        """What was gathered, to be written (under the lock, before :meth:`_reset`); None
+        when nothing was."""
         raise NotImplementedError
+
+    def _write(self, gathered: S) -> None:
+        """Write what :meth:`_take` took (outside the lock: adding goes on meanwhile)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Write what was gathered now (nothing when nothing was). One write at a time: a
+        flush returns once what was gathered before it is written, whichever thread (this
+        one, the gatherer's, another that flushed) took it."""
+        with self._writing:
+            with self._lock:
+                gathered = self._take()
+                self._reset()
+                self._disarm()
+            if gathered is not None:
+                self._write(gathered)
 
     def _forget(self) -> None:
         """In a forked child: the parent's gatherings are the parent's to write, and its
@@ -82,7 +102,7 @@ class Gathering:
         self._reset()
 
 
-def _flushing(ref: weakref.ref[Gathering], due: threading.Event, every_s: float) -> None:
+def _flushing(ref: weakref.ref[Gathering[object]], due: threading.Event, every_s: float) -> None:
     """A gatherer's thread: ``every_s`` after it is armed, flush; until the gatherer is
     gone (it holds the gatherer only while it flushes; an idle thread looks every
     :data:`IDLE_CHECK_S`), or a fork replaced ``due``."""

@@ -264,7 +264,7 @@ TALLY_EVERY_S = 1.0
 """How long a :class:`Tally` gathers counts before it writes them, in s."""
 
 
-class Tally(Gathering):
+class Tally(Gathering[tuple[dict[tuple[int, str], int], list[str]]]):
     """Counts of one process, gathered and added to a :class:`StatsBook` at most every
     ``every_s`` seconds in one pipelined round trip, instead of one round trip per event
     (:class:`throttle.gathering.Gathering`).
@@ -315,18 +315,15 @@ class Tally(Gathering):
             self._limits.update(limits)
             self._arm()
 
-    def flush(self) -> None:
-        """Write what was gathered now (one round trip; nothing when nothing was)."""
-        with self._writing:
-            with self._lock:
-                counts, limits = self._counts, sorted(self._limits)
-                self._reset()
-                self._disarm()
-            if not counts:
-                return
-            try:
-                self.book.add_counts(counts)
-            except Exception as exc:
-                if self.on_error is None:
-                    raise
-                self.on_error(limits, exc)
+    def _take(self) -> tuple[dict[tuple[int, str], int], list[str]] | None:
+        return (self._counts, sorted(self._limits)) if self._counts else None
+
+    def _write(self, gathered: tuple[dict[tuple[int, str], int], list[str]]) -> None:
+        """One round trip for every count gathered."""
+        counts, limits = gathered
+        try:
+            self.book.add_counts(counts)
+        except Exception as exc:
+            if self.on_error is None:
+                raise
+            self.on_error(limits, exc)

@@ -35,7 +35,7 @@ BATCH_MAX = 200
 """A batch this long is sent at once (one message stays small)."""
 
 
-class BatchedEvents(Gathering):
+class BatchedEvents(Gathering[list[dict[str, Any]]]):
     """Task events of this process, published together at most every ``every_s`` s (or
     every ``batch_max`` events) in one message (:class:`throttle.gathering.Gathering`). A
     publish that fails loses its batch (logged at DEBUG): never the task."""
@@ -63,17 +63,11 @@ class BatchedEvents(Gathering):
         if full:
             self.flush()
 
-    def flush(self) -> None:
-        """Publish what was gathered now, as one message (nothing when nothing was)."""
-        with self._writing:
-            with self._lock:
-                batch = self._pending
-                self._reset()
-                self._disarm()
-            if batch:
-                self._publish(batch)
+    def _take(self) -> list[dict[str, Any]] | None:
+        return self._pending or None
 
-    def _publish(self, batch: list[dict[str, Any]]) -> None:
+    def _write(self, batch: list[dict[str, Any]]) -> None:
+        """Publish ``batch`` as one message."""
         try:
             with self.app.events.default_dispatcher() as dispatcher:
                 # EventDispatcher.flush's own message for buffered task events

@@ -76,7 +76,7 @@ class _Look:
     """How long before ``asked`` it was sent (s, Redis clock)."""
 
 
-class Looks(Gathering):
+class Looks(Gathering[list[_Look]]):
     """The shadow looks of one process and throttler, gathered for :data:`BATCH_S` (or
     :data:`BATCH_MAX` looks) and sent in one round trip (:meth:`Limiter.acquire_each`), each
     dated when its task arrived so that the twin sees the arrivals' own spacing. The task
@@ -103,19 +103,11 @@ class Looks(Gathering):
         if full:
             self.flush()
 
-    def flush(self) -> None:
-        """Send what is gathered, and report each look's waits to the observers: when it
-        returns, every look gathered before the call was reported (one another thread
-        was sending included)."""
-        with self._writing:
-            with self._lock:
-                looks = self._looks
-                self._reset()
-                self._disarm()
-            if looks:
-                self._send(looks)
+    def _take(self) -> list[_Look] | None:
+        return self._looks or None
 
-    def _send(self, looks: list[_Look]) -> None:
+    def _write(self, looks: list[_Look]) -> None:
+        """Send ``looks`` in one round trip, and report each one's waits to the observers."""
         throttler = self.throttler
         now = time.monotonic()
         asks = [twin for look in looks for twin in look.twins]
