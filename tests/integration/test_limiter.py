@@ -193,16 +193,23 @@ def test_a_reservable_wait_counts_in_the_retry_after_of_a_denial(
     assert denied.retry_after_s == pytest.approx(0.5)
 
 
-def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
-    limiter: Limiter, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
-    limiter.acquire(gcra, "warm")  # the library loaded: what follows is pipelined
+def pipelined_trips(limiter: Limiter, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The commands of each pipelined round trip ``limiter`` makes from now on (its
+    library loaded first, so that its calls are pipelined)."""
+    limiter.acquire(Limit.parse("1/s", name="warm-up"))
     direct = limiter._direct
     assert direct is not None
     trips: list[int] = []
     each = direct.each
     monkeypatch.setattr(direct, "each", lambda cmds: trips.append(len(cmds)) or each(cmds))
+    return trips
+
+
+def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
+    limiter: Limiter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+    trips = pipelined_trips(limiter, monkeypatch)
     # Given five asks of a 10/s burst-1 limit gathered as they came, 0.1 s apart, and sent
     # together now: each dated when it was asked
     dated = limiter.acquire_each(
@@ -233,12 +240,7 @@ def test_acquire_batch_runs_independent_acquisitions_in_order_in_one_round_trip(
 ) -> None:
     shared = Limit.parse("10/s burst 1", name="shared", algorithm="gcra")
     tenant = Limit.parse("1/h", name="tenant", algorithm="fixed_window")
-    limiter.acquire(shared, "warm")  # the library loaded: what follows is pipelined
-    direct = limiter._direct
-    assert direct is not None
-    trips: list[int] = []
-    each = direct.each
-    monkeypatch.setattr(direct, "each", lambda cmds: trips.append(len(cmds)) or each(cmds))
+    trips = pipelined_trips(limiter, monkeypatch)
     # Given four tasks' acquisitions, each of both limits (all or nothing), with an id
     calls = [
         Acquire([(shared, None), (tenant, "a")], max_wait_s=1.0, acquisition_id="t1"),
