@@ -11,6 +11,7 @@ import pytest
 from celery import Celery
 
 from tests.support.clock import FakeClock
+from tests.support.eager import close_throttler
 from throttle import Limit, Limiter
 from throttle.celery.gate import Gate
 from throttle.celery.runtime import Throttler
@@ -97,9 +98,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
         },
     )  # fmt: skip
     yield app
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
+    close_throttler(app)
 
 
 def evaluated_burst(app: Celery, eager: bool) -> float:

@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 from tests.support.clock import redis_now_s
+from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import BackendUnavailable, ConfigError, Limit, Limiter, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
@@ -35,14 +36,6 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     )
     yield app
     close_throttler(app)
-
-
-def close_throttler(app: Celery) -> None:
-    """Close the connections of the app's throttler, if one was built (the app is dropped
-    after the test, and an unclosed socket would warn whenever it is collected)."""
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
 
 
 def count_acquires(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -26,6 +26,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from tests.apps.cli_app import app as cli_app
+from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter, config
 from throttle.adaptive import ADAPTIVE_FIELDS, LearnedRates
@@ -132,10 +133,7 @@ class Cli:
 
 
 def _drop_throttler() -> None:
-    cached = getattr(cli_app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
-        del cli_app._throttler
+    close_throttler(cli_app, forget=True)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from redis.cluster import RedisCluster
 from tests.apps.cli_app import app as cli_app
 from tests.support.clock import FakeClock, redis_now_s
 from tests.support.cluster import LocalCluster
+from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import BackendError, BackendUnavailable, ConfigError, KeySpace, Limit, Limiter
 from throttle.admin import reset
@@ -505,10 +506,7 @@ def test_the_celery_throttle_command_on_the_cluster(
         return result
 
     def drop_throttler() -> None:
-        cached = getattr(cli_app, "_throttler", None)
-        if cached is not None:
-            cached[1].limiter.client.close()
-            del cli_app._throttler
+        close_throttler(cli_app, forget=True)
 
     limiter = Limiter(cluster_client, namespace=namespace)
     api = Limit.parse("1/h burst 5", name="api")

@@ -17,6 +17,7 @@ from celery import Celery
 from celery.worker import state
 
 from tests.support.clock import redis_now_s
+from tests.support.eager import close_throttler
 from tests.support.events import EventLog
 from throttle.celery import install
 from throttle.celery.events import EVERY_S
@@ -48,9 +49,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
         },
     )  # fmt: skip
     yield app
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
+    close_throttler(app)
 
 
 def enter(app: Celery, task_id: str, headers: dict[str, object] | None = None) -> Gate:

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.clock import FakeClock, redis_now_s
+from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import KeySpace, Limit, Limiter, RequestError, Throttled
 from throttle.adaptive import LearnedRates
@@ -431,9 +432,7 @@ def eager(redis_url: str, prefix: str) -> Iterator[Celery]:
         },
     )  # fmt: skip
     yield app
-    cached = getattr(app, "_throttler", None)
-    if cached is not None:
-        cached[1].limiter.client.close()
+    close_throttler(app)
 
 
 def test_report_upstream_holds_the_tasks_limits_and_lowers_the_request_rate(

@@ -26,6 +26,15 @@ def eager_app(name: str, redis_url: str, prefix: str, limits: dict[str, Any]) ->
     try:
         yield app
     finally:
-        cached = getattr(app, "_throttler", None)
-        if cached is not None:
-            cached[1].limiter.client.close()
+        close_throttler(app)
+
+
+def close_throttler(app: Celery, *, forget: bool = False) -> None:
+    """Close the connections of ``app``'s throttler, if one was built (an app dropped
+    after a test with an unclosed socket would warn whenever it is collected); ``forget``:
+    and drop it, so that the app builds a new one (an app shared by several tests)."""
+    cached = getattr(app, "_throttler", None)
+    if cached is not None:
+        cached[1].limiter.client.close()
+        if forget:
+            del app._throttler
