@@ -674,10 +674,11 @@ class Limiter(RequestBuilder[Routine[Script]]):
         its own targets, cost, wait and acquisition id), run by Redis one after the other
         in the order given, in one round trip.
 
-        For a caller that decides for many waiting tasks at once (a worker's consumer
-        serving its line): one send and one read for all of them, where separate calls
-        would cost one each. The calls are independent: one denied does not stop the
-        next (a cheaper one behind it may pass).
+        For a caller that decides for many waiting jobs at once (a scheduler admitting a
+        queue): one send and one read for all of them, where separate calls would cost
+        one each. The calls are independent: one denied does not stop the next (a
+        cheaper one behind it may pass), so a caller that must keep an order among jobs
+        of the same limit asks for no more of them than the limit is likely to admit.
 
         Returns, per call, its :class:`Decision`, or the :class:`ThrottleError` it failed
         with (an invalid argument, an error on the server). Raises
