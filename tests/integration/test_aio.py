@@ -123,7 +123,9 @@ def test_a_batch_of_acquisitions_is_taken_in_order(redis_url: str, prefix: str) 
     first, second, third, fourth = run(redis_url, prefix, body)
     assert (first.allowed, second.denied_by) == (True, ("tenant",))
     assert isinstance(third, CostExceedsCapacity)
-    assert fourth.wait_s == pytest.approx(0.1, abs=0.01)  # the slot after t1's
+    # the slot after t1's: 0.1 s after it, less the round trips between (awaited one by one)
+    assert fourth.allowed
+    assert 0.0 < fourth.wait_s <= 0.1 + 1e-6
 
 
 def test_the_test_clock_moves_the_limits(arun: Callable[[Body], Any], clock: FakeClock) -> None:
