@@ -328,10 +328,7 @@ class RequestBuilder(Generic[_S]):
         built: list[Request[_S, Decision] | ThrottleError] = []
         for call in calls:
             try:
-                built.append(self._many_request(
-                    call.targets, call.cost, call.max_wait_s, call.acquisition_id,
-                    call.lease_s, call.reserve_until,
-                ))  # fmt: skip
+                built.append(self._many_request(*call))  # its fields in the same order
             except ThrottleError as exc:
                 built.append(exc)
         return built
