@@ -225,7 +225,10 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     assert isinstance(now[1], CostExceedsCapacity)
     waits = [d.wait_s for d in (now[0], now[2], now[3]) if isinstance(d, Decision)]
     assert waits[0] == 0.0
-    assert waits[1:] == pytest.approx([0.1, 0.2], abs=0.01)  # less what Redis took between
+    # the next two slots, 0.1 s apart, less what passed on the Redis clock between the
+    # calls (a descheduled redis-server only shortens the waits)
+    assert 0.0 < waits[1] <= 0.1 + 1e-6
+    assert waits[1] < waits[2] <= 0.2 + 1e-6
     assert trips == [5, 3]
     # and a limit that is full denies one ask without touching the others
     window = Limit.parse("1/h", name="win", algorithm="fixed_window")
@@ -258,7 +261,7 @@ def test_acquire_batch_runs_independent_acquisitions_in_order_in_one_round_trip(
     assert (first.allowed, first.wait_s) == (True, 0.0)
     assert (second.allowed, second.denied_by) == (False, ("tenant",))
     assert third.allowed
-    assert third.wait_s == pytest.approx(0.1, abs=0.01)
+    assert 0.0 < third.wait_s <= 0.1 + 1e-6  # t1's slot plus the spacing, less the time between
     assert (fourth.allowed, fourth.denied_by) == (False, ("shared",))
     # and each is recorded under its id: asked again, it takes nothing twice
     again = limiter.acquire_batch([calls[0], Acquire([(shared, None)], cost=-1)])
