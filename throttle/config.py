@@ -358,7 +358,7 @@ class Settings:
     reserve_ahead_s: float = 0.25
     park_lead_s: float = 0.5
     late_tolerance_s: float = 0.02
-    burst_margin_s: float = 0.05
+    burst_margin_s: float = 0.1
     jitter_s: float = 1.0
     pause_recheck_s: float = 30.0
     fail_open_for_s: float = 60.0
