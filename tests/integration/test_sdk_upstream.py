@@ -389,13 +389,19 @@ class Fleet:
         arrivals = self.mocks[name].provider.arrivals_json()
         return collections.Counter(a["task_id"] for a in arrivals if not a["allowed"])
 
-    def executions(self, task_id: str) -> tuple[int, int, dict[str, int]]:
-        """(messages published, body runs, executions by end state) of one task id."""
-        published = int(self.client.get(f"test:published:{task_id}") or 0)
-        runs = int(self.client.get(f"test:runs:{task_id}") or 0)
-        raw = self.client.hgetall(f"test:ends:{task_id}")
-        ends = {key.decode(): int(value) for key, value in raw.items()}
-        return published, runs, ends
+    def executions(self, task_id: str, timeout_s: float = 10.0) -> tuple[int, int, dict[str, int]]:
+        """(messages published, body runs, executions by end state) of one task id, once
+        every message published has ended (or after ``timeout_s``): Celery stores a
+        task's result before its ``task_postrun``, so a result read can come first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            published = int(self.client.get(f"test:published:{task_id}") or 0)
+            runs = int(self.client.get(f"test:runs:{task_id}") or 0)
+            raw = self.client.hgetall(f"test:ends:{task_id}")
+            ends = {key.decode(): int(value) for key, value in raw.items()}
+            if sum(ends.values()) >= published or time.monotonic() > deadline:
+                return published, runs, ends
+            time.sleep(0.05)
 
     def assert_each_once(
         self, ids: list[str], refused: collections.Counter[str] | None = None
