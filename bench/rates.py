@@ -72,7 +72,7 @@ from celery import Celery
 
 from bench.celery_fleet import ApiProcess
 from bench.checkout import stop, wait_started
-from bench.overhead import cpu_s
+from bench.overhead import cpu_s, script_calls
 from tests.support.servers import RedisServer
 from workers.harness import ROOT
 from workers.stack import worker_argv
@@ -141,14 +141,10 @@ def pushes(client: Any) -> int:
 
 
 def traffic(client: Any) -> tuple[int, int]:
-    """The limiter's script calls (FCALL, EVALSHA, EVAL) and the server's read events
+    """The script calls (:func:`bench.overhead.script_calls`) and the server's read events
     (``total_reads_processed``: about one per round trip, pipelined calls included) so
     far."""
-    stats = client.info("commandstats")
-    scripts = sum(
-        int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("fcall", "evalsha", "eval")
-    )
-    return scripts, int(client.info("stats")["total_reads_processed"])
+    return script_calls(client), int(client.info("stats")["total_reads_processed"])
 
 
 def tree_cpu_s(procs: Sequence[subprocess.Popen[bytes]]) -> float:
