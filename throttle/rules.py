@@ -86,14 +86,13 @@ class KeyTemplate:
     whole: tuple[bool, ...] = field(init=False, repr=False, compare=False)
     """For each field, whether it is a whole argument (``"{tenant_id}"``, read by name),
     not a path into one."""
+    heads: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The arguments the fields read (split once: every task's key reads them)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "whole", tuple(path.isidentifier() for path in self.paths))
-
-    @property
-    def heads(self) -> tuple[str, ...]:
-        """The arguments the fields read."""
-        return tuple(re.split(r"[.\[]", path, maxsplit=1)[0] for path in self.paths)
+        heads = tuple(re.split(r"[.\[]", path, maxsplit=1)[0] for path in self.paths)
+        object.__setattr__(self, "heads", heads)
 
 
 def parse_key_template(template: str, *, limit: str | None, source: str | None) -> KeyTemplate:

@@ -156,6 +156,12 @@ class Admission:
     rates_changed: bool = False
     """Whether the consumer had heard of a rate set at run time lately (within the
     rates' ``refresh_s``): the pool child re-reads the rates before it runs the task."""
+    targets: tuple[Target, ...] | None = None
+    """The targets the consumer acquired (each rule's limit in force, key and cost), with
+    the whole estimates of costs reserved at a learned share (:attr:`estimates`): the
+    pool child takes them instead of evaluating the rules again (a task's arguments and
+    rules are the same on both sides). None: the pool child evaluates them."""
+    estimates: Mapping[str, float] = field(default_factory=dict)
     holds_clear: bool | None = None
     """What the consumer knew, when it handed the task to the pool, of holds placed on the
     task's limits since its decision (it listens to the holds' announcements). True:

@@ -11,6 +11,7 @@ throttler checks whether it lost its data (``Throttler.check_cold_start``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -29,6 +30,9 @@ WORKER_ENV = "THROTTLE_WORKER_ID"
 one outage marker file, so that the worker logs one warning per outage, not one per child."""
 POOL_ENV = "THROTTLE_POOL_SIZE"
 """The worker's pool size, for the share of ``on_redis_down: local``."""
+MARKER_LOOK_S = 0.1
+"""How often a process that has seen no outage looks for another process's outage marker,
+in s, while Redis answers: a ``stat`` per call would be the price of every task."""
 PING_TIMEOUT_S = 0.5
 """How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
 
@@ -54,6 +58,7 @@ class OutageWatch:
         self._since: float | None = None  # epoch s, as this worker saw it
         self._share: int | None = None  # processes of the fleet; 0: could not count
         self._file: tuple[str | None, Path | None] = ("", None)
+        self._look_at = -math.inf  # monotonic s: when to look for the marker next
 
     def note(self, exc: BaseException | None) -> None:
         """Note that Redis failed (``exc``) or answered (``None``).
@@ -62,15 +67,21 @@ class OutageWatch:
         processes share a marker file (named after the worker's main process, see
         :data:`WORKER_ENV`) holding when the outage began. The process that creates it
         warns; the one that removes it, when Redis answers again, says so (and runs
-        ``on_recovery``). A successful call costs a ``stat`` of that file; a failed one an
-        attempt to create it.
+        ``on_recovery``). A successful call costs a ``stat`` of that file at most every
+        :data:`MARKER_LOOK_S` (every call while this process knows of an outage); a
+        failed one an attempt to create it.
         """
         if exc is not None:
             self._failed(exc)
             return
         path = self.file
-        if self._since is None and (path is None or not path.exists()):
-            return
+        if self._since is None:
+            now = time.monotonic()
+            if now < self._look_at:
+                return
+            self._look_at = now + MARKER_LOOK_S
+            if path is None or not path.exists():
+                return
         since = self._read_start(self.since())
         self._since = None
         if path is not None:

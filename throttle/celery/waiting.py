@@ -41,9 +41,10 @@ undecided in the consumer, first come first decided, until a slot frees (looked 
 would have to give the slot up (capacity lost) and take another.
 
 The decision travels to the pool child in the request's dict (sealed:
-:func:`throttle.celery.execution.carry`), so the gate there pays no second round trip for
-it: it sleeps what is left to the slot (at most :data:`LEAD_S`, plus the time the pool
-took to start the task), then runs the body. A hold placed meanwhile (another worker's
+:func:`throttle.celery.execution.carry`) with the targets it was taken on, so the gate
+there pays no second round trip for it and does not evaluate the rules again: it sleeps
+what is left to the slot (at most :data:`LEAD_S`, plus the time the pool took to start the
+task), then runs the body. A hold placed meanwhile (another worker's
 429, a pause) is announced on the capacity channel (``!held NAME``): when the consumer
 hands a task over after hearing of a hold on one of its limits since its decision, or
 while it was not listening, the pool child looks once more shortly before the slot
@@ -271,7 +272,11 @@ class Waiting:
         look.saw(decision, time.monotonic())
         if decision.allowed:
             fresh = self.line is not None and self.line.rates_changed_lately()
-            carry(request.request_dict, Admission(request.id, decision, now, fresh))
+            targets, estimates = gate.evaluated()
+            admission = Admission(
+                request.id, decision, now, fresh, targets=targets, estimates=estimates
+            )
+            carry(request.request_dict, admission)
             wait = decision.wait_s
             if decision.acquisition is not None and LEAD_S < wait <= self.settings_sleep_max:
                 self._hold(
