@@ -37,12 +37,13 @@ What is measured
 ----------------
 Per tenant in ``enforce``: its rate at the API, (calls - burst) / (last - first call), over
 its calls before the override for free and over all for the others, against its plan (target
->= 97 %); refusals (target 0). The override: from the moment it was written to the first
-call of free that came less than 3/4 of its old spacing after the one before (target:
-within ``settings.refresh``, 2 s, plus one new spacing). In
-``shadow``: the fleet's speed against the control (target: within the noise), and what
-``status`` reports (``StatsBook.shadow``: tasks it would have delayed, p50 and p95 of the
-wait) beside the waits the enforced run imposed (API arrival - send, every task).
+>= 97 %); refusals (target 0); the limiter's script calls per task
+(``enforce_scripts_per_task``: its round trips, the releaser's and the stats' included).
+The override: from the moment it was written to the first call of free that came less than
+3/4 of its old spacing after the one before (target: within ``settings.refresh``, 2 s, plus
+one new spacing). In ``shadow``: the fleet's speed against the control (target: within the
+noise), and what ``status`` reports (``StatsBook.shadow``: tasks it would have delayed, p50
+and p95 of the wait) beside the waits the enforced run imposed (API arrival - send, every task).
 
 Then ``--speed-rounds`` (default 3) pairs of floods with the limit in shadow again, the API
 open: unthrottled (``plain_call``) and in shadow (``plan_call``), alternating which goes
@@ -72,6 +73,7 @@ import psutil
 import redis
 
 from bench.celery_fleet import percentile
+from bench.overhead import script_calls
 from tests.support.servers import RedisServer
 from throttle import KeySpace, Limit
 from throttle.rates import RateBook
@@ -129,9 +131,10 @@ def wait_all(api: Any, sent: dict[str, Any], timeout_s: float) -> list[dict[str,
 
 
 class CpuMeter:
-    """CPU seconds (user + system) spent by the workers' process trees, the Redis server
-    and this process (the producer and the mock API's thread), between two readings: where
-    the fleet's time goes on this host."""
+    """CPU seconds (user + system) spent by the workers' process trees (and of it by their
+    main processes, where the consumer decides: ``workers_main``), the Redis server and
+    this process (the producer and the mock API's thread), between two readings: where the
+    fleet's time goes on this host."""
 
     def __init__(self, workers: Sequence[Worker], redis_pid: int) -> None:
         self.workers = workers
@@ -139,7 +142,7 @@ class CpuMeter:
         self.last = self.read()
 
     def read(self) -> dict[str, float]:
-        found = {"workers": 0.0, "redis": 0.0, "bench": 0.0}
+        found = {"workers": 0.0, "workers_main": 0.0, "redis": 0.0, "bench": 0.0}
         for worker in self.workers:
             if worker.proc is None:
                 continue
@@ -149,6 +152,8 @@ class CpuMeter:
                     with contextlib.suppress(psutil.Error):
                         times = proc.cpu_times()
                         found["workers"] += times.user + times.system
+                        if proc is main:
+                            found["workers_main"] += times.user + times.system
         with contextlib.suppress(psutil.Error):
             times = psutil.Process(self.redis_pid).cpu_times()
             found["redis"] = times.user + times.system
@@ -280,9 +285,10 @@ def speed_rounds(
             sent = send_flood(app, f"bench.plans_app.{task}", rates, args)
             per_s = speed(wait_all(api, sent, timeout_s)) or 0.0
             lap = cpu.lap(time.monotonic() - started, len(sent))
-            runs[task].append(
-                {"per_s": round(per_s, 1), "workers_ms": lap["workers"]["ms_per_task"]}
-            )
+            runs[task].append({
+                "per_s": round(per_s, 1), "workers_ms": lap["workers"]["ms_per_task"],
+                "main_ms": lap["workers_main"]["ms_per_task"],
+            })  # fmt: skip
             print(f"speed round {round_ + 1}: {task} {per_s:.1f}/s", file=sys.stderr)
     plain = sorted(run["per_s"] for run in runs["plain_call"])
     shadow = sorted(run["per_s"] for run in runs["plan_call"])
@@ -366,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     api.api.set_tenant_limit(tenant, rate, max(rate * 0.5, 1))
                 api.api.reset()
                 before = stat_counts(client, keyspace, "api")
+                scripts = script_calls(client)
                 started = time.monotonic()
                 cpu.lap(1, 1)
                 sent = send_flood(app, "bench.plans_app.plan_call", rates, args)
@@ -374,6 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 arrivals = wait_all(api, sent, timeout_s)
                 result["enforce_cpu"] = cpu.lap(time.monotonic() - started, len(sent))
+                # The limiter's script calls per task (acquisitions, the line's asks, the
+                # settles; the releaser's polls and the fleet's stats too): its round trips.
+                result["enforce_scripts_per_task"] = round(
+                    (script_calls(client) - scripts) / len(sent), 2
+                )
                 after = stat_counts(client, keyspace, "api")
                 result["enforce_counts"] = {k: after[k] - before.get(k, 0) for k in after}
                 result["enforce"] = judge(arrivals, rates, override)
