@@ -1,7 +1,8 @@
 """The pool child runs a task the worker's consumer decided on the consumer's evaluation of
 its rules (:meth:`throttle.celery.gate.Gate.evaluated`, carried in the
 :class:`~throttle.celery.execution.Admission`), unless a rate was set at run time since or
-the rules it finds are not the ones the consumer evaluated."""
+the rules it finds are not the ones the consumer evaluated; and a task that waited in the
+consumer's line is evaluated again when it asks (the rates in force then)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.app.task import Context
+from celery.worker import state
+from celery.worker.request import Request
+from kombu import Message
+from kombu.utils.json import dumps
 
 import throttle.celery.gate as gate_module
 from tests.support.eager import close_throttler
-from throttle.celery.execution import Admission
+from throttle.celery import throttled
+from throttle.celery.execution import ADMISSION_KEY, Admission
 from throttle.celery.gate import Gate
+from throttle.celery.runtime import Throttler
+from throttle.celery.waiting import Undecided, Waiting, WaitingLine
+from throttle.rates import RateBook
 from throttle.spec import Limit
 
 ARGS = ("acme", 500)
@@ -114,3 +123,90 @@ def test_targets_of_other_rules_are_not_taken(app: Celery, evaluations: list[int
     found = pool_targets(app, changed)
     assert [limit.name for limit, _, _ in found] == ["requests", "tokens"]
     assert len(evaluations) == 2
+
+
+class Consumer:
+    """The parts of a worker's consumer that :class:`Waiting` uses: a timer that keeps its
+    entries (the test serves the line itself), the prefetch count, the hand-over to the
+    pool (recorded)."""
+
+    def __init__(self) -> None:
+        self.handed: list[Any] = []
+        self.timer = self
+        self.qos = self
+        self.entries: list[Any] = []
+
+    def call_at(self, eta: float, fn: Any, args: Any = (), priority: int = 0) -> Any:
+        self.entries.append((eta, fn, args))
+        return self.entries[-1]
+
+    def cancel(self, entry: Any) -> None:
+        if entry in self.entries:
+            self.entries.remove(entry)
+
+    def increment_eventually(self) -> None: ...
+
+    def decrement_eventually(self) -> None: ...
+
+    def on_task_request(self, request: Any) -> None:
+        self.handed.append(request)
+
+
+def received(app: Celery, name: str, args: tuple[Any, ...]) -> Request:
+    """A request as the worker's consumer builds it from a message."""
+    task_id = f"line-{len(args)}-{time.monotonic_ns()}"
+    sent = app.amqp.as_task_v2(task_id, name, args, {})
+    message = Message(
+        body=dumps(sent.body), headers=sent.headers,
+        properties={"correlation_id": task_id, "reply_to": "", "priority": 0},
+        delivery_info={"exchange": "", "routing_key": "celery", "redelivered": False},
+        content_type="application/json", content_encoding="utf-8",
+    )  # fmt: skip
+    return Request(message, app=app, hostname="line@test", task=app.tasks[name])
+
+
+def test_a_task_served_from_the_line_asks_on_the_rates_in_force_then(
+    redis_url: str, prefix: str
+) -> None:
+    app = Celery("line", set_as_current=False)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix, "refresh": "0.1s"},
+            "limits": {"api": {"algorithm": "gcra", "rate": "2/s", "burst": 1}},
+        },
+    )  # fmt: skip
+
+    @app.task(name="line.call", shared=False)
+    @throttled("api")
+    def call(n: int) -> None: ...
+
+    consumer = Consumer()
+    line = WaitingLine(consumer, max_wait_s=60.0)
+    waiting = Waiting(app.tasks["line.call"], consumer, Undecided(consumer), line)
+    requests = [received(app, "line.call", (n,)) for n in range(3)]
+    try:
+        # Given a task admitted at once, a second denied (its slot 0.5 s away, beyond the
+        # near horizon) waiting in the line, and a third behind it without asking
+        for request in requests:
+            waiting.admit(request)
+        assert consumer.handed == requests[:1]
+        assert len(line.line) == 2
+        # When the limit is raised to 100/s while they wait, and the line is served once
+        # its block is over (the rate read from the rates' cache, not announced)
+        throttler = Throttler.of(app)
+        limiter = throttler.limiter
+        RateBook(limiter.client, limiter.keyspace).set(throttler.config.rule("api").limit, "100/s")
+        time.sleep(0.6)
+        line._run()
+        # Then both ask on the new rate, and reach the pool with its targets
+        assert consumer.handed == requests
+        for request in requests[1:]:
+            _, admission = request.request_dict[ADMISSION_KEY]
+            ((found, _, _),) = admission.targets
+            assert found.rate_per_s == 100.0
+    finally:
+        for request in requests:
+            state.reserved_requests.discard(request)
+            state.requests.pop(request.id, None)
+        close_throttler(app)

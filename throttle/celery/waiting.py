@@ -222,21 +222,22 @@ class Waiting:
         """The planned time of a task held for its plan came."""
         try:
             if not request.revoked():
-                self._decide(request, gate)
+                self._decide(request, gate, stale=True)
         finally:
             self.consumer.qos.decrement_eventually()
 
-    def _decide(self, request: Any, gate: Gate) -> None:
+    def _decide(self, request: Any, gate: Gate, stale: bool = False) -> None:
         """Take the gate's first acquisition within the near horizon: hold the task to a
         near slot, or hand it to the pool; denied, it joins the consumer's line
         (:class:`WaitingLine`), behind the tasks already waiting for the same limits
-        (then without asking: they would be served first)."""
+        (then without asking: they would be served first). ``stale``: the gate was
+        evaluated a while ago (before a wait for the plan), and is evaluated again."""
         line = self.line
         pairs = pairs_of(gate)
         if line is not None and self._may_line(gate) and line.line.needs(pairs):
-            line.join(Pending(self, request, gate, None), pairs, priority_of(request))
+            line.join(Pending(self, request, gate, None, stale=True), pairs, priority_of(request))
             return
-        pending = Pending(self, request, gate, None)
+        pending = Pending(self, request, gate, None, stale=stale)
         blocks = self.ask(pending)
         if blocks is not None and line is not None:
             line.join(pending, pairs, priority_of(request), blocks)
@@ -252,9 +253,11 @@ class Waiting:
         if request.revoked():
             return None
         try:
-            if pending.asked:
-                gate.evaluate()  # the rates in force now (one set at run time, announced)
-            pending.asked = True
+            if pending.stale:
+                # The rates in force now (one set at run time and announced, or followed
+                # from the upstream's word): the pool child runs on these targets too.
+                gate.evaluate()
+            pending.stale = True
             since = time.monotonic()  # a hold announced after this may postdate the look
             now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
@@ -473,15 +476,26 @@ class Pending:
     """A task in the line: its consumer side, request and gate, and its last denial
     (None until it asked)."""
 
-    __slots__ = ("asked", "decided_at", "decision", "gate", "request", "waiting")
+    __slots__ = ("decided_at", "decision", "gate", "request", "stale", "waiting")
 
-    def __init__(self, waiting: Waiting, request: Any, gate: Gate, decision: Decision | None):
+    def __init__(
+        self,
+        waiting: Waiting,
+        request: Any,
+        gate: Gate,
+        decision: Decision | None,
+        *,
+        stale: bool = False,
+    ) -> None:
         self.waiting = waiting
         self.request = request
         self.gate = gate
         self.decision = decision
         self.decided_at = 0.0
-        self.asked = False
+        self.stale = stale
+        """Whether the gate's evaluation may be out of date (the task waited since it was
+        evaluated: in the line, for its plan, or it asked before): evaluated again before
+        it asks."""
 
 
 def pairs_of(gate: Gate) -> tuple[Pair, ...]:
