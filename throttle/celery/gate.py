@@ -172,9 +172,9 @@ class Gate:
         """Take the consumer's evaluation carried with ``admission`` (:meth:`evaluated`)
         instead of evaluating the rules again: the same message, rules and rates (not
         when a rate was set at run time since, or the rules differ: a mode switched
-        between the two). Spares the pool child the work of :meth:`evaluate` (about a
-        third of its own Python for a task the consumer decided); the deadlines, which
-        count from now, and the plan are derived again."""
+        between the two). Spares the pool child the rules' evaluation (templates, costs,
+        the rates in force: some 15 µs of its CPU a task with two limits and a cost); the
+        deadlines, which count from now, and the plan are derived again."""
         if admission is None or admission.targets is None or admission.rates_changed:
             return False
         execution = self.execution

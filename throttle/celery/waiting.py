@@ -44,10 +44,10 @@ The decision travels to the pool child in the request's dict (sealed:
 :func:`throttle.celery.execution.carry`) with the targets it was taken on, so the gate
 there pays no second round trip for it and does not evaluate the rules again: it sleeps
 what is left to the slot (at most :data:`LEAD_S`, plus the time the pool took to start the
-task), then runs the body. A hold placed meanwhile (another worker's
-429, a pause) is announced on the capacity channel (``!held NAME``): when the consumer
-hands a task over after hearing of a hold on one of its limits since its decision, or
-while it was not listening, the pool child looks once more shortly before the slot
+task), then runs the body. A hold placed meanwhile (another worker's 429, a pause) is
+announced on the capacity channel (``!held NAME``): when the consumer hands a task over
+after hearing of a hold on one of its limits since its decision, or while it was not
+listening, the pool child looks once more shortly before the slot
 (:data:`throttle.celery.gate.RECHECK_LEAD_S`; :attr:`Admission.holds_clear` says which).
 A hold placed after the hand-over, in the last :data:`LEAD_S` before the slot, is not
 seen: as for a call already made, the upstream's next answer places it again. A task
