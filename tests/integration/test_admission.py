@@ -173,7 +173,7 @@ def test_a_task_served_from_the_line_asks_on_the_rates_in_force_then(
         throttle_redis_url=redis_url,
         throttle_config={
             "settings": {"prefix": prefix, "refresh": "0.1s"},
-            "limits": {"api": {"algorithm": "gcra", "rate": "2/s", "burst": 1}},
+            "limits": {"api": {"algorithm": "gcra", "rate": "1/s", "burst": 1}},
         },
     )  # fmt: skip
 
@@ -186,8 +186,8 @@ def test_a_task_served_from_the_line_asks_on_the_rates_in_force_then(
     waiting = Waiting(app.tasks["line.call"], consumer, Undecided(consumer), line)
     requests = [received(app, "line.call", (n,)) for n in range(3)]
     try:
-        # Given a task admitted at once, a second denied (its slot 0.5 s away, beyond the
-        # near horizon) waiting in the line, and a third behind it without asking
+        # Given a task admitted at once, a second denied (its slot 1 s away, beyond the
+        # near horizon of 0.25 s) waiting in the line, and a third behind it without asking
         for request in requests:
             waiting.admit(request)
         assert consumer.handed == requests[:1]
@@ -197,7 +197,7 @@ def test_a_task_served_from_the_line_asks_on_the_rates_in_force_then(
         throttler = Throttler.of(app)
         limiter = throttler.limiter
         RateBook(limiter.client, limiter.keyspace).set(throttler.config.rule("api").limit, "100/s")
-        time.sleep(0.6)
+        time.sleep(1.1)  # past the second one's slot: its block (until 0.25 s before) is over
         line._run()
         # Then both ask on the new rate, and reach the pool with its targets
         assert consumer.handed == requests

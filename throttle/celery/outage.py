@@ -74,14 +74,15 @@ class OutageWatch:
         if exc is not None:
             self._failed(exc)
             return
-        path = self.file
         if self._since is None:
             now = time.monotonic()
             if now < self._look_at:
                 return
             self._look_at = now + MARKER_LOOK_S
-            if path is None or not path.exists():
+            marker = self.file
+            if marker is None or not marker.exists():
                 return
+        path = self.file
         since = self._read_start(self.since())
         self._since = None
         if path is not None:
