@@ -1,8 +1,12 @@
 -- gcra.lua: Generic Cell Rate Algorithm, the leaky bucket kept as one timestamp.
 --
--- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us, and when the
--- key's TTL ends (us; prelude.lua's lifetime), packed as two doubles (struct '<dd': exact,
--- and cheaper than formatting and parsing text).
+-- State: one STRING per (limit, key) = TAT, the theoretical arrival time in us, when the
+-- key's TTL ends (us; prelude.lua's lifetime) and the emission interval T it was written
+-- under (us), packed as three doubles (struct '<ddd': exact, and cheaper than formatting
+-- and parsing text; '<dd' and '<d' by older versions). A rate raised since (celery throttle
+-- set or clear, a learned rate probing up) shortens the debt ahead of now in proportion:
+-- the tokens owed stay owed, at the new T (one call at 1/h then back to 5000/h owes 0.72 s,
+-- not an hour). A rate lowered keeps the debt as it stands, as the spacing guard does.
 -- Emission interval T = period_us / count (us per token); tolerance = burst * T.
 -- A request of `cost` tokens conforms at time t when  max(TAT, t) + cost*T - t <= burst*T.
 -- With burst = 1 and cost = 1 that is strict spacing: one call every T.
@@ -27,8 +31,14 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
   if not s and FENCE > 0 then
     tat = math.max(now, FENCE + burst * interval)
   elseif s then
-    if #s == 16 then
-      tat, lives = struct.unpack('<dd', s)
+    if #s == 24 then
+      local was
+      tat, lives, was = struct.unpack('<ddd', s)
+      if interval < was and tat > now then
+        tat = now + (tat - now) * interval / was
+      end
+    elseif #s == 16 then
+      tat, lives = struct.unpack('<dd', s)  -- by a version that did not keep T
     else
       tat = struct.unpack('<d', s)  -- by a version that did not keep the TTL's end
     end
@@ -60,7 +70,7 @@ local function commit(k, count, period_us, burst, now, cost, holder, expiry, at,
   end
   local px
   lives, px = lifetime(tat - now, now, lives)
-  store(k, struct.pack('<dd', tat, lives), px)
+  store(k, struct.pack('<ddd', tat, lives, period_us / count), px)
   if later then
     -- The decision describes the state committed (check's formulas on the new TAT).
     local interval = period_us / count

@@ -528,7 +528,8 @@ def test_a_state_of_the_previous_format_is_read_and_rewritten(
     clocked: Limiter, clock: FakeClock, client: redis.Redis
 ) -> None:
     # A fleet being upgraded: token bucket and GCRA states written without the end of their
-    # key's TTL (two doubles, one) are read as they were, and written in the new format.
+    # key's TTL (two doubles, one) or a GCRA's without its interval (two doubles) are read
+    # as they were, and written in the new format.
     bucket = Limit.parse("10/s", name="old-tb")
     client.set(state_key(clocked, bucket), struct.pack("<dd", 3.0, clock.now_us), px=60_000)
     assert clocked.acquire(bucket).remaining == pytest.approx(2.0)
@@ -539,8 +540,32 @@ def test_a_state_of_the_previous_format_is_read_and_rewritten(
     assert not denied.allowed and denied.retry_after_s == pytest.approx(0.05)
     clock.advance(0.05)
     assert clocked.acquire(slot).allowed
-    assert len(client.get(state_key(clocked, slot)) or b"") == 16
+    assert len(client.get(state_key(clocked, slot)) or b"") == 24
     assert client.pttl(state_key(clocked, slot)) > 1000
+    lives = clock.now_us + 60e6
+    client.set(state_key(clocked, slot), struct.pack("<dd", clock.now_us + 50_000, lives))
+    denied = clocked.acquire(slot)
+    assert not denied.allowed and denied.retry_after_s == pytest.approx(0.05)
+    clock.advance(0.05)
+    assert clocked.acquire(slot).allowed
+    assert len(client.get(state_key(clocked, slot)) or b"") == 24
+
+
+def test_a_gcra_limit_slowed_then_raised_owes_its_calls_at_the_new_rate(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    # Given a GCRA limit slowed at run time to 1/h: one call pushes its next slot an hour on
+    slow = Limit.parse("1/h burst 1", name="github", algorithm="gcra")
+    fast = Limit.parse("5000/h burst 10", name="github", algorithm="gcra")
+    assert clocked.acquire(slow).allowed
+    assert clocked.acquire(slow).retry_after_s == pytest.approx(3600.0)
+    # When the rate is raised back (celery throttle clear), the call made is owed at the
+    # new rate (0.72 s of a burst of 10), not for the hour of the old one: 9 more at once
+    assert [clocked.acquire(fast).allowed for _ in range(10)] == [True] * 9 + [False]
+    # And lowered again, the debt is kept as it stands (as the spacing guard keeps it):
+    # the next slot at 1/h is an hour after the 0.72 s x 10 booked
+    denied = clocked.acquire(slow)
+    assert denied.retry_after_s == pytest.approx(7.2, abs=0.01)
 
 
 def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:
