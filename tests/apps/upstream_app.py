@@ -113,3 +113,15 @@ def fetch_adaptive(self: Any, n: int) -> dict[str, Any]:
         f"{API_URL}/call", headers={"X-Task-Id": self.request.id}, timeout=10
     )
     return _result(self, n, response.status_code)
+
+
+@app.task(bind=True, max_retries=0)
+@throttled("watch")
+def fetch_shadow(self: Any, n: int) -> dict[str, Any]:
+    """A limit in shadow mode: it delays nothing, and a 429 still sends the task back for
+    after the API's time, as enforced."""
+    _run(self)
+    response = _session().post(
+        f"{API_URL}/call", headers={"X-Task-Id": self.request.id}, timeout=10
+    )
+    return _result(self, n, response.status_code)

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import redis
+import requests
 import yaml
 from celery import Celery
+from celery._state import _task_stack
 from celery.worker import state
 
 from tests.support.clock import redis_now_s
@@ -21,6 +23,7 @@ from tests.support.eager import close_throttler
 from tests.support.events import EventLog
 from throttle.celery import install
 from throttle.celery.events import EVERY_S
+from throttle.celery.execution import enter_ticket, leave_ticket
 from throttle.celery.gate import Gate
 from throttle.celery.message import H_DEFERRALS, H_SENT
 from throttle.celery.observe import FleetStatsReporter
@@ -28,7 +31,9 @@ from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
 from throttle.celery.waiting import Undecided, Waiting
 from throttle.config import ThrottleConfig
+from throttle.errors import Throttled
 from throttle.stats import StatsBook
+from throttle.upstream import report_upstream
 
 REFRESH_S = 0.2
 
@@ -158,6 +163,42 @@ def test_a_task_with_only_limits_in_shadow_goes_to_the_pool_without_waiting_for_
     # child's gate looks for it), and the task with a limit in force waits for the slot
     assert [request.id for request in handed] == ["shadow.only"]
     assert [request.id for _, request in undecided.waiting] == ["shadow.call"]
+
+
+def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_recorded(
+    app: Celery,
+) -> None:
+    @app.task(name="shadow.call", shared=False)
+    def call() -> None: ...
+
+    throttler = Throttler.of(app)
+    refused = requests.Response()
+    refused.status_code, refused.headers["Retry-After"] = 429, "5"
+    # Given a task with a limit in force and one in shadow mode, running on its ticket
+    call.push_request(id="t-429", headers={}, delivery_info={}, called_directly=False)
+    _task_stack.push(call)
+    try:
+        ticket = Gate(call, None, call.run, (), {}).enter()
+        assert ticket is not None and [rule.name for rule, _ in ticket.shadow] == ["api"]
+        token = enter_ticket(ticket)
+        try:
+            # When the body reports a 429 for the limit in shadow mode
+            with pytest.raises(Throttled):
+                report_upstream(refused, limit="api", retry=True)
+        finally:
+            leave_ticket(token)
+    finally:
+        _task_stack.pop()
+        call.pop_request()
+    # Then the task is to come back after the API's 5 s (no slot of the limit to take)
+    assert ticket.refusal is not None
+    assert (ticket.refusal.countdown_s, ticket.refusal.limits) == (5.0, ("api",))
+    # its shadow twin is held as the limit would be, the limit itself not
+    holds = throttler.limiter.holds()
+    assert ("api.shadow", None) in holds and not any(name == "api" for name, _ in holds)
+    # and the refusal is in the record under the limit's name, with the task's id
+    (entry,) = throttler.refusals.read("api")
+    assert (entry.task_id, entry.status, entry.held) == ("t-429", 429, False)
 
 
 def test_shadow_events_reach_an_event_receiver_in_one_message(app: Celery) -> None:

@@ -584,6 +584,7 @@ limits:
   solo: {algorithm: gcra, rate: 19.6/s, burst: 1}
   hurry: {algorithm: gcra, rate: 19.6/s, burst: 1, key: "{account}", max_wait: 0.5s}
   learn: {algorithm: gcra, rate: 19.6/s, burst: 1, adaptive: true, floor: 2/s}
+  watch: {algorithm: gcra, rate: 19.6/s, burst: 1, mode: shadow}
 """
 
 
@@ -703,6 +704,41 @@ def test_a_refusal_that_holds_nothing_sends_the_task_back_for_the_next_slot(
     # its Retry-After (which would idle the limit at the end of a backlog)
     again = [a["at_s"] for a in arrivals if a["task_id"] == refused[0]["task_id"]]
     assert again[1] - again[0] < 1.0, arrivals
+
+
+def test_a_task_refused_under_a_limit_in_shadow_comes_back_after_the_apis_time(
+    fleet: Fleet,
+) -> None:
+    # Given a limit in shadow mode (it delays nothing) before an API that allows one call
+    # a second, and three tasks at once (max_retries=0)
+    from tests.apps.upstream_app import fetch_shadow  # noqa: PLC0415
+
+    api = fleet.api.api
+    api.set_limit(1.0, 1.0)
+    api.reset()
+    try:
+        handles = [fetch_shadow.delay(n) for n in range(3)]
+        done = [handle.get(timeout=30) for handle in handles]
+    finally:
+        api.set_limit(20.0, 2.0)
+    # Then every task succeeded under its own id, once at the API, without a retry spent:
+    # a refused one was sent back (not failed by the Throttled of report_upstream)
+    assert sorted(r["n"] for r in done) == [0, 1, 2], log_tail(fleet)
+    arrivals = api.arrivals_json()
+    allowed = collections.Counter(a["task_id"] for a in arrivals if a["allowed"])
+    assert allowed == {h.id: 1 for h in handles}
+    refused = fleet.refused_by_id()
+    assert sum(refused.values()) >= 1, arrivals
+    assert all(r["runs"] == 1 + refused[r["id"]] and r["retries"] == 0 for r in done)
+    # after the API's own time (Retry-After: 1 s), there being no slot to take
+    for task_id in refused:
+        at = [a["at_s"] for a in arrivals if a["task_id"] == task_id]
+        assert at[1] - at[0] >= 0.9, arrivals
+    # and each refusal is in the record under the limit's own name, with its task id
+    book = RefusalBook(fleet.client, fleet.limiter.keyspace)
+    assert {entry.task_id for entry in book.read("watch")} == set(refused)
+    # while the limit itself was never held (its shadow twin was, as enforced it would be)
+    assert all(limit != "watch" for limit, _ in fleet.limiter.holds())
 
 
 def test_the_fleet_follows_an_api_that_lowers_its_limit_mid_run(fleet: Fleet) -> None:

@@ -126,7 +126,11 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
     if task is None or ticket is None:
         raise RuntimeError("defer_task() is for the body of a running throttled task")
     countdown_s = max(float(countdown_s), 0.0)
-    names = tuple(limits) or tuple(rule.name for rule in ticket.rules)
+    names = (
+        tuple(limits)
+        or tuple(rule.name for rule in ticket.rules)
+        or tuple(rule.name for rule, _ in ticket.shadow)
+    )
     if task.request.is_eager or task.request.called_directly:
         raise Throttled(countdown_s, names)
     execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)

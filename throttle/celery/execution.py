@@ -94,6 +94,10 @@ class Ticket:
     plan: list[Target] | None = None
     """The plan targets of a task that ran on a plan (:mod:`throttle.celery.plan`): what a
     cost settled lower hands back to the plan too (its record is ``id`` + ``.plan``)."""
+    shadow: tuple[tuple[Rule, Target], ...] = ()
+    """The task's limits in shadow mode with their targets (:mod:`throttle.celery.shadow`):
+    nothing reserved; an upstream's refusal reported from the body holds their shadow
+    twins and is recorded under their names, as it would be enforced."""
     refusal: Refusal | None = None
     """The upstream refused the body's last call and the task is to come back
     (``report_upstream(..., retry=True)``): answered once, when the body exits by an

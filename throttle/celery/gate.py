@@ -57,7 +57,7 @@ from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.rules import Declared, Target, kept_in_hand, targets
+from throttle.rules import Declared, Rule, Target, kept_in_hand, targets
 from throttle.spec import Limit
 
 RECHECK_LEAD_S = 0.01
@@ -110,10 +110,13 @@ class Gate:
         the first acquisition instead of a round trip of this one's."""
         execution = self.execution
         restore_eta(execution)  # first: a copy re-published during an outage keeps it too
+        shadowed: tuple[tuple[Rule, Target], ...] = ()
         if self.rule_set.shadow:  # limits in shadow mode: looked at, never waited for
-            shadow.look(execution, self.rule_set.shadow)
+            shadowed = shadow.look(execution, self.rule_set.shadow)
         if not execution.rules:
-            return None
+            # Only limits in shadow mode: a ticket without acquisition, for the upstream's
+            # refusals reported from the body (their twins held, the task back as enforced).
+            return Ticket(None, (), time.time(), shadow=shadowed) if shadowed else None
         try:
             drop_second_copy(execution)
             if not self._take_evaluation(admission):
@@ -132,6 +135,7 @@ class Gate:
             return None
         if not execution.eager:
             execution.throttler.observer.allowed(execution, ticket.slot_at - now)
+        ticket.shadow = shadowed
         return ticket
 
     def evaluate(self) -> None:

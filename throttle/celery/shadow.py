@@ -42,7 +42,7 @@ from throttle.celery.message import H_DEFERRALS, sent_header
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError, ThrottleError
 from throttle.gathering import Gathering
-from throttle.rules import Rule, kept_in_hand, targets
+from throttle.rules import Rule, Target, kept_in_hand, targets
 from throttle.spec import SHADOW_SUFFIX, Limit
 
 logger = logging.getLogger("throttle")
@@ -150,13 +150,16 @@ def looks_of(throttler: Throttler) -> Looks:
     return looks
 
 
-def look(execution: Execution, rules: Sequence[Rule]) -> None:
+def look(execution: Execution, rules: Sequence[Rule]) -> tuple[tuple[Rule, Target], ...]:
     """What the limits of ``rules`` (in shadow mode) would have done to this execution:
     the wait each would impose, reported to the throttler's observers once the look is
-    sent (:class:`Looks`). Never raises, never delays the task (an error loses the look,
-    logged)."""
-    if H_DEFERRALS in execution.message_headers or execution.eager:
-        return  # looked at when it first arrived (eager mode: no fleet to shadow)
+    sent (:class:`Looks`). Returns each rule with its target (limit, key, cost) for the
+    task's ticket, so that an upstream's refusal reported from the body is answered as
+    it would be enforced (:func:`throttle.celery.upstream.report_upstream`); evaluated
+    for a copy that came back too, which is not looked at again. Never raises, never
+    delays the task (an error loses the look, logged, and returns nothing)."""
+    if execution.eager:
+        return ()  # eager mode: no fleet to shadow, and a refusal raises in the caller
     throttler = execution.throttler
     try:
         found = targets(
@@ -165,17 +168,20 @@ def look(execution: Execution, rules: Sequence[Rule]) -> None:
         found = kept_in_hand(found, throttler.settings.burst_margin_s)  # as enforced
     except Exception as exc:  # a bad key or cost for this task: it would fail enforced
         logger.warning("throttle: shadow look of task %s: %s", execution.request.id, exc)
-        return
-    twins: list[tuple[Limit, str | None, float]] = []
-    for limit, key, cost in found:
-        twin = shadow_limit(limit)
-        twins.append((twin, key, min(cost, twin.capacity)))
-    # The look outlives the task's run: execution.request was read (cached) above.
-    looks_of(throttler).add(
-        _Look(
-            execution, [rule.name for rule in rules], twins, time.monotonic(), _queued_s(execution)
-        )
-    )
+        return ()
+    if H_DEFERRALS not in execution.message_headers:  # looked at when it first arrived
+        twins: list[tuple[Limit, str | None, float]] = []
+        for limit, key, cost in found:
+            twin = shadow_limit(limit)
+            twins.append((twin, key, min(cost, twin.capacity)))
+        # The look outlives the task's run: execution.request was read (cached) above.
+        looks_of(throttler).add(
+            _Look(
+                execution, [rule.name for rule in rules], twins, time.monotonic(),
+                _queued_s(execution),
+            )
+        )  # fmt: skip
+    return tuple(zip(rules, found, strict=True))
 
 
 def _queued_s(execution: Execution) -> float:

@@ -21,8 +21,11 @@ from celery._state import get_current_task
 
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
+from throttle.celery.shadow import shadow_limit
 from throttle.errors import BackendError, RequestError, Throttled, UpstreamFinal
 from throttle.refusals import Refusal as RefusalEntry
+from throttle.rules import Rule
+from throttle.rules import Target as RuleTarget
 from throttle.spec import Limit
 from throttle.upstream.answers import answer_of
 from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response
@@ -138,6 +141,10 @@ def report_upstream(
       ``on_timeout``); an upstream that refuses for ever is otherwise retried for ever.
       In eager mode, direct calls, and tasks that are not throttled, the task raises
       :class:`Throttled` with the hold instead.
+    * **Shadow mode**: a limit in shadow mode (:mod:`throttle.celery.shadow`) is answered
+      as enforced on its twin: the refusal recorded under the limit's name, its hold on the
+      twin (no rate set or learned), and with ``retry=True`` the task back after the
+      upstream's time (no slot to take).
       A call made again inside the body (an SDK's own retry, or any call after a
       refusal) logs a warning once per task: create the SDK's client with
       ``max_retries=0``.
@@ -158,7 +165,7 @@ def report_upstream(
         response = answer  # an SDK's exception: its HTTP response (released below)
     signal = read_response(response)
     ticket = current_ticket()
-    if ticket is None or ticket.acquisition is None:
+    if ticket is None or (ticket.acquisition is None and not ticket.shadow):
         if signal is not None and retry and signal.final:
             _release(response)
             raise UpstreamFinal(_status(response))
@@ -172,12 +179,19 @@ def report_upstream(
     rules = {rule.name: rule for rule in ticket.rules}
     picked = [
         (current, key, cost, rules.get(current.name))
-        for (current, key), cost in zip(acquisition.targets, acquisition.costs, strict=True)
+        for (current, key), cost in (
+            zip(acquisition.targets, acquisition.costs, strict=True) if acquisition else ()
+        )
         if name is None or current.name == name
     ]
-    if not picked:  # checked on every response: a misspelt name fails on the first call
-        names = ", ".join(repr(current.name) for current, _ in acquisition.targets)
-        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {names})")
+    shadowed = [
+        (rule, target) for rule, target in ticket.shadow if name is None or rule.name == name
+    ]
+    if not picked and not shadowed:  # checked on every response: a misspelt name fails at once
+        names = [current.name for current, _ in acquisition.targets] if acquisition else []
+        names += [rule.name for rule, _ in ticket.shadow]
+        listed = ", ".join(repr(each) for each in names)
+        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {listed})")
     task = get_current_task()
     again = _retried_by_client(response)
     if again or ticket.refusal is not None:
@@ -190,6 +204,7 @@ def report_upstream(
     throttler = Throttler.of(task.app)
     held = True  # Redis failing: the task comes back after the upstream's time
     targets: list[Target] = []
+    recorded: list[Target] = []
     try:
         for current, key, cost, rule in picked:
             configured = current if rule is None else rule.limit
@@ -199,17 +214,26 @@ def report_upstream(
             targets.append(
                 Target(current, configured, key, cost == 1.0, learning, ceiling, dimension, cost)
             )
+        recorded = list(targets)
         if signal is None:
             for target in targets:
                 learn(throttler.learned, None, target)
         else:
-            held = apply_signal(
+            held = bool(targets) and apply_signal(
                 throttler.limiter, throttler.rates, signal, targets, throttler.learned
             )
+            # Limits in shadow mode: their twins are held as the limits would be (what the
+            # twins' looks report then includes the hold), and no rate is set or learned.
+            twins = [_shadow_target(rule, target) for rule, target in shadowed]
+            recorded += [
+                Target(limit, limit, key, False, cost=cost) for _, (limit, key, cost) in shadowed
+            ]
+            if twins:
+                apply_signal(throttler.limiter, None, signal, twins, throttler.learned)
     except BackendError as exc:
         throttler.outage(exc)
     if signal is not None and signal.refused and not throttler.in_memory:
-        _record(throttler, task, response, signal, targets, held)
+        _record(throttler, task, response, signal, recorded, held)
     if signal is None:
         return None
     if retry and signal.final:
@@ -234,12 +258,22 @@ def report_upstream(
         # second instead idles the limit at the end of a backlog (eager mode and direct
         # calls, which have no slot to take, are told the upstream's time).
         eager = task.request.is_eager or task.request.called_directly
-        countdown = signal.hold_s if held or eager else 0.0
-        limits = tuple(target.current.name for target in targets)
+        # With only limits in shadow mode there is no slot to take: the upstream's time.
+        countdown = signal.hold_s if held or eager or not targets else 0.0
+        limits = tuple(target.current.name for target in recorded)
         # Recorded, not published: the task comes back when its body exits (run()).
         ticket.refusal = Refusal(countdown, limits)
         raise Throttled(countdown, limits)
     return signal
+
+
+def _shadow_target(rule: Rule, target: RuleTarget) -> Target:
+    """The shadow twin of a limit in shadow mode, as an upstream's answer is applied to
+    it (:func:`~throttle.upstream.policy.apply_signal`): held, never learning (an
+    adaptive limit in shadow keeps its configured rate)."""
+    limit, key, cost = target
+    twin = shadow_limit(limit)
+    return Target(twin, twin, key, cost == 1.0, None, None, rule.upstream, cost)
 
 
 def _status(response: Any) -> int | None:
