@@ -650,10 +650,26 @@ def _plain_parameters(fn: Callable[..., Any]) -> tuple[str, ...] | None:
 _plain = functools.lru_cache(maxsize=1024)(_plain_parameters)
 
 
+def _parameter_defaults(fn: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+    """The parameters of ``fn`` that have a default value, with it (none when its
+    signature cannot be read)."""
+    try:
+        parameters = _signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(
+        (p.name, p.default) for p in parameters if p.default is not inspect.Parameter.empty
+    )
+
+
+_defaults = functools.lru_cache(maxsize=1024)(_parameter_defaults)
+
+
 def named_arguments(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """The arguments of a call of ``fn`` by name (positional ones bound to its parameters)."""
+    """The arguments of a call of ``fn`` by name: positional ones bound to its parameters,
+    and the parameters the call leaves out at their default values (what the body sees)."""
     try:
         names = _plain(fn)
     except TypeError:  # not hashable
@@ -669,12 +685,16 @@ def named_arguments(
             if name in named or name not in names:
                 return dict(kwargs)
         named.update(kwargs)
+        if len(named) < len(names):
+            for name, default in _defaults(fn):
+                named.setdefault(name, default)
         return named
     try:
         signature = _signature(fn)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return dict(kwargs)
+    bound.apply_defaults()
     named = dict(bound.arguments)
     for parameter in signature.parameters.values():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name in named:

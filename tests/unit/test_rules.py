@@ -29,11 +29,14 @@ def test_targets_give_each_rule_its_limit_key_and_cost() -> None:
     assert got == [(REQUESTS, "acme", 1.0), (TOKENS, "acme:eu", 2000.0)]
 
 
-def test_positional_arguments_are_bound_by_name_and_defaults_are_not_invented() -> None:
+def test_positional_arguments_are_bound_by_name_and_defaults_are_read() -> None:
     rule = Rule(TOKENS, cost="max_tokens")
     assert targets([rule], complete, ("acme", "hi", 7), {}) == [(TOKENS, None, 7.0)]
+    default = inspect.signature(complete).parameters["max_tokens"].default
+    # left out: the default, which the body sees
+    assert targets([rule], complete, ("acme", "hi"), {}) == [(TOKENS, None, float(default))]
     with pytest.raises(ConfigError, match="no argument of this name") as caught:
-        targets([rule], complete, ("acme", "hi"), {})  # the default is not a cost
+        targets([Rule(TOKENS, cost="tokens_used")], complete, ("acme", "hi"), {})
     assert (caught.value.limit, caught.value.field) == ("tokens", "cost")
 
 
@@ -65,11 +68,20 @@ def test_arguments_are_named_as_signature_binds_them(
 ) -> None:
     try:
         signature = inspect.signature(fn)
-        expected = dict(signature.bind_partial(*args, **kwargs).arguments)
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.apply_defaults()  # what the body sees of the arguments left out
+        expected = dict(bound.arguments)
         expected.update(expected.pop("extra", {}))
     except TypeError:
         expected = dict(kwargs)
     assert named_arguments(fn, args, kwargs) == expected
+
+
+def test_a_key_and_a_cost_read_an_argument_left_at_its_default() -> None:
+    # send(tenant_id, body, tokens=10) called without tokens: the body sees 10
+    rule = Rule(REQUESTS, key="{tenant_id}", cost="tokens")
+    assert targets([rule], send, ("acme", "hi"), {}) == [(REQUESTS, "acme", 10.0)]
+    assert targets([rule], send, ("acme", "hi", 3), {}) == [(REQUESTS, "acme", 3.0)]
 
 
 def test_key_templates_read_whole_arguments_attributes_and_indexes() -> None:
