@@ -42,6 +42,7 @@ __all__ = [
     "cost_for",
     "declare",
     "key_for",
+    "key_problem",
     "named_arguments",
     "names_arguments",
     "parse_key_template",
@@ -791,6 +792,44 @@ def key_for(
             "the key is empty for this task's arguments", field="key", value=key, limit=rule.name
         )
     return value
+
+
+def key_problem(rule: Rule, key: str) -> str | None:
+    """Why ``key`` (as an operator types it: ``celery throttle pause api KEY``) is no key
+    that ``rule``'s tasks can have, or None. A limit without a key has one state for
+    every task. A key template of several fields percent-encodes each value in the key
+    (:func:`_render`), so ``"{tenant}:{region}"`` with ``acme corp`` and ``eu`` is
+    ``acme%20corp:eu``: a key that does not read back that way names nothing."""
+    if rule.key is None:
+        return f"limit {rule.name!r} has no key: it has one state for every task"
+    template = rule.key_template
+    if template is None or len(template.paths) < 2:
+        return None  # a key function's, or one field's (not encoded): any text
+    part = "[" + re.escape("".join(sorted(PART_ALPHABET))) + "]*"
+    literals = template.literals
+    pattern = re.escape(literals[0]) + "".join(part + re.escape(lit) for lit in literals[1:])
+    if re.fullmatch(pattern, key):
+        return None
+    problem = (
+        f"{key!r} is no key of limit {rule.name!r}: its key template {rule.key!r} "
+        "percent-encodes each value in the key"
+    )
+    rest, values = key, []
+    if rest.startswith(literals[0]):
+        rest = rest[len(literals[0]) :]
+        for literal in literals[1:-1]:
+            value, found, rest = rest.partition(literal)
+            if not found:
+                return problem
+            values.append(value)
+        if rest.endswith(literals[-1]):
+            values.append(rest[: len(rest) - len(literals[-1])] if literals[-1] else rest)
+            encoded = literals[0] + "".join(
+                encode_part(value) + lit for value, lit in zip(values, literals[1:], strict=True)
+            )
+            if re.fullmatch(pattern, encoded):
+                return f"{problem} (did you mean {encoded!r}?)"
+    return problem
 
 
 def cost_for(

@@ -88,6 +88,14 @@ def spaced(self: Any, tag: str) -> None:
     _log(tag, self.request.id)
 
 
+@app.task(bind=True, shared=False, acks_late=True)
+@throttled("spaced")
+def spaced_late(self: Any, tag: str) -> None:
+    """As ``spaced``, acknowledged when it returns: a pool child may sleep up to
+    ``sleep_max`` for a slot it decided itself."""
+    _log(tag, self.request.id)
+
+
 @app.task(shared=False)
 @throttled("slow")
 def slow(tag: str) -> None:

@@ -536,7 +536,8 @@ def test_pause_and_resume_a_limit_or_one_key(cli: Cli) -> None:
     api, tenant = cli.limit("api"), cli.limit("tenant")
     result = cli("pause", "api")
     assert result.exit_code == 0, result.output
-    assert "look again every 1s (settings.pause_recheck)" in result.output
+    assert "its tasks wait in the workers" in result.output
+    assert "looking again every 1s" in result.output
     assert cli.limiter.holds() == {("api", None): math.inf}
     denied = cli.limiter.acquire(api)
     assert not denied.allowed and math.isinf(denied.retry_after_s)
@@ -558,6 +559,16 @@ def test_pause_and_resume_a_limit_or_one_key(cli: Cli) -> None:
 
     result = cli("resume", "api")
     assert result.exit_code == 0 and "nothing to do" in result.output
+
+    # A key that no task of the limit can have is refused (exit 2), not paused in vain:
+    # a limit without a key, an empty key
+    for args in (("pause", "api", "acme"), ("pause", "tenant", ""), ("reset", "api", "x")):
+        result = cli(*args)
+        assert result.exit_code == 2, result.output
+    assert "limit 'api' has no key" in cli("pause", "api", "acme").output
+    assert cli("refusals", "api", "--key", "acme").exit_code == 2
+    assert cli("clear", "api", "--key", "acme").exit_code == 2
+    assert cli.limiter.holds() == {("tenant", "beta"): pytest.approx(60.0, abs=5.0)}
 
 
 # -- check ----------------------------------------------------------------------------------

@@ -137,6 +137,51 @@ def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
     assert all(int(n) == 1 for n in client.hvals("waiting:done"))
 
 
+FLOOD_CONFIG = """
+limits:
+  spaced: {algorithm: gcra, rate: 2/s, burst: 1}
+  slow: {algorithm: gcra, rate: 24/m, burst: 1}
+  bulk: {rate: 1000/s, burst: 10}
+"""
+
+
+def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced_late  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = redis_server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    config = tmp / "flood.yaml"
+    config.write_text(FLOOD_CONFIG)
+    # Given the default settings, a visibility timeout of 10 s (the line's budget: half of
+    # it, less sleep_max and park_lead, 3.5 s), two pool slots, Celery's prefetch of 4 a
+    # slot, and a flood of 30 tasks of a 2/s limit acknowledged when they return: most wait
+    # in the line longer than its budget
+    env = {
+        "WAITING_BROKER_URL": redis_server.url,
+        "THROTTLE_CONFIG": str(config),
+        "WAITING_VISIBILITY_S": "10",
+    }
+    flood = Worker("w-flood", env, concurrency=2, queues="waiting", pool="prefork",
+                   app="tests.apps.waiting_app", log=tmp / "w-flood.log")  # fmt: skip
+    with running(app, [flood]):
+        handles = [spaced_late.delay(f"f{i}") for i in range(30)]
+        for handle in handles:
+            handle.get(timeout=90)
+    # Then those went back through the broker and every task ran once: none was held in
+    # the worker past the visibility timeout (the broker would deliver it again, to run
+    # twice)
+    done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
+    assert done == {f"f{i}": 1 for i in range(30)}
+    # and no pool child slept for a slot: a task sent on from the line without having
+    # asked goes with a denial, not to be decided in the pool and sleep there up to
+    # sleep_max while the others wait for a free pool slot
+    assert max(slept(client).values()) <= LEAD_S + 0.2, slept(client)
+
+
 def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, Path]) -> None:
     from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
 

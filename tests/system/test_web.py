@@ -245,6 +245,12 @@ def test_the_page_shows_a_live_fleet_and_pauses_a_limit(fleet: Fleet, browser: W
         5, "the pause in the state",
     )  # fmt: skip
     until(lambda: cell(browser, "live", "now") == "0/s", 5, "nothing admitted while paused")
+    # and counts the tasks waiting in the workers' lines (none held for a near slot)
+    until(
+        lambda: not any((fleet.producer.control.inspect(timeout=1).scheduled() or {}).values())
+        and int(cell(browser, "live", "waiting") or 0) > 0,
+        15, "tasks in the lines",
+    )  # fmt: skip
 
     # When resumed from the page, tasks flow again
     until(
@@ -281,6 +287,9 @@ def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
         assert status == 401 and "token" in answer["error"], (token, answer)
     status, answer = post_json(f"{controlled}/api/pause", {"limit": "nope"}, TOKEN)
     assert status == 400 and "unknown limit 'nope'" in answer["error"]
+    # a key of a limit without a key: it would pause nothing
+    status, answer = post_json(f"{controlled}/api/pause", {"limit": "live", "key": "x"}, TOKEN)
+    assert status == 400 and "limit 'live' has no key" in answer["error"]
     assert not {row["name"]: row for row in state(controlled)["limits"]}["live"]["hold"]
 
     # A page of another site cannot read it through DNS rebinding: the Host is checked

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from throttle.errors import ConfigError
-from throttle.rules import RedisDown, Rule, declare, named_arguments, targets
+from throttle.rules import RedisDown, Rule, declare, key_problem, named_arguments, targets
 from throttle.spec import Algorithm, Limit
 
 TOKENS = Limit.parse("90000/m", name="tokens")
@@ -139,3 +139,15 @@ def test_declare_splits_inline_rates_from_names_and_keeps_the_overrides() -> Non
     )
     assert given.limit is REQUESTS
     assert set(declared.overrides) == {"key", "cost"}
+
+
+def test_a_key_an_operator_types_is_checked_against_the_limit_s_template() -> None:
+    composite = Rule(REQUESTS, key="{tenant_id}:{region}")
+    # the key as the worker writes it: each value percent-encoded
+    ((_, name, _),) = targets([composite], complete, ("acme corp", "hi"), {"region": "eu"})
+    assert name == "acme%20corp:eu" and key_problem(composite, name) is None
+    problem = key_problem(composite, "acme corp:eu")
+    assert problem is not None and "did you mean 'acme%20corp:eu'?" in problem
+    assert key_problem(composite, "acme") is not None  # not the template's shape
+    assert key_problem(Rule(REQUESTS, key="{tenant_id}"), "acme corp") is None  # one value
+    assert "has no key" in (key_problem(Rule(REQUESTS), "acme") or "")

@@ -93,7 +93,7 @@ from throttle.celery.runtime import (
     throttling_enabled,
 )
 from throttle.celery.task import gated_call
-from throttle.decision import Decision
+from throttle.decision import Decision, LimitState
 from throttle.errors import BackendError, ThrottleError
 from throttle.limiter import HOLD_PLACED
 from throttle.rates import RATES_CHANGED
@@ -328,11 +328,18 @@ class Waiting:
     def send_on(self, pending: Pending, retry_s: float | None) -> None:
         """Hand a task that may not wait (any longer) to the pool with its last denial
         (``retry_s``: what is left of its wait, s; None: as the denial said): the gate
-        there sends it back for then, reserving nothing. Without a denial (it joined the
-        line behind others and never asked), the gate decides."""
+        there sends it back for then, reserving nothing. A task that joined the line
+        behind others and never asked goes with a denial of ``retry_s`` on its limits:
+        decided in the pool instead, it would sleep there up to ``sleep_max`` for a slot,
+        and the tasks sent on with it would wait for a free pool slot, unacknowledged,
+        past the line's budget (and a broker's visibility timeout)."""
         request, decision = pending.request, pending.decision
         if request.revoked():
             return
+        if decision is None and retry_s is not None:
+            names = tuple(dict.fromkeys(name for name, _ in pairs_of(pending.gate)))
+            states = tuple(LimitState(name, False, 0.0, retry_s, 0.0) for name in names)
+            decision = Decision(False, 0.0, retry_s, 0.0, 0.0, states)
         if decision is not None:
             if retry_s is not None:
                 decision = decision._replace(retry_after_s=retry_s)

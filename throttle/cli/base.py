@@ -18,7 +18,7 @@ import click
 
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.errors import ThrottleError
-from throttle.rules import Rule
+from throttle.rules import Rule, key_problem
 from throttle.spec import Limit
 
 EXIT_ERRORS = 1
@@ -92,6 +92,18 @@ def lookup(known: Mapping[str, Known], name: str) -> Known:
         return known[name]
     listed = ", ".join(known) or "none (no limits file, no @throttled inline limits)"
     raise click.BadParameter(f"unknown limit {name!r}; known limits: {listed}", param_hint="LIMIT")
+
+
+def checked_key(rule: Rule, key: str | None, hint: str) -> str | None:
+    """``key`` when ``rule``'s tasks can have it; a usage error (exit 2) that says why not
+    (:func:`throttle.rules.key_problem`: an empty key, a limit without a key, a composite
+    key not percent-encoded), rather than a command that names nothing."""
+    if key is None:
+        return None
+    problem = "a key must not be empty" if not key else key_problem(rule, key)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint=hint)
+    return key
 
 
 # -- formatting -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ restarts. ``check`` reads only the file (and, with ``-A``, the app's tasks).
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 import click
@@ -19,6 +20,7 @@ from throttle.cli.base import (
     EXIT_ERRORS,
     amount,
     app_option,
+    checked_key,
     counted,
     duration,
     known_limits,
@@ -118,6 +120,7 @@ def set_rate(
 def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh: str) -> None:
     """``set LIMIT RATE --key KEY`` and ``set LIMIT --key KEY --default``."""
     _, throttler = throttler_of(ctx)
+    checked_key(rule, key, "--key")
     what = _which(rule.name, key)
     if rate is None:
         with one_line_errors():
@@ -129,11 +132,6 @@ def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh
             else f"{what} had no rate of its own: nothing to do"
         )
         return
-    if rule.key is None:
-        raise click.BadParameter(
-            f"limit {rule.name!r} has no key: it has one state for every task",
-            param_hint="--key",
-        )
     cost = rule.cost
     if isinstance(cost, float):
         # Whatever the key's plan, a burst below the cost fails every task of the key with
@@ -238,7 +236,7 @@ def reset(ctx: click.Context, limit: str, key: str | None, yes: bool) -> None:
     run at it, so right after a reset the limit can admit up to a burst more than usual.
     """
     app, throttler = throttler_of(ctx)
-    lookup(known_limits(app, throttler), limit)
+    checked_key(lookup(known_limits(app, throttler), limit).rule, key, "KEY")
     what = _which(limit, key) + (" (every key)" if key is None else "")
     if not yes:
         click.confirm(f"Reset {what}? Its tokens, windows and holders are forgotten", abort=True)
@@ -258,19 +256,22 @@ def reset(ctx: click.Context, limit: str, key: str | None, yes: bool) -> None:
 def pause(ctx: click.Context, limit: str, key: str | None) -> None:
     """Admit nothing of LIMIT (of its KEY only, when given) until `resume`.
 
-    Its tasks are not lost: workers defer them, and each looks again every
-    settings.pause_recheck (plus up to half of it of jitter).
+    Its tasks are not lost: they wait in the workers' consumers (up to settings.line_max,
+    then sent back to the broker, reserving nothing, each looking again every
+    settings.pause_recheck plus up to half of it of jitter) and go on after `resume`.
     """
     app, throttler = throttler_of(ctx)
-    lookup(known_limits(app, throttler), limit)
+    checked_key(lookup(known_limits(app, throttler), limit).rule, key, "KEY")
     with one_line_errors():
         throttler.limiter.hold(limit, key, None)
     what = _which(limit, key)
-    recheck = duration(throttler.settings.pause_recheck_s)
+    settings = throttler.settings
+    undo = ["celery", *app_option(ctx).split(), "throttle", "resume", limit]
     click.echo(
-        f"paused {what}: its tasks are deferred and look again every {recheck} "
-        f"(settings.pause_recheck); none is lost. Undo: celery{app_option(ctx)} throttle "
-        f"resume {limit}" + (f" {key}" if key is not None else "")
+        f"paused {what}: its tasks wait in the workers (up to {duration(settings.line_max_s)}"
+        f", settings.line_max; then sent back, looking again every "
+        f"{duration(settings.pause_recheck_s)}); none is lost. Undo: "
+        + shlex.join(undo + ([key] if key is not None else []))
     )
 
 
@@ -295,8 +296,9 @@ def resume(ctx: click.Context, limit: str, key: str | None) -> None:
         recheck = throttler.settings.pause_recheck_s
         lifted = "pause" if math.isinf(held) else f"hold ({duration(held)} left)"
         click.echo(
-            f"resumed {what} (lifted its {lifted}): paused tasks come back within "
-            f"{duration(recheck * 1.5)} (settings.pause_recheck plus jitter)"
+            f"resumed {what} (lifted its {lifted}): the tasks waiting in the workers go on "
+            f"now; those sent back meanwhile within {duration(recheck * 1.5)} "
+            "(settings.pause_recheck plus jitter)"
         )
     for (name, other), left in sorted(after.items(), key=str):
         if name == limit:

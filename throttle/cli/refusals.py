@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 import click
 
 from throttle.cli.base import (
+    checked_key,
     counted,
     duration,
     known_limits,
@@ -58,7 +59,7 @@ def refusals(ctx: click.Context, limit: str, key: str | None, as_json: bool, cou
     key, task_id, task, status, header, hold_s and held.
     """
     app, throttler = throttler_of(ctx)
-    lookup(known_limits(app, throttler), limit)
+    checked_key(lookup(known_limits(app, throttler), limit).rule, key, "--key")
     with one_line_errors():
         found = throttler.refusals.read(limit, key=key, count=count)
     if as_json:

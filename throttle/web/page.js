@@ -40,7 +40,8 @@ function holdText(hold) {
 }
 
 function counts(c, cls) {
-  // A count, and under it the busiest keys of a keyed limit.
+  // A count, and under it the busiest keys of a keyed limit ("?": the workers not asked).
+  if (c === null) return el("td", {class: "num " + cls}, "?");
   const cell = el("td", {class: "num " + cls}, c.total);
   for (const k of c.keys) cell.append(el("span", {class: "sub"}, k.key + ": " + k.count));
   if (c.more_keys) cell.append(el("span", {class: "sub"}, "+" + c.more_keys + " keys"));

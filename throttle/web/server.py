@@ -170,6 +170,9 @@ class LimitsPage:
             }
         if key is not None and (not isinstance(key, str) or not key):
             return HTTPStatus.BAD_REQUEST, {"error": "key must be a non-empty string or null"}
+        problem = None if key is None or action != "pause" else self.sampler.key_problem(limit, key)
+        if problem is not None:  # a pause that would pause nothing
+            return HTTPStatus.BAD_REQUEST, {"error": problem}
         limiter = self.sampler.throttler.limiter
         try:
             if action == "pause":

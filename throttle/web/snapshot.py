@@ -41,7 +41,7 @@ from throttle.cli.base import known_limits
 from throttle.cli.status import collect_status
 from throttle.errors import ThrottleError
 from throttle.redis.client import wrap_errors
-from throttle.rules import key_for, named_arguments
+from throttle.rules import key_for, key_problem, named_arguments
 from throttle.spec import Limit
 
 __all__ = ["HISTORY", "TOP_KEYS", "Sampler"]
@@ -88,6 +88,11 @@ class Sampler:
         """The limits the page knows (the file's and the tasks' inline ones), as
         ``celery throttle`` knows them: what pause and resume may name."""
         return list(known_limits(self.app, self.throttler))
+
+    def key_problem(self, limit: str, key: str) -> str | None:
+        """Why ``key`` is no key of ``limit``'s tasks (:func:`throttle.rules.key_problem`),
+        or None: a pause of it would pause nothing."""
+        return key_problem(known_limits(self.app, self.throttler)[limit].rule, key)
 
     def latest(self) -> dict[str, Any] | None:
         """The last snapshot with the chart's history (None before the first)."""
@@ -142,7 +147,8 @@ class Sampler:
             if row["learned_per_s"] is not None:
                 rate = min(rate, row["learned_per_s"])
             row["rate_per_s"] = None if limit.algorithm.holds_units else round(rate, 6)
-            row["waiting"] = _by_key(waiting.get(name, {}))
+            # Not asked (timeout 0): unknown, as in_flight is.
+            row["waiting"] = None if waiting is None else _by_key(waiting.get(name, {}))
             row["parked"] = _by_key(parked.get(name, {}))
             if row["tokens"] is not None and row["next_slot_s"] is not None:
                 # The bucket's level: below 0 by the slots already handed out ahead.
@@ -165,18 +171,20 @@ class Sampler:
             return None
         return metrics.counter_totals(directories, ADMITTED, decision="allowed")
 
-    def _waiting(self) -> dict[str, collections.Counter[str | None]]:
+    def _waiting(self) -> dict[str, collections.Counter[str | None]] | None:
         """Tasks the workers hold (for a near slot, an ETA, or in their lines), per limit
-        and key."""
+        and key; None when the workers are not asked (``timeout`` 0)."""
         found: dict[str, collections.Counter[str | None]] = {}
         if self.timeout_s <= 0:
-            return found
-        # A connection of its own, closed after: kombu's reply consumer on the app's
-        # shared one was seen to keep draining past the timeout from this thread.
+            return None
+        # A connection of its own for each broadcast, closed after: kombu's reply consumer
+        # on the app's shared one was seen to keep draining past the timeout from this
+        # thread, and a second broadcast on the first one's connection heard no reply.
         with self.app.connection_for_write() as connection:
             inspect = self.app.control.inspect(timeout=self.timeout_s, connection=connection)
             replies = list((inspect.scheduled() or {}).values())
-            # and the tasks waiting unreserved in the workers' lines (throttle.celery.waiting)
+        # and the tasks waiting unreserved in the workers' lines (throttle.celery.waiting)
+        with self.app.connection_for_write() as connection:
             for reply in (
                 self.app.control.broadcast(
                     "throttle_waiting", reply=True, timeout=self.timeout_s, connection=connection
