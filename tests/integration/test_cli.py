@@ -63,13 +63,14 @@ limits:
   tiers:
     {algorithm: gcra, rate: 10/s, key: "{tenant}", plan: "{plan}",
      plans: {free: 10/s burst 5, pro: 100/s burst 50}}
+  estimate: {rate: 1000/m, cost: max_tokens}
   nowhere: {rate: 1/s}
 queues:
   cli: [daily]
 """
 FILE_LIMITS = [
     "api", "shaper", "tenant", "tenant-eu", "pool", "tokens", "daily", "gate", "busy", "learner",
-    "tenant-learner", "tiers",
+    "tenant-learner", "tiers", "estimate",
 ]  # fmt: skip
 KNOWN = [*FILE_LIMITS, "nowhere", "tests.apps.cli_app.inline"]
 
@@ -322,6 +323,11 @@ def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     assert "shaper" not in book.overrides()
     assert "back to 2/s burst 1" in result.output
+    # a cost from the task's arguments: a burst lowered below the file's is told of
+    assert "warning" not in cli("set", "estimate", "2000/s burst 5000").output
+    result = cli("set", "estimate", "10/s")
+    assert result.exit_code == 0, result.output
+    assert "more than 10 (the new burst, configured 1000) cannot be admitted" in result.output
 
 
 def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(

@@ -115,6 +115,16 @@ def set_rate(
         f"fleet (configured {rate_spec(configured)} burst {amount(configured.capacity)}); "
         f"workers follow within {refresh} (settings.refresh)"
     )
+    if not isinstance(cost, float) and changed.capacity < configured.capacity:
+        # A cost taken from the task's arguments is not known here: one above the new burst
+        # can never be admitted, and its task fails (CostExceedsCapacity).
+        click.echo(
+            f"warning: each task of limit {limit!r} costs what its arguments say; one costing "
+            f"more than {amount(changed.capacity)} (the new burst, configured "
+            f"{amount(configured.capacity)}) cannot be admitted and fails: give RATE a larger "
+            "burst (\"... burst N\") if such tasks are queued",
+            err=True,
+        )
 
 
 def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh: str) -> None:
