@@ -122,7 +122,7 @@ def set_rate(
             f"warning: each task of limit {limit!r} costs what its arguments say; one costing "
             f"more than {amount(changed.capacity)} (the new burst, configured "
             f"{amount(configured.capacity)}) cannot be admitted and fails: give RATE a larger "
-            "burst (\"... burst N\") if such tasks are queued",
+            'burst ("... burst N") if such tasks are queued',
             err=True,
         )
 
