@@ -637,6 +637,30 @@ def _loader() -> type:
             added: bool = super().add_indent(column)
             return added
 
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            # A key given twice in one mapping (a limit defined twice, `rate:` twice):
+            # PyYAML keeps the last, so a typo would silently change a limit. Keys merged
+            # in with `<<` may be overridden, as YAML means them to.
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, Any] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.setdefault(key, key_node)
+                    except TypeError:  # an unhashable key: PyYAML refuses it itself
+                        continue
+                    if first is not key_node:
+                        raise yaml.constructor.ConstructorError(
+                            None, None,
+                            f"{key!r} appears twice in one mapping (line "
+                            f"{first.start_mark.line + 1}, column {first.start_mark.column + 1}"
+                            "): the second would replace the first",
+                            key_node.start_mark,
+                        )  # fmt: skip
+            return super().construct_mapping(node, deep)
+
         def flatten_mapping(self, node: Any) -> None:
             super().flatten_mapping(node)
             self.merged += len(node.value)

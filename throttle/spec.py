@@ -485,6 +485,11 @@ class Limit:
         _weights(fair, weights, limit.algorithm, name, source)  # errors name the file
         burst = limit.burst
         if "burst" in config:
+            if isinstance(config["rate"], str) and "burst" in config["rate"].lower():
+                raise ConfigError(
+                    f"given twice: in 'rate' ({config['rate']!r}) and as 'burst'; keep one",
+                    field="burst", value=config["burst"], limit=name, source=source,
+                )  # fmt: skip
             burst = _positive(config["burst"], "burst", name, source, high=MAX_AMOUNT)
         try:
             return cls(

@@ -786,3 +786,27 @@ def test_parse_duration_refuses(value: object) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_duration(value, field="max_wait", limit="api", source="f.yaml")
     assert str(caught.value).startswith("f.yaml: limit 'api': field 'max_wait': must be a duration")
+
+
+@pytest.mark.parametrize(
+    ("document", "where"),
+    [
+        ("limits:\n  a: {rate: 10/s}\n  b: {rate: 5/s}\n  a: {rate: 20/s}\n", "line 4"),
+        ("limits:\n  a: {rate: 10/s, rate: 20/s}\n", "line 2, column 19"),
+    ],
+)
+def test_a_key_given_twice_is_an_error_not_the_last_one_silently(
+    tmp_path: Path, document: str, where: str
+) -> None:
+    with pytest.raises(ConfigError, match="appears twice in one mapping") as caught:
+        ThrottleConfig.load(write(tmp_path, document))
+    assert where in str(caught.value) and caught.value.source == str(tmp_path / "limits.yaml")
+
+
+def test_a_merge_key_may_be_overridden_and_a_burst_given_twice_may_not(tmp_path: Path) -> None:
+    merged = "limits:\n  base: &b {rate: 10/s, algorithm: gcra}\n  a: {<<: *b, rate: 20/s}\n"
+    assert ThrottleConfig.load(write(tmp_path, merged)).rules["a"].limit.rate_per_s == 20.0
+    twice = 'limits:\n  a: {rate: "10/s burst 5", burst: 3}\n'
+    with pytest.raises(ConfigError, match="given twice") as caught:
+        ThrottleConfig.load(write(tmp_path, twice))
+    assert (caught.value.limit, caught.value.field) == ("a", "burst")
