@@ -33,8 +33,11 @@
 --               has had its share is told to come back. The key is active until both
 --               have passed; then it expires (a second later).
 --   KEYS[k+1]   the limit's shared HASH: 't' = the total TAT (us), 'W' = the sum of the
---               weights of the active keys, and one field per active key (its state key's
---               name) = its weight.
+--               weights of the active keys, 'T' = the interval T the schedules were
+--               written under (us; absent from an older version's), and one field per
+--               active key (its state key's name) = its weight. A rate raised since
+--               (celery throttle set or clear) shortens what the total's and the keys'
+--               schedules and plans are ahead of now in proportion, as gcra.lua does.
 --   KEYS[k+2]   the limit's active keys: ZSET state key name -> active until (us).
 -- The ARGV of a fair limit: count = the key's weight w, period_us = w / rate, so that
 -- count / period_us is still the limit's rate (the weight of the key rides in the pair);
@@ -54,8 +57,14 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   local w = count
   local interval = period_us / count
   local member, shared, active = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  local got = redis.call('HMGET', shared, 't', 'W', member)
-  local t = math.max(tonumber(got[1]) or now, now)
+  local got = redis.call('HMGET', shared, 't', 'W', member, 'T')
+  local was = tonumber(got[4])
+  local scale = was and interval < was and interval / was
+  local t = tonumber(got[1]) or now
+  if scale and t > now then
+    t = now + (t - now) * scale
+  end
+  t = math.max(t, now)
   local sum = tonumber(got[2]) or 0
   local known = tonumber(got[3])
   -- Keys whose activity ended leave the sum (a bounded batch per call).
@@ -79,6 +88,10 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   local s = redis.call('GET', member)
   if s then
     tk, plan = struct.unpack('<dd', s)
+    if scale then
+      tk = tk > now and now + (tk - now) * scale or tk
+      plan = plan > now and now + (plan - now) * scale or plan
+    end
   end
   local key_interval = interval * sum / w
   local slot = math.max(now, t + (cost - burst) * interval)
@@ -105,7 +118,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait)
   end
   return allowed, wait, retry, math.max(burst - (after - now) / interval, 0),
          ceil_us(after - now),
-         {mode, t, sum, gone, known, tk, plan, key_interval, start, slot}
+         {mode, t, sum, gone, known, tk, plan, key_interval, start, slot, interval}
 end
 
 -- The shared part of commit and deny: the key is active until `until`, its weight in the
@@ -119,7 +132,7 @@ local function fair_write(k, w, now, total, r, tk, plan)
   end
   local until_us = math.max(tk, plan, now)
   redis.call('ZADD', active, until_us, member)
-  redis.call('HSET', shared, 't', total, 'W', r[3], member, w)
+  redis.call('HSET', shared, 't', total, 'W', r[3], member, w, 'T', r[11])
   redis.call('SET', member, struct.pack('<dd', tk, plan), 'PX', ttl_ms(until_us - now))
   local last = redis.call('ZRANGE', active, -1, -1, 'WITHSCORES')
   local ttl = ttl_ms(math.max(tonumber(last[2]), total) - now)

@@ -188,7 +188,7 @@ def test_every_key_has_a_ttl_and_idle_keys_vanish(
     clock.advance(4.1)
     clocked.acquire(limit, "a")
     shared = client.hgetall(clocked.keyspace.state_keys(limit, "a")[1])
-    assert set(shared) == {b"t", b"W", clocked.keyspace.state_keys(limit, "a")[0].encode()}
+    assert set(shared) == {b"t", b"W", b"T", clocked.keyspace.state_keys(limit, "a")[0].encode()}
     assert float(shared[b"W"]) == 1.0
 
 

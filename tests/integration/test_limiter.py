@@ -551,6 +551,18 @@ def test_a_state_of_the_previous_format_is_read_and_rewritten(
     assert len(client.get(state_key(clocked, slot)) or b"") == 24
 
 
+def test_a_fair_limit_slowed_then_raised_owes_its_calls_at_the_new_rate(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    # The same for a fair limit: its total schedule and the key's own
+    slow = Limit.from_mapping({"rate": "1/h", "burst": 1, "fair": True}, name="shared")
+    fast = Limit.from_mapping({"rate": "5000/h", "burst": 10, "fair": True}, name="shared")
+    assert clocked.acquire(slow, "acme").allowed
+    assert not clocked.acquire(slow, "acme").allowed
+    assert clocked.acquire(fast, "acme").allowed
+    assert clocked.acquire(fast, "zeta").allowed
+
+
 def test_a_gcra_limit_slowed_then_raised_owes_its_calls_at_the_new_rate(
     clocked: Limiter, clock: FakeClock
 ) -> None:
