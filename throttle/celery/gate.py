@@ -435,5 +435,6 @@ class Gate:
             retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
             left = left_s(execution)
             if left is not None and retry > left:
-                raise ThrottleTimeout(decision.denied_by, retry, max(left, 0.0))
+                # The limits' own wait, not the recheck it is slept in steps of.
+                raise ThrottleTimeout(decision.denied_by, decision.retry_after_s, max(left, 0.0))
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
