@@ -449,8 +449,9 @@ class Limit:
         except ConfigError as exc:
             # Re-raise with the place the value came from.
             own = exc.field in ("name", "fair") or (exc.field or "").startswith("weights")
+            part = _WHAT.get(exc.field or "") if not own else None
             raise ConfigError(
-                exc.problem,
+                exc.problem if part is None or part in exc.problem else f"its {part} {exc.problem}",
                 field=exc.field if own else field,
                 value=exc.value if own else spec,
                 limit=limit if exc.field != "name" else None,

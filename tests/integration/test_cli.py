@@ -446,7 +446,7 @@ def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: 
         (("set", "tokens", "100/m burst 5"), "below the cost 10 that each task"),
         (("set", "nope", "1/s"), "unknown limit 'nope'; known limits: " + ", ".join(KNOWN[:-1])),
         (("set", "shaper"), "give a RATE, or --default"),
-        (("set", "shaper", "1/s", "--default"), "give a RATE, or --default"),
+        (("set", "shaper", "1/s", "--default"), "give a RATE or --default (the file's rate), not"),
         (("pause", "nope"), "unknown limit 'nope'"),
         (("resume", "nope"), "unknown limit 'nope'"),
         (("reset", "nope", "--yes"), "unknown limit 'nope'"),

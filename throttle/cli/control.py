@@ -68,7 +68,9 @@ def set_rate(
     beats the key's plan and the whole limit's rate, and without "burst" it is no burstier
     than the key's plan (or the limit's own rate). `clear LIMIT --key KEY` drops it.
     """
-    if (rate is None) == (not default):
+    if rate is not None and default:
+        raise click.UsageError("give a RATE or --default (the file's rate), not both")
+    if rate is None and not default:
         raise click.UsageError("give a RATE, or --default to go back to the file's rate")
     app, throttler = throttler_of(ctx)
     entry = lookup(known_limits(app, throttler), limit)
