@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -80,8 +81,15 @@ def test_an_unreadable_payload_is_listed_as_such_and_purged_with_all(cli: Cli) -
 
 
 def test_purge_asks_then_deletes_by_queue_or_limit_only(cli: Cli) -> None:
-    park(GATED, "cli.throttled", 30.0)
+    first = park(GATED, "cli.throttled", 30.0)
     park(GATED, "cli.throttled", 60.0)
+    # the trail the worker writes when it parks a task (celery throttle task reads it)
+    trail = cli.limiter.keyspace.task_key(first)
+    now = time.time()
+    cli.limiter.client.hset(
+        trail, mapping={"how": "park", "limits": '["gate"]', "at": now, "until": now + 30}
+    )
+    cli.limiter.client.pexpire(trail, 60_000)
     kept = park(BUSY, "other.throttled", 90.0)
     # Not confirmed: nothing deleted
     result = cli("purge", "--queue", "cli", input="n\n")
@@ -94,6 +102,10 @@ def test_purge_asks_then_deletes_by_queue_or_limit_only(cli: Cli) -> None:
     assert "purged 2 parked tasks of queue 'cli'" in result.output
     assert "celery purge -Q cli,cli.throttled empties the queue and its lane" in result.output
     assert [t["task_id"] for t in as_json(cli, "parked")["tasks"]] == [kept]
+    # and `task` says a purged task was purged (not "sent back to the broker"), its trail
+    # kept no longer than before
+    assert as_json(cli, "task", first)["state"] == "purged"
+    assert 0 < cli.limiter.client.pttl(trail) <= 60_000
     # By limit, without asking
     result = cli("purge", "--limit", "gate", "--yes")
     assert "no parked tasks of limit 'gate': nothing to purge" in result.output

@@ -8,6 +8,7 @@ Parked tasks wait in Redis, not at the broker (:mod:`throttle.parking`), so Cele
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -189,6 +190,23 @@ def _filters(queue: str | None, limit: str | None) -> str:
     return (" of " + " and ".join(parts)) if parts else ""
 
 
+def _mark_purged(throttler: Throttler, task_ids: list[str]) -> None:
+    """Note in each purged task's trail (the record ``celery throttle task`` reads) that
+    it was purged, for as long as the trail was kept."""
+    client, keyspace = throttler.limiter.client, throttler.limiter.keyspace
+    keys = [keyspace.task_key(task_id) for task_id in task_ids]
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.pttl(key)
+        ttls = pipe.execute()
+    with client.pipeline(transaction=False) as pipe:
+        for key, ttl in zip(keys, ttls, strict=True):
+            if isinstance(ttl, int) and ttl > 0:  # a trail, kept that long still
+                pipe.hset(key, "how", "purged")
+                pipe.pexpire(key, ttl)
+        pipe.execute()
+
+
 @click.command()
 @click.option("--queue", "-Q", metavar="QUEUE", help="The parked tasks going back to QUEUE.")
 @click.option("--limit", "-l", metavar="LIMIT", help="The parked tasks under LIMIT.")
@@ -224,6 +242,9 @@ def purge(
     click.echo(f"purged {counted(deleted, 'parked task')}{what}")
     if deleted < len(tasks):
         click.echo(f"  {len(tasks) - deleted} were being released meanwhile: not purged")
+    else:  # which were purged is known: `celery throttle task ID` says so
+        with contextlib.suppress(Exception):  # a trail is for people: not worth an error
+            _mark_purged(throttler, [t.task_id for t in tasks if t.task_id])
     lane = f"{queue},{queue}{LANE_SUFFIX}" if queue else "QUEUE,QUEUE" + LANE_SUFFIX
     click.echo(
         f"  broker messages are untouched: celery{app_option(ctx)} purge -Q {lane} empties "

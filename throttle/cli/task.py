@@ -101,6 +101,8 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
         how = trail.get("how")
         if how in ("fail", "dead_letter", "expired"):
             return {**out, "state": "timed_out", "action": how}
+        if how == "purged":
+            return {**out, "state": "purged"}
         holds = limiter.holds()
         for name in limits:
             left = holds.get((name, None))
@@ -167,6 +169,7 @@ _SAYS = {
     "held": "held by limit {held_by} until {until}: it comes back then",
     "paused": "held by limit {held_by}, paused until `celery throttle resume {held_by}`",
     "timed_out": "timed out at {at} ({action})",
+    "purged": "deleted from the parking lot (celery throttle purge): it never runs",
     "done": "finished ({result}) after its slot at {slot}",
     "unknown": (
         "unknown: never throttled, finished more than its lease ago, or not a task of this "
