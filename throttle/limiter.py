@@ -247,6 +247,7 @@ class RequestBuilder(Generic[_S]):
         reserve_until: float | None = None,
     ) -> Request[_S, Decision]:
         """The call of an acquire of several targets (see :meth:`Limiter.acquire_many`)."""
+        targets = _checked_targets(targets, (2, 3))
         n = len(targets)
         checked = _options(cost, max_wait_s, lease_s)
         if not targets:
@@ -301,6 +302,7 @@ class RequestBuilder(Generic[_S]):
         """The calls of an acquire of each target on its own (see
         :meth:`Limiter.acquire_each`): per target, its call dated ``ago_s`` back, or the
         error its arguments raise."""
+        targets = _checked_targets(targets, (3,))
         if ago_s is not None and len(ago_s) != len(targets):
             raise RequestError(f"ago_s has {len(ago_s)} values for {len(targets)} targets")
         built: list[Request[_S, Decision] | ThrottleError] = []
@@ -799,6 +801,18 @@ def _space_s(raw: Any) -> float:
 
 def _nothing(raw: Any) -> None:
     """The decoder of a call whose reply says nothing (unhold)."""
+
+
+def _checked_targets(targets: Any, sizes: tuple[int, ...]) -> Sequence[Any]:
+    """``targets`` when it is a sequence of tuples of one of ``sizes`` (``(limit, key)``,
+    ``(limit, key, cost)``), else a RequestError that says what is wrong."""
+    shapes = " or ".join(("(limit, key)", "(limit, key, cost)")[size - 2] for size in sizes)
+    if not isinstance(targets, Sequence) or isinstance(targets, str | bytes):
+        raise RequestError(f"expected a list of {shapes} tuples (got {targets!r})")
+    for target in targets:
+        if not isinstance(target, tuple | list) or len(target) not in sizes:
+            raise RequestError(f"each target is a {shapes} tuple (got {target!r})")
+    return targets
 
 
 def _encode_targets(

@@ -403,3 +403,48 @@ def test_a_fair_limit_decides_as_the_blocking_limiter(
     strip = [(d.allowed, d.wait_s, d.retry_after_s, d.remaining) for d in awaited]
     assert strip == [(d.allowed, d.wait_s, d.retry_after_s, d.remaining) for d in blocking]
     assert {d.allowed for d in blocking} == {True, False}
+
+
+BUSY_LUA = (
+    "local t = redis.call('TIME') local s = t[1] * 1e6 + t[2] "
+    "while true do local n = redis.call('TIME') "
+    "if n[1] * 1e6 + n[2] - s > 500000 then break end end return 1"
+)
+
+
+def test_an_acquire_cancelled_after_its_call_left_gives_back_what_it_took(
+    redis_url: str, prefix: str
+) -> None:
+    pool = Limit.parse("2 concurrent", name="pool")
+
+    async def main() -> tuple[float, bool]:
+        limiter = Limiter(redis.asyncio.Redis.from_url(redis_url), prefix=prefix)
+        other = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            await limiter.peek(pool)  # the library loaded, the connection open
+            # Given a Redis busy for 0.5 s (another client's script) when an acquire is sent
+            busy = asyncio.ensure_future(other.eval(BUSY_LUA, 0))
+            await asyncio.sleep(0.1)
+            taking = asyncio.ensure_future(limiter.acquire(pool, acquisition_id="gone"))
+            await asyncio.sleep(0.1)
+            # When the caller is cancelled (asyncio.timeout, say) before the reply
+            taking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await taking
+            await busy
+            # Then the call that Redis ran anyway is given back once it answers
+            for _ in range(100):
+                if (await limiter.peek(pool)).remaining == 2:
+                    break
+                await asyncio.sleep(0.01)
+            remaining = (await limiter.peek(pool)).remaining
+            # and the connection still answers in order
+            after = await limiter.acquire(pool)
+            return remaining, after.allowed and after.remaining == 1
+        finally:
+            await limiter.client.aclose()
+            await other.aclose()
+
+    remaining, ordered = asyncio.run(main())
+    assert remaining == 2  # both units free: not held until the lease's end (300 s)
+    assert ordered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -226,3 +227,20 @@ def test_redis_errors_are_wrapped(limiter: Limiter, client: redis.Redis) -> None
         limiter.acquire(limit)
     assert not isinstance(caught.value, BackendUnavailable)
     assert isinstance(caught.value.__cause__, redis.ResponseError)
+
+
+def test_malformed_targets_are_request_errors_before_anything_is_sent(limiter: Limiter) -> None:
+    limit = Limit.parse("10/s", name="api")
+    shapes = "(limit, key) or (limit, key, cost) tuple"
+    cases: list[tuple[Any, str]] = [
+        ([(limit,)], f"each target is a {shapes}"),
+        ([(limit, "k", 1.0, 2.0)], f"each target is a {shapes}"),
+        (limit, "expected a list of"),
+        ("api", "expected a list of"),
+    ]
+    for targets, message in cases:
+        with pytest.raises(RequestError, match=re.escape(message)):
+            limiter.acquire_many(targets)
+    with pytest.raises(RequestError, match=re.escape("each target is a (limit, key, cost) tuple")):
+        limiter.acquire_each([(limit, "k")])
+    assert limiter.peek(limit).remaining == 10.0  # nothing taken

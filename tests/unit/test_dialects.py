@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from throttle import Limit
+from throttle.adaptive import Learned
 from throttle.rates import RateBookBase
 from throttle.redis.keys import KeySpace
 from throttle.upstream import MAX_HOLD_S, PREEMPT_MIN_S, UpstreamSignal, parse_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S, PER_DAY_S, PER_MINUTE_S, Reading
-from throttle.upstream.policy import Target, plan
+from throttle.upstream.policy import Target, judge, plan
 from throttle.upstream.values import go_duration, rfc3339
 
 NOW = 1_763_776_800.0  # epoch s, 2025-11-22 02:00 UTC
@@ -257,6 +258,25 @@ def test_github_secondary_limit_waits_a_minute() -> None:
     assert parsed(429, GITHUB).hold_s == GITHUB_SECONDARY_S
     # Retry-After says its own time
     assert parsed(403, {**GITHUB, "retry-after": "30"}, body).hold_s == 30
+
+
+def test_github_secondary_limit_holds_for_its_retry_after_however_short() -> None:
+    # GitHub's secondary limit with a short Retry-After (403 or 429, quota left): not a
+    # call a few ms early (which a lone refusal of a short wait is judged to be), but the
+    # provider's word to wait: it holds the limit even alone
+    limit = Limit.parse("10/s burst 1", name="github", algorithm="gcra")
+    target = Target(limit, limit, None, True)
+    lone = Learned(10.0, False, False, 1)
+    for status in (403, 429):
+        signal = parsed(status, {**GITHUB, "retry-after": "1"})
+        assert (signal.refused, signal.hold_s, signal.insists) == (True, 1.0, True)
+        assert signal.follow("core").insists
+        assert judge(signal, target, lone)
+    # a bare 429 with a short Retry-After from another API is judged as before
+    other = parsed(429, {"retry-after": "1"})
+    assert not other.insists and not judge(other, target, lone)
+    # and the primary limit spent is no secondary one
+    assert not parsed(403, {**GITHUB, "x-ratelimit-remaining": "0", "retry-after": "1"}).insists
 
 
 def test_stripe_names_the_limit_that_refused() -> None:

@@ -25,6 +25,8 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +42,8 @@ from throttle.redis.replies import one_limit_decision
 from throttle.spec import Limit
 
 __all__ = ["Limiter"]
+
+logger = logging.getLogger("throttle")
 
 
 class Limiter(RequestBuilder[Routine[AsyncScript]]):
@@ -81,6 +85,8 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
 
         super().__init__(register, prefix, namespace, clock_us)
         self.client = client
+        self._giving_back: set[asyncio.Task[None]] = set()
+        """What cancelled acquisitions are giving back (kept: a task is weakly held)."""
 
     @classmethod
     def from_url(
@@ -119,7 +125,9 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
                 lease_s=lease_s,
             )
         script, keys, args = one
-        return one_limit_decision(limit, cost, await self._call(script, keys, args))
+        return await self._take(
+            script, keys, args, lambda raw: one_limit_decision(limit, cost, raw)
+        )
 
     async def acquire_many(
         self,
@@ -136,7 +144,46 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         script, keys, args, decode = self._many_request(
             targets, cost, max_wait_s, acquisition_id, lease_s, reserve_until
         )
-        return decode(await self._call(script, keys, args))
+        return await self._take(script, keys, args, decode)
+
+    async def _take(
+        self,
+        routine: Routine[AsyncScript],
+        keys: Sequence[str],
+        args: list[Any],
+        decode: Callable[[Any], Decision],
+    ) -> Decision:
+        """An acquisition's call, which takes capacity once Redis runs it. The caller may be
+        cancelled (``asyncio.timeout``, a task cancelled) after the call left: the call then
+        finishes on its own, and what it took is given back (settled at cost 0: concurrency
+        units released, tokens refunded), since the caller never gets the acquisition to do
+        it. An acquisition without a record (no id, no concurrency limit) cannot be named:
+        its cost stays taken, as a call made."""
+        call = asyncio.ensure_future(self._call(routine, keys, args))
+        try:
+            return decode(await asyncio.shield(call))
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._give_back(done, decode))
+            raise
+
+    def _give_back(self, done: asyncio.Future[Any], decode: Callable[[Any], Decision]) -> None:
+        """The call of a cancelled acquisition finished: settle what it took at cost 0."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        try:
+            decision = decode(done.result())
+        except Exception:
+            return
+        if decision.allowed and decision.acquisition is not None and not decision.held:
+            task = asyncio.ensure_future(self._give_back_now(decision.acquisition))
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back_now(self, acquisition: Acquisition) -> None:
+        try:
+            await self.settle(acquisition, 0.0)
+        except Exception as exc:  # the lease ends by itself
+            logger.debug("throttle: a cancelled acquisition was not given back: %s", exc)
 
     async def acquire_each(
         self,

@@ -314,6 +314,18 @@ def github_secondary(status: int, fields: Mapping[str, str], body: str | bytes |
     return _SECONDARY_TEXT in text.lower()
 
 
+def github_secondary_timed(status: int, fields: Mapping[str, str]) -> bool:
+    """Whether a response is GitHub's secondary rate limit with its ``Retry-After``: a 403
+    or 429 from GitHub with quota left and the time to wait (the primary limit spent says
+    ``remaining`` 0; a plain "forbidden" gives no ``Retry-After``)."""
+    return (
+        status in (403, 429)
+        and "retry-after" in fields
+        and _is_github(fields)
+        and not values.is_zero(fields.get("x-ratelimit-remaining"))
+    )
+
+
 def should_retry(fields: Mapping[str, str]) -> bool | None:
     """Stripe's ``Stripe-Should-Retry`` (``true``/``false``), or None when absent or other."""
     text = fields.get("stripe-should-retry", "").strip().lower()

@@ -91,6 +91,10 @@ class UpstreamSignal:
     error:
         The response's status is an error (400 or above), whether or not for its rate:
         what ``should_retry`` speaks of (:attr:`comes_back`, :attr:`final`).
+    insists:
+        A refusal that the provider says is no jitter, whatever its length: GitHub's
+        secondary rate limit (its ``Retry-After`` must be waited out, or the integration
+        may be blocked). It holds the limit rather than being judged.
     """
 
     refused: bool
@@ -103,6 +107,7 @@ class UpstreamSignal:
     dimension: str | None = None
     blamed: bool = False
     error: bool = False
+    insists: bool = False
 
     @property
     def comes_back(self) -> bool:
@@ -163,11 +168,11 @@ class UpstreamSignal:
         if own is None or own.rate_per_s is None:  # its dimension states no rate here
             return UpstreamSignal(
                 refused, hold_s, source, should_retry=self.should_retry, blamed=named,
-                error=self.error,
+                error=self.error, insists=refused and self.insists,
             )  # fmt: skip
         return UpstreamSignal(
             refused, hold_s, source, own.limit, own.window_s, (), self.should_retry, dimension,
-            named, self.error,
+            named, self.error, refused and self.insists,
         )  # fmt: skip
 
 
@@ -374,9 +379,11 @@ def parse_upstream(
     ):
         return None
     quota, window_s = policy if policy is not None else (None, None)
+    insists = refused and (secondary or dialects.github_secondary_timed(status, fields))
     return UpstreamSignal(
-        refused, hold_s, source, quota, window_s, tuple(readings), should_retry, error=error
-    )
+        refused, hold_s, source, quota, window_s, tuple(readings), should_retry, error=error,
+        insists=insists,
+    )  # fmt: skip
 
 
 def _held(

@@ -264,8 +264,10 @@ def judge(signal: UpstreamSignal, target: Target, answer: Learned) -> bool:
     stated = signal.rate_per_s
     if stated is not None and target.current.rate_per_s > stated * (1 + 1e-9):
         return True  # the limit is above the upstream's word: not jitter, a wrong rate
-    if answer.persist or quota_spent(signal, target.current) or signal.blamed:
-        return True  # (blamed: the provider's headers say this dimension is spent)
+    if answer.persist or quota_spent(signal, target.current) or signal.blamed or signal.insists:
+        # (blamed: the provider's headers say this dimension is spent; insists: its limit
+        # says to wait, GitHub's secondary one)
+        return True
     logger.debug(
         "throttle: upstream refused %s%s (%d in the window): no hold, the call comes back",
         target.current.name, where, answer.refusals,
