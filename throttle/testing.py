@@ -70,6 +70,7 @@ __all__ = [
     "Seen",
     "UpstreamError",
     "memory_limiter",
+    "rebuild",
     "reset",
     "upstream_response",
     "use_memory",
@@ -82,6 +83,15 @@ def use_memory(app: Celery) -> MemoryLimiter:
     app.conf.throttle_redis_url = MEMORY_URL
     app._throttler = None  # the next task (or the call below) builds the new one
     return memory_limiter(app)
+
+
+def rebuild(app: Celery) -> None:
+    """Forget ``app``'s throttler in this process: the next throttled call builds it again
+    from ``app.conf`` as it is then. An app's throttler is built once per process, on its
+    first throttled call: a test that changes ``app.conf.throttle_redis_url`` or
+    ``throttle_config`` afterwards calls this (the plugin's fixtures and
+    :func:`use_memory` do it themselves)."""
+    app._throttler = None
 
 
 def memory_limiter(app: Celery) -> MemoryLimiter:

@@ -7,6 +7,7 @@ the test. Times are judged on the limiter's clock (slot_time, the memory server'
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from celery import Celery
 from throttle import ConfigError, Limit, RequestError, ThrottleTimeout
 from throttle.celery import ThrottledTask, install, report_cost, slot_time, throttled
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
+from throttle.celery.runtime import Throttler
 from throttle.celery.steps import LaneStep, MetricsStep, ThrottleStep, pool_name
 from throttle.cli.task import _task_limits, finished
 from throttle.testing import (
@@ -26,6 +28,7 @@ from throttle.testing import (
     MemoryLimiter,
     UpstreamError,
     memory_limiter,
+    rebuild,
     reset,
     upstream_response,
     use_memory,
@@ -226,6 +229,34 @@ def test_a_one_process_worker_takes_the_memory_limiter(
     assert step.in_memory  # no fence, no releaser: nothing is parked in memory
     step.start(worker)
     assert step.releaser is None
+
+
+def test_a_stopped_worker_step_puts_the_worker_environment_back(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Celery's test worker runs in the test process: the throttlers built after it (a
+    # later test's) must not think they run in a worker (the restart fence would stall
+    # their first task)
+    monkeypatch.delenv(WORKER_ENV)
+    monkeypatch.setenv(POOL_ENV, "3")
+    worker = SimpleNamespace(app=app, hostname="w@test", concurrency=1, pool_cls="solo")
+    _own_tasks_only(app)
+    step = ThrottleStep(worker)
+    step.start(worker)
+    assert os.environ[WORKER_ENV] == str(os.getpid()) and os.environ[POOL_ENV] == "1"
+    step.stop(worker)
+    assert WORKER_ENV not in os.environ and os.environ[POOL_ENV] == "3"
+
+
+def test_rebuild_makes_the_next_call_read_the_app_s_conf_again(
+    app: Celery, closed_url: str
+) -> None:
+    first = Throttler.of(app)
+    assert first.in_memory
+    app.conf.throttle_redis_url = closed_url  # a test's fixture changes the URL...
+    assert Throttler.of(app) is first  # ...which the throttler built already does not see
+    rebuild(app)
+    assert not Throttler.of(app).in_memory  # built again from app.conf (nothing connects)
 
 
 def _own_tasks_only(app: Celery) -> None:

@@ -58,7 +58,10 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **kwargs)
         self.app = worker.app
         # Created before the pool forks: the children inherit these (see
-        # throttle.celery.outage.OutageWatch).
+        # throttle.celery.outage.OutageWatch). Put back when the worker stops: a test
+        # process that ran Celery's test worker builds throttlers after it, which must not
+        # think they are in a worker (the restart fence would stall their first task).
+        self.saved_env = {name: os.environ.get(name) for name in (WORKER_ENV, POOL_ENV)}
         os.environ[WORKER_ENV] = str(os.getpid())
         os.environ[POOL_ENV] = str(getattr(worker, "concurrency", None) or 1)
         self.hostname = worker.hostname
@@ -102,6 +105,14 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def stop(self, worker: Any) -> None:
         if self.releaser is not None:
             self.releaser.stop()
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    def terminate(self, worker: Any) -> None:
+        self.stop(worker)
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)
