@@ -67,14 +67,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServ
                 os.environ.pop(name, None)
 
 
-def worker(server: RedisServer, tmp: Path, name: str, pool: str) -> Worker:
+def worker(
+    server: RedisServer,
+    tmp: Path,
+    name: str,
+    pool: str,
+    *,
+    config: str = "limits.yaml",
+    visibility_s: float = VISIBILITY_S,
+    concurrency: int = 1,
+) -> Worker:
     env = {
         "WAITING_BROKER_URL": server.url,
-        "THROTTLE_CONFIG": str(tmp / "limits.yaml"),
-        "WAITING_VISIBILITY_S": str(VISIBILITY_S),
+        "THROTTLE_CONFIG": str(tmp / config),
+        "WAITING_VISIBILITY_S": str(visibility_s),
     }
     return Worker(
-        name, env, concurrency=1, queues="waiting", app="tests.apps.waiting_app",
+        name, env, concurrency=concurrency, queues="waiting", app="tests.apps.waiting_app",
         log=tmp / f"{name}.log", pool=pool,
     )  # fmt: skip
 
@@ -160,13 +169,8 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     # it, less sleep_max and park_lead, 3.5 s), two pool slots, Celery's prefetch of 4 a
     # slot, and a flood of 30 tasks of a 2/s limit acknowledged when they return: most wait
     # in the line longer than its budget
-    env = {
-        "WAITING_BROKER_URL": redis_server.url,
-        "THROTTLE_CONFIG": str(config),
-        "WAITING_VISIBILITY_S": "10",
-    }
-    flood = Worker("w-flood", env, concurrency=2, queues="waiting", pool="prefork",
-                   app="tests.apps.waiting_app", log=tmp / "w-flood.log")  # fmt: skip
+    flood = worker(redis_server, tmp, "w-flood", "prefork", config="flood.yaml",
+                   visibility_s=10.0, concurrency=2)  # fmt: skip
     with running(app, [flood]):
         handles = [spaced_late.delay(f"f{i}") for i in range(30)]
         for handle in handles:
