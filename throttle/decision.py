@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -80,6 +81,13 @@ class Decision(NamedTuple):
 
     def __bool__(self) -> bool:
         return self.allowed
+
+    @classmethod
+    def denial(cls, limits: Sequence[str], retry_after_s: float) -> Decision:
+        """A denial by ``limits`` for ``retry_after_s`` seconds that no limiter gave: what
+        a caller decided for them (an upstream's word, a wait that may not be waited)."""
+        states = tuple(LimitState(name, False, 0.0, retry_after_s, 0.0) for name in limits)
+        return cls(False, 0.0, retry_after_s, 0.0, 0.0, states)
 
     @property
     def denied_by(self) -> tuple[str, ...]:

@@ -88,6 +88,16 @@ def worker(
     )  # fmt: skip
 
 
+def fresh(server: RedisServer) -> redis.Redis:
+    """The module's Redis emptied, and the producer's app pointed at it: a client of it."""
+    from tests.apps.waiting_app import app  # noqa: PLC0415
+
+    client = server.client()
+    client.flushall()
+    app.conf.broker_url = app.conf.result_backend = server.url
+    return client
+
+
 def log(client: redis.Redis) -> list[tuple[str, float]]:
     """(tag, Redis time of the body's start) of every body, in order."""
     entries = [entry.decode().split() for entry in client.lrange("waiting:log", 0, -1)]
@@ -113,9 +123,7 @@ def test_a_task_waiting_for_its_slot_leaves_the_pool_slot_free(
     from tests.apps.waiting_app import app, bulk, plain, spaced  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     with running(app, [worker(redis_server, tmp, f"w-{pool}", pool)]):
         # Given one pool slot, and two tasks under a limit of one call per second: the
         # second waits about a second for its slot
@@ -160,9 +168,7 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     from tests.apps.waiting_app import app, spaced_late  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     config = tmp / "flood.yaml"
     config.write_text(FLOOD_CONFIG)
     # Given the default settings, a visibility timeout of 10 s (the line's budget: half of
@@ -190,9 +196,7 @@ def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, P
     from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     with running(app, [worker(redis_server, tmp, "w-busy", "prefork")]):
         # Given the only pool slot busy for a second
         before = fcalls(client)
@@ -237,9 +241,7 @@ def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
     from tests.apps.waiting_app import app, slow  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     with running(app, [worker(redis_server, tmp, "w-revoke", "prefork")]):
         # Given a task held in the consumer for its slot
         held = held_slow(app, slow, "r1", "r2")
@@ -265,9 +267,7 @@ def test_a_hold_placed_while_a_task_is_held_for_its_slot_keeps_it_from_calling(
     from tests.apps.waiting_app import app, slow  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     with running(app, [worker(redis_server, tmp, "w-hold", "prefork")]):
         # Given a task held in the consumer for its slot (2.5 s after the one before),
         # with time left before it (Redis time; on a slow host, the next one)
@@ -295,9 +295,7 @@ def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
     from tests.apps.waiting_app import app, slow  # noqa: PLC0415
 
     redis_server, tmp = server
-    client = redis_server.client()
-    client.flushall()
-    app.conf.broker_url = app.conf.result_backend = redis_server.url
+    client = fresh(redis_server)
     first = worker(redis_server, tmp, "w-killed", "prefork")
     with running(app, [first], kill=True):
         # Given a worker that holds a task in its consumer, waiting for its slot

@@ -35,7 +35,7 @@ from throttle.celery.message import H_PARKED, H_PUBLISH, count_header, eta_heade
 from throttle.celery.plan import Plan, hand_back, reserve_plan
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
-from throttle.decision import Decision, LimitState
+from throttle.decision import Decision
 from throttle.errors import Throttled
 
 logger = logging.getLogger("throttle")
@@ -135,8 +135,7 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
         raise Throttled(countdown_s, names)
     execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
     set_deadlines(execution)
-    states = tuple(LimitState(name, False, 0.0, countdown_s, 0.0) for name in names)
-    denied = Decision(False, 0.0, countdown_s, 0.0, 0.0, states)
+    denied = Decision.denial(names, countdown_s)
     now = overdue(execution, countdown_s)
     if now is not None:
         time_out(execution, now, countdown_s, denied)

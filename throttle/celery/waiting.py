@@ -93,7 +93,7 @@ from throttle.celery.runtime import (
     throttling_enabled,
 )
 from throttle.celery.task import gated_call
-from throttle.decision import Decision, LimitState
+from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
 from throttle.limiter import HOLD_PLACED
 from throttle.rates import RATES_CHANGED
@@ -337,9 +337,8 @@ class Waiting:
         if request.revoked():
             return
         if decision is None and retry_s is not None:
-            names = tuple(dict.fromkeys(name for name, _ in pairs_of(pending.gate)))
-            states = tuple(LimitState(name, False, 0.0, retry_s, 0.0) for name in names)
-            decision = Decision(False, 0.0, retry_s, 0.0, 0.0, states)
+            names = dict.fromkeys(name for name, _ in pairs_of(pending.gate))
+            decision = Decision.denial(tuple(names), retry_s)
         if decision is not None:
             if retry_s is not None:
                 decision = decision._replace(retry_after_s=retry_s)

@@ -284,16 +284,16 @@ def _is_github(fields: Mapping[str, str]) -> bool:
     return "x-ratelimit-resource" in fields or "x-github-request-id" in fields
 
 
+def _github_quota_left(fields: Mapping[str, str]) -> bool:
+    """A response from GitHub whose primary quota is not spent (``remaining`` is not 0)."""
+    return _is_github(fields) and not values.is_zero(fields.get("x-ratelimit-remaining"))
+
+
 def wants_body(status: int, fields: Mapping[str, str]) -> bool:
     """Whether the body decides if the response is a refusal: a GitHub 403 with quota
     left and no ``Retry-After`` is a secondary rate limit, or a plain "forbidden", and
     only its message tells which."""
-    return (
-        status == 403
-        and _is_github(fields)
-        and "retry-after" not in fields
-        and not values.is_zero(fields.get("x-ratelimit-remaining"))
-    )
+    return status == 403 and "retry-after" not in fields and _github_quota_left(fields)
 
 
 def github_secondary(status: int, fields: Mapping[str, str], body: str | bytes | None) -> bool:
@@ -301,11 +301,7 @@ def github_secondary(status: int, fields: Mapping[str, str], body: str | bytes |
     from GitHub with quota left, or a 403 whose body says so. (A 403 or 429 with
     ``remaining`` 0 is the primary limit spent; one with ``Retry-After`` says its time.)"""
     if status == 429:
-        return (
-            _is_github(fields)
-            and "retry-after" not in fields
-            and not values.is_zero(fields.get("x-ratelimit-remaining"))
-        )
+        return "retry-after" not in fields and _github_quota_left(fields)
     if body is None or not wants_body(status, fields):
         return False
     text = body[:_BODY_CHARS]
@@ -318,12 +314,7 @@ def github_secondary_timed(status: int, fields: Mapping[str, str]) -> bool:
     """Whether a response is GitHub's secondary rate limit with its ``Retry-After``: a 403
     or 429 from GitHub with quota left and the time to wait (the primary limit spent says
     ``remaining`` 0; a plain "forbidden" gives no ``Retry-After``)."""
-    return (
-        status in (403, 429)
-        and "retry-after" in fields
-        and _is_github(fields)
-        and not values.is_zero(fields.get("x-ratelimit-remaining"))
-    )
+    return status in (403, 429) and "retry-after" in fields and _github_quota_left(fields)
 
 
 def should_retry(fields: Mapping[str, str]) -> bool | None:
