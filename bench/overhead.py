@@ -18,7 +18,10 @@ tasks (``bench/overhead_app.py``):
 * ``two_limits``: a GCRA limit and a per-tenant token budget whose cost is an argument (an
   estimate the body does not correct);
 * ``reported``: as ``two_limits``, and the body reports its actual cost, so the
-  acquisition must be settled: the price of a settle.
+  acquisition must be settled: the price of a settle;
+* ``shadowed``: a per-tenant GCRA limit in shadow mode (issue 27's "shadow changes
+  nothing"): the task runs at once, its look is gathered and sent by a thread of the
+  process, one round trip per batch.
 
 A block is ``--tasks`` messages of one task enqueued at once while no worker consumes
 their queue, then the worker is told to consume it (``add_consumer``) and the block is
@@ -71,13 +74,14 @@ from workers.harness import ROOT
 from workers.stack import worker_argv
 
 APP = "bench.overhead_app"
-TASKS = ("plain", "one_limit", "plain_args", "two_limits", "reported")
+TASKS = ("plain", "one_limit", "plain_args", "two_limits", "reported", "shadowed")
 ARGS: dict[str, tuple[Any, ...]] = {
     "plain": (),
     "one_limit": (),
     "plain_args": ("acme", 1000),
     "two_limits": ("acme", 1000),
     "reported": ("acme", 1000),
+    "shadowed": ("acme", 1000),
 }
 POLL_S = 0.005
 WARMUP_TASKS = 200
@@ -87,6 +91,7 @@ BASELINE = {
     "plain_args": "plain_args",
     "two_limits": "plain_args",
     "reported": "plain_args",
+    "shadowed": "plain_args",
 }
 """Each task's plain twin: the same no-op task, with the same arguments, not throttled."""
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")

@@ -41,6 +41,12 @@ app.conf.update(
             "roomy": {"rate": "1000000/s"},
             "requests": {"algorithm": "gcra", "rate": "100000/s", "burst": 1000},
             "tokens": {"rate": "1000000000/d", "key": "{tenant}", "cost": "tokens"},
+            "watched": {
+                "algorithm": "gcra",
+                "rate": "100000/s",
+                "key": "{tenant}",
+                "mode": "shadow",
+            },
         },
     },
 )
@@ -79,3 +85,10 @@ def reported(tenant: str, tokens: int) -> None:
     """As ``two_limits``, and the body reports the actual cost (half the estimate): the
     acquisition is settled."""
     report_cost(tokens // 2)
+
+
+@app.task
+@throttled("watched")
+def shadowed(tenant: str, tokens: int) -> None:
+    """One per-tenant GCRA limit in shadow mode: looked at (gathered, sent in batches by
+    a thread of the process), never waited for."""

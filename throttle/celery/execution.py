@@ -94,14 +94,20 @@ class Ticket:
     plan: list[Target] | None = None
     """The plan targets of a task that ran on a plan (:mod:`throttle.celery.plan`): what a
     cost settled lower hands back to the plan too (its record is ``id`` + ``.plan``)."""
-    shadow: tuple[tuple[Rule, Target], ...] = ()
-    """The task's limits in shadow mode with their targets (:mod:`throttle.celery.shadow`):
-    nothing reserved; an upstream's refusal reported from the body holds their shadow
-    twins and is recorded under their names, as it would be enforced."""
+    shadowing: Callable[[], tuple[tuple[Rule, Target], ...]] | None = None
+    """The task's limits in shadow mode with their targets (:mod:`throttle.celery.shadow`),
+    evaluated on first use (:attr:`shadow`)."""
     refusal: Refusal | None = None
     """The upstream refused the body's last call and the task is to come back
     (``report_upstream(..., retry=True)``): answered once, when the body exits by an
     exception (:func:`throttle.celery.task.run`); a later call that is served clears it."""
+
+    @property
+    def shadow(self) -> tuple[tuple[Rule, Target], ...]:
+        """The task's limits in shadow mode with their targets: nothing reserved; an
+        upstream's refusal reported from the body holds their shadow twins and is
+        recorded under their names, as it would be enforced."""
+        return () if self.shadowing is None else self.shadowing()
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleTimeout
-from throttle.rules import Declared, Rule, Target, kept_in_hand, targets
+from throttle.rules import Declared, Target, kept_in_hand, targets
 from throttle.spec import Limit
 
 RECHECK_LEAD_S = 0.01
@@ -110,13 +110,14 @@ class Gate:
         the first acquisition instead of a round trip of this one's."""
         execution = self.execution
         restore_eta(execution)  # first: a copy re-published during an outage keeps it too
-        shadowed: tuple[tuple[Rule, Target], ...] = ()
+        shadowing = None
         if self.rule_set.shadow:  # limits in shadow mode: looked at, never waited for
-            shadowed = shadow.look(execution, self.rule_set.shadow)
+            shadowing = shadow.look(execution, self.rule_set.shadow)
+        pairs = None if shadowing is None else shadowing.pairs
         if not execution.rules:
             # Only limits in shadow mode: a ticket without acquisition, for the upstream's
             # refusals reported from the body (their twins held, the task back as enforced).
-            return Ticket(None, (), time.time(), shadow=shadowed) if shadowed else None
+            return None if pairs is None else Ticket(None, (), time.time(), shadowing=pairs)
         try:
             drop_second_copy(execution)
             if not self._take_evaluation(admission):
@@ -135,7 +136,7 @@ class Gate:
             return None
         if not execution.eager:
             execution.throttler.observer.allowed(execution, ticket.slot_at - now)
-        ticket.shadow = shadowed
+        ticket.shadowing = pairs
         return ticket
 
     def evaluate(self) -> None:

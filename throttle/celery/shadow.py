@@ -20,11 +20,14 @@ What this measures: the delays the limit would impose on the tasks as they arriv
 Once enforced, delayed tasks come back later, so the arrival process itself changes; for
 a backlog that the limit drains at its rate, the two agree. A task re-published by an
 enforced limit is not looked at again (only on its first arrival: its message carries no
-deferral yet), so each task counts once. The task does not wait for its look: a process
-gathers its looks for up to :data:`BATCH_S` and sends them in one round trip, each dated
-when its task arrived (:class:`Looks`). Switching a limit to ``enforce`` at run time
-(``celery throttle enforce``) makes its real state take over from then on; the twin's is
-left to expire.
+deferral yet), so each task counts once. The task does not wait for its look, nor evaluate it: its
+path only records that it arrived; a process gathers the looks for up to :data:`BATCH_S`,
+and its gatherer's thread evaluates their keys and costs and sends them in one round trip,
+each dated when its task arrived (:class:`Looks`). With one prefetched task per pool
+child, the time a child spends on each task bounds a worker's speed: work done off the
+task's path is done while the child waits for its next task. Switching a limit to
+``enforce`` at run time (``celery throttle enforce``) makes its real state take over from
+then on; the twin's is left to expire.
 """
 
 from __future__ import annotations
@@ -63,17 +66,48 @@ BATCH_MAX = 100
 """A process sends its shadow looks at once when this many are gathered."""
 
 
-@dataclasses.dataclass(slots=True)
-class _Look:
-    """One task's look, gathered: what it asks of each twin, and when."""
+Pairs = tuple[tuple[Rule, Target], ...]
+"""Each limit in shadow mode with its target (limit, key, cost) for one execution."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Shadowing:
+    """What the limits in shadow mode of one execution look at, evaluated on first use
+    (:meth:`pairs`): by the gatherer's thread, which sends the look, or by the body when it
+    reports an upstream's refusal. The task's own path only records that it arrived."""
 
     execution: Execution
-    names: list[str]
-    twins: list[tuple[Limit, str | None, float]]
+    rules: tuple[Rule, ...]
+    _pairs: Pairs | None = None
+
+    def pairs(self) -> Pairs:
+        """Each rule with its target, as enforced (the rates in force, the burst margin);
+        () when the task's arguments give no key or cost (logged: enforced, the task
+        would fail). Two threads evaluating at once find the same answer."""
+        if self._pairs is None:
+            execution = self.execution
+            try:
+                found = targets(
+                    self.rules, execution.fn, execution.args, execution.kwargs,
+                    execution.throttler.rates.current,
+                )  # fmt: skip
+                found = kept_in_hand(found, execution.throttler.settings.burst_margin_s)
+                self._pairs = tuple(zip(self.rules, found, strict=True))
+            except Exception as exc:  # a bad key or cost for this task: it would fail enforced
+                logger.warning("throttle: shadow look of task %s: %s", execution.request.id, exc)
+                self._pairs = ()
+        return self._pairs
+
+
+@dataclasses.dataclass(slots=True)
+class _Look:
+    """One task's look, gathered: what it arrived with, and when."""
+
+    shadowing: Shadowing
     asked: float
     """When the task arrived (monotonic s of this process)."""
-    queued_s: float
-    """How long before ``asked`` it was sent (s, Redis clock)."""
+    sent: float | None
+    """When it was sent (epoch s, Redis clock: its ``throttle_sent`` header), if known."""
 
 
 class Looks(Gathering[list[_Look]]):
@@ -107,31 +141,45 @@ class Looks(Gathering[list[_Look]]):
         return self._looks or None
 
     def _write(self, looks: list[_Look]) -> None:
-        """Send ``looks`` in one round trip, and report each one's waits to the observers."""
+        """Evaluate ``looks`` (their keys and costs, off the tasks' path), send them in one
+        round trip, and report each one's waits to the observers."""
         throttler = self.throttler
-        now = time.monotonic()
-        asks = [twin for look in looks for twin in look.twins]
-        ago = [now - look.asked for look in looks for _ in look.twins]
+        now, redis_now = time.monotonic(), throttler.clock.now()
+        asks: list[tuple[Limit, str | None, float]] = []
+        ago: list[float] = []
+        sent: list[tuple[_Look, Pairs, float]] = []
+        for look in looks:
+            pairs = look.shadowing.pairs()
+            if not pairs:
+                continue
+            for _, (limit, key, cost) in pairs:
+                twin = shadow_limit(limit)
+                asks.append((twin, key, min(cost, twin.capacity)))
+                ago.append(now - look.asked)
+            sent.append((look, pairs, _queued_s(look, redis_now - (now - look.asked))))
+        if not asks:
+            return
         try:
             decisions = iter(throttler.limiter.acquire_each(asks, max_wait_s=HORIZON_S, ago_s=ago))
         except BackendError as exc:
-            logger.debug("throttle: %d shadow looks failed: %s", len(looks), exc)
+            logger.debug("throttle: %d shadow looks failed: %s", len(sent), exc)
             return
-        for look in looks:
+        for look, pairs, queued_s in sent:
+            execution = look.shadowing.execution
             waits: list[float] = []
-            for _ in look.twins:
+            for _ in pairs:
                 decision = next(decisions)
                 if isinstance(decision, ThrottleError):
                     logger.warning(
-                        "throttle: shadow look of task %s: %s", look.execution.request.id, decision
+                        "throttle: shadow look of task %s: %s", execution.request.id, decision
                     )
                     continue
                 wait = decision.wait_s if decision.allowed else decision.retry_after_s
                 if wait > 0:  # its slot is ahead: it would have waited for it since the send
-                    wait += look.queued_s
+                    wait += queued_s
                 waits.append(min(max(wait, 0.0), HORIZON_S))
-            if len(waits) == len(look.twins):
-                throttler.observer.shadowed(look.execution, look.names, waits)
+            if len(waits) == len(pairs):
+                throttler.observer.shadowed(execution, [rule.name for rule, _ in pairs], waits)
 
 
 _LOOKS: weakref.WeakKeyDictionary[Throttler, Looks] = weakref.WeakKeyDictionary()
@@ -150,44 +198,30 @@ def looks_of(throttler: Throttler) -> Looks:
     return looks
 
 
-def look(execution: Execution, rules: Sequence[Rule]) -> tuple[tuple[Rule, Target], ...]:
+def look(execution: Execution, rules: Sequence[Rule]) -> Shadowing | None:
     """What the limits of ``rules`` (in shadow mode) would have done to this execution:
     the wait each would impose, reported to the throttler's observers once the look is
-    sent (:class:`Looks`). Returns each rule with its target (limit, key, cost) for the
-    task's ticket, so that an upstream's refusal reported from the body is answered as
-    it would be enforced (:func:`throttle.celery.upstream.report_upstream`); evaluated
-    for a copy that came back too, which is not looked at again. Never raises, never
-    delays the task (an error loses the look, logged, and returns nothing)."""
+    sent (:class:`Looks`). Returns the execution's :class:`Shadowing`, whose pairs (each
+    rule with its target) the task's ticket keeps so that an upstream's refusal reported
+    from the body is answered as it would be enforced
+    (:func:`throttle.celery.upstream.report_upstream`); a copy that came back gets one
+    too, and is not looked at again. Never raises, never delays the task: the task's
+    path records its arrival; the keys and costs are evaluated by the gatherer's thread
+    (an error there loses the look, logged). None in eager mode and direct calls."""
     if execution.eager:
-        return ()  # eager mode: no fleet to shadow, and a refusal raises in the caller
-    throttler = execution.throttler
-    try:
-        found = targets(
-            rules, execution.fn, execution.args, execution.kwargs, throttler.rates.current
-        )
-        found = kept_in_hand(found, throttler.settings.burst_margin_s)  # as enforced
-    except Exception as exc:  # a bad key or cost for this task: it would fail enforced
-        logger.warning("throttle: shadow look of task %s: %s", execution.request.id, exc)
-        return ()
-    if H_DEFERRALS not in execution.message_headers:  # looked at when it first arrived
-        twins: list[tuple[Limit, str | None, float]] = []
-        for limit, key, cost in found:
-            twin = shadow_limit(limit)
-            twins.append((twin, key, min(cost, twin.capacity)))
+        return None  # eager mode: no fleet to shadow, and a refusal raises in the caller
+    shadowing = Shadowing(execution, tuple(rules))
+    headers = execution.message_headers
+    if H_DEFERRALS not in headers:  # looked at when it first arrived
         # The look outlives the task's run: execution.request was read (cached) above.
-        looks_of(throttler).add(
-            _Look(
-                execution, [rule.name for rule in rules], twins, time.monotonic(),
-                _queued_s(execution),
-            )
-        )  # fmt: skip
-    return tuple(zip(rules, found, strict=True))
+        looks_of(execution.throttler).add(_Look(shadowing, time.monotonic(), sent_header(headers)))
+    return shadowing
 
 
-def _queued_s(execution: Execution) -> float:
-    """How long ago (s) the task was sent: its ``throttle_sent`` header against now, both
-    on the Redis clock (0 when it has none, or when the clocks disagree into the future)."""
-    sent = sent_header(execution.message_headers)
-    if sent is None:
+def _queued_s(look: _Look, arrived: float) -> float:
+    """How long (s) before it ``arrived`` (epoch s, Redis clock) the task was sent: 0 when
+    its message carries no ``throttle_sent`` header, or when the clocks disagree into the
+    future."""
+    if look.sent is None:
         return 0.0
-    return min(max(execution.throttler.clock.now() - sent, 0.0), HORIZON_S)
+    return min(max(arrived - look.sent, 0.0), HORIZON_S)
