@@ -9,9 +9,10 @@ entries per limit (``XADD MAXLEN ~``: Redis trims whole macro nodes, so a few mo
 stay), and, with ``settings.refusals_for``, none older than that (``XTRIM MINID`` when
 the next refusal of the limit is recorded; Redis 6.2 or newer). One round trip per
 refusal, from the worker that saw it; a Redis error loses the entry (logged), never the
-task. ``held`` says whether the refusal held the fleet (one or more of the call's limits,
-or their key), or only sent the refused task back. Read it with ``celery throttle refusals
-LIMIT`` or :meth:`RefusalBook.read`.
+task. A refusal is recorded under each limit it speaks for, and ``held`` says whether it
+held that limit (or its key) for the fleet, or not (the task came back alone, or the
+refusal blamed another of the call's limits: the dimension its headers named). Read it
+with ``celery throttle refusals LIMIT`` or :meth:`RefusalBook.read`.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ class Refusal:
     """The header the hold came from (``Retry-After``, ``X-RateLimit-Reset``...),
     ``default`` for a bare 429, ``""`` when the response named no time."""
     hold_s: float
-    """The upstream's time, in s: how long it asked to wait."""
+    """The upstream's time, in s: how long it asked to wait (for this limit: the hold
+    placed on it, which a dimension's own reset header may make differ from the other
+    limits')."""
     held: bool
-    """Whether the refusal held the fleet (one or more of the call's limits, or their key);
-    False: only the refused task came back (a refusal the limit's schedule explains:
-    jitter)."""
+    """Whether the refusal held this limit (or its key) for the fleet; False: it did not
+    (a refusal the limit's schedule explains, jitter, sends only the refused task back;
+    a refusal whose headers blame another dimension holds that dimension's limit)."""
     at: float | None = None
     """When it was recorded, epoch s on the Redis clock (set when read back)."""
 

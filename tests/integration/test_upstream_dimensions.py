@@ -22,6 +22,7 @@ from throttle.adaptive import Adaptive, LearnedRates
 from throttle.celery import report_cost, throttled
 from throttle.celery.estimates import Estimates
 from throttle.rates import RateBook
+from throttle.refusals import RefusalBook
 from throttle.rules import Rule
 from throttle.upstream import apply_upstream, parse_upstream, report_upstream
 from throttle.upstream.dialects import GITHUB_SECONDARY_S
@@ -51,7 +52,9 @@ class Provider:
         self.limiter, self.rates, self.learned = limiter, rates, learned
         self.adaptive: Adaptive | None = None
 
-    def answer(self, status: int, headers: dict[str, str], tokens: float = 5000) -> bool:
+    def answer(
+        self, status: int, headers: dict[str, str], tokens: float = 5000
+    ) -> dict[int, float]:
         signal = parse_upstream(status, headers)
         assert signal is not None
         targets = [
@@ -290,9 +293,16 @@ def test_a_refusal_that_blames_a_dimension_holds_it_at_once(
     def complete(estimate: int, headers: dict[str, str]) -> None:
         report_upstream(httpx.Response(429, headers=headers))
 
-    complete.delay(4000, openai(x_ratelimit_remaining_tokens="0", retry_after_ms="1500")).get()
+    refused = complete.delay(4000, openai(x_ratelimit_remaining_tokens="0", retry_after_ms="1500"))
+    refused.get()
     limiter = Limiter(client, prefix=prefix)
     assert limiter.holds() == {("openai-tokens", None): pytest.approx(1.5, abs=0.2)}
+    # The record says so per limit: the tokens limit held, the requests limit not
+    book = RefusalBook(client, limiter.keyspace)
+    (tokens,) = book.read("openai-tokens")
+    (requests,) = book.read("openai-requests")
+    assert (tokens.task_id, tokens.held, tokens.hold_s) == (refused.id, True, 1.5)
+    assert (requests.task_id, requests.held) == (refused.id, False)
     # The same 429 blaming no dimension is judged as before: one refusal holds nothing
     limiter.client.delete(limiter.keyspace.holds_key())
     complete.delay(4000, openai(retry_after_ms="1500")).get()

@@ -205,6 +205,8 @@ def report_upstream(
     held = True  # Redis failing: the task comes back after the upstream's time
     targets: list[Target] = []
     recorded: list[Target] = []
+    holds: dict[int, float] | None = None
+    """The holds placed on ``recorded`` (by index; None: not known, Redis failing)."""
     try:
         for current, key, cost, rule in picked:
             configured = current if rule is None else rule.limit
@@ -219,21 +221,22 @@ def report_upstream(
             for target in targets:
                 learn(throttler.learned, None, target)
         else:
-            held = bool(targets) and apply_signal(
+            holds = apply_signal(
                 throttler.limiter, throttler.rates, signal, targets, throttler.learned
             )
+            held = bool(holds)
             # Limits in shadow mode: their twins are held as the limits would be (what the
             # twins' looks report then includes the hold), and no rate is set or learned.
             twins = [_shadow_target(rule, target) for rule, target in shadowed]
             recorded += [
                 Target(limit, limit, key, False, cost=cost) for _, (limit, key, cost) in shadowed
             ]
-            if twins:
+            if twins:  # recorded as not held: the fleet does not wait for them
                 apply_signal(throttler.limiter, None, signal, twins, throttler.learned)
     except BackendError as exc:
         throttler.outage(exc)
     if signal is not None and signal.refused and not throttler.in_memory:
-        _record(throttler, task, response, signal, recorded, held)
+        _record(throttler, task, response, signal, recorded, holds)
     if signal is None:
         return None
     if retry and signal.final:
@@ -297,10 +300,13 @@ def _record(
     response: Any,
     signal: UpstreamSignal,
     targets: list[Target],
-    held: bool,
+    holds: dict[int, float] | None,
 ) -> None:
     """Keep the refusal in the fleet's record (:mod:`throttle.refusals`), one entry per
-    limit it speaks for; a Redis error loses the entry, not the task."""
+    limit it speaks for, each with the hold placed on it (``holds``, by index), or
+    marked not held with the upstream's time; with ``holds`` None (Redis failed while
+    holding), every entry is marked held for the upstream's time, as the task comes
+    back after it. A Redis error loses the entry, not the task."""
     status = getattr(response, "status_code", getattr(response, "status", None))
     request = getattr(task, "request", None)
     refusals = [
@@ -311,10 +317,10 @@ def _record(
             task=getattr(task, "name", None),
             status=status if isinstance(status, int) else None,
             header=signal.source,
-            hold_s=signal.hold_s,
-            held=held,
+            hold_s=signal.hold_s if holds is None else holds.get(index, signal.hold_s),
+            held=holds is None or index in holds,
         )
-        for target in targets
+        for index, target in enumerate(targets)
     ]
     try:
         throttler.refusals.record(refusals)

@@ -52,10 +52,11 @@ def refusals(ctx: click.Context, limit: str, key: str | None, as_json: bool, cou
 
     Each: when (the Redis clock, UTC), the key, the task id, the HTTP status, the header
     that decided the hold (Retry-After, X-RateLimit-Reset...; "default" for a bare 429),
-    the upstream's time, and whether the fleet was held for it ("held": the limit, or its
-    key) or only the refused task came back ("task only": a refusal the limit's schedule
-    explains). Kept: the last settings.refusals_max per limit (and none older than
-    settings.refusals_for, when set). In JSON: a list of objects with at (epoch s), limit,
+    the upstream's time, and whether the refusal held this limit for the fleet ("held":
+    the limit, or its key) or not ("task only": a refusal the limit's schedule explains,
+    or one whose headers blamed another of the task's limits). Kept: the last
+    settings.refusals_max per limit (and none older than settings.refusals_for, when
+    set). In JSON: a list of objects with at (epoch s), limit,
     key, task_id, task, status, header, hold_s and held.
     """
     app, throttler = throttler_of(ctx)

@@ -318,11 +318,12 @@ def apply_signal(
     signal: UpstreamSignal,
     targets: Sequence[Target],
     learned: LearnedRates | None = None,
-) -> bool:
+) -> dict[int, float]:
     """Act on ``signal`` for each target (:func:`plan`): hold, learn, store a rate;
-    returns whether it held any of them."""
-    held = False
-    for step in plan(signal, targets, rates):
+    returns the holds placed: the index of each target held, and for how long (s; a
+    dimension the signal speaks of has its own reset, so the holds may differ)."""
+    held: dict[int, float] = {}
+    for index, step in enumerate(plan(signal, targets, rates)):
         target, seen = step.target, step.signal
         hold = seen.hold_s > 0
         if learned is not None:
@@ -333,7 +334,7 @@ def apply_signal(
         if hold:
             limiter.hold(target.current.name, target.key, seen.hold_s)
             log_hold(seen, target)
-            held = True
+            held[index] = seen.hold_s
         if rates is not None and step.lowered is not None:
             rates.set(target.configured, step.lowered)
             log_rate(seen, target, step.lowered)
@@ -412,7 +413,7 @@ def apply_upstream(
         if learned is not None:
             learn(learned, None, target)
         return None
-    held = apply_signal(limiter, rates, signal, [target], learned)
+    held = bool(apply_signal(limiter, rates, signal, [target], learned))
     if refusals is not None and signal.refused:
         refusals.record([refusal_entry(response, signal, limit, key, held)])
     return signal
