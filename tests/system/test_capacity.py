@@ -163,6 +163,8 @@ def test_a_rate_raised_at_run_time_reaches_a_waiting_task(
         assert said.exit_code == 0, said.output
         assert "waiting in worker w-rate-threads@" in said.output, said.output
         assert "for its limits to admit it, reserving nothing" in said.output, said.output
+        # with its queue and the limits it waits for (the worker's word)
+        assert "queue capacity" in said.output and "limits rated" in said.output, said.output
         # When an operator raises the rate (celery throttle set rated 100/s)
         seconds, micros = client.time()
         raised_at = seconds + micros / 1e6

@@ -898,7 +898,8 @@ def throttle_waiting(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
     (``"where": "line"``), and waiting for a free pool slot to be decided (``"pool"``).
     ``celery inspect throttle_waiting`` (with the app's ``-A``); ``inspect scheduled``
     lists the tasks held for a near slot, as Celery's own ETA tasks. Each entry as
-    ``scheduled`` gives one, plus where and how long it has waited (s)."""
+    ``scheduled`` gives one, plus where, how long it has waited (s), the queue it came
+    from and (in the line) the limits it waits for."""
     step = getattr(state.consumer, "throttle_wait_step", None)
     if step is None:
         return []
@@ -906,16 +907,19 @@ def throttle_waiting(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     if step.line is not None:
         for waiter in list(step.line.line.waiters):
-            request = waiter.item.request
+            pending = waiter.item
+            request = pending.request
             entries.append({
                 "eta": None, "priority": waiter.priority, "request": request.info(),
                 "where": "line", "waited_s": round(now - waiter.since, 3),
+                "queue": queue_of(request.delivery_info),
+                "limits": [rule.name for rule in pending.gate.execution.rules],
             })  # fmt: skip
     if step.undecided is not None:
         for _, request in list(step.undecided.waiting):
             entries.append({
                 "eta": None, "priority": priority_of(request), "request": request.info(),
-                "where": "pool", "waited_s": None,
+                "where": "pool", "waited_s": None, "queue": queue_of(request.delivery_info),
             })  # fmt: skip
     return entries
 

@@ -138,6 +138,7 @@ def waiting_in_worker(app: Any, task_id: str, timeout_s: float) -> dict[str, Any
                     return {
                         "state": "waiting", "worker": worker, "where": entry.get("where"),
                         "waited_s": entry.get("waited_s"), "name": request.get("name"),
+                        "queue": entry.get("queue"), "limits": entry.get("limits") or [],
                     }  # fmt: skip
     return None
 
@@ -203,7 +204,10 @@ def task(ctx: click.Context, task_id: str, as_json: bool, timeout: float) -> Non
     if data["state"] in ("unknown", "released"):
         held = waiting_in_worker(app, task_id, timeout)
         if held is not None:
-            data = {**data, **held, "name": data.get("name") or held["name"]}
+            data = {
+                **data, **held, "name": data.get("name") or held["name"],
+                "limits": data["limits"] or held["limits"],
+            }  # fmt: skip
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
