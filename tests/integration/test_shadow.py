@@ -3,6 +3,7 @@ switched to enforce at run time."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
 from throttle.celery.waiting import Undecided, Waiting
 from throttle.config import ThrottleConfig
 from throttle.errors import Throttled
+from throttle.rules import Declared
 from throttle.stats import StatsBook
 from throttle.upstream import report_upstream
 
@@ -130,6 +132,40 @@ def test_a_task_does_not_wait_for_its_look_which_a_thread_sends_soon_after(
         assert redis_now_s(client) - started < 100 * BATCH_S
         time.sleep(0.005)
     assert recorded(throttler)["api"]["tasks"] == 5
+
+
+def test_a_look_whose_key_cannot_be_made_is_lost_not_the_task(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key is evaluated off the task's path: a call without the key's argument enters
+    (as it would fail enforced, the look is lost, logged), and the good looks of the same
+    batch are sent."""
+
+    @app.task(name="shadow.keyed", shared=False)
+    def keyed(tenant: str = "") -> None: ...
+
+    throttler = Throttler.of(app)
+    rule = dataclasses.replace(throttler.config.rules["api"], key="{account}")
+    declared = Declared((rule,))
+    gates = []
+    for i, tenant in enumerate(("acme", "globex")):
+        keyed.push_request(id=f"k{i}", headers={}, delivery_info={}, called_directly=False)
+        try:
+            gate = Gate(keyed, declared, keyed.run, (), {"account": tenant})
+            gates.append(gate.enter())
+        finally:
+            keyed.pop_request()
+    keyed.push_request(id="k-bad", headers={}, delivery_info={}, called_directly=False)
+    try:  # no "account" argument: the key cannot be made
+        bad = Gate(keyed, declared, keyed.run, (), {"tenant": "x"}).enter()
+    finally:
+        keyed.pop_request()
+    assert bad is not None and all(ticket is not None for ticket in gates)
+    with caplog.at_level("WARNING", logger="throttle"):
+        assert recorded(throttler)["api"]["tasks"] == 2
+    assert any("shadow look of task k-bad" in r.getMessage() for r in caplog.records)
+    assert bad.shadow == ()
+    assert [key for _, (_, key, _) in gates[0].shadow] == ["acme"]
 
 
 def test_a_task_with_only_limits_in_shadow_goes_to_the_pool_without_waiting_for_a_slot(

@@ -147,7 +147,7 @@ class Looks(Gathering[list[_Look]]):
         now, redis_now = time.monotonic(), throttler.clock.now()
         asks: list[tuple[Limit, str | None, float]] = []
         ago: list[float] = []
-        sent: list[tuple[_Look, Pairs, float]] = []
+        looked: list[tuple[_Look, Pairs, float]] = []
         for look in looks:
             pairs = look.shadowing.pairs()
             if not pairs:
@@ -156,15 +156,15 @@ class Looks(Gathering[list[_Look]]):
                 twin = shadow_limit(limit)
                 asks.append((twin, key, min(cost, twin.capacity)))
                 ago.append(now - look.asked)
-            sent.append((look, pairs, _queued_s(look, redis_now - (now - look.asked))))
+            looked.append((look, pairs, _queued_s(look, redis_now - (now - look.asked))))
         if not asks:
             return
         try:
             decisions = iter(throttler.limiter.acquire_each(asks, max_wait_s=HORIZON_S, ago_s=ago))
         except BackendError as exc:
-            logger.debug("throttle: %d shadow looks failed: %s", len(sent), exc)
+            logger.debug("throttle: %d shadow looks failed: %s", len(looked), exc)
             return
-        for look, pairs, queued_s in sent:
+        for look, pairs, queued_s in looked:
             execution = look.shadowing.execution
             waits: list[float] = []
             for _ in pairs:
