@@ -768,6 +768,45 @@ def _render(rule: Rule, template: KeyTemplate, named: Mapping[str, Any], what: s
     return literals[0] + "".join(t + lit for t, lit in zip(texts, literals[1:], strict=True))
 
 
+def argument_errors(
+    rule: Rule, fn: Callable[..., Any], task: str, source: str | None = None
+) -> list[ConfigError]:
+    """What of ``rule`` names an argument that ``fn`` (task ``task``'s function) does not
+    have: a head of its key or plan template, its cost's argument. Checked when a worker
+    starts: every call of the task would fail on the key or cost (a ConfigError per
+    task), or fall back to the limit's own rate for the plan, which a misspelt name
+    must not do silently. Nothing is found for a function that takes ``**kwargs`` or
+    whose signature cannot be read (any name may come), nor for callables."""
+    try:
+        parameters = _signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return []
+    names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    found: list[tuple[str, str, object]] = []  # (field, problem, value)
+    for what, template in (("key", rule.key_template), ("plan", rule.plan_template)):
+        missing = [head for head in template.heads if head not in names] if template else []
+        if missing:
+            named = ", ".join(map(repr, missing))
+            found.append(
+                (what, f"no argument {named} for the {what} template", _written(rule, what))
+            )
+    if isinstance(rule.cost, str) and rule.cost not in names:
+        found.append(("cost", "no argument of this name for the cost", rule.cost))
+    listed = ", ".join(sorted(names)) or "none"
+    return [
+        ConfigError(
+            f"task {task!r} has {problem} (its arguments: {listed})",
+            field=what,
+            value=value,
+            limit=rule.name,
+            source=source,
+        )
+        for what, problem, value in found
+    ]
+
+
 def _written(rule: Rule, what: str) -> object:
     return rule.key if what == "key" else rule.plan
 

@@ -86,3 +86,77 @@ def _units() -> str:
     from throttle.spec import UNIT_NAMES  # noqa: PLC0415
 
     return UNIT_NAMES
+
+
+TASKS = (
+    APP
+    + '''
+from throttle.celery import throttled
+
+
+@app.task
+@throttled("api")
+def call(tenant_id, plan, **options):
+    """Takes any keyword: its names are not checked."""
+
+
+@app.task
+@throttled("api", "tokens")
+def complete(tenant_id, plan, max_tokens=100):
+    pass
+'''
+)
+
+
+def test_a_template_or_cost_naming_a_missing_argument_stops_the_worker(tmp_path: Path) -> None:
+    """Every call would fail on the key (or fall back to the limit's rate for the plan):
+    the worker refuses to start, naming the task, the limit and the field, and
+    ``celery throttle check -A`` lists every such place."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "celery.py").write_text(TASKS)
+    (tmp_path / "limits.yaml").write_text(
+        "limits:\n"
+        "  api: {rate: 10/s, key: '{tenant}', plan: '{tier}', plans: {free: 1/s}}\n"
+        "  tokens: {rate: 1000/m, cost: max_token}\n"
+    )
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
+    assert lines[0] == (
+        "throttle: limits.yaml: limit 'api': field 'key': task 'proj.celery.complete' has no "
+        "argument 'tenant' for the key template (its arguments: max_tokens, plan, tenant_id) "
+        "(got '{tenant}')"
+    ), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
+    checked = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "throttle", "check", "limits.yaml"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+        text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 1, checked.stderr
+    place = "limits.yaml: limit '{}': field '{}': task 'proj.celery.complete' has "
+    arguments = "(its arguments: max_tokens, plan, tenant_id)"
+    assert checked.stdout.splitlines() == [
+        place.format("api", "key") + f"no argument 'tenant' for the key template {arguments} "
+        "(got '{tenant}')",
+        place.format("api", "plan") + f"no argument 'tier' for the plan template {arguments} "
+        "(got '{tier}')",
+        place.format("tokens", "cost") + f"no argument of this name for the cost {arguments} "
+        "(got 'max_token')",
+    ]
+
+    # Fixed: the check passes
+    (tmp_path / "limits.yaml").write_text(
+        "limits:\n"
+        "  api: {rate: 10/s, key: '{tenant_id}', plan: '{plan}', plans: {free: 1/s}}\n"
+        "  tokens: {rate: 1000/m, cost: max_tokens}\n"
+    )
+    checked = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "throttle", "check", "limits.yaml"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+        text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr

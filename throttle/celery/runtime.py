@@ -67,6 +67,30 @@ def throttling_enabled(app: Celery) -> bool:
     return bool(value)
 
 
+def task_rules(
+    config: ThrottleConfig, name: str, declared: Declared | None, queue: str | None
+) -> tuple[Rule, ...]:
+    """The rules of task ``name`` consumed from ``queue`` (None: its own and the file's
+    for its name only): what it declares (inline, then named, with its overrides), then
+    the file's for its name and queue, each limit once. A named limit the file does not
+    define raises ConfigError."""
+    found: dict[str, Rule] = {}
+    if declared is not None:
+        for rule in declared.rules:
+            found.setdefault(rule.name, rule)
+        for limit in declared.names:
+            rule = config.rule(limit)
+            if declared.overrides:
+                rule = dataclasses.replace(rule, **declared.overrides)
+            found.setdefault(limit, rule)
+    # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by the
+    # file: a limit on the default queue must not stall a chord's bookkeeping.
+    if not name.startswith("celery."):
+        for rule in config.rules_for(name, queue):
+            found.setdefault(rule.name, rule)
+    return tuple(found.values())
+
+
 def declared_by(task: Task) -> Declared | None:
     """The limits a task declares: ``@throttled`` on its function, or the ``throttle``
     attribute of its ThrottledTask class; None for a task that declares none."""
@@ -247,21 +271,8 @@ class Throttler:
         cache_key = (task.name, queue, id(declared))
         resolved = self._resolved.get(cache_key)
         if resolved is None:
-            found: dict[str, Rule] = {}
-            if declared is not None:
-                for rule in declared.rules:
-                    found.setdefault(rule.name, rule)
-                for name in declared.names:
-                    rule = self.config.rule(name)
-                    if declared.overrides:
-                        rule = dataclasses.replace(rule, **declared.overrides)
-                    found.setdefault(name, rule)
-            # Celery's own tasks (chord_unlock, backend_cleanup...) are never throttled by
-            # the file: a limit on the default queue must not stall a chord's bookkeeping.
-            if not task.name.startswith("celery."):
-                for rule in self.config.rules_for(task.name, queue):
-                    found.setdefault(rule.name, rule)
-            resolved = self._resolved[cache_key] = RuleSet.of(tuple(found.values()))
+            rules = task_rules(self.config, task.name, declared, queue)
+            resolved = self._resolved[cache_key] = RuleSet.of(rules)
         return resolved
 
     def declared(self) -> Iterator[Declared]:

@@ -33,6 +33,7 @@ from throttle.celery.releaser import Releaser
 from throttle.celery.routing import declare_lanes, lane_queue
 from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
 from throttle.celery.sent import install_stamp
+from throttle.celery.task import argument_errors
 from throttle.celery.waiting import WaitStep
 from throttle.config import ThrottleConfig
 from throttle.errors import BackendError, ConfigError
@@ -142,7 +143,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     """What would make ``worker`` throttle wrongly, as a :class:`ConfigError`: the in-memory
     limiter in a pool of several processes (each would count apart), a limit its tasks name
     that the file lacks, settings that outlive the broker's visibility timeout
-    (:meth:`Throttler.validate`)."""
+    (:meth:`Throttler.validate`), a key, plan or cost naming an argument its task does not
+    have (:func:`throttle.celery.task.argument_errors`: the first)."""
     if throttler.in_memory:
         pool = pool_name(worker)
         if pool not in ONE_PROCESS_POOLS and (worker.concurrency or 1) > 1:
@@ -154,6 +156,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
                 field="redis_url", value=MEMORY_URL, source=throttler.config.source,
             )  # fmt: skip
     throttler.validate()
+    for error in argument_errors(throttler.app, throttler.config):
+        raise error
 
 
 def refuse_to_start(exc: ConfigError) -> NoReturn:

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from celery import Task
+from celery import Celery, Task
 from celery._state import get_current_task
 from celery.exceptions import Reject
 from celery.local import Proxy
@@ -31,10 +31,12 @@ from throttle.celery.execution import (
 )
 from throttle.celery.gate import Gate
 from throttle.celery.message import restore_delivery
-from throttle.celery.runtime import throttling_enabled
+from throttle.celery.runtime import task_rules, throttling_enabled
 from throttle.celery.settle import settle
+from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.rules import UNSET, Declared, Rule, declare
+from throttle.rules import argument_errors as rule_argument_errors
 from throttle.spec import Algorithm, Limit
 from throttle.units import real
 
@@ -122,6 +124,25 @@ def gated_call(
     else:
         return None
     return declared, fn, ((task, *args) if bound else tuple(args)), kwargs
+
+
+def argument_errors(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
+    """The rules of ``app``'s tasks whose key template, plan template or cost names an
+    argument their task's function does not have (:func:`throttle.rules.argument_errors`),
+    each rule of each task once; a worker refuses to start on the first
+    (:func:`throttle.celery.steps`), ``celery throttle check -A`` lists them all. Rules
+    of a queue (``queues:``) are not checked: which tasks a queue gets is the routing's."""
+    errors: list[ConfigError] = []
+    for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
+        gated = gated_call(task, (), {})
+        declared, fn = (gated[0], gated[1]) if gated is not None else (None, task.run)
+        try:
+            rules = task_rules(config, task.name, declared, None)
+        except ConfigError:  # a named limit the file lacks: reported on its own
+            continue
+        for rule in rules:
+            errors += rule_argument_errors(rule, fn, task.name, config.source)
+    return errors
 
 
 def throttled(

@@ -16,6 +16,7 @@ import click
 
 from throttle.admin import reset as reset_state
 from throttle.celery.runtime import declared_by
+from throttle.celery.task import argument_errors
 from throttle.cli.base import (
     EXIT_ERRORS,
     amount,
@@ -326,6 +327,7 @@ def check(ctx: click.Context, file: str) -> None:
     """Validate a limits FILE: print every error with its place, exit 1 if any.
 
     With an app (-A), also that every limit its tasks name in @throttled is in the file,
+    and that each key, plan and cost of their limits names an argument of the task,
     which a worker of the app checks when it starts.
     """
     errors = [str(error) for error in ThrottleConfig.check(file)]
@@ -363,4 +365,4 @@ def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
                         )
                     )
                 )
-    return errors
+    return errors + [str(error) for error in argument_errors(app, config)]
