@@ -235,6 +235,9 @@ def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_record
     # and the refusal is in the record under the limit's name, with the task's id
     (entry,) = throttler.refusals.read("api")
     assert (entry.task_id, entry.status, entry.held) == ("t-429", 429, False)
+    # and the task's own look (it arrived before its refusal) counts no delay
+    assert recorded(throttler)["api"]["tasks"] == 1
+    assert recorded(throttler)["api"]["delayed"] == 0
 
 
 def test_shadow_events_reach_an_event_receiver_in_one_message(app: Celery) -> None:
