@@ -26,7 +26,7 @@ from throttle.celery import install
 from throttle.celery.events import EVERY_S
 from throttle.celery.execution import enter_ticket, leave_ticket
 from throttle.celery.gate import Gate
-from throttle.celery.message import H_DEFERRALS, H_SENT
+from throttle.celery.message import H_DEFERRALS, H_NOT_BEFORE, H_SENT
 from throttle.celery.observe import FleetStatsReporter
 from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
@@ -182,23 +182,46 @@ def test_a_task_with_only_limits_in_shadow_goes_to_the_pool_without_waiting_for_
 
     # Given a worker's consumer whose one pool slot is taken
     handed: list[Any] = []
-    timer = SimpleNamespace(call_after=lambda *args, **kwargs: object())
-    consumer = SimpleNamespace(
-        pool=SimpleNamespace(num_processes=1), on_task_request=handed.append, timer=timer
+    timed: list[tuple[float, Any, tuple[Any, ...]]] = []
+    timer = SimpleNamespace(
+        call_after=lambda *args, **kwargs: object(),
+        call_at=lambda at, fn, args, **kwargs: timed.append((at, fn, args)),
     )
+    qos = SimpleNamespace(increment_eventually=lambda: None, decrement_eventually=lambda: None)
+    consumer = SimpleNamespace(
+        pool=SimpleNamespace(num_processes=1), on_task_request=handed.append, timer=timer,
+        qos=qos,
+    )  # fmt: skip
     undecided = Undecided(consumer)
     busy = Request(id="busy")
+    back = Request(id="back", delivery_info={"routing_key": "celery"}, revoked=lambda: False)
     state.reserved_requests.add(busy)
     try:
         for task in (only, call):
-            request = Request(id=task.name, delivery_info={"routing_key": "celery"})
+            request = Request(
+                id=task.name, delivery_info={"routing_key": "celery"}, request_dict={}
+            )
             Waiting(task, consumer, undecided).on_request(request)
+        # Then the task whose one limit is in shadow mode went to the pool at once (the
+        # pool child's gate looks for it), and the task with a limit in force waits for
+        # the slot
+        assert [request.id for request in handed] == ["shadow.only"]
+        assert [request.id for _, request in undecided.waiting] == ["shadow.call"]
+        # When a task with only limits in shadow mode comes back from an upstream's
+        # refusal before its time (a parked copy is released up to a poll early)
+        back.request_dict = {H_NOT_BEFORE: Throttler.of(app).clock.now() + 0.3}
+        asked = time.monotonic()
+        Waiting(only, consumer, undecided).on_request(back)
+        # Then the consumer holds it until then, as an ETA task, not the pool
+        assert [request.id for request in handed] == ["shadow.only"]
+        ((at, release, args),) = timed
+        assert 0.25 < at - asked <= 0.31 and args == (back,)
+        release(*args)
+        assert [request.id for request in handed] == ["shadow.only", "back"]
     finally:
         state.reserved_requests.difference_update([busy, *handed])
-    # Then the task whose one limit is in shadow mode went to the pool at once (the pool
-    # child's gate looks for it), and the task with a limit in force waits for the slot
-    assert [request.id for request in handed] == ["shadow.only"]
-    assert [request.id for _, request in undecided.waiting] == ["shadow.call"]
+        state.scheduled_requests.discard(back)
+        state.requests.pop("back", None)
 
 
 def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_recorded(

@@ -52,6 +52,13 @@ planned slot (epoch s, Redis clock; 1 when unknown). Back, the task waits for th
 before it acquires its limits for real. Forged, it only skips the plan (or delays a task by
 at most ``sleep_max``), which is advisory: the real acquisition still takes every limit."""
 
+H_NOT_BEFORE = "throttle_not_before"
+"""When a task sent back may run again: epoch s on the Redis clock (the time its limits or
+its upstream gave, less the throttler's own lead). A task with no limit in force (all in
+shadow mode) has no slot to wait for: a worker's consumer holds it until then (at most
+``sleep_max``: a copy released from the parking lot arrives up to a poll early).
+Forged, it delays a task by at most ``sleep_max``."""
+
 H_SENT = "throttle_sent"
 """When the producer published the task: epoch s on the Redis clock, as the producer's
 throttler reads it (:mod:`throttle.celery.sent`). Kept by re-publishing; shadow mode counts
@@ -98,6 +105,14 @@ def deadline_header(headers: Mapping[str, Any]) -> float | None:
 def planned_header(headers: Mapping[str, Any]) -> float | None:
     """The planned slot of a task that holds a plan (epoch s; 1.0: unknown), else None."""
     value = real(headers.get(H_PLANNED))
+    if value is not None and 0 < value < MAX_EPOCH_S:
+        return value
+    return None
+
+
+def not_before_header(headers: Mapping[str, Any]) -> float | None:
+    """The ``throttle_not_before`` header in epoch s, or None when absent or corrupt."""
+    value = real(headers.get(H_NOT_BEFORE))
     if value is not None and 0 < value < MAX_EPOCH_S:
         return value
     return None

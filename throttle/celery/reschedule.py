@@ -48,6 +48,7 @@ from throttle.celery.message import (
     H_DEFERRALS,
     H_DELIVERY,
     H_ETA,
+    H_NOT_BEFORE,
     H_PARKED,
     H_PLANNED,
     H_PUBLISH,
@@ -98,6 +99,7 @@ def defer(
     else:
         headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
     count = headers[H_DEFERRALS] = count_header(headers) + 1
+    headers[H_NOT_BEFORE] = execution.throttler.clock.now() + countdown_s
     if planned is not None:
         headers[H_PLANNED] = planned
     limits = denied_limits(execution, decision)

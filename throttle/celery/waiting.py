@@ -85,7 +85,7 @@ from celery.worker.strategy import default
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
-from throttle.celery.message import queue_of
+from throttle.celery.message import not_before_header, queue_of
 from throttle.celery.runtime import (
     RABBITMQ_CONSUMER_TIMEOUT_S,
     Throttler,
@@ -133,6 +133,8 @@ PROBE_MAX_PAIRS = 100
 """The most (adaptive limit, key) pairs whose learned rate a line reads per probe."""
 PROBE_RISE = 1.01
 """How much a learned rate must have risen (a factor) to wake the tasks waiting on it."""
+MIN_HOLD_S = 0.001
+"""A task with no limit in force due back sooner than this (s) goes to the pool at once."""
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -174,13 +176,41 @@ class Waiting:
     def on_request(self, request: Any) -> None:
         """A task may run (no ETA, or its ETA came): admit it when a pool slot is free; or,
         while its limits have room (:class:`Look`), or when it has no limit in force on
-        its queue, hand it to the pool undecided."""
+        its queue, hand it to the pool undecided. A task with no limit in force that was
+        sent back (an upstream's refusal under a limit in shadow mode) and arrives before
+        its ``throttle_not_before`` is held in the timer until then: it has no slot that
+        would keep it from calling the upstream early."""
         queue = queue_of(request.delivery_info)
         look = self.looks.get(queue)
-        if (look is not None and look.roomy(time.monotonic())) or not self._enforced(queue):
+        if look is not None and look.roomy(time.monotonic()):
             self._to_pool(request)
             return
+        if not self._enforced(queue):
+            wait = self._not_before_s(request)
+            if wait > 0:
+                self._hold(request, wait, self._release_held)
+            else:
+                self._to_pool(request)
+            return
         self.undecided.submit(self, request)
+
+    def _not_before_s(self, request: Any) -> float:
+        """How long a task sent back must still wait before it runs (its
+        ``throttle_not_before``, on the Redis clock), at most ``sleep_max``; 0 for a task
+        never sent back (no header: no clock read)."""
+        not_before = not_before_header(request.request_dict)
+        if not_before is None:
+            return 0.0
+        wait = not_before - self.throttler.clock.now()
+        return min(wait, self.throttler.settings.sleep_max_s) if wait > MIN_HOLD_S else 0.0
+
+    def _release_held(self, request: Any) -> None:
+        """The time of a task held for its ``throttle_not_before`` came: to the pool."""
+        try:
+            if not request.revoked():
+                self._to_pool(request)
+        finally:
+            self.consumer.qos.decrement_eventually()
 
     def _enforced(self, queue: str | None) -> bool:
         """Whether the task has a limit in force on ``queue`` now; not when it has none
