@@ -192,6 +192,48 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     assert max(slept(client).values()) <= LEAD_S + 0.2, slept(client)
 
 
+MAX_WAIT_CONFIG = """
+limits:
+  spaced: {algorithm: gcra, rate: 2/s, burst: 1, max_wait: 2s}
+  slow: {algorithm: gcra, rate: 24/m, burst: 1}
+  bulk: {rate: 1000/s, burst: 10}
+"""
+
+
+def test_max_wait_counts_for_a_task_in_the_line_from_its_first_look(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    config = tmp / "maxwait.yaml"
+    config.write_text(MAX_WAIT_CONFIG)
+    # Given the default settings (the line's budget, 3.5 s here, longer than max_wait) and
+    # a flood of 12 tasks of a 2/s limit with max_wait 2 s: 6 s of work
+    line = worker(redis_server, tmp, "w-maxwait", "prefork", config="maxwait.yaml")
+    with running(app, [line]):
+        seconds, micros = client.time()
+        sent_at = seconds + micros / 1e6
+        handles = [spaced.delay(f"m{i}") for i in range(12)]
+        for handle in handles:
+            handle.get(timeout=60, propagate=False)
+    # Then the tasks whose slot came within max_wait ran, the others failed with
+    # ThrottleTimeout (on_timeout: fail), though they waited in the line: a look at the
+    # limits does not restart the task's max_wait
+    states = [handle.state for handle in handles]
+    ran = [at for tag, at in log(client)]
+    assert 3 <= states.count("SUCCESS") <= 6, states
+    assert states.count("SUCCESS") + states.count("FAILURE") == 12, states
+    assert all(
+        type(handle.result).__name__ == "ThrottleTimeout"
+        for handle in handles
+        if handle.state == "FAILURE"
+    ), [handle.result for handle in handles]
+    # and none ran past it (2 s after the send, the Redis clock; the slot's own lead)
+    assert len(ran) == states.count("SUCCESS") and max(ran) - sent_at <= 2.0 + 0.3, ran
+
+
 def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, Path]) -> None:
     from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
 

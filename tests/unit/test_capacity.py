@@ -99,6 +99,21 @@ def test_a_task_that_waited_too_long_is_given_up_and_the_timer_knows_when() -> N
     assert waiting.due() == pytest.approx(15.0)
 
 
+def test_a_task_leaves_at_its_own_deadline_wherever_it_stands_in_the_line() -> None:
+    limits = Limits()
+    waiting = line(limits, max_wait_s=10.0)
+    waiting.join("a1", [A], blocks={A: 60.0}, now=0.0)
+    waiting.join("a2", [A], now=1.0, leave_by=3.0)  # its max_wait, or expires, comes first
+    waiting.join("a3", [A], now=2.0, leave_by=30.0)  # later than the line's own bound
+    assert waiting.due() == pytest.approx(3.0)
+    assert waiting.free_at(waiting.waiters[1]) == pytest.approx(3.0)
+    assert [w.item for w in waiting.expired(2.9)] == []
+    assert [w.item for w in waiting.expired(3.0)] == ["a2"]
+    assert [w.item for w in waiting.waiters] == ["a1", "a3"]
+    assert waiting.due() == pytest.approx(10.0)
+    assert [w.item for w in waiting.expired(12.0)] == ["a1", "a3"]
+
+
 def test_a_task_not_blocked_is_due_now() -> None:
     waiting = line(Limits())
     waiting.join("a1", [A], now=0.0)

@@ -69,6 +69,9 @@ class Waiter:
     seq: int
     since: float
     """When it joined the line (monotonic s)."""
+    leave_at: float = math.inf
+    """When it must leave the line (monotonic s): the line's ``max_wait_s`` after
+    :attr:`since`, or its own deadline when earlier."""
     raised: bool = False
     """Whether its worker raised the prefetch count for it (undone when it leaves)."""
     gone: bool = False
@@ -92,7 +95,8 @@ class Line:
 
     ask: Ask
     max_wait_s: float
-    """How long a task may stay in the line, in s (past it :meth:`expired` gives it up)."""
+    """How long a task may stay in the line, in s (past it, or past its own deadline,
+    :meth:`expired` gives it up)."""
     waiters: list[Waiter] = field(default_factory=list)
     blocked: dict[Pair, float] = field(default_factory=dict)
     """Pair -> until when (monotonic s) no task asks for it."""
@@ -103,7 +107,7 @@ class Line:
     (:meth:`due`), and whether any still may (:meth:`serve`), without a pass over the line,
     which a worker serves hundreds of times a second at a high rate."""
     _ages: list[tuple[float, int, Waiter]] = field(default_factory=list)
-    """A heap of (since, seq, waiter): the longest waiting first (:meth:`expired`); a
+    """A heap of (leave_at, seq, waiter): the first to leave first (:meth:`expired`); a
     waiter that left stays in it until it comes to the top, or the heap is rebuilt."""
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
@@ -124,9 +128,12 @@ class Line:
         blocks: Mapping[Pair, float] | None = None,
         now: float,
         raised: bool = False,
+        leave_by: float = math.inf,
     ) -> Waiter:
-        """Add a task (``blocks``: what the denial it just had said, pair -> s)."""
-        waiter = Waiter(item, tuple(pairs), priority, next(self._seq), now, raised)
+        """Add a task (``blocks``: what the denial it just had said, pair -> s;
+        ``leave_by``: its own deadline, monotonic s, when it has one)."""
+        leave_at = min(now + self.max_wait_s, leave_by)
+        waiter = Waiter(item, tuple(pairs), priority, next(self._seq), now, leave_at, raised)
         key = waiter.order()
         index = len(self.waiters)
         while index > 0 and self.waiters[index - 1].order() > key:
@@ -136,9 +143,9 @@ class Line:
             self.counts[pair] = self.counts.get(pair, 0) + 1
         self.shapes[waiter.pairs] = self.shapes.get(waiter.pairs, 0) + 1
         if len(self._ages) > 2 * len(self.waiters) + 64:  # mostly waiters that left
-            self._ages = [(w.since, w.seq, w) for w in self.waiters if w is not waiter]
+            self._ages = [(w.leave_at, w.seq, w) for w in self.waiters if w is not waiter]
             heapq.heapify(self._ages)
-        heapq.heappush(self._ages, (waiter.since, waiter.seq, waiter))
+        heapq.heappush(self._ages, (waiter.leave_at, waiter.seq, waiter))
         if blocks:
             self.block(blocks, now)
         return waiter
@@ -219,13 +226,13 @@ class Line:
         if oldest is None:
             return None
         blocked = self.blocked
-        soonest = oldest.since + self.max_wait_s
+        soonest = oldest.leave_at
         for shape in self.shapes:
             soonest = min(soonest, max(blocked.get(pair, -math.inf) for pair in shape))
         return soonest
 
     def _oldest(self) -> Waiter | None:
-        """The waiter that joined first (None: nobody waits)."""
+        """The waiter that must leave first (None: nobody waits)."""
         ages = self._ages
         while ages and ages[0][2].gone:
             heapq.heappop(ages)
@@ -235,12 +242,13 @@ class Line:
         """When ``waiter`` may ask again, or must be sent on (monotonic s; -inf: now)."""
         blocked = self.blocked
         free = max(blocked.get(pair, -math.inf) for pair in waiter.pairs)
-        return min(free, waiter.since + self.max_wait_s)
+        return min(free, waiter.leave_at)
 
     def expired(self, now: float) -> list[Waiter]:
-        """Take out, and return, the tasks that waited ``max_wait_s`` or longer."""
+        """Take out, and return, the tasks that waited ``max_wait_s`` or longer, or whose
+        own deadline came."""
         old = []
-        while (oldest := self._oldest()) is not None and now - oldest.since >= self.max_wait_s:
+        while (oldest := self._oldest()) is not None and now >= oldest.leave_at:
             heapq.heappop(self._ages)
             old.append(oldest)
             self._remove(oldest)

@@ -25,9 +25,12 @@ comes back when the limit says (a rate changed at run time applies to it then)."
 
 
 def set_deadlines(execution: Execution) -> None:
-    """Set the execution's ``timeout_at`` (:func:`timeout_of`), ``expires``
-    (:func:`expires_of`) and ``deadline``, the earlier of the two."""
-    execution.timeout_at = timeout_of(execution)
+    """Set the execution's ``timeout_at`` (:func:`timeout_of`; once: an execution
+    evaluated again, as the consumer's line does for a waiting task, keeps the one it
+    first had), ``expires`` (:func:`expires_of`) and ``deadline``, the earlier of the
+    two."""
+    if execution.timeout_at is None:
+        execution.timeout_at = timeout_of(execution)
     execution.expires = expires_of(execution)
     execution.deadline = _earliest(execution.timeout_at, execution.expires)
 

@@ -85,7 +85,7 @@ from celery.worker.strategy import default
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
-from throttle.celery.message import not_before_header, queue_of
+from throttle.celery.message import H_DEADLINE, not_before_header, queue_of
 from throttle.celery.runtime import (
     RABBITMQ_CONSUMER_TIMEOUT_S,
     Throttler,
@@ -397,6 +397,11 @@ class Waiting:
         if not gate.execution.rules:
             return None
         gate.evaluate()
+        timeout_at = gate.execution.timeout_at
+        if timeout_at is not None and H_DEADLINE not in request.request_dict:
+            # max_wait counts from here, for the line's later looks and for the pool
+            # child, which sends the task back with it (as a first deferral would).
+            request.request_dict[H_DEADLINE] = timeout_at
         return gate
 
     def _release(
@@ -652,9 +657,17 @@ class WaitingLine:
         if raised:
             self.consumer.qos.increment_eventually()
         state.reserved_requests.discard(request)
+        now = time.monotonic()
+        leave_by = math.inf
+        deadline = pending.gate.execution.deadline  # max_wait, expires: Redis clock
+        if deadline is not None and self.throttler is not None:
+            # It leaves at its deadline, wherever it is in the line: the pool's gate then
+            # applies on_timeout, or revokes it as expired.
+            leave_by = now + deadline - self.throttler.clock.now()
         waiter = self.line.join(
-            pending, pairs, priority=priority, blocks=blocks, now=time.monotonic(), raised=raised
-        )
+            pending, pairs, priority=priority, blocks=blocks, now=now, raised=raised,
+            leave_by=leave_by,
+        )  # fmt: skip
         # Only this task's own time can be earlier than the timer's: no pass over the line
         # per arrival (a backlog of a thousand would cost the consumer a million looks).
         self._arm_at(self.line.free_at(waiter))
