@@ -705,6 +705,11 @@ def _read(path: str | os.PathLike[str]) -> object:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        # Where the parser stopped may be far from the mistake (a quote left open is
+        # found at the end of the file): its context says where the construct began.
+        context, began = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and began is not None:
+            problem += f" ({context} at line {began.line + 1}, column {began.column + 1})"
         raise ConfigError(f"not valid YAML{where}: {problem}", source=source) from None
     except RecursionError:
         raise ConfigError("not a limits file: YAML nested too deeply", source=source) from None

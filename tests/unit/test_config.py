@@ -603,6 +603,16 @@ def test_invalid_yaml_names_line_and_column(tmp_path: Path) -> None:
     # The unclosed "[" runs on until the ':' of "other:" (line 4, column 8), where PyYAML
     # gives up; the message must point there, 1-based like an editor.
     assert "at line 4, column 8: expected ',' or ']'" in message
+    # and where the construct it was reading began: the "[" (line 3, column 11)
+    assert "while parsing a flow sequence at line 3, column 11" in message
+
+
+def test_a_quote_left_open_is_found_where_it_opened(tmp_path: Path) -> None:
+    path = write(tmp_path, 'limits:\n  api:\n    rate: 10/s\n    key: "{tenant_id}\n')
+    with pytest.raises(ConfigError) as caught:
+        ThrottleConfig.load(path)
+    # PyYAML stops at the end of the file; the quote opened on line 4
+    assert "(while scanning a quoted scalar at line 4, column 10)" in str(caught.value)
 
 
 def test_tab_indented_yaml_names_line_and_column(tmp_path: Path) -> None:
