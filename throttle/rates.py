@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from throttle.errors import ConfigError
+from throttle.errors import ConfigError, RequestError
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.spec import Limit
@@ -89,6 +89,11 @@ class RateBookBase:
                 "weight (weights, or the limit's plans), not by a rate of its own",
                 field="key", value=key, limit=limit.name,
             )  # fmt: skip
+        if not isinstance(key, str):  # None names the whole limit: set() is for that
+            raise RequestError(
+                f"a key's rate needs the key, as text (got {key!r}); the whole limit's rate "
+                "is set with set()"
+            )
         self._keyspace.hold_fields(limit.name, key)  # an empty or non-text key: RequestError
         self._checked(limit, rate)  # a bad rate: ConfigError
         return self.keyed_limit(limit, rate)
@@ -119,7 +124,7 @@ class RateBookBase:
     @staticmethod
     def _checked(limit: Limit, rate: str) -> Limit:
         """The limit ``rate`` makes of ``limit``; a bad rate raises ConfigError."""
-        return Limit.parse(rate, name=limit.name, algorithm=limit.algorithm, source="rate")
+        return Limit.parse(rate, name=limit.name, algorithm=limit.algorithm)
 
     def _changed(self) -> None:
         """After a write: the next :meth:`current` reads the book afresh."""

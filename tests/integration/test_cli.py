@@ -351,6 +351,9 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
     assert "10/s + 2 plans; acme: 250/s" in cli("status", "--timeout", "0").output
     # a bad rate, a key on an unkeyed limit: usage errors, nothing stored
     assert cli("set", "tiers", "fast", "--key", "acme").exit_code == 2
+    zero = cli("set", "tiers", "0/s", "--key", "acme")
+    assert zero.exit_code == 2  # named as `set` without --key names it: no "rate: " first
+    assert "Invalid value for RATE: limit 'tiers': field 'rate': its count" in zero.output
     assert cli("set", "api", "5/s", "--key", "acme").exit_code == 2
     # a burst below the cost of each task (tenant-eu's 2): no task of the key could run
     result = cli("set", "tenant-eu", "1/s", "--key", "acme")

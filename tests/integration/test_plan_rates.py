@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from tests.support.clock import FakeClock
-from throttle import ConfigError, KeySpace, Limit, Limiter
+from throttle import ConfigError, KeySpace, Limit, Limiter, RequestError
 from throttle.rates import RateBook
 from throttle.rules import Rule, targets
 
@@ -139,6 +139,8 @@ def test_a_key_s_rate_is_validated_and_a_fair_limit_refuses_one(
     with pytest.raises(ConfigError, match="weight") as caught:
         book.set_key(fair, "acme", "5/s")
     assert (caught.value.limit, caught.value.field) == ("llm", "key")
+    with pytest.raises(RequestError, match="needs the key"):
+        book.set_key(limit, None, "5/s")  # type: ignore[arg-type]
     assert client.exists(keyspace.key_rates_key()) == 0
 
 
