@@ -160,3 +160,19 @@ def test_a_template_or_cost_naming_a_missing_argument_stops_the_worker(tmp_path:
         text=True, timeout=60, check=False,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_limit_a_task_names_that_the_file_lacks_stops_the_worker_naming_the_task(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "celery.py").write_text(TASKS)
+    (tmp_path / "limits.yaml").write_text("limits:\n  api: {rate: 10/s}\n")
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
+    assert lines[0] == (
+        "throttle: limits.yaml: task 'proj.celery.complete' names a limit the file does not "
+        "define; it defines api (got 'tokens')"
+    ), done.stderr

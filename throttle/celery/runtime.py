@@ -91,6 +91,27 @@ def task_rules(
     return tuple(found.values())
 
 
+def unknown_limits(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
+    """Each limit a task of ``app`` names (``@throttled("name")``, ``ThrottledTask``) that
+    ``config`` does not define, naming the task: a worker refuses to start on the first,
+    ``celery throttle check -A`` lists them all."""
+    defined = ", ".join(sorted(config.rules)) or "none"
+    errors = []
+    for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
+        declared = declared_by(task)
+        for name in declared.names if declared is not None else ():
+            if name not in config.rules:
+                errors.append(
+                    ConfigError(
+                        f"task {task.name!r} names a limit the file does not define; it "
+                        f"defines {defined}",
+                        value=name,
+                        source=config.source,
+                    )
+                )
+    return errors
+
+
 def declared_by(task: Task) -> Declared | None:
     """The limits a task declares: ``@throttled`` on its function, or the ``throttle``
     attribute of its ThrottledTask class; None for a task that declares none."""
@@ -343,9 +364,8 @@ class Throttler:
         timeout, and the worker can tell which queue each task came from."""
         self.check_visibility()
         check_routing(self.app, self.config.source)
-        for declared in self.declared():
-            for name in declared.names:
-                self.config.rule(name)
+        for error in unknown_limits(self.app, self.config):
+            raise error
 
     def check_visibility(self) -> None:
         """Refuse settings that hold a task in a worker for more than half the broker's

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from throttle.admin import reset as reset_state
-from throttle.celery.runtime import declared_by
+from throttle.celery.runtime import unknown_limits
 from throttle.celery.task import argument_errors
 from throttle.cli.base import (
     EXIT_ERRORS,
@@ -349,20 +349,7 @@ def check(ctx: click.Context, file: str) -> None:
 
 
 def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
-    defined = ", ".join(sorted(config.rules)) or "none"
-    errors = []
-    for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
-        spec = declared_by(task)
-        for name in spec.names if spec is not None else ():
-            if name not in config.rules:
-                errors.append(
-                    str(
-                        ConfigError(
-                            f"task {task.name!r} names a limit the file does not define; "
-                            f"it defines {defined}",
-                            value=name,
-                            source=file,
-                        )
-                    )
-                )
-    return errors + [str(error) for error in argument_errors(app, config)]
+    """What a worker of ``app`` would refuse to start on, from its tasks: limits they name
+    that ``file`` lacks, keys, plans and costs naming arguments they do not have."""
+    errors = unknown_limits(app, config) + argument_errors(app, config)
+    return [str(error) for error in errors]
