@@ -8,7 +8,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tests.support.eager import eager_app
 from tests.support.servers import free_port
+from throttle.celery.releaser import Releaser
 from throttle.redis.clock import REFRESH_S, RedisClock, read_clocks, record_clock
 from throttle.redis.keys import KeySpace
 
@@ -92,3 +94,21 @@ def test_workers_record_their_clocks_and_stale_records_are_left_out(
     assert [r.worker for r in records] == ["w1@host"]
     assert abs(records[0].offset_s - 2.0) <= records[0].error_s + 1e-3
     assert 0 <= records[0].age_s < 5
+
+
+def test_a_worker_stopping_cleanly_drops_its_clock_record(
+    client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    key = KeySpace(prefix).clocks_key()
+    with eager_app("clock-forget", redis_url, prefix, {"api": {"rate": "1/s"}}) as app:
+        clock = RedisClock(client)
+        clock.measure()
+        record_clock(clock, key, "w1@host")
+        record_clock(clock, key, "w2@host")
+        releaser = Releaser(app, worker="w1@host")
+        releaser.start()
+        releaser.stop()
+        releaser.join(timeout=10)
+        assert not releaser.is_alive()
+    # the stopped worker's clock is no longer listed; another worker's still is
+    assert [r.worker for r in read_clocks(client, key, newer_than_s=300)] == ["w2@host"]

@@ -10,6 +10,7 @@ publishes the task again; the gate drops the second copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from throttle.celery.routing import lane_queue
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError
 from throttle.parking import Claimed
-from throttle.redis.clock import REFRESH_S, record_clock
+from throttle.redis.clock import REFRESH_S, forget_clock, record_clock
 
 logger = logging.getLogger("throttle")
 
@@ -127,6 +128,12 @@ class Releaser(threading.Thread):
                 released = 0
             if released < self.batch:
                 self._stop_event.wait(self.poll_s)
+        if self.worker is not None:
+            # Stopped cleanly: `celery throttle status` should not list its clock as a
+            # worker's (a killed worker's ages out, CLOCKS_SEEN_S).
+            with contextlib.suppress(Exception):
+                limiter = Throttler.of(self.app).limiter
+                forget_clock(limiter.client, limiter.keyspace.clocks_key(), self.worker)
 
     def _broker_reachable(self) -> bool:
         """Whether the broker accepts a connection now: one attempt, no retries (asked only

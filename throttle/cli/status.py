@@ -35,7 +35,7 @@ from throttle.cli.base import (
 )
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.client import wrap_errors
-from throttle.redis.clock import read_clocks
+from throttle.redis.clock import REFRESH_S, read_clocks
 from throttle.redis.urls import describe
 from throttle.rules import Rule
 from throttle.spec import Limit
@@ -43,9 +43,10 @@ from throttle.stats import EVENTS, MAX_MINUTES, StatsBook
 
 DEFAULT_MINUTES = 5
 """``status`` averages the denials over this many whole minutes unless told otherwise."""
-CLOCKS_SEEN_S = 300.0
-"""``status`` shows the clocks of workers that recorded theirs within this time, in s
-(a worker records it at start and each minute)."""
+CLOCKS_SEEN_S = 2.5 * REFRESH_S
+"""``status`` shows the clocks of workers that recorded theirs within this time, in s (a
+worker records it at start and each minute, and drops it when it stops cleanly: a
+worker killed shows for this long)."""
 
 
 def _hold(seconds: float | None) -> dict[str, Any] | None:

@@ -28,7 +28,14 @@ from typing import Any
 from throttle.errors import BackendError
 from throttle.redis.client import RedisClient, wrap_errors
 
-__all__ = ["REFRESH_S", "ClockRecord", "RedisClock", "read_clocks", "record_clock"]
+__all__ = [
+    "REFRESH_S",
+    "ClockRecord",
+    "RedisClock",
+    "forget_clock",
+    "read_clocks",
+    "record_clock",
+]
 
 REFRESH_S = 60.0
 """How often (s) a process measures its offset to the Redis clock again."""
@@ -130,6 +137,12 @@ def record_clock(clock: RedisClock, key: str, worker: str) -> None:
     """Write ``worker``'s offset into the HASH ``key`` (field: the worker's name)."""
     value = f"{clock.offset_s:.6f} {clock.error_s:.6f} {clock.now():.3f}"
     wrap_errors(lambda: clock.client.hset(key, worker, value))
+
+
+def forget_clock(client: RedisClient, key: str, worker: str) -> None:
+    """Drop ``worker``'s record from the HASH ``key`` (a worker that stops cleanly: its
+    clock no longer says anything)."""
+    wrap_errors(lambda: client.hdel(key, worker))
 
 
 def read_clocks(client: RedisClient, key: str, *, newer_than_s: float) -> list[ClockRecord]:
