@@ -416,7 +416,9 @@ def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: C
                                 "HOLD", "FLEET"]  # fmt: skip
     assert "task-2" in lines[1] and "held" in lines[1] and "Retry-After" in lines[1]
     assert "task-0" in lines[2] and "task only" in lines[2] and "429" in lines[2]
-    assert "2 refusals of key 'acme' of limit 'tenant', newest first" in result.output
+    assert "2 refusals of key 'acme' of limit 'tenant', newest first\n" in result.output
+    cut = cli("refusals", "tenant", "--max", "2").output
+    assert "2 refusals of limit 'tenant', newest first (the newest 2: --max 2)" in cut
     data = json.loads(cli("refusals", "tenant", "--json", "--max", "2").output)
     assert [(e["task_id"], e["key"], e["hold_s"]) for e in data] == [
         ("task-2", "acme", 2.0), ("task-1", "other", 2.0)

@@ -74,4 +74,7 @@ def refusals(ctx: click.Context, limit: str, key: str | None, as_json: bool, cou
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_HEADERS)]
     for cells in [_HEADERS, *rows]:
         click.echo("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
-    click.echo(f"\n{counted(len(found), 'refusal')} of {what}, newest first")
+    said = f"{counted(len(found), 'refusal')} of {what}, newest first"
+    if len(found) == count:  # read stops at --max: there may be older ones
+        said += f" (the newest {count}: --max {count})"
+    click.echo(f"\n{said}")
