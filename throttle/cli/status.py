@@ -340,7 +340,8 @@ minutes_option = click.option(
     default=DEFAULT_MINUTES,
     show_default=True,
     metavar="M",
-    help="The deferrals per minute (DENIED/MIN) are averaged over the last M whole minutes.",
+    help="The tasks not admitted at once per minute (DENIED/MIN: they waited for their slot "
+    "or were deferred) are averaged over the last M whole minutes.",
 )
 """``--minutes M`` (``status``, ``web``)."""
 
