@@ -323,6 +323,10 @@ def test_set_changes_a_rate_for_the_fleet_and_back(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     assert "shaper" not in book.overrides()
     assert "back to 2/s burst 1" in result.output
+    # a concurrency limit has no burst to tell
+    result = cli("set", "pool", "5 concurrent")
+    assert "'pool': 5 concurrent for the whole fleet (configured 3 concurrent)" in result.output
+    assert "back to 3 concurrent (the configured rate)" in cli("clear", "pool").output
     # a cost from the task's arguments: a burst lowered below the file's is told of
     assert "warning" not in cli("set", "estimate", "2000/s burst 5000").output
     result = cli("set", "estimate", "10/s")

@@ -84,8 +84,8 @@ def set_rate(
         with one_line_errors():
             throttler.rates.clear(limit)
         click.echo(
-            f"limit {limit!r}: back to {rate_spec(configured)} burst {amount(configured.capacity)}"
-            f" (the configured rate); workers follow within {refresh} (settings.refresh)"
+            f"limit {limit!r}: back to {_spec(configured)} (the configured rate); workers "
+            f"follow within {refresh} (settings.refresh)"
         )
         return
     assert rate is not None
@@ -114,9 +114,8 @@ def set_rate(
     with one_line_errors():
         throttler.rates.set(configured, rate)
     click.echo(
-        f"limit {limit!r}: {rate_spec(changed)} burst {amount(changed.capacity)} for the whole "
-        f"fleet (configured {rate_spec(configured)} burst {amount(configured.capacity)}); "
-        f"workers follow within {refresh} (settings.refresh)"
+        f"limit {limit!r}: {_spec(changed)} for the whole fleet (configured "
+        f"{_spec(configured)}); workers follow within {refresh} (settings.refresh)"
     )
     if not isinstance(cost, float) and changed.capacity < configured.capacity:
         # A cost taken from the task's arguments is not known here: one above the new burst
@@ -128,6 +127,14 @@ def set_rate(
             'burst ("... burst N") if such tasks are queued',
             err=True,
         )
+
+
+def _spec(limit: Limit) -> str:
+    """A limit's rate as an operator writes it: with its burst, but for a concurrency
+    limit, which has none."""
+    if limit.algorithm.holds_units:
+        return rate_spec(limit)
+    return f"{rate_spec(limit)} burst {amount(limit.capacity)}"
 
 
 def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh: str) -> None:
@@ -191,8 +198,8 @@ def clear(ctx: click.Context, limit: str, key: str | None) -> None:
     with one_line_errors():
         throttler.rates.clear(limit)
     click.echo(
-        f"limit {limit!r}: back to {rate_spec(configured)} burst {amount(configured.capacity)}"
-        f" (the configured rate); workers follow within {refresh} (settings.refresh)"
+        f"limit {limit!r}: back to {_spec(configured)} (the configured rate); workers follow "
+        f"within {refresh} (settings.refresh)"
     )
 
 
