@@ -491,8 +491,10 @@ class Rule:
                 plan = str(written)  # a plan named 1 in YAML, read from an argument as 1 or "1"
             if not isinstance(plan, str) or not plan:
                 raise ConfigError(
-                    "a plan's name must be a non-empty string", field="plans", value=plan,
-                    limit=name,
+                    "a plan's name must be a non-empty string"
+                    + (", not null (YAML reads a bare `null`, `~` or empty name so)"
+                       if plan is None else ""),
+                    field="plans", value=plan, limit=name,
                 )  # fmt: skip
             limits[plan] = _plan_limit(limit, plan, spec)
             cost = real(self.cost)

@@ -94,6 +94,7 @@ def test_inline_plans_through_declare() -> None:
         ({"plans": {"free": "1/s"}}, "plans", "needs a plan template"),
         ({"plan": "{plan}", "plans": {"free": "1 per s"}}, "plans.free", "malformed rate"),
         ({"plan": "{plan}", "plans": {}}, "plans", "non-empty mapping"),
+        ({"plan": "{plan}", "plans": {None: "1/s"}}, "plans", "not null"),
         ({"plan": "{plan}", "plans": {"free": "1/s"}, "key": None}, "plans",
          "give the limit a key"),
         ({"plan": "{0}", "plans": {"free": "1/s"}}, "plan", "must name arguments"),
