@@ -681,7 +681,7 @@ def test_a_small_merge_is_still_a_merge(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "value",
     [None, "soon", "1e9", True, math.nan, math.inf, -math.inf, -1, 0, 10**400, 1e300, [1e9],
-     {"at": 1e9}, 253402300800],
+     {"at": 1e9}, 253402300800, [1e9, True], [1e9, "0"], ["1e9", 0], [math.nan, 0]],
 )  # fmt: skip
 def test_corrupt_deadlines_read_as_absent(value: Any) -> None:
     assert deadline_header({"throttle_deadline": value}) is None
@@ -690,6 +690,10 @@ def test_corrupt_deadlines_read_as_absent(value: Any) -> None:
 def test_valid_headers_read_as_themselves() -> None:
     assert deadline_header({"throttle_deadline": 1_763_776_800.5}) == 1_763_776_800.5
     assert deadline_header({"throttle_deadline": 1_763_776_800}) == 1_763_776_800.0
+    # stamped with the retries it was set at: a Celery retry since has a max_wait of its own
+    stamped = {"throttle_deadline": [1_763_776_800.5, 2]}
+    assert deadline_header(stamped, retries=2) == 1_763_776_800.5
+    assert deadline_header(stamped, retries=3) is None
     assert count_header({"throttle_deferrals": 3}) == 3
     assert [count_header({"throttle_deferrals": v}) for v in ("3", -1, True, 10**30, 2.0)] == [
         0

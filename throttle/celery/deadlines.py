@@ -43,7 +43,7 @@ def timeout_of(execution: Execution) -> float | None:
     """The execution's ``max_wait`` deadline on the Redis clock (epoch s), which any worker
     reads the same whatever its own clock: its ``throttle_deadline`` header (set at its
     first deferral), else now + the shortest ``max_wait`` of its rules; None without one."""
-    deadline = deadline_header(execution.message_headers)
+    deadline = deadline_header(execution.message_headers, execution.request.retries or 0)
     if deadline is None:
         waits = [rule.max_wait_s for rule in execution.rules if rule.max_wait_s is not None]
         deadline = execution.throttler.clock.now() + min(waits) if waits else None

@@ -23,8 +23,11 @@ from kombu.serialization import dumps, loads
 from throttle.units import real
 
 H_DEADLINE = "throttle_deadline"
-"""Epoch s on the Redis clock, the task's ``max_wait`` deadline: past it, ``on_timeout``
-applies (its ``expires`` is read from the message itself)."""
+"""``[deadline, retries]``: the task's ``max_wait`` deadline (epoch s on the Redis clock;
+past it, ``on_timeout`` applies; its ``expires`` is read from the message itself), set
+when a worker first looked at its limits, and the task's ``retries`` then: a Celery
+``retry`` since (which copies the headers) is a new attempt, with a ``max_wait`` of its
+own. A bare number (older messages) is the deadline whatever the retries."""
 H_DEFERRALS = "throttle_deferrals"
 """How many times throttling re-published the task."""
 H_PARKED = "throttle_parked"
@@ -93,13 +96,24 @@ def queue_of(delivery_info: object) -> str | None:
     return queue
 
 
-def deadline_header(headers: Mapping[str, Any]) -> float | None:
-    """The ``throttle_deadline`` header in epoch s, or None when absent or corrupt (not a
-    number, a bool, NaN, infinite, <= 0, past year 10000, an int too large for a float)."""
-    value = real(headers.get(H_DEADLINE))
-    if value is not None and 0 < value < MAX_EPOCH_S:
-        return value
+def deadline_header(headers: Mapping[str, Any], retries: int = 0) -> float | None:
+    """The ``throttle_deadline`` header in epoch s, or None when absent, corrupt (not a
+    number, a bool, NaN, infinite, <= 0, past year 10000, an int too large for a float)
+    or set for other ``retries`` than the task's now."""
+    value = headers.get(H_DEADLINE)
+    if isinstance(value, list | tuple) and len(value) == 2:
+        value, stamped = value
+        if stamped != retries or isinstance(stamped, bool):
+            return None
+    deadline = real(value)
+    if deadline is not None and 0 < deadline < MAX_EPOCH_S:
+        return deadline
     return None
+
+
+def deadline_value(deadline: float, retries: object) -> list[float | int]:
+    """The ``throttle_deadline`` header for ``deadline`` (epoch s) set at ``retries``."""
+    return [deadline, retries if isinstance(retries, int) else 0]
 
 
 def planned_header(headers: Mapping[str, Any]) -> float | None:

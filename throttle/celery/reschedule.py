@@ -54,6 +54,7 @@ from throttle.celery.message import (
     H_PUBLISH,
     carried_properties,
     count_header,
+    deadline_value,
     delivery_value,
     eta_value,
     parked_payload,
@@ -95,7 +96,7 @@ def defer(
     headers = {k: v for k, v in execution.headers.items() if k not in (H_PARKED, H_PUBLISH)}
     headers[H_ETA] = saved_eta(execution)
     if execution.timeout_at is not None:
-        headers[H_DEADLINE] = execution.timeout_at
+        headers[H_DEADLINE] = deadline_value(execution.timeout_at, execution.request.retries)
     else:
         headers.pop(H_DEADLINE, None)  # a corrupt one, read as absent: not passed on
     count = headers[H_DEFERRALS] = count_header(headers) + 1

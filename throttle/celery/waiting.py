@@ -85,7 +85,7 @@ from celery.worker.strategy import default
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
-from throttle.celery.message import H_DEADLINE, not_before_header, queue_of
+from throttle.celery.message import H_DEADLINE, deadline_value, not_before_header, queue_of
 from throttle.celery.runtime import (
     RABBITMQ_CONSUMER_TIMEOUT_S,
     Throttler,
@@ -401,7 +401,8 @@ class Waiting:
         if timeout_at is not None and H_DEADLINE not in request.request_dict:
             # max_wait counts from here, for the line's later looks and for the pool
             # child, which sends the task back with it (as a first deferral would).
-            request.request_dict[H_DEADLINE] = timeout_at
+            retries = request.request_dict.get("retries")
+            request.request_dict[H_DEADLINE] = deadline_value(timeout_at, retries)
         return gate
 
     def _release(
