@@ -108,10 +108,13 @@ def complete(tenant_id, plan, max_tokens=100):
 )
 
 
-def test_a_template_or_cost_naming_a_missing_argument_stops_the_worker(tmp_path: Path) -> None:
+def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
+    tmp_path: Path,
+) -> None:
     """Every call would fail on the key (or fall back to the limit's rate for the plan):
-    the worker refuses to start, naming the task, the limit and the field, and
-    ``celery throttle check -A`` lists every such place."""
+    the worker logs an error at start naming the task, the limit and the field (it starts:
+    a shared task of another module may be in the app without ever running there), and
+    ``celery throttle check -A`` counts every such place as an error."""
     (tmp_path / "proj").mkdir()
     (tmp_path / "proj" / "__init__.py").write_text("")
     (tmp_path / "proj" / "celery.py").write_text(TASKS)
@@ -120,17 +123,29 @@ def test_a_template_or_cost_naming_a_missing_argument_stops_the_worker(tmp_path:
         "  api: {rate: 10/s, key: '{tenant}', plan: '{tier}', plans: {free: 1/s}}\n"
         "  tokens: {rate: 1000/m, cost: max_token}\n"
     )
-    done = _worker(tmp_path, "-P", "solo")
-    assert done.returncode == 1, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
-    assert lines[0] == (
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "proj", "worker", "--without-mingle",
+         "--without-gossip", "-P", "solo"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stderr is not None
+        seen = []
+        for line in worker.stderr:  # the worker logs to stderr; ends when it is killed
+            seen.append(line)
+            if "every call of that task" in line:
+                break
+    finally:
+        worker.kill()
+        worker.communicate(timeout=30)  # and closes its stderr
+    assert seen and seen[-1].rstrip().endswith(
         "throttle: limits.yaml: limit 'api': field 'key': task 'proj.celery.complete' has no "
         "argument 'tenant' for the key template (its arguments: max_tokens, plan, tenant_id) "
-        "(got '{tenant}')"
-    ), done.stderr
-    assert "Traceback" not in done.stderr + done.stdout
+        "(got '{tenant}'): every call of that task will fail or fall back"
+    ), seen[-3:]
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
     checked = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "proj", "throttle", "check", "limits.yaml"],
         cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, capture_output=True,

@@ -143,8 +143,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     """What would make ``worker`` throttle wrongly, as a :class:`ConfigError`: the in-memory
     limiter in a pool of several processes (each would count apart), a limit its tasks name
     that the file lacks, settings that outlive the broker's visibility timeout
-    (:meth:`Throttler.validate`), a key, plan or cost naming an argument its task does not
-    have (:func:`throttle.celery.task.argument_errors`: the first)."""
+    (:meth:`Throttler.validate`); and logs each key, plan or cost naming an argument its
+    task does not have (:func:`throttle.celery.task.argument_errors`)."""
     if throttler.in_memory:
         pool = pool_name(worker)
         if pool not in ONE_PROCESS_POOLS and (worker.concurrency or 1) > 1:
@@ -156,8 +156,11 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
                 field="redis_url", value=MEMORY_URL, source=throttler.config.source,
             )  # fmt: skip
     throttler.validate()
+    # Logged, not refused: a shared task (Celery's @app.task default) joins every app that
+    # imports its module, called or not, and a worker must not refuse to start over a task
+    # it never runs. `celery throttle check -A` counts them as errors.
     for error in argument_errors(throttler.app, throttler.config):
-        raise error
+        logger.error("throttle: %s: every call of that task will fail or fall back", error)
 
 
 def refuse_to_start(exc: ConfigError) -> NoReturn:

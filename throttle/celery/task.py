@@ -129,8 +129,9 @@ def gated_call(
 def argument_errors(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
     """The rules of ``app``'s tasks whose key template, plan template or cost names an
     argument their task's function does not have (:func:`throttle.rules.argument_errors`),
-    each rule of each task once; a worker refuses to start on the first
-    (:func:`throttle.celery.steps`), ``celery throttle check -A`` lists them all. Rules
+    each rule of each task once; a worker logs each at start (an error: a shared task of
+    another module may be in the app without ever running there), ``celery throttle check
+    -A`` counts them as errors. Rules
     of a queue (``queues:``) are not checked: which tasks a queue gets is the routing's."""
     errors: list[ConfigError] = []
     for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
