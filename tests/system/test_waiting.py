@@ -234,6 +234,37 @@ def test_max_wait_counts_for_a_task_in_the_line_from_its_first_look(
     assert len(ran) == states.count("SUCCESS") and max(ran) - sent_at <= 2.0 + 0.3, ran
 
 
+def test_a_task_deep_in_the_line_expires_at_its_expires_not_at_its_turn(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    config = tmp / "flood.yaml"
+    config.write_text(FLOOD_CONFIG)
+    # Given 12 tasks of a 2/s limit waiting in the line (6 s of work), and behind them one
+    # that expires 1 s after it is sent
+    line = worker(redis_server, tmp, "w-expires", "prefork", config="flood.yaml")
+    with running(app, [line]):
+        flood = [spaced.delay(f"e{i}") for i in range(12)]
+        wait_for(lambda: len(log(client)) >= 1, 10)
+        late = spaced.apply_async(("late",), expires=1.0)
+        seconds, micros = client.time()
+        sent_at = seconds + micros / 1e6
+        # Then it is revoked as expired about when it expires, though its turn is seconds
+        # away, and it never runs
+        late.get(timeout=30, propagate=False)
+        seconds, micros = client.time()
+        revoked_at = seconds + micros / 1e6
+        assert late.state == "REVOKED", late.state
+        assert revoked_at - sent_at <= 1.0 + 0.7, revoked_at - sent_at
+        assert len(log(client)) < 12  # the flood is still going on
+        for handle in flood:
+            handle.get(timeout=60)
+    assert "late" not in {tag for tag, _ in log(client)}
+
+
 def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, Path]) -> None:
     from tests.apps.waiting_app import app, bulk, busy  # noqa: PLC0415
 
