@@ -89,3 +89,13 @@ def ordered(tag: str) -> None:
     """Under ``ordered`` (GCRA, one call per 5 s: longer than ``sleep_max``, so that a
     second task waits in the line, reserving nothing)."""
     log(tag, "start")
+
+
+@app.task(shared=False)
+@throttled("units")
+def held(tag: str, hold_s: float) -> None:
+    """Under ``units`` (2 concurrent, no task time limit: a unit's lease is 360 s):
+    holds its unit ``hold_s``."""
+    log(tag, "start")
+    time.sleep(hold_s)
+    log(tag, "end")

@@ -421,6 +421,7 @@ def test_a_reported_cost_a_refund_or_a_concurrency_unit_is_settled_in_one_more(
         pytest.param(["bursty"], 0.2, id="burst-above-1-unguarded-its-slack"),  # 4 x 50 ms
         pytest.param(["minutely"], 0.5, id="slow-limit-half-a-sleep-max"),
         pytest.param(["fast"], 0.02, id="spacing-below-late-tolerance"),
+        pytest.param(["units"], 0.02, id="concurrency-only-never-too-late"),
     ],
 )
 def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
@@ -444,6 +445,7 @@ def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
                 "bursty": {"rate": "20/s", "burst": 5},
                 "minutely": {"algorithm": "gcra", "rate": "1/m", "burst": 1},
                 "fast": {"algorithm": "gcra", "rate": "100/s", "burst": 1},
+                "units": {"rate": "3 concurrent"},
             },
             "tasks": {"tolerance.call": limits},
         },
@@ -465,6 +467,9 @@ def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
             # spacing (of the tightest; at most half a sleep_max; at least late_tolerance)
             # late; any other, late_tolerance
             assert gate.late_tolerance() == pytest.approx(tolerance_s)
+            # and a task under concurrency limits alone is never too late: a unit has no
+            # slot (given up, it would go to a waiting task, and this one be sent back)
+            assert gate._too_late(10.0) is (limits != ["units"])
         finally:
             call.pop_request()
     finally:

@@ -52,6 +52,7 @@ limits:
   rated: {algorithm: token_bucket, rate: 2/m, burst: 1}
   learner: {algorithm: token_bucket, rate: 60/m, burst: 1, adaptive: true}
   ordered: {algorithm: gcra, rate: 12/m, burst: 1}
+  units: {rate: 2 concurrent}
 """
 
 
@@ -242,3 +243,30 @@ def test_waiting_tasks_take_capacity_by_priority_then_arrival(
     slots = sorted(slot_of(client, h.id) for h in [first, *handles])
     assert all(b - a >= 5.0 - 0.001 for a, b in itertools.pairwise(slots)), slots
     assert all(int(n) == 1 for n in client.hvals("capacity:done"))
+
+
+def test_a_released_concurrency_unit_goes_to_a_task_waiting_in_the_line(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.capacity_app import held  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    # Given a limit of 2 concurrent with no task time limit (a unit's lease: 360 s) and 8
+    # tasks of 0.3 s on a worker of 4 pool slots
+    with running(app, [worker(redis_server, tmp, "w-units", "prefork", concurrency=4)]):
+        handles = [held.delay(f"u{i}", 0.3) for i in range(8)]
+        # Then every task runs as a unit comes back (4 rounds of 0.3 s), the others
+        # waiting in the worker's line for it, not sent back for the lease's 360 s
+        for handle in handles:
+            handle.get(timeout=60)
+    seen = events(client)
+    starts = [t for _, event, t in seen if event == "start"]
+    assert max(starts) - min(starts) <= 10.0, seen
+    # and never more than 2 at once
+    running_now, most = 0, 0
+    for _, event, _ in seen:
+        running_now += 1 if event == "start" else -1
+        most = max(most, running_now)
+    assert most <= 2, seen
+    assert client.hgetall("capacity:done") == {f"u{i}".encode(): b"1" for i in range(8)}

@@ -41,6 +41,20 @@ from throttle.errors import Throttled
 logger = logging.getLogger("throttle")
 
 
+UNIT_RECHECK_S = 1.0
+"""The longest a denial by concurrency limits alone sends a task back for (or blocks the
+tasks of a worker's line for it), in s: a unit comes back when a task ends (announced on
+the capacity channel), not when the oldest lease would end, which is what the limit's
+retry names (the task time limit and more)."""
+
+
+def units_only(execution: Execution, decision: Decision) -> bool:
+    """Whether every limit that denied ``decision`` is a concurrency limit."""
+    units = {limit.name for limit, _, _ in execution.targets if limit.algorithm.holds_units}
+    denied = [state.limit for state in decision.limits if not state.allowed]
+    return bool(units) and bool(denied) and all(name in units for name in denied)
+
+
 def come_back(
     execution: Execution,
     decision: Decision,
@@ -50,9 +64,15 @@ def come_back(
 ) -> NoReturn:
     """A denial: come back when the limits say, plus a jitter; or time out (the
     deadline is on the Redis clock). ``planned``: the task keeps its ``plan`` (for that
-    time, epoch s)."""
+    time, epoch s). Denied by concurrency limits alone, within :data:`UNIT_RECHECK_S`,
+    doubled with each deferral of the task (a worker's consumer then waits in its line
+    for a unit to be released; without a line, a task whose units stay taken does not
+    come back every second)."""
     settings = execution.settings
     retry = decision.retry_after_s
+    if units_only(execution, decision):
+        deferrals = min(count_header(execution.message_headers), 6)
+        retry = min(retry, UNIT_RECHECK_S * 2**deferrals)
     if math.isinf(retry):
         # Paused (celery throttle pause): look again now and then; nothing is lost.
         recheck = settings.pause_recheck_s

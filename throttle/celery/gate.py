@@ -394,8 +394,15 @@ class Gate:
 
     def _too_late(self, late_s: float) -> bool:
         """Whether a task ``late_s`` behind its slot is later than :meth:`late_tolerance`
-        (worked out only past ``settings.late_tolerance``, below which it never is)."""
-        return late_s > self.settings.late_tolerance_s and late_s > self.late_tolerance()
+        (worked out only past ``settings.late_tolerance``, below which it never is). Never
+        for a task whose limits are all concurrency limits: a unit has no slot to be late
+        for, and giving it up would hand it to a task waiting for one, and send this one
+        back."""
+        if late_s <= self.settings.late_tolerance_s:
+            return False
+        if all(limit.algorithm.holds_units for limit, _, _ in self.execution.targets):
+            return False
+        return late_s > self.late_tolerance()
 
     def _sleep_to_slot(self, decision: Decision, look: bool | None = None) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, not past); returns the decision

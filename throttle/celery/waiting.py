@@ -83,6 +83,7 @@ from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
+from throttle.celery.comeback import UNIT_RECHECK_S, units_only
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import H_DEADLINE, deadline_value, not_before_header, queue_of
@@ -321,7 +322,21 @@ class Waiting:
         pending.decision, pending.decided_at = decision, time.monotonic()
         horizon = self.near_s()
         line = self.line
+        # A concurrency limit's retry is when its oldest lease ends (up to the task time
+        # limit and more): a unit comes back when a task ends, which is announced. Its
+        # task waits in the line, which asks again at least every UNIT_RECHECK_S.
+        units = {
+            limit.name for limit, _, _ in gate.execution.targets if limit.algorithm.holds_units
+        }
+        states = [
+            (state.limit, state.allowed,
+             min(state.retry_after_s, UNIT_RECHECK_S) if state.limit in units
+             else state.retry_after_s)
+            for state in decision.limits
+        ]  # fmt: skip
         retry = decision.retry_after_s
+        if units_only(gate.execution, decision):
+            retry = min(retry, UNIT_RECHECK_S)
         deadline = gate.execution.deadline
         if (
             line is None
@@ -331,7 +346,6 @@ class Waiting:
         ):
             self.send_on(pending, None)
             return None
-        states = [(state.limit, state.allowed, state.retry_after_s) for state in decision.limits]
         return blocks_of(pairs_of(gate), states, retry, horizon)
 
     @property
