@@ -110,6 +110,37 @@ def test_a_malformed_url_is_a_config_error_without_the_password() -> None:
     assert "limiter:***@127.0.0.1" in message and "hunter" not in message
 
 
+@pytest.mark.parametrize(
+    ("query", "problem"),
+    [
+        pytest.param("?ssl_cert_reqs=bogus", "ssl_cert_reqs must be one of none, optional, "
+                     "required (got 'bogus')", id="cert-reqs"),
+        pytest.param("?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs names no file on this "
+                     "host (got '/nonexistent/ca.pem')", id="ca-file"),
+        pytest.param("?ssl_ca_path=/nonexistent", "ssl_ca_path names no directory", id="ca-dir"),
+    ],
+)  # fmt: skip
+def test_a_bad_tls_option_is_a_config_error_naming_where_the_url_came_from(
+    query: str, problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py takes these and fails at the first call, which would read as an outage
+    (on_redis_down, forever): refused when the limiter is built, naming the option and
+    the setting the URL came from, never the password."""
+    monkeypatch.setenv("THROTTLE_REDIS_URL", f"rediss://:hunter2@127.0.0.1:6380/0{query}")
+    app = Celery("tls-options", set_as_current=False)
+    app.conf.throttle_config = {"limits": {"x": {"rate": "1/s"}}}
+    with pytest.raises(ConfigError) as caught:
+        Throttler.from_app(app)
+    message = str(caught.value)
+    assert message.startswith("THROTTLE_REDIS_URL: field 'redis_url': " + problem), message
+    assert "hunter2" not in message
+    # a database that is not a number: redis-py reads it as 0
+    app.conf.throttle_redis_url = "redis://127.0.0.1:6380/zz"
+    with pytest.raises(ConfigError, match=r"^app.conf.throttle_redis_url: field 'redis_url': "
+                       r"the database .* must be a number"):  # fmt: skip
+        Throttler.from_app(app)
+
+
 # -- TLS and ACL -----------------------------------------------------------------------------
 
 

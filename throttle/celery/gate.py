@@ -316,7 +316,8 @@ class Gate:
                 self._give_up(decision)
                 decision = self._acquire(*self._horizon())
                 on_first = False
-            self.execution.throttler.outage(None)
+            if not on_first:  # this process heard Redis (not only the consumer's word)
+                self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:
                     come_back_planned(self.execution, decision, self.plan)

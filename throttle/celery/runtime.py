@@ -210,15 +210,17 @@ class Throttler:
         ``memory://`` (:data:`MEMORY_URL`) builds the in-memory limiter of eager tests
         (:class:`throttle.testing.MemoryLimiter`): no Redis, this process only."""
         config = ThrottleConfig.from_source(app.conf.get("throttle_config"))
-        url = (
-            app.conf.get("throttle_redis_url")
-            or config.settings.redis_url
-            or os.environ.get("THROTTLE_REDIS_URL")
-        )
+        # Where the URL came from: what an error about it names.
+        found = [
+            (app.conf.get("throttle_redis_url"), "app.conf.throttle_redis_url"),
+            (config.settings.redis_url, config.source),
+            (os.environ.get("THROTTLE_REDIS_URL"), "THROTTLE_REDIS_URL"),
+        ]
+        url, origin = next(((u, o) for u, o in found if u), (None, config.source))
         if not url:
             broker = str(app.conf.broker_url or "")
             if broker.startswith(("redis://", "rediss://", "unix://")):
-                url = broker
+                url, origin = broker, "the broker URL"
         if not url:
             raise ConfigError(
                 "no Redis for the limiter: set app.conf.throttle_redis_url, settings.redis_url "
@@ -241,13 +243,15 @@ class Throttler:
             )
         except ValueError as exc:
             if isinstance(exc, ConfigError):  # a malformed Sentinel or Cluster URL, redacted
-                raise
+                raise ConfigError(
+                    exc.problem, field=exc.field, value=exc.value, source=origin
+                ) from None
             # redis-py's message may quote a piece of the URL, password included.
             raise ConfigError(
                 "the limiter's Redis URL cannot be parsed: use redis://, rediss://, unix://, "
                 "redis+sentinel:// or redis+cluster://, and percent-encode '/', '@', ':', "
                 "'?' and '#' in user names and passwords",
-                field="redis_url", value=redact(url), source=config.source,
+                field="redis_url", value=redact(url), source=origin,
             ) from None  # fmt: skip
         return cls(app, config, limiter)
 

@@ -31,6 +31,7 @@ from throttle.redis.direct import DirectCalls
 from throttle.redis.library import Library, Routine
 from throttle.redis.urls import (
     async_sentinel_client,
+    check_options,
     cluster_client,
     is_cluster_url,
     is_sentinel_url,
@@ -86,6 +87,7 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
     this, raise :class:`BackendUnavailable`. A malformed Sentinel or cluster URL raises
     :class:`ConfigError` here.
     """
+    check_options(url)
     options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
     options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
     if is_cluster_url(url):

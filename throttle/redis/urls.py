@@ -44,11 +44,12 @@ is shown, logged or put into an error.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
 import redis.asyncio
@@ -145,6 +146,39 @@ def redact(url: str) -> str:
             rest = f"{user}{colon}{MASK if colon else ''}@{hosts}"
         url = f"{scheme}{sep}{rest}"
     return _SECRET_QUERY.sub(lambda m: m.group(1) + MASK, url)
+
+
+_CERT_REQS = ("none", "optional", "required")
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def check_options(url: str) -> None:
+    """Refuse, as a :class:`ConfigError` naming the option, what redis-py would accept
+    here and fail on only at the first call, where it reads as an outage (so
+    ``on_redis_down`` would apply to a typo, forever): an ``ssl_cert_reqs`` it does not
+    know, a TLS file or directory that does not exist, a database that is not a
+    number (``redis://host/zz``, which redis-py reads as database 0)."""
+    scheme, _, rest = url.partition("://")
+    parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
+    for name, value in parse_qsl(parsed.query, keep_blank_values=True):
+        if name == "ssl_cert_reqs" and value.lower() not in _CERT_REQS:
+            raise ConfigError(
+                f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}",
+                field="redis_url", value=value,
+            )  # fmt: skip
+        if name in _TLS_FILES:
+            exists = os.path.isdir(value) if name == "ssl_ca_path" else os.path.isfile(value)
+            if not exists:
+                kind = "directory" if name == "ssl_ca_path" else "file"
+                raise ConfigError(
+                    f"{name} names no {kind} on this host", field="redis_url", value=value
+                )
+    db = parsed.path.strip("/")
+    if scheme in ("redis", "rediss") and db and not db.isdigit():
+        raise ConfigError(
+            "the database (the URL's path) must be a number, such as /0",
+            field="redis_url", value=f"/{db}",
+        )  # fmt: skip
 
 
 def is_sentinel_url(url: str) -> bool:
