@@ -519,3 +519,12 @@ def _flower_metrics(port: int) -> str:
         return get(f"http://127.0.0.1:{port}/metrics")
     except OSError:
         return ""
+
+
+def test_no_sentinel_answering_reads_as_an_outage_in_one_short_line() -> None:
+    limiter = Limiter.from_url(f"redis+sentinel://127.0.0.1:{free_port()}/limits/0")
+    with pytest.raises(BackendUnavailable) as caught:
+        limiter.acquire(Limit.parse("1/s", name="x"))
+    message = str(caught.value)
+    assert message.startswith("Redis is unreachable: No master found for 'limits'"), message
+    assert "<redis." not in message and len(message) < 200, message

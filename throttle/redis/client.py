@@ -71,8 +71,17 @@ _REFUSED = (redis.RedisError, RedisClusterException)
 def _wrapped(exc: Exception) -> BackendError:
     """The package's error for a driver error (one of ``_REFUSED``)."""
     if isinstance(exc, _UNAVAILABLE):
-        return BackendUnavailable(f"Redis is unreachable: {exc}")
-    return BackendError(f"Redis refused a limiter call: {exc}")
+        return BackendUnavailable(f"Redis is unreachable: {_said(exc)}")
+    return BackendError(f"Redis refused a limiter call: {_said(exc)}")
+
+
+def _said(exc: Exception) -> str:
+    """What a driver error says, without the client's repr that some append (redis-py's
+    ``MasterNotFoundError``: "No master found for 'name' : <redis.client.Redis(<...>)>",
+    a kilobyte of pool options)."""
+    text = str(exc)
+    head, sep, _ = text.partition(" : <redis.")
+    return head if sep else text
 
 
 def client_from_url(url: str, **options: Any) -> RedisClient:
