@@ -70,7 +70,7 @@ def come_back(
     come back every second)."""
     settings = execution.settings
     retry = decision.retry_after_s
-    if units_only(execution, decision):
+    if not math.isinf(retry) and units_only(execution, decision):  # (a pause is a pause)
         deferrals = min(count_header(execution.message_headers), 6)
         retry = min(retry, UNIT_RECHECK_S * 2**deferrals)
     if math.isinf(retry):

@@ -330,12 +330,13 @@ class Waiting:
         }
         states = [
             (state.limit, state.allowed,
-             min(state.retry_after_s, UNIT_RECHECK_S) if state.limit in units
-             else state.retry_after_s)
+             min(state.retry_after_s, UNIT_RECHECK_S)
+             if state.limit in units and not math.isinf(state.retry_after_s)
+             else state.retry_after_s)  # a pause (inf) stays one: resume wakes the line
             for state in decision.limits
         ]  # fmt: skip
         retry = decision.retry_after_s
-        if units_only(gate.execution, decision):
+        if not math.isinf(retry) and units_only(gate.execution, decision):
             retry = min(retry, UNIT_RECHECK_S)
         deadline = gate.execution.deadline
         if (
