@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from throttle.celery import ThrottledTask, install
+from throttle.celery.message import deadline_header
 from throttle.redis.keys import KeySpace
 
 BROKER = os.environ.get("DEMO_BROKER_URL", "redis://127.0.0.1:6379/15")
@@ -67,7 +68,8 @@ def call(self: Any, n: int) -> dict[str, Any]:
         "runs": runs,
         "started": seconds + micros / 1e6,
         "slot": None if slot_us is None else float(slot_us) / 1e6,
-        "deadline": headers.get("throttle_deadline"),
+        # [deadline, retries] as the throttler writes it: the deadline, as the gate reads it
+        "deadline": deadline_header(headers, self.request.retries or 0),
         "deferrals": headers.get("throttle_deferrals", 0),
         "worker": self.request.hostname,
     }
