@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 APP = """
@@ -130,6 +131,8 @@ def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
         cwd=tmp_path, env={**env, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    watchdog = threading.Timer(60, worker.kill)  # a worker that never says it: no hang
+    watchdog.start()
     try:
         assert worker.stderr is not None
         seen = []
@@ -138,6 +141,7 @@ def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
             if "every call of that task" in line:
                 break
     finally:
+        watchdog.cancel()
         worker.kill()
         worker.communicate(timeout=30)  # and closes its stderr
     assert seen and seen[-1].rstrip().endswith(
