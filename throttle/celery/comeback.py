@@ -48,9 +48,14 @@ the capacity channel), not when the oldest lease would end, which is what the li
 retry names (the task time limit and more)."""
 
 
-def units_only(execution: Execution, decision: Decision) -> bool:
-    """Whether every limit that denied ``decision`` is a concurrency limit."""
-    units = {limit.name for limit, _, _ in execution.targets if limit.algorithm.holds_units}
+def unit_names(execution: Execution) -> set[str]:
+    """The names of the execution's concurrency limits."""
+    return {limit.name for limit, _, _ in execution.targets if limit.algorithm.holds_units}
+
+
+def units_only(decision: Decision, units: set[str]) -> bool:
+    """Whether every limit that denied ``decision`` is one of the concurrency limits
+    ``units`` (:func:`unit_names`)."""
     denied = [state.limit for state in decision.limits if not state.allowed]
     return bool(units) and bool(denied) and all(name in units for name in denied)
 
@@ -70,7 +75,9 @@ def come_back(
     come back every second)."""
     settings = execution.settings
     retry = decision.retry_after_s
-    if not math.isinf(retry) and units_only(execution, decision):  # (a pause is a pause)
+    if not math.isinf(retry) and units_only(
+        decision, unit_names(execution)
+    ):  # (a pause is a pause)
         deferrals = min(count_header(execution.message_headers), 6)
         retry = min(retry, UNIT_RECHECK_S * 2**deferrals)
     if math.isinf(retry):

@@ -83,7 +83,7 @@ from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
-from throttle.celery.comeback import UNIT_RECHECK_S, units_only
+from throttle.celery.comeback import UNIT_RECHECK_S, unit_names, units_only
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import H_DEADLINE, deadline_value, not_before_header, queue_of
@@ -325,9 +325,7 @@ class Waiting:
         # A concurrency limit's retry is when its oldest lease ends (up to the task time
         # limit and more): a unit comes back when a task ends, which is announced. Its
         # task waits in the line, which asks again at least every UNIT_RECHECK_S.
-        units = {
-            limit.name for limit, _, _ in gate.execution.targets if limit.algorithm.holds_units
-        }
+        units = unit_names(gate.execution)
         states = [
             (state.limit, state.allowed,
              min(state.retry_after_s, UNIT_RECHECK_S)
@@ -336,7 +334,7 @@ class Waiting:
             for state in decision.limits
         ]  # fmt: skip
         retry = decision.retry_after_s
-        if not math.isinf(retry) and units_only(gate.execution, decision):
+        if not math.isinf(retry) and units_only(decision, units):
             retry = min(retry, UNIT_RECHECK_S)
         deadline = gate.execution.deadline
         if (
