@@ -5,6 +5,7 @@ mid-run."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import email.utils
 import math
@@ -566,6 +567,45 @@ def test_retry_in_eager_mode_raises_throttled_with_the_hold(eager: Celery, api: 
             session.hooks["response"].append(upstream_hook(retry=True))
             session.post(f"{api.url}/call", timeout=5)
             return session.post(f"{api.url}/call", timeout=5).status_code
+
+    with pytest.raises(Throttled, match=r"retry after 1\.000 s"):
+        call.delay().get()
+
+
+def test_an_sdk_error_without_an_answer_holds_nothing_and_raises_nothing(
+    eager: Celery, limiter: Limiter
+) -> None:
+    class APIConnectionError(Exception):  # stripe's: a StripeError without status or headers
+        http_status = None
+        headers = None
+
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> str:
+        try:
+            raise APIConnectionError("network error")
+        except APIConnectionError as exc:
+            assert report_upstream(exc, retry=True) is None  # the docs' pattern
+            return "raised nothing"
+
+    assert call.delay().get() == "raised nothing"
+    assert report_upstream(ConnectionError("down"), retry=True) is None  # outside a task
+    assert limiter.holds() == {}
+
+
+def test_a_hook_called_from_another_thread_of_the_body_sees_the_task(
+    eager: Celery, api: Api
+) -> None:
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> int:
+        def post() -> int:
+            with requests.Session() as session:
+                session.hooks["response"].append(upstream_hook(retry=True))
+                session.post(f"{api.url}/call", timeout=5)
+                return session.post(f"{api.url}/call", timeout=5).status_code
+
+        return asyncio.run(asyncio.to_thread(post))  # the context (its ticket) goes along
 
     with pytest.raises(Throttled, match=r"retry after 1\.000 s"):
         call.delay().get()

@@ -30,7 +30,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from throttle.celery.arrival import eta_lead_s
 from throttle.celery.deadlines import MAX_RESERVE_S, capped_s, lease_s, overdue, set_deadlines
-from throttle.celery.execution import Execution, Ticket, current_ticket
+from throttle.celery.execution import Execution, Refusal, Ticket, current_ticket
 from throttle.celery.message import H_PARKED, H_PUBLISH, count_header, eta_header, id_header
 from throttle.celery.plan import Plan, hand_back, reserve_plan
 from throttle.celery.reschedule import defer, time_out
@@ -183,6 +183,8 @@ def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
     it. A body that ended with celery's ``Retry``, ``Ignore`` or ``Reject`` has decided
     already (``self.retry()``, :func:`defer_task`): nothing more is published."""
     refusal = ticket.refusal
+    if refusal is None:
+        refusal = _unseen_refusal(exc)
     if refusal is None or isinstance(exc, (Retry, Ignore, Reject)):
         return
     ticket.refusal = None
@@ -190,6 +192,22 @@ def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
         defer_task(refusal.countdown_s, refusal.limits)
     except Throttled as throttled:  # eager mode: no queue to come back through
         raise throttled from exc
+
+
+def _unseen_refusal(exc: BaseException) -> Refusal | None:
+    """A refusal the hook saw without the task's ticket (a call made from a thread that
+    does not carry the body's context, such as a ``ThreadPoolExecutor``'s): the hook's
+    :class:`Throttled`, marked ``from_upstream``, in ``exc`` or what it was raised from or
+    during. Nothing was held (no ticket, no limits); the task comes back after the
+    upstream's time instead of failing with it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, Throttled) and getattr(current, "from_upstream", False):
+            return Refusal(current.retry_after_s, ())
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def restore_eta(execution: Execution) -> None:

@@ -101,6 +101,12 @@ class Ticket:
     """The upstream refused the body's last call and the task is to come back
     (``report_upstream(..., retry=True)``): answered once, when the body exits by an
     exception (:func:`throttle.celery.task.run`); a later call that is served clears it."""
+    task: Any = None
+    """The running task (set by :func:`throttle.celery.task.run`): the body may call its
+    upstream from another thread (``asyncio.to_thread``, which copies the context and so
+    the ticket), where Celery's current task and request, kept per thread, are not set."""
+    request: Any = None
+    """The running task's request (its id, eager or not), for the same reason."""
 
     @property
     def shadow(self) -> tuple[tuple[Rule, Target], ...]:

@@ -67,6 +67,7 @@ def run(
     restore_delivery(execution.request)
     if ticket is None:
         return call()
+    ticket.task, ticket.request = task, execution.request
     token = enter_ticket(ticket)
     failed = True
     settles = True

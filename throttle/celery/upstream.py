@@ -163,6 +163,11 @@ def report_upstream(
     answer = answer_of(response)
     if answer is not None:
         response = answer  # an SDK's exception: its HTTP response (released below)
+    elif isinstance(response, BaseException):
+        # An SDK's error that carries no answer (stripe's or openai's APIConnectionError,
+        # or what an SDK made of the hook's Throttled): nothing the upstream said, so
+        # nothing to act on, and a refusal recorded earlier in the body still stands.
+        return None
     signal = read_response(response)
     ticket = current_ticket()
     if ticket is None or (ticket.acquisition is None and not ticket.shadow):
@@ -172,7 +177,12 @@ def report_upstream(
         if signal is not None and retry and signal.comes_back:
             _release(response)
             later = signal.hold_s if signal.refused else _retry_after_s(response)
-            raise Throttled(DEFAULT_HOLD_S if later is None else later)
+            throttled = Throttled(DEFAULT_HOLD_S if later is None else later)
+            # Seen by no ticket: a thread of a throttled task's body that does not carry
+            # its context (a ThreadPoolExecutor's): the task comes back for it when its
+            # body exits by this, or by what a client made of it (come_back_if_refused).
+            throttled.from_upstream = True  # type: ignore[attr-defined]
+            raise throttled
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
     acquisition = ticket.acquisition
@@ -192,7 +202,10 @@ def report_upstream(
         names += [rule.name for rule, _ in ticket.shadow]
         listed = ", ".join(repr(each) for each in names)
         raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {listed})")
-    task = get_current_task()
+    # The ticket's task: the body may call from another thread (asyncio.to_thread), where
+    # Celery's current task (kept per thread) is None.
+    task = ticket.task if ticket.task is not None else get_current_task()
+    request = ticket.request if ticket.request is not None else task.request
     again = _retried_by_client(response)
     if again or ticket.refusal is not None:
         _warn_retried(task, f"retry {again} of the client" if again else "after a refusal")
@@ -239,7 +252,7 @@ def report_upstream(
     except BackendError as exc:
         throttler.outage(exc)
     if signal is not None and signal.refused and not throttler.in_memory:
-        _record(throttler, task, response, signal, recorded, holds)
+        _record(throttler, task, request, response, signal, recorded, holds)
     if signal is None:
         return None
     if retry and signal.final:
@@ -263,7 +276,7 @@ def report_upstream(
         # the task takes the limit's next free slot at once. Waiting out the rounded
         # second instead idles the limit at the end of a backlog (eager mode and direct
         # calls, which have no slot to take, are told the upstream's time).
-        eager = task.request.is_eager or task.request.called_directly
+        eager = request.is_eager or request.called_directly
         # With only limits in shadow mode there is no slot to take: the upstream's time.
         countdown = signal.hold_s if held or eager or not targets else 0.0
         limits = tuple(target.current.name for target in recorded)
@@ -300,6 +313,7 @@ def _retry_after_s(response: Any) -> float | None:
 def _record(
     throttler: Throttler,
     task: Any,
+    request: Any,
     response: Any,
     signal: UpstreamSignal,
     targets: list[Target],
@@ -311,7 +325,6 @@ def _record(
     holding), every entry is marked held for the upstream's time, as the task comes
     back after it. A Redis error loses the entry, not the task."""
     status = getattr(response, "status_code", getattr(response, "status", None))
-    request = getattr(task, "request", None)
     refusals = [
         RefusalEntry(
             limit=target.current.name,
