@@ -23,7 +23,11 @@ def celery_config():
         "broker_url": "memory://",
         "result_backend": "cache+memory://",
         "throttle_config": {
-            "limits": {"slow": {"rate": "4/s burst 1"}, "fast": {"rate": "1000/s"}},
+            "limits": {
+                "slow": {"rate": "4/s burst 1"},
+                "fast": {"rate": "1000/s"},
+                "slower": {"rate": "2/s burst 1"},
+            },
         },
     }
 
@@ -82,6 +86,21 @@ def test_the_test_worker_throttles_in_memory(
     assert throttle_memory.peek("slow").remaining <= 1
 
 
+def test_the_test_worker_sends_back_a_task_whose_slot_is_far(
+    celery_app, throttle_memory, throttle_recorder, celery_worker
+):
+    @celery_app.task
+    @throttled("slower")
+    def slower(n):
+        return n
+
+    celery_worker.reload()
+    # 2/s burst 1: the last of six 2.5 s on, beyond sleep_max: some are sent back (a new
+    # copy, recorded in the in-memory server), none fails
+    results = [slower.delay(n) for n in range(6)]
+    assert [r.get(timeout=20) for r in results] == [0, 1, 2, 3, 4, 5]
+
+
 def test_each_test_starts_with_full_buckets(celery_app, tasks, throttle_memory):
     assert throttle_memory.peek("slow").remaining == 1
 
@@ -122,7 +141,7 @@ def test_the_plugin_serves_celerys_test_worker_and_eager_tests(pytester: pytest.
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_user=TESTS)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
 
 
 REDIS_TESTS = """

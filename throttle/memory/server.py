@@ -80,6 +80,8 @@ class MemoryRedis:
         # spacing guard key -> (next call at, last call stamped at, spacing per unit then), us
         self.spaced: dict[str, tuple[float, float, float]] = {}
         self.learned: dict[str, dict[str, float]] = {}  # lua/adapt.lua's states
+        # plain strings (the number of a task's newest copy): key -> (value, expires at, us)
+        self.strings: dict[str, tuple[bytes, float]] = {}
 
     # -- what redis-py's client offers, as far as the package uses it
 
@@ -113,6 +115,29 @@ class MemoryRedis:
             bucket[_bytes(field)] = str(value).encode()
             return value
 
+    def set(
+        self, key: str, value: Any, *, px: int | None = None, ex: int | None = None,
+        nx: bool = False,
+    ) -> bool | None:
+        """Redis ``SET`` (``PX``, ``EX``, ``NX``), expiring on this server's clock: the
+        parking lot records here the newest copy of a task sent back
+        (:meth:`throttle.parking.ParkingLot.sent_copy`)."""
+        with self.lock:
+            now = self.clock_us()
+            if nx and self.get(key) is not None:
+                return None
+            ttl_us = px * 1000 if px is not None else ex * 1_000_000 if ex is not None else None
+            self.strings[key] = (_bytes(value), math.inf if ttl_us is None else now + ttl_us)
+            return True
+
+    def get(self, key: str) -> bytes | None:
+        with self.lock:
+            value, until = self.strings.get(key, (None, math.inf))
+            if value is not None and until <= self.clock_us():
+                del self.strings[key]
+                return None
+            return value
+
     def expire(self, key: str, seconds: Any) -> bool:
         return key in self.hashes  # counts for people: kept for the life of the object
 
@@ -130,6 +155,7 @@ class MemoryRedis:
             self.hashes.clear()
             self.spaced.clear()
             self.learned.clear()
+            self.strings.clear()
 
     # -- the scripts
 
