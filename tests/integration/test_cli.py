@@ -33,6 +33,7 @@ from throttle.adaptive import ADAPTIVE_FIELDS, LearnedRates
 from throttle.celery.plan import plan_limit
 from throttle.cli import throttle
 from throttle.cli.base import rate_spec
+from throttle.cli.status import render_status
 from throttle.config import _SETTINGS_FIELDS as SETTINGS_FIELDS
 from throttle.config import ThrottleConfig
 from throttle.parking import ParkingLot
@@ -804,3 +805,13 @@ def test_ctrl_c_at_any_moment_ends_the_watch_cleanly(cli: Cli) -> None:
             # generous: the exit code is the point, not how fast a loaded host exits
             _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
+
+
+def test_status_of_an_app_without_limits_says_so() -> None:
+    data = {
+        "redis": "redis://localhost:6379/0", "prefix": "throttle", "namespace": "default",
+        "config": None, "workers": None, "parked": 0, "releasing": 0, "minutes": 5,
+        "limits": [], "clocks": [],
+    }  # fmt: skip
+    table = render_status(data, 0)
+    assert table.splitlines()[1] == "(no limits: no limits file, and no task has inline limits)"

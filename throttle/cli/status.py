@@ -270,7 +270,7 @@ _RIGHT = {"BURST", "TOKENS", "IN FLIGHT", "DENIED/MIN"}
 def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
     """The table of ``status``, with a footer on the parking lot, workers and Redis."""
     rows = [_cells(row) for row in data["limits"]]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_HEADERS)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(_HEADERS)]
 
     def line(cells: list[str]) -> str:
         return "  ".join(
