@@ -302,11 +302,26 @@ class _Response:
     """A response with ``status_code`` and case-insensitive ``headers``, as requests' has."""
 
     def __init__(self, status: int, headers: dict[str, str]) -> None:
-        from requests.structures import CaseInsensitiveDict  # noqa: PLC0415
-
         self.status_code = status
-        self.headers = CaseInsensitiveDict(headers)
+        self.headers = _Headers(headers)
         self.text = ""
+
+
+class _Headers(dict[str, str]):
+    """Headers looked up whatever their case, as requests' ``CaseInsensitiveDict`` (requests
+    is not a dependency: without httpx, the test helpers must not need it either)."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__({name.lower(): value for name, value in headers.items()})
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(name.lower(), default)
 
 
 class UpstreamError(Exception):

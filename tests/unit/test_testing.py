@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -328,3 +329,18 @@ def test_the_upstream_responses_speak_each_providers_dialect(provider: str) -> N
     assert (error.status_code, error.response) == (429, response)
     with pytest.raises(ValueError, match="unknown provider 'acme'; one of generic, openai"):
         upstream_response("acme")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_the_upstream_responses_need_no_http_client(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # requests and httpx are no dependencies: the fallback must work without either
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    monkeypatch.setitem(sys.modules, "requests", None)
+    monkeypatch.setitem(sys.modules, "requests.structures", None)
+    now = 1_800_000_000.0
+    response = upstream_response(provider, retry_after_s=7, now=now)
+    assert response.headers.get("RETRY-AFTER") == "7" or provider == "openai"
+    signal = read_response(response, now=now)
+    assert signal is not None and signal.refused and signal.hold_s == pytest.approx(7, abs=1)
