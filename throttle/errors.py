@@ -144,6 +144,12 @@ class BackendUnavailable(BackendError):
 class Throttled(ThrottleError):
     """A limit denied the acquisition; try again in ``retry_after_s`` seconds."""
 
+    from_upstream: bool = False
+    """Raised by an upstream hook that found no throttled task's ticket: a call made from a
+    thread of the task's body that does not carry its context (a ``ThreadPoolExecutor``'s).
+    The task's runner brings the task back for it when it finds it in the chain of the
+    body's exception (:func:`throttle.celery.comeback.come_back_if_refused`)."""
+
     def __init__(self, retry_after_s: float, denied_by: Sequence[str] = ()) -> None:
         self.retry_after_s = retry_after_s
         self.denied_by = tuple(denied_by)

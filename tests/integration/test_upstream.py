@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import email.utils
 import math
 import os
@@ -32,6 +33,7 @@ from throttle.adaptive import LearnedRates
 from throttle.celery import ThrottledTask, throttled
 from throttle.rates import RateBook
 from throttle.refusals import Refusal, RefusalBook
+from throttle.testing import upstream_response
 from throttle.upstream import (
     DEFAULT_HOLD_S,
     MAX_HOLD_S,
@@ -608,6 +610,25 @@ def test_a_hook_called_from_another_thread_of_the_body_sees_the_task(
         return asyncio.run(asyncio.to_thread(post))  # the context (its ticket) goes along
 
     with pytest.raises(Throttled, match=r"retry after 1\.000 s"):
+        call.delay().get()
+
+
+def test_a_refusal_seen_in_a_thread_without_the_task_context_brings_the_task_back(
+    eager: Celery,
+) -> None:
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> None:
+        def post() -> None:  # an executor's thread: no context, so no ticket
+            report_upstream(upstream_response(retry_after_s=4.0), retry=True)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                pool.submit(post).result()
+            except Throttled as exc:
+                raise RuntimeError("what the client made of it") from exc
+
+    with pytest.raises(Throttled, match=r"retry after 4\.000 s"):  # came back (eager: raised)
         call.delay().get()
 
 

@@ -204,7 +204,7 @@ def _unseen_refusal(exc: BaseException) -> Refusal | None:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, Throttled) and getattr(current, "from_upstream", False):
+        if isinstance(current, Throttled) and current.from_upstream:
             return Refusal(current.retry_after_s, ())
         current = current.__cause__ or current.__context__
     return None

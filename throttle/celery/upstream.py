@@ -181,7 +181,7 @@ def report_upstream(
             # Seen by no ticket: a thread of a throttled task's body that does not carry
             # its context (a ThreadPoolExecutor's): the task comes back for it when its
             # body exits by this, or by what a client made of it (come_back_if_refused).
-            throttled.from_upstream = True  # type: ignore[attr-defined]
+            throttled.from_upstream = True
             raise throttled
         return signal
     name = limit.name if isinstance(limit, Limit) else limit
