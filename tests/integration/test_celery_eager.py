@@ -13,9 +13,11 @@ from celery import Celery
 from tests.support.clock import redis_now_s
 from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
-from throttle import BackendUnavailable, ConfigError, Limit, Limiter, ThrottleTimeout
+from throttle import BackendUnavailable, ConfigError, Limit, Limiter, Throttled, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
 from throttle.limiter import DEFAULT_LEASE_S
+from throttle.testing import upstream_response
+from throttle.upstream import report_upstream
 
 
 @pytest.fixture
@@ -218,7 +220,19 @@ def test_on_redis_down_allow_runs_and_defer_raises(prefix: str) -> None:
     def fail_closed(x: int) -> int:
         return x
 
+    @app.task(shared=False)
+    @throttled("open")
+    def refused() -> None:
+        # What a client makes of the hook's exception while the limiter fails open: the
+        # task still comes back for the refusal (eager mode: Throttled), not fail with it.
+        try:
+            report_upstream(upstream_response(retry_after_s=3.0), retry=True)
+        except Throttled as exc:
+            raise RuntimeError("the client's own error") from exc
+
     assert fail_open.delay(7).get() == 7
+    with pytest.raises(Throttled, match=r"retry after 3\.000 s"):
+        refused.delay().get()
     with pytest.raises(BackendUnavailable, match="Redis is unreachable"):
         fail_closed.delay(7).get()
     close_throttler(app)

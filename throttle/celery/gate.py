@@ -133,7 +133,10 @@ class Gate:
                 self._space()
         except BackendError as exc:
             run_while_down(execution, exc)
-            return None
+            # Run while Redis is away: nothing to settle, but a ticket all the same, so
+            # that an upstream's refusal seen by the body brings the task back through
+            # the broker (come_back_if_refused) instead of failing it.
+            return Ticket(None, execution.rules, time.time(), shadowing=pairs)
         if not execution.eager:
             execution.throttler.observer.allowed(execution, ticket.slot_at - now)
         ticket.shadowing = pairs
