@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import anthropic
 import github
@@ -89,6 +89,23 @@ def test_a_response_is_its_own_answer_and_other_objects_none() -> None:
     assert answer_of(ValueError("no status")) is None
     assert answer_of(object()) is None
     assert answer_of(stripe.RateLimitError("no status")) is None  # http_status None
+
+
+def test_an_exception_whose_properties_fail_is_no_answer_and_raises_nothing() -> None:
+    class Broken(Exception):
+        status = 429
+        headers: ClassVar[dict[str, str]] = {"Retry-After": "1"}
+
+        @property
+        def response(self) -> object:
+            raise RuntimeError("the response was closed")
+
+        @property
+        def http_body(self) -> object:
+            raise RuntimeError("the body was closed")
+
+    answer = answer_of(Broken())
+    assert answer == Answer(429, {"Retry-After": "1"}, None)
 
 
 def test_pygithub_keeps_the_body_that_tells_a_secondary_limit() -> None:

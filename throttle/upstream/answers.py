@@ -50,23 +50,31 @@ def _status(obj: Any, names: tuple[str, ...] = _STATUS_NAMES) -> int | None:
 
 
 def _headers(obj: Any) -> Any:
+    return _attribute(obj, "headers")
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    """``obj.name``, or None when it has none or its property fails."""
     try:
-        return getattr(obj, "headers", None)
+        return getattr(obj, name, None)
     except Exception:
         return None
 
 
 def _text(obj: Any) -> str | None:
     """The body an SDK exception kept: Stripe's ``http_body``, PyGithub's ``data``."""
-    body = getattr(obj, "http_body", None)
+    body = _attribute(obj, "http_body")
     if body is None:
-        body = getattr(obj, "data", None)
+        body = _attribute(obj, "data")
     if isinstance(body, bytes):
         return body.decode("utf-8", "replace")
     if isinstance(body, str):
         return body
     if isinstance(body, (dict, list)):
-        return json.dumps(body, default=str)
+        try:
+            return json.dumps(body, default=str)
+        except (TypeError, ValueError):  # a circular body
+            return None
     return None
 
 
@@ -78,7 +86,7 @@ def answer_of(obj: Any) -> Any | None:
     body (Stripe, PyGithub); None when it has none of these. Never raises."""
     if _status(obj, ("status_code",)) is not None and _headers(obj) is not None:
         return obj
-    response = getattr(obj, "response", None)
+    response = _attribute(obj, "response")
     if _status(response, ("status_code",)) is not None and _headers(response) is not None:
         return response
     status, headers = _status(obj), _headers(obj)
