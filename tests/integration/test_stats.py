@@ -178,3 +178,29 @@ def test_a_tally_whose_write_failed_writes_the_next_counts_on_its_own(
     key = book.keyspace.stats_key(int(T0 // 60))
     wait_for(lambda: book.client.hgetall(key) == {b"waited:stripe": b"1"}, 5)
     dead.close()
+
+
+def test_the_fleet_reporter_counts_each_delayed_task_once(book: StatsBook, clock: Clock) -> None:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from throttle.celery.message import H_DEFERRALS  # noqa: PLC0415
+    from throttle.celery.observe import FleetStatsReporter, Observer  # noqa: PLC0415
+    from throttle.rules import Rule  # noqa: PLC0415
+    from throttle.spec import Limit  # noqa: PLC0415
+
+    reporter = FleetStatsReporter(book, on_error=Observer())
+    rules = (Rule(Limit.parse("5/s", name="api")),)
+    first = SimpleNamespace(rules=rules, message_headers={})
+    back = SimpleNamespace(rules=rules, message_headers={H_DEFERRALS: 1})
+    # One task deferred twice (parked the second time), then held for its slot; another
+    # that only waited for its slot; a third admitted at once
+    reporter.deferred(first, ["api"], "republish", 2.0, 1)
+    reporter.deferred(back, ["api"], "park", 2.0, 2)
+    reporter.allowed(back, 0.2)
+    reporter.allowed(first, 0.2)
+    reporter.allowed(first, 0.0)
+    reporter.tally.flush()
+    clock.now += 60
+    # Then two tasks were delayed, and one parking happened
+    counts = book.per_minute(1)["api"]
+    assert (counts["denied"] + counts["waited"], counts["parked"]) == (2.0, 1.0)

@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery import Task
 
 from throttle import metrics
 from throttle.celery.events import BatchedEvents
+from throttle.celery.message import H_DEFERRALS
 from throttle.redis.keys import KeySpace
 from throttle.rules import Rule, Target
 from throttle.stats import StatsBook, Tally
@@ -54,6 +55,10 @@ class Observed(Protocol):
     def targets(self) -> list[Target]:
         """Each rule's (limit in force, key, cost); empty when the gate did not evaluate
         them (``defer_task``)."""
+
+    @property
+    def message_headers(self) -> Mapping[str, Any]:
+        """The headers of the task's message (the throttler's deferral count among them)."""
 
 
 class Observer:
@@ -170,14 +175,20 @@ class FleetStatsReporter(Observer):
         # (every task) come as often as the tasks: one round trip a second, not a task.
         self.tally = Tally(stats, on_error=self._tally_failed)
 
+    # DENIED/MIN counts tasks, each once: at its first deferral, or when it waited for its
+    # slot without one (a task deferred and then held for its slot counted already).
     def allowed(self, execution: Observed, wait_s: float) -> None:
-        if wait_s >= WAIT_LOGGED_S:
+        if wait_s >= WAIT_LOGGED_S and H_DEFERRALS not in execution.message_headers:
             self.tally.add([rule.name for rule in execution.rules], "waited")
 
     def deferred(
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
-        self._record(limits, ("denied", "parked") if how == "park" else ("denied",))
+        events: tuple[str, ...] = ("denied",) if count <= 1 else ()
+        if how == "park":
+            events += ("parked",)  # every parking: the parking lot's own traffic
+        if events:
+            self._record(limits, events)
 
     def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
         self._record(limits, ("timeout",))
