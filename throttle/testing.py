@@ -320,7 +320,7 @@ class _Headers(dict[str, str]):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and super().__contains__(name.lower())
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         return super().get(name.lower(), default)
 
 

@@ -43,11 +43,13 @@ tests:
           - exp_labels: {severity: warning, limit: new}
             exp_annotations:
               summary: "Throttle timeouts rising on limit new"
-              description: "1 tasks per second pass their throttle deadline, twice the rate of an hour ago: the backlog outgrows the limit."
+              description: "1 tasks per second pass their throttle deadline, twice the rate
+                of an hour ago: the backlog outgrows the limit."
           - exp_labels: {severity: warning, limit: old}
             exp_annotations:
               summary: "Throttle timeouts rising on limit old"
-              description: "1 tasks per second pass their throttle deadline, twice the rate of an hour ago: the backlog outgrows the limit."
+              description: "1 tasks per second pass their throttle deadline, twice the rate
+                of an hour ago: the backlog outgrows the limit."
 """
 
 

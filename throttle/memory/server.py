@@ -116,7 +116,12 @@ class MemoryRedis:
             return value
 
     def set(
-        self, key: str, value: Any, *, px: int | None = None, ex: int | None = None,
+        self,
+        key: str,
+        value: Any,
+        *,
+        px: int | None = None,
+        ex: int | None = None,
         nx: bool = False,
     ) -> bool | None:
         """Redis ``SET`` (``PX``, ``EX``, ``NX``), expiring on this server's clock: the
