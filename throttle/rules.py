@@ -796,7 +796,8 @@ def argument_errors(
             )
     if isinstance(rule.cost, str) and rule.cost not in names:
         found.append(("cost", "no argument of this name for the cost", rule.cost))
-    listed = ", ".join(sorted(names)) or "none"
+    # A bound task's ``self`` is the task, not an argument its callers give.
+    listed = ", ".join(sorted(names - {"self"})) or "none"
     return [
         ConfigError(
             f"task {task!r} has {problem} (its arguments: {listed})",

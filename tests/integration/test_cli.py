@@ -673,6 +673,21 @@ def test_check_with_an_app_names_its_tasks_limits_the_file_lacks(cli: Cli) -> No
     ]
 
 
+def test_check_with_an_app_warns_of_a_task_it_does_not_register(cli: Cli) -> None:
+    typo = cli.config_path.with_name("typo.yaml")
+    typo.write_text(
+        "limits:\n  gate: {rate: 1/s}\n  busy: {rate: 1/s}\n  nowhere: {rate: 1/s}\n"
+        "tasks:\n  tests.apps.cli_app.bussy: [gate]\n"
+    )
+    result = cli("check", str(typo))
+    assert result.exit_code == 0  # a file may serve several apps: a warning, not an error
+    assert (
+        f"warning: {typo}: tasks: names a task that app 'cli_tests' does not register "
+        "(did you mean 'tests.apps.cli_app.busy'?): its limits apply to no task of it (got "
+        "'tests.apps.cli_app.bussy')"
+    ) in result.stdout.splitlines()
+
+
 # -- through the celery program -------------------------------------------------------------
 
 

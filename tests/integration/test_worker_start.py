@@ -123,6 +123,7 @@ def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
         "limits:\n"
         "  api: {rate: 10/s, key: '{tenant}', plan: '{tier}', plans: {free: 1/s}}\n"
         "  tokens: {rate: 1000/m, cost: max_token}\n"
+        "tasks:\n  proj.celery.compete: [api]\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
     worker = subprocess.Popen(
@@ -138,17 +139,25 @@ def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
         seen = []
         for line in worker.stderr:  # the worker logs to stderr; ends when it is killed
             seen.append(line)
-            if "every call of that task" in line:
+            if "does not register" in line:  # logged after the argument errors
                 break
     finally:
         watchdog.cancel()
         worker.kill()
         worker.communicate(timeout=30)  # and closes its stderr
-    assert seen and seen[-1].rstrip().endswith(
-        "throttle: limits.yaml: limit 'api': field 'key': task 'proj.celery.complete' has no "
-        "argument 'tenant' for the key template (its arguments: max_tokens, plan, tenant_id) "
-        "(got '{tenant}'): every call of that task will fail or fall back"
-    ), seen[-3:]
+    assert any(
+        line.rstrip().endswith(
+            "throttle: limits.yaml: limit 'api': field 'key': task 'proj.celery.complete' has "
+            "no argument 'tenant' for the key template (its arguments: max_tokens, plan, "
+            "tenant_id) (got '{tenant}'): every call of that task will fail or fall back"
+        )
+        for line in seen
+    ), seen[-4:]
+    unregistered = (
+        "limits.yaml: tasks: names a task that app 'proj' does not register (did you mean "
+        "'proj.celery.complete'?): its limits apply to no task of it (got 'proj.celery.compete')"
+    )
+    assert seen[-1].rstrip().endswith(f"WARNING/MainProcess] throttle: {unregistered}"), seen[-2:]
 
     checked = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "proj", "throttle", "check", "limits.yaml"],
@@ -159,6 +168,7 @@ def test_a_template_or_cost_naming_a_missing_argument_is_an_error_at_start(
     place = "limits.yaml: limit '{}': field '{}': task 'proj.celery.complete' has "
     arguments = "(its arguments: max_tokens, plan, tenant_id)"
     assert checked.stdout.splitlines() == [
+        f"warning: {unregistered}",
         place.format("api", "key") + f"no argument 'tenant' for the key template {arguments} "
         "(got '{tenant}')",
         place.format("api", "plan") + f"no argument 'tier' for the plan template {arguments} "

@@ -24,7 +24,7 @@ from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
 from throttle.config import Settings, ThrottleConfig
-from throttle.errors import BackendError, ConfigError
+from throttle.errors import BackendError, ConfigError, did_you_mean
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
@@ -110,6 +110,25 @@ def unknown_limits(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
                     )
                 )
     return errors
+
+
+def unknown_tasks(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
+    """Each task name of ``config``'s ``tasks:`` that ``app`` does not register (a typo
+    would leave the task it meant unthrottled, silently). Warnings, not errors: a limits
+    file may serve several apps, each with its own tasks; a worker logs them at start,
+    ``celery throttle check -A`` prints them. Call after the app's task modules are
+    imported."""
+    registered = [name for name in app.tasks if not name.startswith("celery.")]
+    return [
+        ConfigError(
+            f"tasks: names a task that app {app.main!r} does not register"
+            f"{did_you_mean(name, registered)}: its limits apply to no task of it",
+            value=name,
+            source=config.source,
+        )
+        for name in sorted(config.tasks)
+        if name not in app.tasks
+    ]
 
 
 def declared_by(task: Task) -> Declared | None:

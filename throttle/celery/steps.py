@@ -31,7 +31,13 @@ from throttle.celery.message import LANE_SUFFIX
 from throttle.celery.outage import POOL_ENV, WORKER_ENV
 from throttle.celery.releaser import Releaser
 from throttle.celery.routing import declare_lanes, lane_queue
-from throttle.celery.runtime import MEMORY_URL, RELEASER_STEP, Throttler, throttling_enabled
+from throttle.celery.runtime import (
+    MEMORY_URL,
+    RELEASER_STEP,
+    Throttler,
+    throttling_enabled,
+    unknown_tasks,
+)
 from throttle.celery.sent import install_stamp
 from throttle.celery.task import argument_errors
 from throttle.celery.waiting import WaitStep
@@ -144,7 +150,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     limiter in a pool of several processes (each would count apart), a limit its tasks name
     that the file lacks, settings that outlive the broker's visibility timeout
     (:meth:`Throttler.validate`); and logs each key, plan or cost naming an argument its
-    task does not have (:func:`throttle.celery.task.argument_errors`)."""
+    task does not have (:func:`throttle.celery.task.argument_errors`), and each task of
+    ``tasks:`` the app does not register (:func:`throttle.celery.runtime.unknown_tasks`)."""
     if throttler.in_memory:
         pool = pool_name(worker)
         if pool not in ONE_PROCESS_POOLS and (worker.concurrency or 1) > 1:
@@ -161,6 +168,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     # it never runs. `celery throttle check -A` counts them as errors.
     for error in argument_errors(throttler.app, throttler.config):
         logger.error("throttle: %s: every call of that task will fail or fall back", error)
+    for warning in unknown_tasks(throttler.app, throttler.config):
+        logger.warning("throttle: %s", warning)
 
 
 def refuse_to_start(exc: ConfigError) -> NoReturn:

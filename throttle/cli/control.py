@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from throttle.admin import reset as reset_state
-from throttle.celery.runtime import unknown_limits
+from throttle.celery.runtime import unknown_limits, unknown_tasks
 from throttle.celery.task import argument_errors
 from throttle.cli.base import (
     EXIT_ERRORS,
@@ -335,7 +335,8 @@ def check(ctx: click.Context, file: str) -> None:
 
     With an app (-A), also that every limit its tasks name in @throttled is in the file,
     and that each key, plan and cost of their limits names an argument of the task,
-    which a worker of the app checks when it starts.
+    which a worker of the app checks when it starts; and warns (exit 0) of each task
+    of tasks: that the app does not register.
     """
     errors = [str(error) for error in ThrottleConfig.check(file)]
     config = None
@@ -345,6 +346,8 @@ def check(ctx: click.Context, file: str) -> None:
         if app is not None:
             app.loader.import_default_modules()
             errors += _task_errors(app, config, file)
+            for warning in unknown_tasks(app, config):
+                click.echo(f"warning: {warning}")
     for error in errors:
         click.echo(error)
     if errors:
