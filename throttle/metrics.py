@@ -552,9 +552,16 @@ class ThrottleCollector:
         yield learned
 
 
-def serve(port: int, collector: ThrottleCollector, *, source: str | None = None) -> Any:
+def serve(
+    port: int,
+    collector: ThrottleCollector,
+    *,
+    field: str = "settings.metrics_port",
+    source: str | None = None,
+) -> Any:
     """Serve ``collector`` alone on ``port`` (all interfaces) from a daemon thread;
-    returns the server (``.shutdown()`` stops it). A taken port is a ConfigError."""
+    returns the server (``.shutdown()`` stops it). A taken port is a ConfigError naming
+    ``field`` of ``source``, where the port was set."""
     from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
 
     registry = CollectorRegistry(auto_describe=False)
@@ -564,6 +571,6 @@ def serve(port: int, collector: ThrottleCollector, *, source: str | None = None)
     except OSError as exc:
         raise ConfigError(
             f"cannot serve metrics on port {port}: {exc.strerror or exc}",
-            field="settings.metrics_port", value=port, source=source,
+            field=field, value=port, source=source,
         ) from None  # fmt: skip
     return started[0] if isinstance(started, tuple) else started

@@ -5,6 +5,7 @@ needed: it stops before connecting anywhere)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,13 +22,15 @@ install(app)
 """
 
 
-def _worker(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
+def _worker(
+    project: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "proj", "worker", "--without-mingle",
          "--without-gossip", *args],
-        cwd=project, env={**env, "PYTHONPATH": str(project)}, capture_output=True, text=True,
-        timeout=60, check=False,
+        cwd=project, env={**own, **(env or {}), "PYTHONPATH": str(project)},
+        capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 
 
@@ -64,10 +67,26 @@ def test_a_bad_limits_file_stops_the_worker_with_one_line_per_error(tmp_path: Pa
     (tmp_path / "limits.yaml").write_text("limits: {}\n")
     done = _worker(tmp_path, "-P", "prefork", "-c", "2")
     assert done.returncode == 1
-    assert "the in-memory limiter serves one process: the prefork pool with 2 child" in (
-        done.stderr
+    assert (
+        "throttle: app.conf.throttle_redis_url: the in-memory limiter serves one process: the "
+        "prefork pool with 2 child" in done.stderr  # where the URL was set, not the file
     ), done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+    # A metrics port taken by another process, given by the environment: named there
+    (tmp_path / "limits.yaml").write_text(
+        f"settings: {{metrics: true, metrics_dir: '{tmp_path / 'metrics'}'}}\nlimits: {{}}\n"
+    )
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _worker(tmp_path, "-P", "solo", env={"THROTTLE_METRICS_PORT": str(port)})
+    assert done.returncode == 1
+    assert (
+        f"ConfigError(\"field 'THROTTLE_METRICS_PORT': cannot serve metrics on port {port}"
+        in done.stderr
+    ), done.stderr
 
 
 def _settings() -> list[str]:

@@ -150,6 +150,9 @@ class Throttler:
         self.config = config
         self.settings: Settings = config.settings
         self.limiter = limiter
+        self.url_origin: str | None = config.source
+        """Where the limiter's Redis URL came from (the limits file, ``app.conf``, the
+        environment, the broker URL): what an error about it names."""
         keyspace = limiter.keyspace
         self.rates = RateBook(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.estimates = Estimates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
@@ -250,9 +253,11 @@ class Throttler:
         if url.startswith(MEMORY_URL):
             from throttle.memory import MemoryLimiter  # noqa: PLC0415 (tests only)
 
-            return cls(
+            throttler = cls(
                 app, config, MemoryLimiter(prefix=settings.prefix, namespace=settings.namespace)
             )
+            throttler.url_origin = origin
+            return throttler
         try:
             limiter = Limiter.from_url(
                 url,
@@ -272,7 +277,9 @@ class Throttler:
                 "'?' and '#' in user names and passwords",
                 field="redis_url", value=redact(url), source=origin,
             ) from None  # fmt: skip
-        return cls(app, config, limiter)
+        throttler = cls(app, config, limiter)
+        throttler.url_origin = origin
+        return throttler
 
     def rules(self, task: Task, declared: Declared | None, queue: str | None) -> tuple[Rule, ...]:
         """The task's rules: its own (inline, then named), then the file's for its name and

@@ -22,6 +22,7 @@ from celery import Celery, bootsteps, concurrency, signals
 
 from throttle import metrics
 from throttle.celery.exporter import (
+    METRICS_PORT_ENV,
     fleet_state,
     metrics_base,
     metrics_port,
@@ -153,6 +154,7 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     task does not have (:func:`throttle.celery.task.argument_errors`), and each task of
     ``tasks:`` the app does not register (:func:`throttle.celery.runtime.unknown_tasks`)."""
     if throttler.in_memory:
+        from_file = throttler.url_origin == throttler.config.source
         pool = pool_name(worker)
         if pool not in ONE_PROCESS_POOLS and (worker.concurrency or 1) > 1:
             raise ConfigError(
@@ -160,7 +162,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
                 f"{worker.concurrency} child processes would count in each child apart; "
                 "give the worker a Redis, or use a one-process pool (solo, threads, "
                 "gevent, eventlet; Celery's test worker runs solo)",
-                field="redis_url", value=MEMORY_URL, source=throttler.config.source,
+                field="settings.redis_url" if from_file else None, value=MEMORY_URL,
+                source=throttler.url_origin,
             )  # fmt: skip
     throttler.validate()
     # Logged, not refused: a shared task (Celery's @app.task default) joins every app that
@@ -278,7 +281,11 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         directory, app = self.directory, self.app
         collector = metrics.ThrottleCollector(lambda: [(None, directory)], lambda: fleet_state(app))
-        self.server = metrics.serve(self.port, collector, source=Throttler.of(app).config.source)
+        if os.environ.get(METRICS_PORT_ENV):  # the environment's port, not the file's
+            field, source = METRICS_PORT_ENV, None
+        else:
+            field, source = "settings.metrics_port", Throttler.of(app).config.source
+        self.server = metrics.serve(self.port, collector, field=field, source=source)
         logger.info("throttle: metrics of %s on port %d", worker.hostname, self.port)
 
     def stop(self, worker: Any) -> None:
