@@ -61,6 +61,8 @@ __all__ = [
 
 CONFIG_ENV = "THROTTLE_CONFIG"
 """The environment variable naming the limits file when ``app.conf.throttle_config`` is unset."""
+MAPPING_SOURCE = "<mapping>"
+"""What errors name as their place when the config is a mapping (``throttle_config``)."""
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -562,6 +564,14 @@ class ThrottleConfig:
         return errors
 
     @classmethod
+    def check_mapping(cls, document: object, *, source: str | None = None) -> list[ConfigError]:
+        """Every error of a parsed limits document, as :meth:`check` finds a file's."""
+        errors: list[ConfigError] = []
+        with _noted(errors):
+            _build(document, source, errors)
+        return errors
+
+    @classmethod
     def from_mapping(cls, document: object, *, source: str | None = None) -> ThrottleConfig:
         """Validate a parsed limits document (the YAML's top-level mapping)."""
         config = _build(document, source, None)
@@ -577,7 +587,7 @@ class ThrottleConfig:
         if source is None:
             return cls()
         if isinstance(source, Mapping):
-            return cls.from_mapping(source, source="<mapping>")
+            return cls.from_mapping(source, source=MAPPING_SOURCE)
         return cls.load(source)
 
     def rules_for(self, task_name: str, queue: str | None) -> tuple[Rule, ...]:

@@ -73,6 +73,24 @@ def test_a_bad_limits_file_stops_the_worker_with_one_line_per_error(tmp_path: Pa
     ), done.stderr
     assert "Traceback" not in done.stderr + done.stdout
 
+    # A throttle_config mapping with two errors: both, as for a file
+    (tmp_path / "proj" / "celery.py").write_text(
+        APP.replace(
+            'app.conf.throttle_config = "limits.yaml"',
+            'app.conf.throttle_config = {"limits": {"a": {"rate": "1/fortnight"}, '
+            '"b": {"rate": "1/s", "on_eror": "refund"}}}',
+        )
+    )
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
+    assert [line.partition(": field")[0] for line in lines] == [
+        "throttle: <mapping>: limit 'a'",
+        "throttle: <mapping>: limit 'b'",
+        "throttle: 2 errors: the worker does not start",
+    ], done.stderr
+    (tmp_path / "proj" / "celery.py").write_text(APP)
+
     # A metrics port taken by another process, given by the environment: named there
     (tmp_path / "limits.yaml").write_text(
         f"settings: {{metrics: true, metrics_dir: '{tmp_path / 'metrics'}'}}\nlimits: {{}}\n"

@@ -42,7 +42,7 @@ from throttle.celery.runtime import (
 from throttle.celery.sent import install_stamp
 from throttle.celery.task import argument_errors
 from throttle.celery.waiting import WaitStep
-from throttle.config import ThrottleConfig
+from throttle.config import MAPPING_SOURCE, ThrottleConfig
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.client import wrap_errors
 from throttle.redis.clock import record_clock
@@ -82,7 +82,7 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
             throttler = Throttler.from_app(self.app)  # raises ConfigError on a bad file
             check_worker(throttler, worker)
         except ConfigError as exc:
-            refuse_to_start(exc)
+            refuse_to_start(exc, self.app)
         self.in_memory = throttler.in_memory
         if throttler.settings.lanes:
             # Before the pool forks: every process of the worker must know the lanes.
@@ -175,15 +175,17 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
         logger.warning("throttle: %s", warning)
 
 
-def refuse_to_start(exc: ConfigError) -> NoReturn:
-    """Stop a worker on a bad limits file: under the ``celery`` program, every error of the
-    file, one line each (what ``celery throttle check`` prints), on stderr, and exit code 1,
-    rather than a traceback that shows only the first; elsewhere (a worker embedded in a
-    test) ``exc`` is raised."""
+def refuse_to_start(exc: ConfigError, app: Celery) -> NoReturn:
+    """Stop a worker on a bad limits file (or ``throttle_config`` mapping of ``app``): under
+    the ``celery`` program, every error of it, one line each (what ``celery throttle
+    check`` prints), on stderr, and exit code 1, rather than a traceback that shows only
+    the first; elsewhere (a worker embedded in a test) ``exc`` is raised."""
     if click.get_current_context(silent=True) is None:
         raise exc
     errors: list[ConfigError] = []
-    if exc.source is not None and exc.source != "<mapping>":
+    if exc.source == MAPPING_SOURCE:  # all of the mapping's own errors
+        errors = ThrottleConfig.check_mapping(app.conf.get("throttle_config"), source=exc.source)
+    elif exc.source is not None:
         errors = ThrottleConfig.check(exc.source)  # the file's own errors, all of them
     if str(exc) not in map(str, errors):  # an error against the app (validate)
         errors.append(exc)
@@ -267,7 +269,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             throttler = Throttler.of(self.app)  # raises ConfigError on a bad file
         except ConfigError as exc:
-            refuse_to_start(exc)
+            refuse_to_start(exc, self.app)
         if not throttler.settings.metrics:
             return
         source = throttler.config.source
