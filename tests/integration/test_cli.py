@@ -237,9 +237,12 @@ def test_status_table_shows_holds_overrides_keys_and_denials(cli: Cli) -> None:
     cli.limiter.hold("gate", None, None)
     cli.limiter.hold("tenant", "acme", 30.0)
     RateBook(cli.limiter.client, cli.limiter.keyspace).set(cli.limit("shaper"), "1/s burst 1")
+    for task_id in ("t1", "t2", "t3"):  # the concurrency limit full: 3 running tasks
+        assert cli.limiter.acquire(cli.limit("pool"), acquisition_id=task_id).allowed
     result = cli("status", "--timeout", "0")
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
+    assert lines["pool"].split()[5:8] == ["0", "on", "release"]  # a unit back when one ends
     assert lines["LIMIT"].split()[:3] == ["LIMIT", "ALGORITHM", "RATE"]
     assert lines["gate"].split()[-3:] == ["paused", "?", "0"]
     assert lines["api"].endswith("1.2 (0.4 timed out)")  # over 5 minutes by default

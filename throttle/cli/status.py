@@ -232,6 +232,10 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
             if next_slot is None
             else "now"
             if next_slot == 0
+            # A unit comes back when a running task ends; the peek's time is only when the
+            # oldest lease would expire (a task that never ends), an upper bound.
+            else "on release"
+            if row["algorithm"] == "concurrency"
             else f"in {duration(next_slot)}"
         )
     state = []
