@@ -14,6 +14,7 @@ workers build the same app:
   ``0`` for Celery's default (acked when the pool starts the task);
 * ``HELD_VISIBILITY_S``: the Redis transport's visibility timeout, in s (default 8): a
   killed worker's unacknowledged messages come back once they are that old;
+* ``HELD_PREFETCH``: ``worker_prefetch_multiplier`` (default 1);
 * ``THROTTLE_CONFIG``: the limits file (limit ``held``).
 
 Each body counts itself in ``held:runs`` (HASH task id -> count) and names its worker in
@@ -53,7 +54,7 @@ app.conf.update(
     task_acks_late=ACKS_LATE,
     task_reject_on_worker_lost=ACKS_LATE,
     task_ignore_result=True,
-    worker_prefetch_multiplier=1,
+    worker_prefetch_multiplier=int(os.environ.get("HELD_PREFETCH", "1")),
     broker_connection_retry_on_startup=True,
     broker_transport_options={
         # Redis: unacked messages come back after this, swept every second by a live
@@ -89,6 +90,14 @@ def call(self: Any, n: int) -> None:
     pipe.hincrby("held:runs", self.request.id, 1)
     pipe.rpush(f"held:by:{self.request.id}", self.request.hostname or "")
     pipe.execute()
+
+
+@app.task(bind=True, shared=False)
+def ping(self: Any) -> None:
+    """Not throttled: when it ran (Redis clock, epoch s) in ``held:ping:<task id>``."""
+    client = _redis()
+    seconds, micros = client.time()
+    client.set(f"held:ping:{self.request.id}", seconds + micros / 1e6)
 
 
 if os.environ.get("HELD_COUNT_PUBLISHES") == "1":

@@ -11,7 +11,15 @@ import pytest
 from celery.app.task import Context
 
 from throttle.celery.execution import Admission, carry, mark_clear, take_admission
-from throttle.celery.waiting import BUSY_S, FRESH_S, ROOM_TASKS, Look, WaitingLine, has_room
+from throttle.celery.waiting import (
+    BUSY_S,
+    FRESH_S,
+    ROOM_TASKS,
+    Look,
+    WaitingLine,
+    has_room,
+    line_room,
+)
 from throttle.decision import Acquisition, Decision, LimitState
 from throttle.limiter import HOLD_PLACED
 from throttle.spec import Limit
@@ -117,3 +125,22 @@ def test_the_hand_over_marks_the_carried_decision() -> None:
     taken = take_admission(request)
     assert taken is not None and taken.holds_clear
     assert taken.decided_at == 1000.0
+
+
+def test_the_line_is_bounded_only_where_the_prefetch_count_cannot_be_raised() -> None:
+    def consumer(driver: str, qos_global: bool, prefetch: int) -> SimpleNamespace:
+        transport = SimpleNamespace(driver_type=driver)
+        return SimpleNamespace(
+            qos_global=qos_global, initial_prefetch_count=prefetch,
+            connection=SimpleNamespace(transport=transport),
+            pool=SimpleNamespace(num_processes=2),
+        )  # fmt: skip
+
+    # RabbitMQ quorum queues (Celery turns global QoS off): the slots beyond the pool's
+    assert line_room(consumer("amqp", False, 8)) == 6
+    assert line_room(consumer("amqp", False, 2)) == 0  # a multiplier of 1: none
+    # a prefetch count Celery can raise (classic queues; Redis, whatever its QoS flag),
+    # or no prefetch limit at all: no bound of the line's own
+    assert line_room(consumer("amqp", True, 8)) is None
+    assert line_room(consumer("redis", False, 8)) is None
+    assert line_room(consumer("amqp", False, 0)) is None

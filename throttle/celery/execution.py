@@ -186,6 +186,12 @@ class Admission:
     None (it was not listening): it looks again when the slot is further than
     ``gate.RECHECK_LEAD_S``, as a task the pool decided itself."""
 
+    sleep_max_s: float | None = None
+    """The most the pool child may sleep to this decision's slot, in s (None: the
+    setting's ``sleep_max``): set when the consumer had no room to hold the task (a
+    fixed prefetch count), so that a slot further ahead sends it back through the
+    broker for it and its prefetch slot frees."""
+
     def as_of(self, now: float) -> tuple[Decision, float]:
         """The decision as it stands at ``now`` (epoch s): its ``wait_s`` what is left of
         the wait, its ``late_s`` how long ago its slot passed (a pool that was busy, a held

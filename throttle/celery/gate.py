@@ -326,7 +326,10 @@ class Gate:
                     come_back_planned(self.execution, decision, self.plan)
                 come_back(self.execution, decision, plan=self.plan, planned=planned)
             wait = decision.wait_s
-            if wait > self._sleep_max_s():
+            sleep_max = self._sleep_max_s()
+            if on_first and admission is not None and admission.sleep_max_s is not None:
+                sleep_max = min(sleep_max, admission.sleep_max_s)  # no room in the consumer
+            if wait > sleep_max:
                 come_back_to_slot(self.execution, decision)  # a slot further ahead
             # What the consumer knew of holds placed since its decision (None: nothing).
             heard = admission.holds_clear if on_first and admission is not None else None

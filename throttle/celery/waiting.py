@@ -264,6 +264,9 @@ class Waiting:
         (then without asking: they would be served first). ``stale``: the gate was
         evaluated a while ago (before a wait for the plan), and is evaluated again."""
         line = self.line
+        if line is not None and line.full():
+            self.decide_in_pool(Pending(self, request, gate, None, stale=stale))
+            return
         pairs = pairs_of(gate)
         if line is not None and self._may_line(gate) and line.line.needs(pairs):
             line.join(Pending(self, request, gate, None, stale=True), pairs, priority_of(request))
@@ -388,6 +391,45 @@ class Waiting:
             carry(request.request_dict, Admission(request.id, decision, time.time()))
         self._to_pool(request)
 
+    def decide_in_pool(self, pending: Pending) -> None:
+        """A task that comes while the consumer holds all the waiting tasks it may
+        (:func:`line_room`): its slot is reserved now, as far ahead as the pool's gate
+        would (up to ``MAX_RESERVE_S``), and the pool sends it back through the broker
+        for it (one publish) instead of sleeping to it, so that its prefetch slot frees
+        for the tasks behind it. A slot within ``LEAD_S`` runs now; a task back on its
+        own reservation (``held``) is held to it here even so (it is due within the
+        arrival's lead, and sent back again it would only come back again). The price:
+        a far reservation, which a refund or a rate raised meanwhile does not bring
+        earlier."""
+        request, gate = pending.request, pending.gate
+        if request.revoked():
+            return
+        try:
+            if pending.stale:
+                gate.evaluate()
+            now = time.time()
+            decision = gate.admit(near_s=None)
+        except Exception as exc:
+            self._undecided(request, exc)
+            self._to_pool(request)
+            return
+        if not decision.allowed:
+            pending.decision = decision
+            self.send_on(pending, None)
+            return
+        targets, estimates = gate.evaluated()
+        wait = decision.wait_s
+        held = decision.held and decision.acquisition is not None
+        admission = Admission(
+            request.id, decision, now, targets=targets, estimates=estimates,
+            sleep_max_s=None if held else LEAD_S,
+        )  # fmt: skip
+        carry(request.request_dict, admission)
+        if held and LEAD_S < wait <= self.settings_sleep_max:
+            self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait)
+        else:
+            self._to_pool(request, pairs_of(gate))
+
     def _undecided(self, request: Any, exc: Exception) -> None:
         """The consumer could not decide (the limiter's Redis is away, an argument the
         rules read is missing): the pool's gate decides, as without this step, and fails
@@ -463,8 +505,19 @@ class Waiting:
         consumer = self.consumer
         consumer.qos.increment_eventually()
         state.reserved_requests.discard(request)
+        line = self.line
+        if line is not None:
+            line.held += 1
+
+        def due(*given: Any) -> None:
+            try:
+                then(*given)
+            finally:
+                if line is not None:
+                    line.held -= 1
+
         request._eta_timer_entry = consumer.timer.call_at(
-            time.monotonic() + delay_s, then, (request, *args), priority=_TIMER_PRIORITY
+            time.monotonic() + delay_s, due, (request, *args), priority=_TIMER_PRIORITY
         )
         state.task_scheduled(request)
 
@@ -589,6 +642,31 @@ def line_budget_s(app: Celery, throttler: Throttler) -> float:
     return max(budget, 0.0)
 
 
+def line_room(consumer: Any) -> int | None:
+    """How many tasks a worker's line may hold: no bound of its own (None) where the
+    consumer can raise its prefetch count for each, as it does for Celery's ETA tasks.
+    With per-consumer QoS (RabbitMQ quorum queues: Celery turns global QoS off), a raised
+    prefetch count reaches only consumers started after it, so every waiting task keeps
+    one of the fixed prefetch slots (``worker_prefetch_multiplier`` x concurrency): the
+    line then holds at most those beyond the pool's size, and the pool's share stays for
+    tasks that can run (other tenants, unthrottled tasks, higher priorities). A task that
+    comes while the line is full is decided in the pool, as before the line existed
+    (:meth:`Waiting.decide_in_pool`). ``worker_prefetch_multiplier`` sets how many wait
+    in the line."""
+    if getattr(consumer, "qos_global", True) is not False:
+        return None
+    try:  # Redis and the other virtual transports raise a per-channel count at once
+        if consumer.connection.transport.driver_type != "amqp":
+            return None
+    except AttributeError:
+        return None
+    prefetch = int(getattr(consumer, "initial_prefetch_count", 0) or 0)
+    if prefetch <= 0:  # no prefetch limit: nothing to keep free
+        return None
+    size = getattr(consumer.pool, "num_processes", None) or 1
+    return max(prefetch - size, 0)
+
+
 class WaitingLine:
     """Where the consumer keeps the tasks that wait for capacity (reserving nothing): a
     :class:`throttle.celery.capacity.Line`, served from the consumer's timer when its
@@ -606,6 +684,11 @@ class WaitingLine:
     def __init__(self, consumer: Any, max_wait_s: float) -> None:
         self.consumer = consumer
         self.line = Line(self._ask, max_wait_s)
+        self.room = line_room(consumer)
+        """How many tasks the line may hold, with those held for a near slot; None: as
+        many as the prefetch count can be raised for (see :func:`line_room`)."""
+        self.held = 0
+        """How many tasks the consumer's timer holds (a near slot, a plan, a not-before)."""
         self.entry: Any = None
         self.armed_at = math.inf
         self.announcements: Announcements | None = None
@@ -667,7 +750,10 @@ class WaitingLine:
         blocks: dict[Pair, float] | None = None,
     ) -> None:
         request = pending.request
-        raised = len(self.line) < LINE_MAX_TASKS
+        if self.full():
+            pending.waiting.decide_in_pool(pending)
+            return
+        raised = self.room is None and len(self.line) < LINE_MAX_TASKS
         if raised:
             self.consumer.qos.increment_eventually()
         state.reserved_requests.discard(request)
@@ -685,6 +771,11 @@ class WaitingLine:
         # Only this task's own time can be earlier than the timer's: no pass over the line
         # per arrival (a backlog of a thousand would cost the consumer a million looks).
         self._arm_at(self.line.free_at(waiter))
+
+    def full(self) -> bool:
+        """Whether the consumer holds all the waiting tasks it may, in the line and in its
+        timer (only with a fixed prefetch count: each keeps a prefetch slot)."""
+        return self.room is not None and len(self.line) + self.held >= self.room
 
     def _ask(self, waiter: Waiter) -> dict[Pair, float] | None:
         pending: Pending = waiter.item
@@ -929,6 +1020,13 @@ class WaitStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if budget > 0 and not throttler.in_memory:
             self.line = line = WaitingLine(consumer, budget)
             line.listen(throttler)
+            if line.room is not None:
+                logger.info(
+                    "throttle: the broker's prefetch count is per consumer (a quorum queue): "
+                    "at most %d tasks wait in this worker's line (worker_prefetch_multiplier x "
+                    "concurrency, less the pool's size); more are decided in the pool, which "
+                    "reserves their slots and sends them back through the broker", line.room,
+                )  # fmt: skip
         names = install_strategies(app, consumer, undecided, line)
         survive_broker_loss(consumer)
         self.restoring = restore_when_idle(consumer)
