@@ -272,9 +272,10 @@ def speed_rounds(
 ) -> dict[str, Any]:
     """``--speed-rounds`` pairs of floods, unthrottled (``plain_call``) and in shadow mode
     (``plan_call``), the API open, each pair in the other order than the one before (the
-    host's drift hits both alike): each flood's speed and workers' CPU per task, and the
-    shadow's median speed against the unthrottled median, beside the spread of the
-    unthrottled floods themselves (the noise)."""
+    host's drift hits both alike): each flood's speed, workers' CPU per task and the
+    machine's busy share while the fleet drains it, and the shadow's median speed
+    against the unthrottled median, beside the spread of the unthrottled floods
+    themselves (the noise) and the inverse ratio of the workers' CPU per task."""
     runs: dict[str, list[dict[str, float]]] = {"plain_call": [], "plan_call": []}
     for round_ in range(args.speed_rounds):
         order = ("plain_call", "plan_call")
@@ -283,19 +284,31 @@ def speed_rounds(
             started = time.monotonic()
             cpu.lap(1, 1)
             sent = send_flood(app, f"bench.plans_app.{task}", rates, args)
+            # From here the fleet drains the flood (all of it with --backlog): how busy the
+            # machine is while it does (2 cores: 100 % is both).
+            psutil.cpu_percent()
             per_s = speed(wait_all(api, sent, timeout_s)) or 0.0
+            busy = psutil.cpu_percent()
             lap = cpu.lap(time.monotonic() - started, len(sent))
             runs[task].append({
                 "per_s": round(per_s, 1), "workers_ms": lap["workers"]["ms_per_task"],
-                "main_ms": lap["workers_main"]["ms_per_task"],
+                "main_ms": lap["workers_main"]["ms_per_task"], "machine_busy": busy,
             })  # fmt: skip
-            print(f"speed round {round_ + 1}: {task} {per_s:.1f}/s", file=sys.stderr)
+            print(
+                f"speed round {round_ + 1}: {task} {per_s:.1f}/s, machine {busy:.0f} % busy",
+                file=sys.stderr,
+            )
     plain = sorted(run["per_s"] for run in runs["plain_call"])
     shadow = sorted(run["per_s"] for run in runs["plan_call"])
+    cpu_ms = {task: statistics.median(run["workers_ms"] for run in runs[task]) for task in runs}
     return {
         "unthrottled": runs["plain_call"], "shadow": runs["plan_call"],
         "shadow_of_unthrottled": round(statistics.median(shadow) / statistics.median(plain), 3),
         "unthrottled_spread": round(plain[-1] / plain[0] - 1, 3),
+        # The speed ratio of a machine that the floods keep busy: the workers' CPU per
+        # task (the producer's is spent before the drain with --backlog), shadow over
+        # unthrottled, inverted.
+        "cpu_of_unthrottled": round(cpu_ms["plain_call"] / max(cpu_ms["plan_call"], 1e-9), 3),
     }  # fmt: skip
 
 
