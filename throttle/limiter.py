@@ -43,7 +43,13 @@ from redis.commands.core import Script
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import CostExceedsCapacity, RequestError, ThrottleError
-from throttle.redis.client import RedisClient, client_from_url, run_routine, run_routines
+from throttle.redis.client import (
+    RedisClient,
+    client_from_url,
+    run_routine,
+    run_routines,
+    wrap_errors,
+)
 from throttle.redis.direct import direct_calls
 from throttle.redis.keys import KeySpace
 from throttle.redis.library import Library, Routine
@@ -68,7 +74,7 @@ from throttle.redis.wire import (
     target_args,
     target_numbers,
 )
-from throttle.spec import Limit
+from throttle.spec import MAX_AMOUNT, Limit
 from throttle.units import real
 
 __all__ = [
@@ -358,7 +364,9 @@ class RequestBuilder(Generic[_S]):
         args: list[Any] = [b"", acquisition.id, n]
         for (limit, key), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(target_args(limit, key))
-            args.append(b"" if actual is None else _number(actual, "actual_cost"))
+            # A cost beyond any limit's count is a mistake, and charged it would deny the
+            # key for ages: refused, as an acquire's cost beyond the capacity is.
+            args.append(b"" if actual is None else _number(actual, "actual_cost", most=MAX_AMOUNT))
         # A refund or a released unit is announced, for the tasks waiting for it.
         args.append(self.keyspace.capacity_channel())
         args.extend(limit.name for limit, _ in acquisition.targets)
@@ -759,6 +767,16 @@ class Limiter(RequestBuilder[Routine[Script]]):
         """Lift the hold (or pause) of ``limit`` (of its ``key``, when given)."""
         script, keys, args, _ = self._unhold_request(limit, key)
         self._call(script, keys, args)
+
+    def mark_started(self) -> None:
+        """Say that this deployment's callers start now, none of them sleeping to a slot
+        yet: a Redis (or namespace) without the restart fence's marker gets one that has
+        ended, so that :attr:`fence_s` does not deny the first calls for its length (a
+        new Redis looks like one that lost its data). Call it once at start-up, before
+        the first acquire, when you set ``fence_s``, as the Celery layer's workers do. A
+        marker already there is left alone. One round trip."""
+        key = self.keyspace.fence_key()
+        wrap_errors(lambda: self.client.set(key, 0, nx=True))
 
     def holds(self) -> dict[tuple[str, str | None], float]:
         """The live holds of the namespace: (limit, key or None) -> seconds left (``inf``:

@@ -108,6 +108,17 @@ def test_each_target_is_taken_alone_as_of_when_it_was_asked(redis_url: str, pref
     assert mixed[1].allowed
 
 
+def test_a_limiter_marked_started_is_not_fenced_on_a_new_redis(redis_url: str, prefix: str) -> None:
+    gcra = Limit.parse("10/s burst 1", name="api", algorithm="gcra")
+
+    async def body(limiter: Limiter) -> Any:
+        limiter.fence_s = 2.0
+        await limiter.mark_started()
+        return await limiter.acquire(gcra, max_wait_s=2.0)
+
+    assert run(redis_url, prefix, body).wait_s == 0.0  # not 2 s of fence
+
+
 def test_a_batch_of_acquisitions_is_taken_in_order(redis_url: str, prefix: str) -> None:
     shared = Limit.parse("10/s burst 1", name="shared", algorithm="gcra")
     window = Limit.parse("1/h", name="tenant", algorithm="fixed_window")

@@ -300,6 +300,18 @@ def test_settle_charges_the_extra_as_a_debt(clocked: Limiter) -> None:
     assert denied.retry_after_s == pytest.approx(5.0)  # -4 tokens: 5 s to reach one
 
 
+def test_settle_refuses_a_cost_beyond_any_limit_and_takes_nothing(clocked: Limiter) -> None:
+    limit = Limit.parse("100/h", name="api")
+    decision = clocked.acquire(limit, cost=10, acquisition_id="t")
+    assert decision.acquisition is not None
+    # A charge of 1e20 would deny the key for ages (a typo, a unit mixed up): refused
+    with pytest.raises(RequestError, match="actual_cost"):
+        clocked.settle(decision.acquisition, 1e20)
+    # and the acquisition is still there to settle with its real cost
+    assert clocked.settle(decision.acquisition, 4).refunded == 6.0
+    assert clocked.acquire(limit).allowed
+
+
 def test_gcra_refund_never_moves_a_slot_before_now(clocked: Limiter, clock: FakeClock) -> None:
     limit = Limit.parse("1/s burst 1", name="shaper", algorithm="gcra")
     decision = clocked.acquire(limit, acquisition_id="t")

@@ -118,6 +118,21 @@ def test_the_fence_ends_and_a_found_marker_fences_nothing(
     assert fenced.acquire(DAILY, "acme").allowed
 
 
+def test_a_limiter_marked_started_on_a_new_redis_is_not_fenced(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    """A limiter of one's own with a fence, started on a new Redis: marked started, its
+    first calls are admitted (not fenced for fence_s as a loss of data would be); a marker
+    already there (a fence another process wrote) is left as it is."""
+    limiter = Limiter(client, prefix=prefix, clock_us=clock)
+    limiter.fence_s = FENCE_S
+    limiter.mark_started()
+    assert limiter.acquire(SHAPER, max_wait_s=FENCE_S).wait_s == 0.0
+    client.set(limiter.keyspace.fence_key(), 123)
+    limiter.mark_started()
+    assert client.get(limiter.keyspace.fence_key()) == b"123"
+
+
 def test_the_guard_spaces_calls_that_started_late(
     fenced: Limiter, client: redis.Redis, prefix: str, clock: FakeClock
 ) -> None:

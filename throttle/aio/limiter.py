@@ -36,7 +36,7 @@ from redis.commands.core import AsyncScript
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import BackendUnavailable, ThrottleError
 from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, Acquire, Request, RequestBuilder
-from throttle.redis.client import async_client_from_url, run_routine_async
+from throttle.redis.client import async_client_from_url, run_routine_async, wrap_errors_async
 from throttle.redis.library import Library, Routine
 from throttle.redis.replies import one_limit_decision
 from throttle.spec import Limit
@@ -248,6 +248,12 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         """Lift the hold (or pause) of ``limit``: :meth:`throttle.Limiter.unhold`."""
         script, keys, args, _ = self._unhold_request(limit, key)
         await self._call(script, keys, args)
+
+    async def mark_started(self) -> None:
+        """A Redis without the restart fence's marker gets one that has ended:
+        :meth:`throttle.Limiter.mark_started`. One round trip."""
+        key = self.keyspace.fence_key()
+        await wrap_errors_async(lambda: self.client.set(key, 0, nx=True))
 
     async def holds(self) -> dict[tuple[str, str | None], float]:
         """The live holds of the namespace: :meth:`throttle.Limiter.holds`."""

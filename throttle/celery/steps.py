@@ -44,7 +44,6 @@ from throttle.celery.task import argument_errors
 from throttle.celery.waiting import WaitStep
 from throttle.config import MAPPING_SOURCE, ThrottleConfig
 from throttle.errors import BackendError, ConfigError
-from throttle.redis.client import wrap_errors
 from throttle.redis.clock import record_clock
 
 CLOCK_WARN_S = 0.5
@@ -97,8 +96,7 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             # A new deployment: no task of this worker sleeps to a slot yet, so a Redis
             # without the restart fence's marker gets one that has ended (no stall).
-            limiter = throttler.limiter
-            wrap_errors(lambda: limiter.client.set(limiter.keyspace.fence_key(), 0, nx=True))
+            throttler.limiter.mark_started()
             throttler.check_cold_start()
             check_clock(throttler, worker.hostname)
         except BackendError as exc:  # a worker starts while Redis is down: it may

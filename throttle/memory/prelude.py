@@ -11,10 +11,14 @@ from typing import Any, Protocol
 from throttle.redis.wire import target_args
 from throttle.spec import Limit
 
+_MAX_US = 1e18
+"""The longest duration held, in us (about 31,700 years): a state that far in the future is
+as good as forever, and infinity has no integer."""
+
 
 def ceil_us(x: float) -> int:
     """A duration in us rounded up to a whole us, never negative (prelude.lua's)."""
-    return 0 if x <= 0 else math.ceil(x)
+    return 0 if x <= 0 else math.ceil(min(x, _MAX_US))
 
 
 @dataclass
