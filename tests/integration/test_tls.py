@@ -30,6 +30,7 @@ from tests.support.clock import FakeClock
 from tests.support.servers import RedisSentinel, RedisServer, TlsFiles, free_port
 from throttle import BackendError, BackendUnavailable, ConfigError, Limit, Limiter
 from throttle.admin import reset
+from throttle.aio import Limiter as AsyncLimiter
 from throttle.celery import Throttler
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
@@ -139,6 +140,13 @@ def test_a_bad_tls_option_is_a_config_error_naming_where_the_url_came_from(
     with pytest.raises(ConfigError, match=r"^app.conf.throttle_redis_url: field 'redis_url': "
                        r"the database .* must be a number"):  # fmt: skip
         Throttler.from_app(app)
+    # a scheme redis-py does not take (a typo, a URL of something else), sync and asyncio
+    app.conf.throttle_redis_url = "Redis://127.0.0.1:6380/0"
+    with pytest.raises(ConfigError, match=r"^app.conf.throttle_redis_url: field 'redis_url': "
+                       r"a Redis URL starts with redis://, .* \(got 'Redis://'\)"):  # fmt: skip
+        Throttler.from_app(app)
+    with pytest.raises(ConfigError, match=r"field 'redis_url': a Redis URL .* \(got 'http://'\)"):
+        AsyncLimiter.from_url("http://:hunter2@127.0.0.1:6380/0")
 
 
 # -- TLS and ACL -----------------------------------------------------------------------------

@@ -239,6 +239,7 @@ def async_client_from_url(url: str, **options: Any) -> redis.asyncio.Redis:
     master behind Sentinel (without TLS). A Redis Cluster URL and ``rediss+sentinel://``
     raise :class:`ConfigError`: the asyncio limiter does not support them (use the
     blocking :class:`throttle.Limiter` there)."""
+    check_options(url)
     options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
     options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
     if is_cluster_url(url):

@@ -152,13 +152,23 @@ _CERT_REQS = ("none", "optional", "required")
 _TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
 
 
+_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES)
+"""The schemes of the URLs the limiter takes (redis-py's, Sentinel's, a Cluster's)."""
+
+
 def check_options(url: str) -> None:
     """Refuse, as a :class:`ConfigError` naming the option, what redis-py would accept
     here and fail on only at the first call, where it reads as an outage (so
-    ``on_redis_down`` would apply to a typo, forever): an ``ssl_cert_reqs`` it does not
+    ``on_redis_down`` would apply to a typo, forever): a scheme it does not take (its
+    own error, a ValueError, would not name the field), an ``ssl_cert_reqs`` it does not
     know, a TLS file or directory that does not exist, a database that is not a
     number (``redis://host/zz``, which redis-py reads as database 0)."""
     scheme, _, rest = url.partition("://")
+    if scheme not in _SCHEMES:  # as redis-py reads them: lower case
+        raise ConfigError(
+            f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}",
+            field="redis_url", value=f"{scheme}://" if "://" in url else "no scheme",
+        )  # fmt: skip
     parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
     for name, value in parse_qsl(parsed.query, keep_blank_values=True):
         if name == "ssl_cert_reqs" and value.lower() not in _CERT_REQS:
