@@ -11,6 +11,8 @@ import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from tests.apps.cli_app import app as cli_app
 from tests.integration import test_cli
 from tests.integration.test_cli import Cli
@@ -200,3 +202,30 @@ def test_the_celery_program_runs_task_parked_and_purge(cli: Cli) -> None:
     assert proc.returncode == 0, err
     assert "purged 1 parked task (all)" in out
     assert as_json(cli, "parked")["total"] == 0
+
+
+# Celery's Redis result backend writes with redis-py's setex, which warns as deprecated.
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+def test_task_tells_a_revoked_task_from_one_that_ran(cli: Cli) -> None:
+    """The result backend says REVOKED: revoked in a worker's line (nothing of it in the
+    throttler's Redis) or after its slot was reserved; a finished one without a slot
+    reads without one."""
+    from celery.backends.redis import RedisBackend  # noqa: PLC0415
+
+    backend = RedisBackend(app=cli_app, url=cli.redis_url)
+    cli_app._local.backend = backend  # what app.backend caches, for this thread
+    try:
+        backend.mark_as_revoked("in-line")
+        assert as_json(cli, "task", "in-line")["state"] == "revoked"
+        assert "revoked (the result backend says REVOKED): it does not run" in (
+            cli("task", "in-line").output
+        )
+        shaper = cli.limit("shaper")
+        assert cli.limiter.acquire_many([(shaper, None)], acquisition_id="slotted").allowed
+        backend.mark_as_revoked("slotted")
+        assert as_json(cli, "task", "slotted")["state"] == "revoked"
+        backend.store_result("ran", 1, "SUCCESS")
+        assert "task ran: finished (SUCCESS)\n" in cli("task", "ran").output
+    finally:
+        del cli_app._local.backend
+        backend.client.close()

@@ -86,7 +86,7 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
         # end of a run writes nothing to the throttler's Redis: the result backend tells.
         result = finished(app, task_id)
         if result is not None:
-            return {**out, "state": "done", "result": result, "until": until}
+            return _ended(out, result, until)
         return {**out, "state": "started", "until": until}
 
     if lease.get("s") == b"2":  # settled: it ran, whatever deferrals came before
@@ -115,9 +115,21 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
         # released (back at the broker, or running since), unless the results say it ended
         result = finished(app, task_id)
         if result is not None:
-            return {**out, "state": "done", "result": result, "until": None}
+            return _ended(out, result)
         return {**out, "state": "released"}
+    # Nothing in the throttler's Redis (a task revoked in a worker's line leaves nothing
+    # there): the result backend may still tell how it ended.
+    result = finished(app, task_id)
+    if result is not None:
+        return _ended(out, result)
     return {**out, "state": "unknown", "until": None}
+
+
+def _ended(out: dict[str, Any], result: str, until: float | None = None) -> dict[str, Any]:
+    """A task whose result backend says it ended: ``revoked`` (it does not run, or was
+    stopped), else ``done``."""
+    state = "revoked" if result == "REVOKED" else "done"
+    return {**out, "state": state, "result": result, "until": until}
 
 
 def waiting_in_worker(app: Any, task_id: str, timeout_s: float) -> dict[str, Any] | None:
@@ -171,7 +183,8 @@ _SAYS = {
     "paused": "held by limit {held_by}, paused until `celery throttle resume {held_by}`",
     "timed_out": "timed out at {at} ({action})",
     "purged": "deleted from the parking lot (celery throttle purge): it never runs",
-    "done": "finished ({result}) after its slot at {slot}",
+    "done": "finished ({result}){after}",
+    "revoked": "revoked (the result backend says {result}): it does not run",
     "unknown": (
         "unknown: never throttled, finished more than its lease ago, or not a task of this "
         "fleet (prefix and namespace)"
@@ -191,8 +204,8 @@ def task(ctx: click.Context, task_id: str, as_json: bool, timeout: float) -> Non
 
     One of: parked until T, being released, sleeping to its slot at T, started (finished,
     with its result state, when the app has a result backend), re-published
-    for T, held by limit L until T (or paused), timed out, done, waiting in a worker,
-    unknown. Read from the parking lot's index, the task's lease record (its reserved slot
+    for T, held by limit L until T (or paused), timed out, done, revoked, waiting in a
+    worker, unknown. Read from the parking lot's index, the task's lease record (its reserved slot
     and limits) and its trail (the last deferral or time out, kept an hour past its due
     time); the workers are asked when Redis does not know where the task waits.
     """
@@ -217,6 +230,7 @@ def task(ctx: click.Context, task_id: str, as_json: bool, timeout: float) -> Non
         return "?" if value is None else moment(round(value * 1e6), now_us)
 
     fields = {k: stamp(data.get(k)) for k in ("until", "slot", "at")}
+    fields["after"] = "" if data.get("slot") is None else f" after its slot at {fields['slot']}"
     fields.update(
         held_by=data.get("held_by"),
         action=data.get("action"),
