@@ -145,12 +145,18 @@ def declared_by(task: Task) -> Declared | None:
 class Throttler:
     """The throttler of one Celery app in one process: config, limiter, rates, parking."""
 
-    def __init__(self, app: Celery, config: ThrottleConfig, limiter: Limiter) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        config: ThrottleConfig,
+        limiter: Limiter,
+        url_origin: str | None = None,
+    ) -> None:
         self.app = app
         self.config = config
         self.settings: Settings = config.settings
         self.limiter = limiter
-        self.url_origin: str | None = config.source
+        self.url_origin = config.source if url_origin is None else url_origin
         """Where the limiter's Redis URL came from (the limits file, ``app.conf``, the
         environment, the broker URL): what an error about it names."""
         keyspace = limiter.keyspace
@@ -253,11 +259,8 @@ class Throttler:
         if url.startswith(MEMORY_URL):
             from throttle.memory import MemoryLimiter  # noqa: PLC0415 (tests only)
 
-            throttler = cls(
-                app, config, MemoryLimiter(prefix=settings.prefix, namespace=settings.namespace)
-            )
-            throttler.url_origin = origin
-            return throttler
+            memory = MemoryLimiter(prefix=settings.prefix, namespace=settings.namespace)
+            return cls(app, config, memory, url_origin=origin)
         try:
             limiter = Limiter.from_url(
                 url,
@@ -277,9 +280,7 @@ class Throttler:
                 "'?' and '#' in user names and passwords",
                 field="redis_url", value=redact(url), source=origin,
             ) from None  # fmt: skip
-        throttler = cls(app, config, limiter)
-        throttler.url_origin = origin
-        return throttler
+        return cls(app, config, limiter, url_origin=origin)
 
     def rules(self, task: Task, declared: Declared | None, queue: str | None) -> tuple[Rule, ...]:
         """The task's rules: its own (inline, then named), then the file's for its name and
