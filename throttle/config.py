@@ -339,11 +339,11 @@ class Settings:
         reads them all). ``None``: ``throttle-metrics-PREFIX-NAMESPACE`` in the temp dir.
     refusals_max:
         The refusals the upstream reported that are kept per limit, fleet-wide, in Redis
-        (:mod:`throttle.refusals`, ``celery throttle refusals``): the last this many
-        (approximately: Redis trims whole nodes of the stream).
+        (:mod:`throttle.refusals`, ``celery throttle refusals``): the last this many.
     refusals_for_s:
-        Refusals older than this are dropped when the next one of the limit is recorded
-        (``None``: kept until ``refusals_max`` pushes them out). Needs Redis 6.2.
+        Refusals older than this are never shown, and are dropped when the next one of
+        the limit is recorded (``None``: kept until ``refusals_max`` pushes them out).
+        Needs Redis 6.2.
     mode:
         The ``mode`` of every limit that does not set its own: ``enforce`` or ``shadow``
         (see the limit field; concurrency limits are always enforced).

@@ -351,10 +351,16 @@ class RateBook(RateBookBase):
         """Switch limit ``name`` to ``mode`` (``enforce``, ``shadow``) for the whole fleet,
         within ``refresh_s``; None: back to the limits file's mode."""
         self._checked_mode(mode)
-        if mode is None:
-            wrap_errors(lambda: self.client.hdel(self.modes_key, name))
-        else:
-            wrap_errors(lambda: self.client.hset(self.modes_key, name, mode))
+
+        def write() -> None:
+            if mode is None:
+                self.client.hdel(self.modes_key, name)
+            else:
+                self.client.hset(self.modes_key, name, mode)
+            # Tasks waiting for the limit look again now: switched to shadow, they run.
+            self.client.publish(self.channel, f"{RATES_CHANGED} {name}")
+
+        wrap_errors(write)
         self._changed()
 
     def mode(self, name: str) -> str | None:

@@ -5,9 +5,10 @@
 STREAM per limit (:meth:`throttle.redis.keys.KeySpace.refusals_key`): when (the entry's id,
 on the Redis clock, ms), the key, the task, the HTTP status, the header that decided the
 hold and the hold. The stream is capped as it grows: the last ``settings.refusals_max``
-entries per limit (``XADD MAXLEN ~``: Redis trims whole macro nodes, so a few more may
-stay), and, with ``settings.refusals_for``, none older than that (``XTRIM MINID`` when
-the next refusal of the limit is recorded; Redis 6.2 or newer). One round trip per
+entries per limit (``XADD MAXLEN``, exact: refusals are rare, and an approximate cap
+keeps at least a whole node of 100 entries), and, with ``settings.refusals_for``, none
+older than that (``XTRIM MINID`` when the next refusal of the limit is recorded, Redis
+6.2 or newer; a read skips the older ones left until then). One round trip per
 refusal, from the worker that saw it; a Redis error loses the entry (logged), never the
 task. A refusal is recorded under each limit it speaks for, and ``held`` says whether it
 held that limit (or its key) for the fleet, or not (the task came back alone, or the
@@ -109,10 +110,11 @@ class RefusalBookBase:
     Parameters
     ----------
     max_entries:
-        Refusals kept per limit (approximately: ``MAXLEN ~``).
+        Refusals kept per limit (exactly: ``MAXLEN``).
     keep_s:
-        Refusals older than this (s) are trimmed when the next one is recorded (None: kept
-        until ``max_entries`` pushes them out). Needs Redis 6.2 (``XTRIM MINID``).
+        Refusals older than this (s) are trimmed when the next one is recorded, and never
+        read (None: kept until ``max_entries`` pushes them out). Needs Redis 6.2 (``XTRIM
+        MINID``).
     clock:
         Now in epoch s on the Redis clock (:meth:`throttle.redis.clock.RedisClock.now`),
         for the age bound.
@@ -134,14 +136,26 @@ class RefusalBookBase:
     def _queue(self, pipe: Any, refusals: Sequence[Refusal]) -> None:
         """Queue on ``pipe`` (blocking or asyncio) the commands that append ``refusals``
         and trim each stream."""
-        oldest_ms = None if self.keep_s is None else int((self.clock() - self.keep_s) * 1000)
+        oldest_ms = self._oldest_ms()
         for refusal in refusals:
             stream = self.keyspace.refusals_key(refusal.limit)
             fields: dict[Any, Any] = refusal.fields()
-            pipe.xadd(stream, fields, maxlen=self.max_entries, approximate=True)
-            if oldest_ms is not None and oldest_ms > 0:
+            pipe.xadd(stream, fields, maxlen=self.max_entries, approximate=False)
+            if oldest_ms is not None:
                 # exact: the few entries that aged out since the last refusal
                 pipe.xtrim(stream, minid=f"{oldest_ms}-0", approximate=False)
+
+    def _oldest_ms(self) -> int | None:
+        """The id time (ms, Redis clock) of the oldest entry kept by ``keep_s``, or None."""
+        if self.keep_s is None:
+            return None
+        oldest_ms = int((self.clock() - self.keep_s) * 1000)
+        return oldest_ms if oldest_ms > 0 else None
+
+    def _oldest_id(self) -> str:
+        """The smallest stream id a read returns: ``-`` (any), or the ``keep_s`` bound."""
+        oldest_ms = self._oldest_ms()
+        return "-" if oldest_ms is None else f"{oldest_ms}-0"
 
     @staticmethod
     def _select(
@@ -192,5 +206,5 @@ class RefusalBook(RefusalBookBase):
         stream = self.keyspace.refusals_key(limit)
         # The whole stream, newest first: it is capped (max_entries, a few kB each 100),
         # and a key filter may skip most of it.
-        page = wrap_errors(lambda: self.client.xrevrange(stream, "+", "-"))
+        page = wrap_errors(lambda: self.client.xrevrange(stream, "+", self._oldest_id()))
         return self._select(page, key, count)

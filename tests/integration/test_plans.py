@@ -8,7 +8,7 @@ and the bounds (0.2 s) leave a loaded host ample room.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from celery import Celery
@@ -16,6 +16,7 @@ from celery import Celery
 from throttle import Limit, Limiter
 from throttle.celery import Throttler
 from throttle.celery.execution import Ticket
+from throttle.celery.observe import Observer
 from throttle.celery.plan import hand_back, plan_id, plan_limit
 from throttle.celery.settle import actual_costs, settle
 
@@ -105,3 +106,13 @@ def test_an_admitted_call_settles_its_plan_as_its_limit(throttler: Throttler) ->
     assert decision.acquisition is not None
     ticket = Ticket(decision.acquisition, (tenant, shared), time.time(), {None: 1.0})
     assert actual_costs(ticket, decision.acquisition, failed=False) == [1.0, 1.0, 1.0]
+    # and the refunds counted (metrics, events) are the task's limits', not the plan's
+    counted: list[tuple[list[str], list[float]]] = []
+
+    class Counting(Observer):
+        def settled(self, limits: Sequence[str], deltas: Sequence[float]) -> None:
+            counted.append((list(limits), list(deltas)))
+
+    throttler.observer.add(Counting())
+    settle(throttler, ticket, failed=False)
+    assert counted == [(["tenant", "shared"], [-2.0, -2.0])]

@@ -492,8 +492,7 @@ def test_the_record_of_refusals_is_capped_per_limit(client: redis.Redis, prefix:
     for i in range(500):
         book.record([Refusal("api", f"k{i % 3}", f"t{i}", "task", 429, "Retry-After", 1.0,
                              True)])  # fmt: skip
-    kept = client.xlen(KeySpace(prefix).refusals_key("api"))
-    assert 10 <= kept < 200  # MAXLEN ~: whole macro nodes (100 entries) trimmed
+    assert client.xlen(KeySpace(prefix).refusals_key("api")) == 10  # exactly the cap
     newest = book.read("api", count=3)
     assert [e.task_id for e in newest] == ["t499", "t498", "t497"]
     assert [e.task_id for e in book.read("api", key="k1", count=2)] == ["t499", "t496"]
@@ -503,6 +502,12 @@ def test_the_record_of_refusals_is_capped_per_limit(client: redis.Redis, prefix:
     aged = RefusalBook(client, KeySpace(prefix), keep_s=60.0, clock=lambda: redis_now_s(client))
     aged.record([Refusal("old", None, "last", None, None, "", 0.0, False)])
     assert [e.task_id for e in book.read("old")] == ["last"]
+    # and a read shows none older, though the stream keeps them until the next record
+    stream = KeySpace(prefix).refusals_key("older")
+    client.xadd(stream, {"limit": "older", "task_id": "aged"}, id="2000-0")
+    client.xadd(stream, {"limit": "older", "task_id": "new"})
+    assert [e.task_id for e in aged.read("older")] == ["new"]
+    assert [e.task_id for e in book.read("older")] == ["new", "aged"]
 
 
 def test_a_lone_refusal_holds_nothing_and_persisting_ones_hold_the_limit(

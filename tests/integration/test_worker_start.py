@@ -72,6 +72,8 @@ def test_a_bad_limits_file_stops_the_worker_with_one_line_per_error(tmp_path: Pa
         "prefork pool with 2 child" in done.stderr  # where the URL was set, not the file
     ), done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    # and that one error alone (the setting's name is not a file to read)
+    assert "throttle: 1 error: the worker does not start" in done.stderr, done.stderr
 
     # A throttle_config mapping with two errors: both, as for a file
     (tmp_path / "proj" / "celery.py").write_text(

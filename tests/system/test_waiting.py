@@ -23,6 +23,7 @@ from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 from throttle.celery.waiting import LEAD_S
 from throttle.limiter import Limiter
+from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
 from workers.harness import Worker, running
 
@@ -199,6 +200,42 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     # asked goes with a denial, not to be decided in the pool and sleep there up to
     # sleep_max while the others wait for a free pool slot
     assert max(slept(client).values()) <= LEAD_S + 0.2, slept(client)
+
+
+SHADOW_SWITCH_CONFIG = """
+settings: {refresh: 0.5s}
+limits:
+  spaced: {algorithm: gcra, rate: 2/s, burst: 1}
+"""
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Redis backend's setex
+def test_a_limit_switched_to_shadow_lets_the_tasks_waiting_in_the_line_run_at_once(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced_late  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server, tmp, "switch.yaml", SHADOW_SWITCH_CONFIG)
+    # Given a flood of 20 tasks of a 2/s limit (10 s of work), waiting in the line (a
+    # visibility timeout of 60 s: the line keeps waits far longer than this flood's)
+    line = worker(redis_server, tmp, "w-switch", "prefork", config="switch.yaml",
+                  visibility_s=60.0)  # fmt: skip
+    with running(app, [line]):
+        handles = [spaced_late.delay(f"s{i}") for i in range(20)]
+        wait_for(lambda: len(log(client)) >= 3, timeout_s=30)
+        # When an operator switches the limit to shadow mode (celery throttle shadow)
+        RateBook(client, KeySpace()).set_mode("spaced", "shadow")
+        switched_at = redis_now_s(client)
+        for handle in handles:
+            handle.get(timeout=60)
+    # Then the tasks waiting in the line run at once, each once, not at the limit's 2/s
+    # (at which the 17 or fewer left would take 8 s and more): within the line's next
+    # look (announced at once, the modes read afresh) and the pool's run of a no-op task
+    done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
+    assert done == {f"s{i}": 1 for i in range(20)}
+    last = max(at for _, at in log(client))
+    assert last - switched_at < 4.0, (last - switched_at, log(client))
 
 
 MAX_WAIT_CONFIG = flood_config(", max_wait: 2s")

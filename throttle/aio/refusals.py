@@ -51,6 +51,6 @@ class RefusalBook(RefusalBookBase):
         """The last ``count`` refusals of ``limit`` (of its ``key`` only, when given),
         newest first (:meth:`throttle.refusals.RefusalBook.read`)."""
         stream = self.keyspace.refusals_key(limit)
-        page = await wrap_errors_async(lambda: self.client.xrevrange(stream, "+", "-"))
+        page = await wrap_errors_async(lambda: self.client.xrevrange(stream, "+", self._oldest_id()))
         # a client without decode_responses (as the limiter's): ids and fields are bytes
         return self._select(cast("list[tuple[bytes, dict[bytes, bytes]]]", page), key, count)

@@ -91,6 +91,7 @@ class Gate:
             # Decided in the worker's consumer, before the task runs: the request is the
             # one its pool child will see (:mod:`throttle.celery.waiting`).
             execution.request = request
+        self.declared = declared
         self.rule_set = throttler.rule_set(task, declared, execution.queue)
         execution.rules = self.rule_set.rules
         self.settings = throttler.settings
@@ -141,6 +142,14 @@ class Gate:
             execution.throttler.observer.allowed(execution, ticket.slot_at - now)
         ticket.shadowing = pairs
         return ticket
+
+    def modes_changed(self) -> bool:
+        """Whether a limit of the task was switched between shadow and enforce since this
+        gate took its rules (the modes are cached for ``settings.refresh``): a task that
+        waited since then must take the rules in force now."""
+        execution = self.execution
+        now = execution.throttler.rule_set(execution.task, self.declared, execution.queue)
+        return now is not self.rule_set
 
     def evaluate(self) -> None:
         """Evaluate the task's rules on its call (targets, deadlines) and, for a task with

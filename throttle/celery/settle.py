@@ -19,6 +19,7 @@ from throttle.celery.plan import hand_back, rule_name
 from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
 from throttle.errors import BackendError
+from throttle.spec import PLAN_SUFFIX
 
 
 def settle(
@@ -47,6 +48,8 @@ def settle(
         # its own call, not find this one's reservation.
         return
     names = [limit.name for limit, _ in acquisition.targets]
+    # What the observers count is the task's own limits, not their plan twins (plan.py).
+    own = [i for i, name in enumerate(names) if not name.endswith(PLAN_SUFFIX)]
     try:
         settlement = throttler.limiter.settle(acquisition, actuals)
         if ticket.plan is not None:
@@ -56,9 +59,10 @@ def settle(
             hand_back(throttler.limiter, ticket.plan, acquisition.id, plan_actuals, 60.0)
     except BackendError as exc:
         throttler.outage(exc)
-        throttler.observer.redis_error(names)
+        throttler.observer.redis_error([names[i] for i in own])
         return
-    throttler.observer.settled(names, settlement.deltas)
+    deltas = settlement.deltas  # empty when the lease was gone: nothing settled
+    throttler.observer.settled([names[i] for i in own], [deltas[i] for i in own if deltas])
 
 
 def actual_costs(

@@ -183,8 +183,9 @@ def refuse_to_start(exc: ConfigError, app: Celery) -> NoReturn:
     errors: list[ConfigError] = []
     if exc.source == MAPPING_SOURCE:  # all of the mapping's own errors
         errors = ThrottleConfig.check_mapping(app.conf.get("throttle_config"), source=exc.source)
-    elif exc.source is not None:
-        errors = ThrottleConfig.check(exc.source)  # the file's own errors, all of them
+    elif exc.source is not None and os.path.isfile(exc.source):
+        # the file's own errors, all of them (not for a setting's name: a Redis URL)
+        errors = ThrottleConfig.check(exc.source)
     if str(exc) not in map(str, errors):  # an error against the app (validate)
         errors.append(exc)
     for error in errors:

@@ -287,7 +287,15 @@ class Waiting:
         if request.revoked():
             return None
         try:
-            if pending.stale:
+            if pending.stale and gate.modes_changed():
+                # A limit switched to shadow or enforce while the task waited: its rules
+                # as they are now; with none enforced, it runs at once.
+                renewed = self._gate(request)
+                if renewed is None:
+                    self._to_pool(request)
+                    return None
+                pending.gate = gate = renewed
+            elif pending.stale:
                 # The rates in force now (one set at run time and announced, or followed
                 # from the upstream's word): the pool child runs on these targets too.
                 gate.evaluate()
