@@ -15,6 +15,7 @@ from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import BackendUnavailable, ConfigError, Limit, Limiter, Throttled, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
+from throttle.celery.execution import current_ticket
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.testing import upstream_response
 from throttle.upstream import report_upstream
@@ -32,6 +33,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
                 "five": {"algorithm": "gcra", "rate": "5/s", "burst": 1},
                 "hourly": {"algorithm": "gcra", "rate": "1/h", "burst": 1, "max_wait": "1s"},
                 "budget": {"rate": "1000/d", "key": "{tenant}", "cost": "estimate"},
+                "pair": {"rate": "2 concurrent"},
             },
             "tasks": {"eager.mapped": ["five"]},
         },
@@ -119,6 +121,48 @@ def test_report_cost_settles_the_estimate(
     assert 880 - 1e-3 <= remaining <= 880 + refilled + 1e-3
 
 
+def test_report_cost_settles_a_direct_call_and_names_what_it_refuses(
+    app: Celery, client: redis.Redis
+) -> None:
+    @app.task(shared=False)
+    @throttled("budget")
+    def call(tenant: str, estimate: int, used: float, limit: str | None = None) -> float:
+        report_cost(used, limit=limit)
+        return used
+
+    limiter = Throttler.of(app).limiter
+    budget = Throttler.of(app).config.rule("budget").limit
+    started = redis_now_s(client)
+    # A direct call settles its estimate too
+    assert call("direct", 300, 120) == 120
+    remaining = limiter.acquire(budget, "direct", cost=0).remaining
+    refilled = (redis_now_s(client) - started) * 1000 / 86400
+    assert 880 - 1e-3 <= remaining <= 880 + refilled + 1e-3
+    # A misspelt limit, a cost no limit could settle: the body fails, naming them
+    with pytest.raises(ValueError, match="no limit 'budgt'; its limits: 'budget'"):
+        call.apply(("acme", 10, 1), {"limit": "budgt"}).get()
+    with pytest.raises(ValueError, match="of limit 'budget' needs a number from 0 to 1e"):
+        call.apply(("acme", 10, 1e30), {"limit": "budget"}).get()
+
+
+def test_a_cost_the_limiter_refuses_is_settled_as_reserved_and_frees_its_unit(
+    app: Celery,
+) -> None:
+    @app.task(shared=False)
+    @throttled("pair", "budget")
+    def call(tenant: str, estimate: int) -> str:
+        ticket = current_ticket()
+        assert ticket is not None
+        ticket.reported["budget"] = 1e30  # past report_cost's own check
+        return "done"
+
+    # The body's result stands, and the concurrency unit comes back at once: the next
+    # two calls find both units free (not one, until the lease ended)
+    assert call.apply(("acme", 10)).get() == "done"
+    pair = Throttler.of(app).config.rule("pair").limit
+    assert Throttler.of(app).limiter.peek(pair).remaining == 2
+
+
 def test_base_class_with_its_own_limits(app: Celery) -> None:
     class Shaped(ThrottledTask):  # type: ignore[misc]
         throttle = ("2/s burst 1",)
@@ -140,7 +184,7 @@ def test_outside_a_task_the_function_is_plain_and_report_cost_is_a_no_op() -> No
 
     assert plain(21) == 42
     assert slot_time() is None
-    with pytest.raises(ValueError, match="finite number >= 0"):
+    with pytest.raises(ValueError, match="a number from 0 to 1e"):
         report_cost(-1)
 
 

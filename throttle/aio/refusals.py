@@ -51,6 +51,7 @@ class RefusalBook(RefusalBookBase):
         """The last ``count`` refusals of ``limit`` (of its ``key`` only, when given),
         newest first (:meth:`throttle.refusals.RefusalBook.read`)."""
         stream = self.keyspace.refusals_key(limit)
-        page = await wrap_errors_async(lambda: self.client.xrevrange(stream, "+", self._oldest_id()))
+        oldest = self._oldest_id()
+        page = await wrap_errors_async(lambda: self.client.xrevrange(stream, "+", oldest))
         # a client without decode_responses (as the limiter's): ids and fields are bytes
         return self._select(cast("list[tuple[bytes, dict[bytes, bytes]]]", page), key, count)

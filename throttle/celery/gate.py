@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,8 @@ class Gate:
         self.plan: Plan | None = None
         self.planned: float | None = None
         """The planned time of a task back with a plan (epoch s, Redis clock), else None."""
+        self.direct_id: str | None = None
+        """The acquisition id of a direct call (no task id), made on its first acquire."""
         self.learning: list[tuple[Limit, str | None, Adaptive, float]] = []
         """The adaptive limits of the last evaluation: (the limit in force, key, how it
         learns, the learned rate used, per s)."""
@@ -268,10 +271,13 @@ class Gate:
         placed since has voided (an upstream 429, a pause) is given up, and the decision
         reads as a denial until the hold ends."""
         execution = self.execution
+        acquisition_id = execution.request.id
+        if acquisition_id is None:  # a direct call: an id of its own, for report_cost
+            acquisition_id = self.direct_id = self.direct_id or uuid.uuid4().hex
         decision = self.limiter.acquire_many(
             execution.targets if self.acquiring is None else self.acquiring,
             max_wait_s=max_wait_s,
-            acquisition_id=execution.request.id,
+            acquisition_id=acquisition_id,
             lease_s=lease_s(execution),
             reserve_until=reserve_until,
         )

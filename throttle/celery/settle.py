@@ -12,14 +12,17 @@ of the task still finds its reservation instead of paying twice.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from throttle.celery.execution import Ticket
 from throttle.celery.plan import hand_back, rule_name
 from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
-from throttle.errors import BackendError
+from throttle.errors import BackendError, RequestError
 from throttle.spec import PLAN_SUFFIX
+
+logger = logging.getLogger("throttle")
 
 
 def settle(
@@ -51,7 +54,13 @@ def settle(
     # What the observers count is the task's own limits, not their plan twins (plan.py).
     own = [i for i, name in enumerate(names) if not name.endswith(PLAN_SUFFIX)]
     try:
-        settlement = throttler.limiter.settle(acquisition, actuals)
+        try:
+            settlement = throttler.limiter.settle(acquisition, actuals)
+        except RequestError as exc:
+            # A cost the limiter refuses: settled as reserved, so that the concurrency
+            # units come back now, not when the lease ends; the body's outcome stands.
+            logger.error("throttle: task %s settled as reserved: %s", acquisition.id, exc)
+            settlement = throttler.limiter.settle(acquisition, None)
         if ticket.plan is not None:
             # Ran on a plan: what the call did not use goes back to the plan too.
             by_name = dict(zip((rule_name(n) for n in names), actuals, strict=True))

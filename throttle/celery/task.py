@@ -12,7 +12,6 @@ ticket by :func:`throttle.upstream.report_upstream`) comes back once, from here
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -37,7 +36,7 @@ from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.rules import UNSET, Declared, Rule, declare
 from throttle.rules import argument_errors as rule_argument_errors
-from throttle.spec import Algorithm, Limit
+from throttle.spec import MAX_AMOUNT, Algorithm, Limit
 from throttle.units import real
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -244,13 +243,26 @@ def report_cost(actual: float, limit: str | None = None) -> None:
     ``limit`` names one limit; ``None`` applies to every limit whose cost is an estimate
     (an argument or a callable; fixed costs, such as 1 request, stay). The difference is
     refunded or charged when the task returns. Outside a throttled task this does nothing.
+    Raises ValueError for a cost that is not a number from 0 to 1e15, and for a ``limit``
+    the running task does not have (a misspelt name would lose the refund).
     """
     number = real(actual)
-    if number is None or not 0 <= number < math.inf:
-        raise ValueError(f"report_cost needs a finite number >= 0 (got {actual!r})")
+    if number is None or not 0 <= number <= MAX_AMOUNT:
+        of = "" if limit is None else f" of limit {limit!r}"
+        raise ValueError(
+            f"report_cost{of} needs a number from 0 to {MAX_AMOUNT:g} (got {actual!r})"
+        )
     ticket = current_ticket()
-    if ticket is not None:
-        ticket.reported[limit] = number
+    if ticket is None:
+        return
+    if limit is not None and all(rule.name != limit for rule in ticket.rules):
+        names = [rule.name for rule in ticket.rules] + [rule.name for rule, _ in ticket.shadow]
+        if limit not in names:
+            raise ValueError(
+                f"report_cost: the running task has no limit {limit!r}; its limits: "
+                + (", ".join(map(repr, names)) or "none")
+            )
+    ticket.reported[limit] = number
 
 
 def slot_time() -> float | None:
