@@ -48,6 +48,7 @@ from typing import Any
 from throttle.adaptive import ADAPTIVE_FIELDS, parse_adaptive
 from throttle.errors import ConfigError, did_you_mean
 from throttle.redis.keys import KeySpace, text_error
+from throttle.redis.urls import check_form
 from throttle.rules import Rule
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
 from throttle.units import parse_duration
@@ -490,6 +491,13 @@ def _setting(key: object, value: object, source: str | None) -> dict[str, Any]:
             f"must be Unicode text; it has {problem}", field=f"settings.{key}", value=value,
             source=source,
         )  # fmt: skip
+    if key == "redis_url":
+        try:
+            check_form(value)
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.problem, field=f"settings.{key}", value=exc.value, source=source
+            ) from None
     if key in ("prefix", "namespace"):
         try:
             KeySpace(**{key: value})
@@ -588,6 +596,11 @@ class ThrottleConfig:
             return cls()
         if isinstance(source, Mapping):
             return cls.from_mapping(source, source=MAPPING_SOURCE)
+        if not isinstance(source, str | os.PathLike):  # an int would be read as a file descriptor
+            raise ConfigError(
+                "must be the path of a limits file or a mapping",
+                field="throttle_config", value=source,
+            )  # fmt: skip
         return cls.load(source)
 
     def rules_for(self, task_name: str, queue: str | None) -> tuple[Rule, ...]:

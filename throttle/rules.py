@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
-from throttle.spec import Limit
+from throttle.spec import MAX_AMOUNT, Limit
 from throttle.units import parse_duration, real
 from throttle.upstream.dialects import dimension_name
 
@@ -628,7 +628,21 @@ def declare(
                 "config file, a Limit or a Rule",
                 value=item, source=owner,
             )  # fmt: skip
+    if names and rule_options and not rules:
+        # Checked now, as they would be on an inline limit, not when a task first runs:
+        # on a stand-in of the named limit (its own numbers come from the file later).
+        stand_in = Limit.parse(_STAND_IN, name=names[0], source=owner)
+        try:
+            Rule(stand_in, **rule_options)
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.problem, field=exc.field, value=exc.value, limit=exc.limit, source=owner
+            ) from None
     return Declared(tuple(rules), tuple(names), rule_options)
+
+
+_STAND_IN = f"{MAX_AMOUNT:.0f}/s"
+"""A rate no option's check can find too small (a fixed cost, a plan's burst)."""
 
 
 # -- keys and costs from a task's arguments ------------------------------------------------

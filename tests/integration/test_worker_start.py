@@ -93,6 +93,20 @@ def test_a_bad_limits_file_stops_the_worker_with_one_line_per_error(tmp_path: Pa
     ], done.stderr
     (tmp_path / "proj" / "celery.py").write_text(APP)
 
+    # A metrics directory that cannot be made (a file stands in its way): one error line
+    (tmp_path / "taken").write_text("")
+    (tmp_path / "limits.yaml").write_text(
+        f"settings: {{metrics: true, metrics_dir: '{tmp_path / 'taken' / 'm'}'}}\nlimits: {{}}\n"
+    )
+    done = _worker(tmp_path, "-P", "solo")
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("throttle: ")]
+    assert [line.partition(": cannot")[0] for line in lines] == [
+        "throttle: limits.yaml: field 'settings.metrics_dir'",
+        "throttle: 1 error: the worker does not start",
+    ], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
     # A metrics port taken by another process, given by the environment: named there
     (tmp_path / "limits.yaml").write_text(
         f"settings: {{metrics: true, metrics_dir: '{tmp_path / 'metrics'}'}}\nlimits: {{}}\n"

@@ -752,6 +752,10 @@ def test_from_source_mapping_and_path(tmp_path: Path) -> None:
     path = write(tmp_path, BASE)
     assert ThrottleConfig.from_source(path).rule("api").limit.count == 10
     assert ThrottleConfig.from_source(str(path)).source == str(path)
+    # anything else is named, never opened (an int would be a file descriptor)
+    for wrong in (42, ["limits.yaml"], b"limits.yaml"):
+        with pytest.raises(ConfigError, match="field 'throttle_config': must be the path"):
+            ThrottleConfig.from_source(wrong)  # type: ignore[arg-type]
 
 
 # --- durations ------------------------------------------------------------------------------
@@ -820,3 +824,23 @@ def test_a_merge_key_may_be_overridden_and_a_burst_given_twice_may_not(tmp_path:
     with pytest.raises(ConfigError, match="given twice") as caught:
         ThrottleConfig.load(write(tmp_path, twice))
     assert (caught.value.limit, caught.value.field) == ("a", "burst")
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("htp://x", "a Redis URL starts with redis://"),
+        ("redis://127.0.0.1:notaport/0", "the port must be a number"),
+        ("redis://127.0.0.1:6379/zz", "the database (the URL's path) must be a number"),
+    ],
+)
+def test_a_redis_url_of_the_wrong_form_is_an_error_of_the_file(url: str, problem: str) -> None:
+    # what celery throttle check can tell on any host (not the workers' TLS files)
+    with pytest.raises(ConfigError) as caught:
+        ThrottleConfig.from_mapping({"settings": {"redis_url": url}}, source="limits.yaml")
+    assert str(caught.value).startswith(f"limits.yaml: field 'settings.redis_url': {problem}"), (
+        caught.value
+    )
+    for fine in ("redis+sentinel://a:26379,b:26379/main/0", "unix:///tmp/redis.sock",
+                 "rediss://h:6380/0?ssl_ca_certs=/only/on/the/workers.pem"):  # fmt: skip
+        ThrottleConfig.from_mapping({"settings": {"redis_url": fine}})

@@ -141,6 +141,19 @@ def test_declare_splits_inline_rates_from_names_and_keeps_the_overrides() -> Non
     assert set(declared.overrides) == {"key", "cost"}
 
 
+def test_an_override_of_a_named_limit_is_checked_when_declared_not_when_run() -> None:
+    with pytest.raises(ConfigError) as caught:
+        declare(["github"], "proj.tasks.fetch", {"max_wait_s": "soon"})
+    assert str(caught.value).startswith(
+        "proj.tasks.fetch: limit 'github': field 'max_wait': must be a duration"
+    )
+    with pytest.raises(ConfigError, match="field 'on_timeout'"):
+        declare(["github"], "proj.tasks.fetch", {"on_timeout": "explode"})
+    # fine ones pass, whatever the named limit's own numbers turn out to be
+    declared = declare(["github"], "proj.tasks.fetch", {"max_wait_s": "5s", "cost": 500})
+    assert declared.overrides == {"max_wait_s": "5s", "cost": 500}
+
+
 def test_a_key_an_operator_types_is_checked_against_the_limit_s_template() -> None:
     composite = Rule(REQUESTS, key="{tenant_id}:{region}")
     # the key as the worker writes it: each value percent-encoded

@@ -272,9 +272,12 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if not throttler.settings.metrics:
             return
         source = throttler.config.source
-        self.directory = metrics.setup_worker(
-            metrics_base(throttler.settings), worker.hostname, source=source
-        )
+        try:  # prometheus_client missing, a directory it cannot write
+            self.directory = metrics.setup_worker(
+                metrics_base(throttler.settings), worker.hostname, source=source
+            )
+        except ConfigError as exc:
+            refuse_to_start(exc, self.app)
         self.port = metrics_port(throttler.settings)
 
     def start(self, worker: Any) -> None:

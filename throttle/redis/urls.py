@@ -159,16 +159,13 @@ _SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES)
 def check_options(url: str) -> None:
     """Refuse, as a :class:`ConfigError` naming the option, what redis-py would accept
     here and fail on only at the first call, where it reads as an outage (so
-    ``on_redis_down`` would apply to a typo, forever): a scheme it does not take (its
-    own error, a ValueError, would not name the field), an ``ssl_cert_reqs`` it does not
-    know, a TLS file or directory that does not exist, a database that is not a
-    number (``redis://host/zz``, which redis-py reads as database 0)."""
+    ``on_redis_down`` would apply to a typo, forever): what :func:`check_form` refuses (a
+    scheme it does not take, whose own error, a ValueError, would not name the field; a
+    database that is not a number, ``redis://host/zz``, which redis-py reads as database
+    0), an ``ssl_cert_reqs`` it does not know, a TLS file or directory that does not
+    exist on this host."""
+    check_form(url)
     scheme, _, rest = url.partition("://")
-    if scheme not in _SCHEMES:  # as redis-py reads them: lower case
-        raise ConfigError(
-            f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}",
-            field="redis_url", value=f"{scheme}://" if "://" in url else "no scheme",
-        )  # fmt: skip
     parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
     for name, value in parse_qsl(parsed.query, keep_blank_values=True):
         if name == "ssl_cert_reqs" and value.lower() not in _CERT_REQS:
@@ -183,8 +180,30 @@ def check_options(url: str) -> None:
                 raise ConfigError(
                     f"{name} names no {kind} on this host", field="redis_url", value=value
                 )
+
+
+def check_form(url: str) -> None:
+    """Refuse, as a :class:`ConfigError` naming the field, a URL whose form is wrong on
+    any host (what ``celery throttle check`` can tell without the workers' files): a
+    scheme the limiter does not take, a port or a database that is not a number."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in _SCHEMES:  # as redis-py reads them: lower case
+        raise ConfigError(
+            f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}",
+            field="redis_url", value=f"{scheme}://" if "://" in url else "no scheme",
+        )  # fmt: skip
+    parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
+    if scheme not in ("redis", "rediss"):
+        return  # a socket path; several hosts (Sentinel, Cluster): read by their parsers
+    try:
+        parsed.port  # noqa: B018  (raises on a port that is not a number)
+    except ValueError:
+        raise ConfigError(
+            "the port must be a number from 0 to 65535", field="redis_url",
+            value=parsed.netloc,
+        ) from None  # fmt: skip
     db = parsed.path.strip("/")
-    if scheme in ("redis", "rediss") and db and not db.isdigit():
+    if db and not db.isdigit():
         raise ConfigError(
             "the database (the URL's path) must be a number, such as /0",
             field="redis_url", value=f"/{db}",
