@@ -521,7 +521,7 @@ class Rule:
             return self.limit
         plan = self.plan
         if callable(plan):
-            value = plan(*args, **kwargs)
+            value = _call(self, "plan", plan, args, kwargs)
         else:
             template = self.plan_template
             assert template is not None  # a str plan is parsed by Rule
@@ -682,6 +682,36 @@ def _parameter_defaults(fn: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
 _defaults = functools.lru_cache(maxsize=1024)(_parameter_defaults)
 
 
+class _Unbound(dict[str, Any]):
+    """The keyword arguments of a call that the task's function refuses, and why: an
+    argument a template or a cost names is then missing for that reason."""
+
+    def __init__(self, kwargs: Mapping[str, Any], problem: str) -> None:
+        super().__init__(kwargs)
+        self.problem = problem
+
+
+def _no_argument(named: Mapping[str, Any], what: str) -> str:
+    """Why the argument(s) ``what`` names are missing from ``named``."""
+    if isinstance(named, _Unbound):
+        return f"the call does not fit the task's parameters ({named.problem}): no {what}"
+    return f"the task has no {what}"
+
+
+def _call(
+    rule: Rule, field: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A key, cost or plan function of ``rule`` on the task's arguments; what it raises
+    as a ConfigError naming the limit and field (chained to the original)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise ConfigError(
+            f"the {field} function raised {type(exc).__name__}: {exc}", field=field,
+            limit=rule.name,
+        ) from exc  # fmt: skip
+
+
 def named_arguments(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
@@ -696,11 +726,13 @@ def named_arguments(
         # usually has plain parameters). A call it refuses (too many arguments, one given
         # twice or unknown) gives the keyword arguments alone, as below.
         if len(args) > len(names):
-            return dict(kwargs)
+            return _Unbound(kwargs, f"{len(args)} positional arguments for {len(names)}")
         named = dict(zip(names, args, strict=False))
         for name in kwargs:
-            if name in named or name not in names:
-                return dict(kwargs)
+            if name in named:
+                return _Unbound(kwargs, f"argument {name!r} given twice")
+            if name not in names:
+                return _Unbound(kwargs, f"an unexpected keyword argument {name!r}")
         named.update(kwargs)
         if len(named) < len(names):
             for name, default in _defaults(fn):
@@ -709,8 +741,8 @@ def named_arguments(
     try:
         signature = _signature(fn)
         bound = signature.bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return dict(kwargs)
+    except (TypeError, ValueError) as exc:
+        return _Unbound(kwargs, str(exc))
     bound.apply_defaults()
     named = dict(bound.arguments)
     for parameter in signature.parameters.values():
@@ -760,7 +792,8 @@ def _render(rule: Rule, template: KeyTemplate, named: Mapping[str, Any], what: s
     missing = [name for name in template.heads if name not in named]
     if missing:
         raise ConfigError(
-            f"the task has no argument {', '.join(map(repr, missing))} for the {what} template",
+            f"{_no_argument(named, 'argument ' + ', '.join(map(repr, missing)))} for the {what} "
+            "template",
             field=what, value=_written(rule, what), limit=rule.name,
         )  # fmt: skip
     texts = []
@@ -838,7 +871,7 @@ def key_for(
     if key is None:
         return None
     if callable(key):
-        value = _key_text(rule, key(*args, **kwargs), "the key function's result")
+        value = _key_text(rule, _call(rule, "key", key, args, kwargs), "the key function's result")
     else:
         template = rule.key_template
         assert template is not None  # a str key is parsed by Rule
@@ -898,12 +931,12 @@ def cost_for(
     if isinstance(cost, str):
         if cost not in named:
             raise ConfigError(
-                "the task has no argument of this name", field="cost", value=cost,
+                _no_argument(named, "argument of this name"), field="cost", value=cost,
                 limit=rule.name,
             )  # fmt: skip
         value = named[cost]
     else:
-        value = cost(*args, **kwargs)
+        value = _call(rule, "cost", cost, args, kwargs)
     number = real(value)
     if number is None or not 0 <= number < math.inf:
         raise ConfigError(

@@ -164,3 +164,32 @@ def test_a_key_an_operator_types_is_checked_against_the_limit_s_template() -> No
     assert key_problem(composite, "acme") is not None  # not the template's shape
     assert key_problem(Rule(REQUESTS, key="{tenant_id}"), "acme corp") is None  # one value
     assert "has no key" in (key_problem(Rule(REQUESTS), "acme") or "")
+
+
+def test_a_call_the_task_would_refuse_is_named_as_such_not_as_a_missing_argument() -> None:
+    def fetch(tenant: str, n: int) -> None: ...
+
+    rule = Rule(Limit.parse("10/s", name="api"), key="{tenant}", cost="n")
+    with pytest.raises(ConfigError) as caught:
+        targets([rule], fetch, ("acme", 1), {"zzz": 1})
+    assert "the call does not fit the task's parameters (an unexpected keyword argument " \
+        "'zzz'): no argument 'tenant' for the key template" in str(caught.value)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\(3 positional arguments for 2\)"):
+        targets([rule], fetch, ("acme", 1, 2), {})
+    assert targets([rule], fetch, (), {"tenant": "a", "n": 2})[0][1:] == ("a", 2.0)
+
+
+def test_what_a_key_cost_or_plan_function_raises_names_its_limit_and_field() -> None:
+    def fetch(tenant: str) -> None: ...
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise KeyError("nope")
+
+    for field in ("key", "cost"):
+        rule = Rule(Limit.parse("10/s", name="api"), **{field: broken})
+        with pytest.raises(ConfigError) as caught:
+            targets([rule], fetch, ("acme",), {})
+        assert str(caught.value) == (
+            f"limit 'api': field '{field}': the {field} function raised KeyError: 'nope'"
+        )
+        assert isinstance(caught.value.__cause__, KeyError)
