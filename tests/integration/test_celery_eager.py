@@ -16,6 +16,8 @@ from tests.support.servers import RedisServer
 from throttle import BackendUnavailable, ConfigError, Limit, Limiter, Throttled, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
 from throttle.celery.execution import current_ticket
+from throttle.celery.runtime import unknown_limits
+from throttle.config import ThrottleConfig
 from throttle.limiter import DEFAULT_LEASE_S
 from throttle.testing import upstream_response
 from throttle.upstream import report_upstream
@@ -532,3 +534,20 @@ def test_a_task_under_guarded_limits_only_keeps_a_slot_up_to_one_spacing_late(
             call.pop_request()
     finally:
         close_throttler(app)
+
+
+def test_a_named_limit_without_any_limits_file_says_that_no_file_is_configured() -> None:
+    app = Celery("nofile", set_as_current=False)
+
+    @app.task(shared=False)
+    @throttled("github")
+    def fetch() -> None: ...
+
+    (error,) = unknown_limits(app, ThrottleConfig())
+    assert str(error) == (
+        f"task {fetch.name!r} names a limit, but no limits file is configured "
+        "(app.conf.throttle_config, or the THROTTLE_CONFIG environment variable) (got 'github')"
+    )
+    defining = ThrottleConfig.from_source({"limits": {"gh": {"rate": "1/s"}}})
+    (error,) = unknown_limits(app, defining)
+    assert "names a limit the file does not define; it defines gh" in str(error)

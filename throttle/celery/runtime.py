@@ -23,7 +23,7 @@ from throttle.celery.observe import Observers, TaskTrailReporter, default_observ
 from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
-from throttle.config import Settings, ThrottleConfig
+from throttle.config import CONFIG_ENV, Settings, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, did_you_mean
 from throttle.limiter import Limiter
 from throttle.parking import ParkingLot
@@ -95,7 +95,14 @@ def unknown_limits(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
     """Each limit a task of ``app`` names (``@throttled("name")``, ``ThrottledTask``) that
     ``config`` does not define, naming the task: a worker refuses to start on the first,
     ``celery throttle check -A`` lists them all."""
-    defined = ", ".join(sorted(config.rules)) or "none"
+    if config.source is None:
+        where = (
+            ", but no limits file is configured (app.conf.throttle_config, or the "
+            f"{CONFIG_ENV} environment variable)"
+        )
+    else:
+        defined = ", ".join(sorted(config.rules)) or "none"
+        where = f" the file does not define; it defines {defined}"
     errors = []
     for task in sorted(app.tasks.values(), key=lambda task: str(task.name)):
         declared = declared_by(task)
@@ -103,8 +110,7 @@ def unknown_limits(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
             if name not in config.rules:
                 errors.append(
                     ConfigError(
-                        f"task {task.name!r} names a limit the file does not define; it "
-                        f"defines {defined}",
+                        f"task {task.name!r} names a limit{where}",
                         value=name,
                         source=config.source,
                     )
