@@ -323,8 +323,15 @@ class Rule:
             )  # fmt: skip
         if number is not None:
             if not (0 <= number <= self.limit.capacity):
+                hint = ""
+                if number > self.limit.capacity:  # the default cost 1 on '0.5/s', say
+                    hint = (
+                        f": no task could ever run; give the limit a burst of at least "
+                        f"{number:g} (a rate of 0.5/s holds 0.5 at once, 1/2s holds 1)"
+                    )
                 raise ConfigError(
-                    f"must be a number from 0 to the limit's capacity {self.limit.capacity:g}",
+                    f"must be a number from 0 to the limit's capacity "
+                    f"{self.limit.capacity:g}{hint}",
                     field="cost", value=cost, limit=name,
                 )  # fmt: skip
             object.__setattr__(self, "cost", number)
