@@ -406,9 +406,15 @@ def test_shadow_and_enforce_switch_a_limit_and_status_tells_what_it_would_have_d
     assert result.exit_code == 0, result.output
     assert "limit 'busy' enforced: its tasks wait for it" in result.output
     assert _rows(_status(cli))["busy"]["mode"] == "enforce"
-    assert "shadow   busy (enforced now)" in cli("status", "--timeout", "0").output
+    text = cli("status", "--timeout", "0").output
+    assert "shadow   busy (enforced now)" in text
+    # a mode set at run time, even the file's own, shows: it outlives a change of the file
+    assert _rows(_status(cli))["busy"]["mode_set"] == "enforce"
+    assert "mode     busy: enforce, set at run time (`enforce busy --default`" in text
     assert cli("enforce", "busy", "--default").exit_code == 0
     assert RateBook(cli.limiter.client, cli.limiter.keyspace).modes() == {}
+    assert _rows(_status(cli))["busy"]["mode_set"] is None
+    assert "mode     busy" not in cli("status", "--timeout", "0").output
 
 
 def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: Cli) -> None:

@@ -143,6 +143,7 @@ def collect_status(
                     for plan, planned in entry.rule.plan_limits.items()
                 },
                 "mode": throttler.mode_of(entry.rule),
+                "mode_set": throttler.rates.mode(name),
                 "shadow": shadows.get(name),
                 "key_rates": {
                     key: spec
@@ -293,6 +294,12 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
         f"fleet-wide, over the last {span}"
     )
     for row in data["limits"]:
+        if row.get("mode_set") is not None:
+            out.append(
+                f"mode     {row['name']}: {row['mode_set']}, set at run time (`enforce "
+                f"{row['name']} --default`: the limits file's mode)"
+            )
+    for row in data["limits"]:
         seen = row["shadow"]
         if row["mode"] != "shadow" and seen is None:
             continue
@@ -379,7 +386,8 @@ def status(
     {"held_s": seconds left}; next_slot_s is null while paused; in_flight is null with
     --timeout 0; per_minute has the counts of "denied" (deferred), "parked" (of the denied),
     "timeout" and "waited" (slept to their slot in the worker); mode is "enforce" or
-    "shadow" (set at run time with `enforce` and `shadow`); shadow (null when the limit
+    "shadow", mode_set the mode set at run time with `enforce` and `shadow` (null: the
+    limits file's, which `enforce --default` goes back to); shadow (null when the limit
     looked at no task in shadow mode over the last M minutes, the current one included) has
     the tasks it looked at, how many it would have delayed, and their would-be wait at p50_s
     and p95_s, also shown under the table; plans maps each plan to its rate and burst (a
