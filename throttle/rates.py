@@ -83,6 +83,7 @@ class RateBookBase:
     def _checked_key(self, limit: Limit, key: str, rate: str) -> Limit:
         """The limit a key's ``rate`` makes of ``limit`` (its burst as :meth:`keyed_limit`
         decides it); a bad rate, or a fair limit, raises ConfigError."""
+        _is_limit(limit)
         if limit.fair:
             raise ConfigError(
                 "a fair limit shares one rate among its keys: a key's share is set by its "
@@ -124,6 +125,7 @@ class RateBookBase:
     @staticmethod
     def _checked(limit: Limit, rate: str) -> Limit:
         """The limit ``rate`` makes of ``limit``; a bad rate raises ConfigError."""
+        _is_limit(limit)
         return Limit.parse(rate, name=limit.name, algorithm=limit.algorithm)
 
     def _changed(self) -> None:
@@ -420,3 +422,13 @@ class RateBook(RateBookBase):
         if now is not None:
             self._read(*self._fetch(), now)
         return self._resolve_key(limit, key)
+
+
+def _is_limit(limit: object) -> None:
+    """Refuse, naming what to pass instead, anything but a :class:`Limit` (its name, say:
+    the configured limit is needed to check a new rate against it)."""
+    if not isinstance(limit, Limit):
+        raise TypeError(
+            "a rate is set on the Limit itself, such as "
+            f"Throttler.of(app).config.rule({str(limit)!r}).limit (got {limit!r})"
+        )

@@ -209,3 +209,13 @@ def test_a_lowered_burst_caps_the_bucket_in_the_same_microsecond(client: redis.R
     narrow = Limit.parse("5/s", name="api")
     admitted = sum(limiter.acquire(narrow).allowed for _ in range(10))
     assert admitted == 5
+
+
+def test_a_rate_set_on_a_limit_s_name_says_to_pass_the_limit(
+    client: redis.Redis, keyspace: KeySpace
+) -> None:
+    book = RateBook(client, keyspace)
+    for call in (lambda: book.set("github", "10/s"), lambda: book.set_key("github", "a", "1/s")):
+        with pytest.raises(TypeError, match=r"config.rule\('github'\).limit \(got 'github'\)"):
+            call()
+    assert book.overrides() == {} and book.key_overrides() == {}

@@ -324,9 +324,10 @@ import json
 import django
 
 django.setup()
-from mysite.celery import app
-from mysite.tasks import send_mail
+from mysite.tasks import send_mail  # as a view would: mysite/__init__.py loads the app
 from throttle.celery import Throttler, ThrottledTask
+
+app = send_mail.app
 
 throttler = Throttler.from_app(app)
 pool = throttler.limiter.client.connection_pool.connection_kwargs
@@ -335,18 +336,19 @@ print(json.dumps({
     "source": throttler.config.source, "prefix": throttler.settings.prefix,
     "limits": sorted(throttler.config.rules), "port": pool["port"], "db": pool["db"],
     "allowed": decision.allowed, "throttled_task": isinstance(send_mail, ThrottledTask),
+    "app": app.main,
 }))
 """
 
 
 def test_django_settings_reach_the_throttler(tmp_path: Path) -> None:
-    """The Django blocks of the getting started page: ``CELERY_THROTTLE_CONFIG`` and
+    """The Django blocks of the getting started page: the app loaded with the project
+    (a shared task is bound to it), ``CELERY_THROTTLE_CONFIG`` and
     ``CELERY_THROTTLE_REDIS_URL`` in the settings, read through
     ``config_from_object("django.conf:settings", namespace="CELERY")``."""
-    pytest.importorskip("django")
     package = tmp_path / "mysite"
     package.mkdir()
-    (package / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(_readme_block("# mysite/__init__.py", DJANGO_PAGE))
     (package / "celery.py").write_text(_readme_block("# mysite/celery.py", DJANGO_PAGE))
     (package / "tasks.py").write_text(DJANGO_TASKS)
     limits = tmp_path / "limits.yaml"
@@ -364,6 +366,7 @@ def test_django_settings_reach_the_throttler(tmp_path: Path) -> None:
         assert seen == {
             "source": str(limits.resolve()), "prefix": "django-site", "limits": ["mail"],
             "port": server.port, "db": 1, "allowed": True, "throttled_task": True,
+            "app": "mysite",
         }  # fmt: skip
         status = _run(
             [sys.executable, "-m", "celery", "-A", "mysite", "throttle", "status",
