@@ -22,7 +22,8 @@ from celery.worker import state
 from tests.support.clock import redis_now_s
 from tests.support.eager import close_throttler
 from tests.support.events import EventLog
-from throttle.celery import install
+from tests.support.waits import wait_for
+from throttle.celery import install, shadow
 from throttle.celery.events import EVERY_S
 from throttle.celery.execution import enter_ticket, leave_ticket
 from throttle.celery.gate import Gate
@@ -227,7 +228,7 @@ def test_a_task_with_only_limits_in_shadow_goes_to_the_pool_without_waiting_for_
 
 
 def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_recorded(
-    app: Celery,
+    app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     @app.task(name="shadow.call", shared=False)
     def call() -> None: ...
@@ -235,7 +236,21 @@ def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_record
     throttler = Throttler.of(app)
     refused = requests.Response()
     refused.status_code, refused.headers["Retry-After"] = 429, "5"
-    # Given a task with a limit in force and one in shadow mode, running on its ticket
+    # (the twins' hold comes 1 s after the refusal here, not 60 ms: a loaded host may take
+    # longer than 60 ms between two lines of this test)
+    monkeypatch.setattr(shadow, "HOLD_AFTER_S", 1.0)
+    # Given another process (a throttler of its own) that gathered the look of a task
+    # that arrived just before the refusal, and has not sent it yet
+    other_app = Celery("shadow", broker=app.conf.broker_url, set_as_current=False)
+    other_app.conf.update(throttle_redis_url=app.conf.throttle_redis_url,
+                          throttle_config=app.conf.throttle_config)  # fmt: skip
+
+    @other_app.task(name="shadow.call", shared=False)
+    def other_call() -> None: ...
+
+    other = Throttler.of(other_app)
+    enter(other_app, "t-before")
+    # and a task with a limit in force and one in shadow mode, running on its ticket
     call.push_request(id="t-429", headers={}, delivery_info={}, called_directly=False)
     _task_stack.push(call)
     try:
@@ -254,15 +269,27 @@ def test_a_refusal_reported_under_a_limit_in_shadow_holds_its_twin_and_is_record
     # Then the task is to come back after the API's 5 s (no slot of the limit to take)
     assert ticket.refusal is not None
     assert (ticket.refusal.countdown_s, ticket.refusal.limits) == (5.0, ("api",))
-    # its shadow twin is held as the limit would be, the limit itself not
-    holds = throttler.limiter.holds()
+    # and the other process's look, sent after the refusal, counts the limit's spacing
+    # (10/s burst 1: this task's look, sent first, took the twin's slot), not the
+    # upstream's 5 s: the twin's hold is placed once every process has sent the looks it
+    # gathered before it
+    assert ("api.shadow", None) not in throttler.limiter.holds()
+    try:
+        seen = recorded(other)["api"]
+        assert seen["tasks"] == 1 and (seen["p95_s"] or 0.0) < 1.0, seen
+    finally:
+        close_throttler(other_app)
+    # then its shadow twin is held as the limit would be, the limit itself not, until the
+    # upstream's time from the refusal
+    holds = wait_for(throttler.limiter.holds, timeout_s=10)
     assert ("api.shadow", None) in holds and not any(name == "api" for name, _ in holds)
+    assert 3.0 < holds[("api.shadow", None)] <= 4.0
     # and the refusal is in the record under the limit's name, with the task's id
     (entry,) = throttler.refusals.read("api")
     assert (entry.task_id, entry.status, entry.held) == ("t-429", 429, False)
-    # and the task's own look (it arrived before its refusal) counts no delay
-    assert recorded(throttler)["api"]["tasks"] == 1
-    assert recorded(throttler)["api"]["delayed"] == 0
+    # and of the two looks, one counts the other's spacing, none the upstream's time
+    seen = recorded(throttler)["api"]
+    assert (seen["tasks"], seen["delayed"]) == (2, 1) and seen["p95_s"] < 1.0, seen
 
 
 def test_shadow_events_reach_an_event_receiver_in_one_message(app: Celery) -> None:

@@ -39,14 +39,19 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any, cast
 
 from throttle.celery.execution import Execution
 from throttle.celery.message import H_DEFERRALS, sent_header
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError, ThrottleError
 from throttle.gathering import Gathering
+from throttle.limiter import Limiter
 from throttle.rules import Rule, Target, kept_in_hand, targets
 from throttle.spec import SHADOW_SUFFIX, Limit
+from throttle.upstream.headers import UpstreamSignal
+from throttle.upstream.policy import Target as Answered
+from throttle.upstream.policy import apply_signal
 
 logger = logging.getLogger("throttle")
 
@@ -64,6 +69,10 @@ BATCH_S = 0.05
 """How long a process gathers shadow looks before it sends them together, in s."""
 BATCH_MAX = 100
 """A process sends its shadow looks at once when this many are gathered."""
+HOLD_AFTER_S = BATCH_S + 0.01
+"""How long after an upstream's refusal its hold is placed on the twins, in s: by then
+every process has sent the looks it gathered before the refusal (dated before it, a
+look sent after the hold would count the hold as its wait)."""
 
 
 Pairs = tuple[tuple[Rule, Target], ...]
@@ -180,6 +189,47 @@ class Looks(Gathering[list[_Look]]):
                 waits.append(min(max(wait, 0.0), HORIZON_S))
             if len(waits) == len(pairs):
                 throttler.observer.shadowed(execution, [rule.name for rule, _ in pairs], waits)
+
+
+class _HoldsLater:
+    """The limiter as :func:`~throttle.upstream.policy.apply_signal` uses it, whose holds
+    are kept to be placed later (:func:`hold_twins`); every other call goes through."""
+
+    def __init__(self, limiter: Limiter) -> None:
+        self.limiter = limiter
+        self.holds: list[tuple[str, str | None, float]] = []
+
+    def hold(self, limit: str, key: str | None, hold_s: float) -> None:
+        self.holds.append((limit, key, hold_s))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.limiter, name)
+
+
+def hold_twins(throttler: Throttler, signal: UpstreamSignal, twins: Sequence[Answered]) -> None:
+    """Answer an upstream's refusal on the twins of the limits in shadow mode as it would
+    be answered enforced (:func:`~throttle.upstream.policy.apply_signal`), the holds
+    placed :data:`HOLD_AFTER_S` later (for as long as they end when they would have): this
+    process's looks are sent first, the other processes' by then."""
+    looks_of(throttler).flush()
+    later = _HoldsLater(throttler.limiter)
+    apply_signal(cast(Limiter, later), None, signal, twins, throttler.learned)
+    if later.holds:
+        timer = threading.Timer(
+            HOLD_AFTER_S, _place, (throttler.limiter, later.holds, time.monotonic())
+        )
+        timer.daemon = True
+        timer.start()
+
+
+def _place(limiter: Limiter, holds: list[tuple[str, str | None, float]], since: float) -> None:
+    late = time.monotonic() - since
+    for limit, key, hold_s in holds:
+        if hold_s > late:
+            try:
+                limiter.hold(limit, key, hold_s - late)
+            except ThrottleError as exc:  # the hold is lost; the would-be waits are lower
+                logger.debug("throttle: holding shadow twin %s: %s", limit, exc)
 
 
 _LOOKS: weakref.WeakKeyDictionary[Throttler, Looks] = weakref.WeakKeyDictionary()

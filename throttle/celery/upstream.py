@@ -21,7 +21,7 @@ from celery._state import get_current_task
 
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
-from throttle.celery.shadow import looks_of, shadow_limit
+from throttle.celery.shadow import hold_twins, shadow_limit
 from throttle.errors import BackendError, RequestError, Throttled, UpstreamFinal
 from throttle.refusals import Refusal as RefusalEntry
 from throttle.rules import Rule
@@ -245,10 +245,7 @@ def report_upstream(
                 Target(limit, limit, key, False, cost=cost) for _, (limit, key, cost) in shadowed
             ]
             if twins:  # recorded as not held: the fleet does not wait for them
-                # This process's looks first, this task's among them: dated before the
-                # refusal, a look sent after the hold would count the hold as its wait.
-                looks_of(throttler).flush()
-                apply_signal(throttler.limiter, None, signal, twins, throttler.learned)
+                hold_twins(throttler, signal, twins)
     except BackendError as exc:
         throttler.outage(exc)
     if signal is not None and signal.refused and not throttler.in_memory:
