@@ -480,28 +480,44 @@ class Waiting:
         its reservation up instead: a concurrency unit it took comes back). A timer that
         fired after the slot had passed (a busy consumer) gives the slot up here and asks
         again, rather than have the pool child find it late and send the task back
-        through the broker (``slot_at``: epoch s, this host's clock)."""
+        through the broker (``slot_at``: epoch s, this host's clock). Whatever fails
+        here (the limiter's Redis away), the task goes to the pool, whose gate decides
+        (``on_redis_down``): a task left here would wait for the broker's redelivery."""
+        handed = False
         try:
             if request.revoked():
                 if decision.acquisition is not None:
-                    self.throttler.limiter.settle(decision.acquisition, None)
+                    self._give_up(decision)
                 return
             if (
                 pending is not None
                 and decision.acquisition is not None
                 and time.time() - slot_at > pending.gate.late_tolerance()
             ):
-                self.throttler.limiter.settle(decision.acquisition, None)  # passed: lost
+                self._give_up(decision)  # passed: lost
                 request.request_dict.pop(ADMISSION_KEY, None)
+                handed = True  # ask() hands it on, or it joins the line
                 blocks = self.ask(pending)
                 if blocks is not None and self.line is not None:
                     self.line.join(pending, pairs_of(pending.gate), priority_of(request), blocks)
                 return
+            handed = True
             self._to_pool(request, pairs_of(pending.gate) if pending is not None else (), since)
         except Exception:
             logger.exception("throttle: releasing held task %s", request.id)
+            if not handed:
+                with contextlib.suppress(Exception):
+                    self._to_pool(request)
         finally:
             self.consumer.qos.decrement_eventually()
+
+    def _give_up(self, decision: Any) -> None:
+        """Give the reservation of ``decision`` up, if Redis answers: otherwise it ends
+        with its lease (the outage is noted, the task goes on)."""
+        try:
+            self.throttler.limiter.settle(decision.acquisition, None)
+        except BackendError as exc:
+            self.throttler.outage(exc)
 
     # -- Celery's bookkeeping, as for its own ETA tasks
 
