@@ -38,7 +38,7 @@ from throttle.cli import throttle
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
 from throttle.redis.client import run_script
-from throttle.redis.urls import LazyCluster, cluster_client
+from throttle.redis.urls import LazyCluster, acl_rules, cluster_client
 from throttle.stats import StatsBook
 
 TOKEN_BUCKET = Limit.parse("3/s", name="tb")
@@ -329,6 +329,40 @@ def test_from_url_reads_a_cluster_url(redis_cluster: LocalCluster, namespace: st
         assert len(limiter.client.get_primaries()) == 3
         assert limiter.acquire(TOKEN_BUCKET, "acme").allowed
         limiter.client.close()
+
+
+def test_an_acl_user_with_the_cluster_rules_uses_the_cluster(
+    redis_cluster: LocalCluster, nodes: list[redis.Redis], namespace: str
+) -> None:
+    name = f"limiter-{uuid.uuid4().hex[:8]}"
+    hosts = redis_cluster.url.partition("://")[2]
+    url = f"redis+cluster://{name}:pw@{hosts}"
+    try:
+        # Given a user with the limiter's rules on every master, without the cluster's
+        for node in nodes:
+            node.execute_command("ACL", "SETUSER", name, "on", ">pw", *acl_rules().split())
+        limiter = Limiter.from_url(url, namespace=namespace)
+        # Then the cluster client cannot even read the slot map, and says what is missing
+        with pytest.raises(BackendUnavailable, match=r"needs acl_rules\(cluster=True\)"):
+            limiter.acquire(TOKEN_BUCKET, "acme")
+        # and with acl_rules(cluster=True) it acquires, peeks and settles, every command
+        # allowed (nothing in the masters' ACL logs for this user)
+        for node in nodes:
+            node.execute_command("ACL", "LOG", "RESET")
+            node.execute_command(
+                "ACL", "SETUSER", name, "reset", "on", ">pw", *acl_rules(cluster=True).split()
+            )
+        limiter = Limiter.from_url(url, namespace=namespace)
+        decision = limiter.acquire(TOKEN_BUCKET, "acme", acquisition_id="t-acl")
+        assert decision.allowed and decision.acquisition is not None
+        limiter.settle(decision.acquisition, 0.0)
+        assert limiter.peek(TOKEN_BUCKET, "acme").remaining == about(3)
+        limiter.client.close()
+        denied = [entry for node in nodes for entry in node.execute_command("ACL", "LOG")]
+        assert not [e for e in denied if name.encode() in repr(e).encode()], denied
+    finally:
+        for node in nodes:
+            node.execute_command("ACL", "DELUSER", name)
 
 
 @pytest.mark.parametrize(

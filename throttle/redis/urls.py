@@ -64,6 +64,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from throttle.errors import BackendUnavailable, ConfigError
 
 __all__ = [
+    "ACL_CLUSTER_COMMANDS",
     "ACL_COMMANDS",
     "CLUSTER_SCHEMES",
     "SENTINEL_SCHEMES",
@@ -116,18 +117,24 @@ ACL_COMMANDS = (
     # a refusal: add +client|setinfo there to keep it out of the ACL log)
     "ping",
 )  # fmt: skip
+ACL_CLUSTER_COMMANDS = ("cluster|slots", "command")
+"""What redis-py's cluster client sends when it connects, beyond :data:`ACL_COMMANDS`: it
+reads the slot map (``CLUSTER SLOTS``) and the command table (``COMMAND``, to find the
+keys of a call)."""
 
 
-def acl_rules(prefix: str = "throttle") -> str:
+def acl_rules(prefix: str = "throttle", *, cluster: bool = False) -> str:
     """The least-privilege ACL rules of a limiter's Redis user, for keys under ``prefix``::
 
         ACL SETUSER limiter on >PASSWORD <acl_rules()>
 
     Its keys only (``~PREFIX:*``), its channels only (``&PREFIX:*``: capacity given back
     is announced there), and only the commands the limiter sends
-    (:data:`ACL_COMMANDS`). A shared broker and limiter Redis needs a user with the
+    (:data:`ACL_COMMANDS`; on every master of a Redis Cluster with ``cluster``, also
+    :data:`ACL_CLUSTER_COMMANDS`). A shared broker and limiter Redis needs a user with the
     broker's rights as well (Celery's transport uses many more commands and keys)."""
-    commands = " ".join(f"+{command}" for command in ACL_COMMANDS)
+    names = ACL_COMMANDS + (ACL_CLUSTER_COMMANDS if cluster else ())
+    commands = " ".join(f"+{command}" for command in names)
     return f"resetkeys ~{prefix}:* resetchannels &{prefix}:* -@all {commands}"
 
 
@@ -414,7 +421,13 @@ def cluster_client(url: str, *, lazy: bool = False, **options: Any) -> RedisClus
         except ValueError:
             raise bad(unparsable) from None
         except (redis.RedisError, RedisClusterException) as exc:
-            raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}") from exc
+            # redis-py reads a refused CLUSTER SLOTS as "Cluster mode is not enabled".
+            hint = (
+                " (a user of the URL needs acl_rules(cluster=True): +cluster|slots +command)"
+                if parsed.get("username") and "not enabled" in str(exc)
+                else ""
+            )
+            raise BackendUnavailable(f"Redis Cluster {shown} cannot be used: {exc}{hint}") from exc
 
     if not lazy:
         return build()
