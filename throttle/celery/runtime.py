@@ -95,7 +95,7 @@ def unknown_limits(app: Celery, config: ThrottleConfig) -> list[ConfigError]:
     """Each limit a task of ``app`` names (``@throttled("name")``, ``ThrottledTask``) that
     ``config`` does not define, naming the task: a worker refuses to start on the first,
     ``celery throttle check -A`` lists them all."""
-    if config.source is None:
+    if config.source is None and not config.rules:
         where = (
             ", but no limits file is configured (app.conf.throttle_config, or the "
             f"{CONFIG_ENV} environment variable)"
