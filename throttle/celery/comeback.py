@@ -29,7 +29,14 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry
 
 from throttle.celery.arrival import eta_lead_s
-from throttle.celery.deadlines import MAX_RESERVE_S, capped_s, lease_s, overdue, set_deadlines
+from throttle.celery.deadlines import (
+    MAX_RESERVE_S,
+    capped_s,
+    lease_s,
+    left_s,
+    overdue,
+    set_deadlines,
+)
 from throttle.celery.execution import Execution, Refusal, Ticket, current_ticket
 from throttle.celery.message import H_PARKED, H_PUBLISH, count_header, eta_header, id_header
 from throttle.celery.plan import Plan, hand_back, reserve_plan
@@ -60,19 +67,28 @@ def units_only(decision: Decision, units: set[str]) -> bool:
     return bool(units) and bool(denied) and all(name in units for name in denied)
 
 
+PAUSE_TO_LINE_S = 1.0
+"""How soon a task that a pause stopped on its way to the pool comes back, in s: to a
+worker's consumer, whose line holds it until the resume (a ``pause_recheck`` of 30 s
+would hold it far longer than the pause may last)."""
+
+
 def come_back(
     execution: Execution,
     decision: Decision,
     *,
     plan: Plan | None = None,
     planned: float | None = None,
+    to_line: bool = False,
 ) -> NoReturn:
     """A denial: come back when the limits say, plus a jitter; or time out (the
     deadline is on the Redis clock). ``planned``: the task keeps its ``plan`` (for that
     time, epoch s). Denied by concurrency limits alone, within :data:`UNIT_RECHECK_S`,
     doubled with each deferral of the task (a worker's consumer then waits in its line
     for a unit to be released; without a line, a task whose units stay taken does not
-    come back every second)."""
+    come back every second). Paused: back after ``pause_recheck``, or at its deadline;
+    ``to_line`` (a task the consumer admitted before the pause began): within
+    :data:`PAUSE_TO_LINE_S`, to wait in a worker's line, which a resume wakes."""
     settings = execution.settings
     retry = decision.retry_after_s
     if not math.isinf(retry) and units_only(
@@ -83,7 +99,14 @@ def come_back(
     if math.isinf(retry):
         # Paused (celery throttle pause): look again now and then; nothing is lost.
         recheck = settings.pause_recheck_s
+        if to_line:
+            recheck = min(recheck, PAUSE_TO_LINE_S)
         retry = recheck + random.uniform(0.0, recheck / 2)
+        left = left_s(execution)
+        if left is not None and left < retry:
+            if left <= 0:
+                time_out(execution, execution.throttler.clock.now(), retry, decision)
+            retry = left  # back at its deadline: to run, or to time out there
         defer(execution, retry, retry, decision, planned=planned)
     now = overdue(execution, retry)
     if now is not None:

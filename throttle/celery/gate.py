@@ -302,6 +302,9 @@ class Gate:
         planned = self.planned
         first: Decision | None = None
         first_slot = now
+        # Admitted by the worker's consumer, a task that a pause then stops goes back to
+        # wait in a line, not for pause_recheck (sent on from the line, it was denied).
+        to_line = admission is not None and admission.decision.allowed
         if admission is not None:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
             first, first_slot = admission.as_of(now)
@@ -339,7 +342,9 @@ class Gate:
             if not decision.allowed:
                 if self.plan is not None and planned is None:
                     come_back_planned(self.execution, decision, self.plan)
-                come_back(self.execution, decision, plan=self.plan, planned=planned)
+                come_back(
+                    self.execution, decision, plan=self.plan, planned=planned, to_line=to_line
+                )
             wait = decision.wait_s
             sleep_max = self._sleep_max_s()
             if on_first and admission is not None and admission.sleep_max_s is not None:
@@ -352,7 +357,10 @@ class Gate:
                 look = None if heard is None else not heard
                 decision, on_time = self._sleep_to_slot(decision, look)
                 if not decision.allowed:
-                    come_back(self.execution, decision, plan=self.plan, planned=planned)
+                    come_back(
+                        self.execution, decision, plan=self.plan, planned=planned,
+                        to_line=to_line,
+                    )  # fmt: skip
                 if not on_time:
                     # Woke too late (a busy machine): the slot passed, take a new one.
                     self._give_up(decision)

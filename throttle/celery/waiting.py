@@ -352,7 +352,13 @@ class Waiting:
             line is None
             or not self._may_line(gate)
             or (not math.isinf(retry) and retry - horizon > line.line.max_wait_s)
-            or (deadline is not None and self.throttler.clock.now() + retry > deadline)
+            # (a pause has no end to compare: the task waits, and leaves the line at its
+            # deadline if the pause lasts)
+            or (
+                deadline is not None
+                and not math.isinf(retry)
+                and self.throttler.clock.now() + retry > deadline
+            )
         ):
             self.send_on(pending, None)
             return None
