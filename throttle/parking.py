@@ -21,7 +21,7 @@ This module knows nothing of Celery: payloads are opaque bytes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,6 +217,21 @@ class ParkingLot:
         if not tokens:
             return 0
         return int(run_script(self.client, self._purge, self._keys, list(tokens)))
+
+    def bring_forward(self, parked: Sequence[Parked], delay_s: float = 0.0) -> int:
+        """Make these parked tasks due ``delay_s`` from now (those due later than that;
+        a resume: they were parked until a hold's end). One pipelined round trip; ``ZADD
+        XX`` leaves out a task claimed meanwhile (being published). Returns how many
+        were moved."""
+        target = self.now_us() + round(delay_s * 1e6)
+        later = [p.token for p in parked if p.due_us is not None and p.due_us > target]
+        if not later:
+            return 0
+        due = self._keys[0]
+        with self.client.pipeline(transaction=False) as pipe:
+            for token in later:
+                pipe.zadd(due, {token: target}, xx=True, ch=True)
+            return sum(int(changed) for changed in pipe.execute())
 
     def now_us(self) -> int:
         """Now on the Redis clock (``TIME``), in us (tests: the lot's clock)."""

@@ -63,6 +63,23 @@ def test_parked_counts_per_limit_and_queue_and_lists_the_soonest(cli: Cli) -> No
     assert f"  {first}  {GATED}  queue cli  limits gate,daily  due " in text
 
 
+def test_resume_brings_the_tasks_parked_under_the_limit_back_at_once(cli: Cli) -> None:
+    # Given a limit held for 10 minutes (an upstream's long reset), its tasks parked until
+    # then, and a task of another limit parked as long
+    limiter = Throttler.of(cli_app).limiter
+    limiter.hold("gate", None, 600.0)
+    held = [park(GATED, "cli.throttled", 600.0) for _ in range(2)]
+    other = park(BUSY, "other.throttled", 600.0)
+    # When an operator resumes the limit
+    result = cli("resume", "gate")
+    assert result.exit_code == 0, result.output
+    assert "2 tasks parked meanwhile come back now" in result.output
+    # Then its parked tasks are due now (the releasers send them on), the other not
+    due = {task["task_id"]: task["due_in_s"] for task in as_json(cli, "parked")["tasks"]}
+    assert all(due[task_id] <= 0.0 for task_id in held), due
+    assert 590.0 < due[other] <= 600.0
+
+
 def test_an_unreadable_payload_is_listed_as_such_and_purged_with_all(cli: Cli) -> None:
     # Given a parked task whose payload does not decode (written by hand), beside a good one
     good = park(GATED, "cli.throttled", 30.0)

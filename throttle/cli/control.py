@@ -31,6 +31,7 @@ from throttle.cli.base import (
     rate_spec,
     throttler_of,
 )
+from throttle.cli.parked import bring_back
 from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError, ThrottleError
 from throttle.rules import Rule
@@ -313,12 +314,13 @@ def resume(ctx: click.Context, limit: str, key: str | None) -> None:
     if held is None:
         click.echo(f"{what} was neither paused nor held: nothing to do")
     else:
-        recheck = throttler.settings.pause_recheck_s
+        with one_line_errors():
+            back = bring_back(app, throttler, limit)
         lifted = "pause" if math.isinf(held) else f"hold ({duration(held)} left)"
+        parked = f"; {counted(back, 'task')} parked meanwhile come back now" if back else ""
         click.echo(
             f"resumed {what} (lifted its {lifted}): the tasks waiting in the workers go on "
-            f"now; those sent back meanwhile within {duration(recheck * 1.5)} "
-            "(settings.pause_recheck plus jitter)"
+            f"now{parked}"
         )
     for (name, other), left in sorted(after.items(), key=str):
         if name == limit:

@@ -71,6 +71,14 @@ def read_parked(app: Any, throttler: Throttler, parked: Parked) -> ParkedTask:
     )  # fmt: skip
 
 
+def bring_back(app: Any, throttler: Throttler, limit: str) -> int:
+    """Make the tasks parked under ``limit`` due now (``resume``: parked until its hold
+    ended, or for ``pause_recheck``, they would come back that late): the releasers send
+    them to the workers, whose lines take them. Returns how many."""
+    parked = [task.parked for task in _select(_lot(app, throttler), None, limit)]
+    return throttler.parking.bring_forward(parked)
+
+
 def _lot(app: Any, throttler: Throttler) -> list[ParkedTask]:
     with one_line_errors():
         parked = wrap_errors(lambda: _scan(throttler))

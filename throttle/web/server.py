@@ -36,6 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
+from throttle.cli.parked import bring_back
 from throttle.errors import ThrottleError
 from throttle.web.snapshot import Sampler
 
@@ -179,6 +180,7 @@ class LimitsPage:
                 limiter.hold(limit, key, None)
             else:
                 limiter.unhold(limit, key)
+                bring_back(self.sampler.app, self.sampler.throttler, limit)
         except ThrottleError as exc:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)}
         logger.warning("throttle: the limits page %sd %s%s", action, limit,
