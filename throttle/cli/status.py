@@ -88,15 +88,15 @@ def collect_status(
     key_rates = throttler.rates.key_overrides()
     shadows = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).shadow(minutes)
     learned = throttler.learned.states()
-    holds = limiter.holds()
+    workers: int | None = None
+    flights: Counter[str] | None = None
+    if timeout_s > 0:  # first: the workers take up to timeout_s to answer
+        flights, workers = in_flight(app, throttler, timeout_s)
+    holds = limiter.holds()  # read with the limits' states, a moment apart
     counts = StatsBook(limiter.client, limiter.keyspace, clock=throttler.clock.now).per_minute(
         minutes
     )
     parked, releasing = _parked(throttler)
-    workers: int | None = None
-    flights: Counter[str] | None = None
-    if timeout_s > 0:
-        flights, workers = in_flight(app, throttler, timeout_s)
     rows = []
     for name, entry in known.items():
         configured = entry.rule.limit
