@@ -74,9 +74,12 @@ def read_parked(app: Any, throttler: Throttler, parked: Parked) -> ParkedTask:
 def bring_back(app: Any, throttler: Throttler, limit: str) -> int:
     """Make the tasks parked under ``limit`` due now (``resume``: parked until its hold
     ended, or for ``pause_recheck``, they would come back that late): the releasers send
-    them to the workers, whose lines take them. Returns how many."""
-    parked = [task.parked for task in _select(_lot(app, throttler), None, limit)]
-    return throttler.parking.bring_forward(parked)
+    them to the workers, whose lines take them. Returns how many; a Redis error raises
+    (BackendError)."""
+    lot = [read_parked(app, throttler, one) for one in wrap_errors(lambda: _scan(throttler))]
+    parked = [task.parked for task in _select(lot, None, limit)]
+    moved: int = wrap_errors(lambda: throttler.parking.bring_forward(parked))
+    return moved
 
 
 def _lot(app: Any, throttler: Throttler) -> list[ParkedTask]:
