@@ -10,7 +10,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -78,11 +77,12 @@ class _Sampler:
 
     def __init__(self) -> None:
         self.held: list[tuple[str, Any]] = []
-        limiter = SimpleNamespace(
-            hold=lambda limit, key, s: self.held.append(("hold", limit)),
-            unhold=lambda limit, key: self.held.append(("unhold", limit)),
-        )
-        self.throttler = SimpleNamespace(limiter=limiter)
+
+    def pause(self, limit: str, key: str | None) -> None:
+        self.held.append(("hold", limit))
+
+    def resume(self, limit: str, key: str | None) -> None:
+        self.held.append(("unhold", limit))
 
     def names(self) -> list[str]:
         return ["api"]

@@ -36,7 +36,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from throttle.cli.parked import bring_back
 from throttle.errors import ThrottleError
 from throttle.web.snapshot import Sampler
 
@@ -174,13 +173,11 @@ class LimitsPage:
         problem = None if key is None or action != "pause" else self.sampler.key_problem(limit, key)
         if problem is not None:  # a pause that would pause nothing
             return HTTPStatus.BAD_REQUEST, {"error": problem}
-        limiter = self.sampler.throttler.limiter
         try:
             if action == "pause":
-                limiter.hold(limit, key, None)
+                self.sampler.pause(limit, key)
             else:
-                limiter.unhold(limit, key)
-                bring_back(self.sampler.app, self.sampler.throttler, limit)
+                self.sampler.resume(limit, key)
         except ThrottleError as exc:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)}
         logger.warning("throttle: the limits page %sd %s%s", action, limit,

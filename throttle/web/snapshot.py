@@ -38,6 +38,7 @@ from throttle.celery.exporter import worker_dirs
 from throttle.celery.message import LANE_SUFFIX, parked_signature, queue_of
 from throttle.celery.runtime import Throttler, declared_by
 from throttle.cli.base import known_limits
+from throttle.cli.parked import bring_back
 from throttle.cli.status import collect_status
 from throttle.errors import ThrottleError
 from throttle.redis.client import wrap_errors
@@ -93,6 +94,16 @@ class Sampler:
         """Why ``key`` is no key of ``limit``'s tasks (:func:`throttle.rules.key_problem`),
         or None: a pause of it would pause nothing."""
         return key_problem(known_limits(self.app, self.throttler)[limit].rule, key)
+
+    def pause(self, limit: str, key: str | None) -> None:
+        """``celery throttle pause LIMIT [KEY]``: hold it until resumed."""
+        self.throttler.limiter.hold(limit, key, None)
+
+    def resume(self, limit: str, key: str | None) -> None:
+        """``celery throttle resume LIMIT [KEY]``: lift its hold, and bring the tasks
+        parked under it back at once (:func:`throttle.cli.parked.bring_back`)."""
+        self.throttler.limiter.unhold(limit, key)
+        bring_back(self.app, self.throttler, limit)
 
     def latest(self) -> dict[str, Any] | None:
         """The last snapshot with the chart's history (None before the first)."""
