@@ -22,6 +22,7 @@ import redis
 from celery import Celery, signals
 
 from throttle.celery import slot_time, throttled
+from throttle.celery.steps import LaneStep, ThrottleStep
 from throttle.celery.waiting import WaitStep
 
 BROKER = os.environ.get("WAITING_BROKER_URL", "redis://127.0.0.1:6379/15")
@@ -41,8 +42,11 @@ app.conf.update(
 )
 # The step under test alone: install(app) would also run the releaser of parked tasks,
 # whose polls (a script call every 0.25 s) would blur the tests' count of script calls per
-# task; nothing here is parked.
+# task; a test whose tasks are parked asks for it (WAITING_RELEASE).
 app.steps["consumer"].add(WaitStep)
+if os.environ.get("WAITING_RELEASE"):  # and the lanes, where released tasks come back
+    app.steps["worker"].add(ThrottleStep)
+    app.steps["consumer"].add(LaneStep)
 
 _clients: dict[str, redis.Redis] = {}
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.support.publishes import broker_lpushes
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 from throttle.celery.waiting import LEAD_S
@@ -77,12 +78,15 @@ def worker(
     config: str = "limits.yaml",
     visibility_s: float = VISIBILITY_S,
     concurrency: int = 1,
+    release: bool = False,
 ) -> Worker:
     env = {
         "WAITING_BROKER_URL": server.url,
         "THROTTLE_CONFIG": str(tmp / config),
         "WAITING_VISIBILITY_S": str(visibility_s),
     }
+    if release:  # the releaser of parked tasks, as install(app) runs it
+        env["WAITING_RELEASE"] = "1"
     return Worker(
         name, env, concurrency=concurrency, queues="waiting", app="tests.apps.waiting_app",
         log=tmp / f"{name}.log", pool=pool,
@@ -186,16 +190,22 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     # slot, and a flood of 30 tasks of a 2/s limit acknowledged when they return: most wait
     # in the line longer than its budget
     flood = worker(redis_server, tmp, "w-flood", "prefork", config="flood.yaml",
-                   visibility_s=10.0, concurrency=2)  # fmt: skip
+                   visibility_s=10.0, concurrency=2, release=True)  # fmt: skip
     with running(app, [flood]):
+        published = broker_lpushes(client)
         handles = [spaced_late.delay(f"f{i}") for i in range(30)]
         for handle in handles:
             handle.get(timeout=90)
+        published = broker_lpushes(client) - published
     # Then those went back through the broker and every task ran once: none was held in
     # the worker past the visibility timeout (the broker would deliver it again, to run
     # twice)
     done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
     assert done == {f"f{i}": 1 for i in range(30)}
+    # each about once: sent back for about when its turn comes (its place among the
+    # tasks that left the line with it), not for the limit's next slot, to leave again
+    # and again (at most 2 publishes per task: the producer's and one more)
+    assert published <= 2 * 30, published
     # and no pool child slept for a slot: a task sent on from the line without having
     # asked goes with a denial, not to be decided in the pool and sleep there up to
     # sleep_max while the others wait for a free pool slot

@@ -636,6 +636,16 @@ class Pending:
         it asks."""
 
 
+def spacing_s(gate: Gate) -> float:
+    """How long the task's slowest rate limit takes to admit one more such task, in s:
+    cost x period / count (0 with concurrency limits alone: a unit has no pace)."""
+    spacing = 0.0
+    for limit, _, cost in gate.execution.targets:
+        if not limit.algorithm.holds_units:
+            spacing = max(spacing, cost * limit.period_s / limit.count)
+    return spacing
+
+
 def pairs_of(gate: Gate) -> tuple[Pair, ...]:
     """The (limit name, key) pairs the task of ``gate`` acquires."""
     targets = gate.acquiring if gate.acquiring is not None else gate.execution.targets
@@ -730,6 +740,9 @@ class WaitingLine:
         self.probing: Any = None
         self.held_at: dict[str, float] = {}
         """When a hold on each limit was last announced (monotonic s, by name)."""
+        self.sent_until: dict[Pair, float] = {}
+        """For each (limit, key) pair, when the last task sent on from the line on it
+        comes back (monotonic s): the next one comes a spacing after it."""
 
     def listen(self, throttler: Throttler) -> None:
         """Listen to the capacity announcements of ``throttler``'s namespace, and follow
@@ -838,7 +851,7 @@ class WaitingLine:
             while self.again:
                 self.again = False
                 now = time.monotonic()
-                for waiter in self.line.expired(now):
+                for waiter in self.line.expired(now):  # the oldest first
                     self._send_on(waiter, now)
                 self.line.serve(time.monotonic())
         finally:
@@ -846,8 +859,27 @@ class WaitingLine:
             self._arm()
 
     def _send_on(self, waiter: Waiter, now: float) -> None:
+        """Send on a task that waited as long as it may: back for about when its turn
+        comes, its limits' next slot, or one spacing after the task sent on before it on
+        one of its (limit, key) pairs if that is later (:attr:`sent_until`). Tasks that
+        came at once leave at once: sent back for the limits' next slot, they would all
+        come back at once, and leave again; so they come back at the limits' pace."""
         pending: Pending = waiter.item
-        left = self.line.blocked_for(waiter, now) + pending.waiting.near_s()
+        due = now + self.line.blocked_for(waiter, now) + pending.waiting.near_s()
+        spacing = spacing_s(pending.gate)
+        sent_until = self.sent_until
+        for pair in waiter.pairs:
+            due = max(due, sent_until.get(pair, -math.inf) + spacing)
+        for pair in waiter.pairs:
+            sent_until[pair] = due
+        if len(sent_until) > LINE_MAX_TASKS:  # keys of long ago: forget them
+            for pair in [pair for pair, until in sent_until.items() if until < now]:
+                del sent_until[pair]
+        left = due - now
+        if self.throttler is not None and not self.throttler.releasing:
+            # Not parked but re-published, its ETA message is held unacknowledged: no
+            # longer than the line may hold a task (the broker would deliver it again).
+            left = min(left, self.line.max_wait_s)
         try:
             pending.waiting.send_on(pending, left)
         except Exception:
