@@ -15,7 +15,9 @@ from celery.worker import state
 
 from tests.support.eager import close_throttler
 from throttle.celery import throttled
-from throttle.celery.waiting import Pending, Undecided, Waiting
+from throttle.celery.execution import ADMISSION_KEY
+from throttle.celery.runtime import Throttler
+from throttle.celery.waiting import Pending, Undecided, Waiting, WaitingLine, pairs_of
 from throttle.errors import BackendUnavailable
 from throttle.limiter import Limiter
 
@@ -77,3 +79,108 @@ def test_a_held_task_whose_slot_passed_while_redis_is_away_goes_to_the_pool(
         assert handed == ([] if revoked else [request])
     finally:
         state.reserved_requests.discard(request)
+
+
+def consumer_of(handed: list[Any], timed: list[tuple[float, Any, tuple[Any, ...]]]) -> Any:
+    """A worker's consumer as the waiting step uses it: it records what it hands to the
+    pool and what it holds in its timer."""
+    qos = SimpleNamespace(increment_eventually=lambda: None, decrement_eventually=lambda: None)
+    timer = SimpleNamespace(
+        call_at=lambda at, fn, args=(), **kwargs: timed.append((at, fn, args)),
+        cancel=lambda entry: None,
+    )
+    return SimpleNamespace(on_task_request=handed.append, qos=qos, timer=timer)
+
+
+def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Celery) -> None:
+    @app.task(name="held.call", shared=False)
+    @throttled("api")
+    def call() -> None: ...
+
+    handed: list[Any] = []
+    timed: list[tuple[float, Any, tuple[Any, ...]]] = []
+    consumer = consumer_of(handed, timed)
+    line = WaitingLine(consumer, 60.0)
+    waiting = Waiting(call, consumer, Undecided(consumer), line)
+
+    def request(task_id: str, deferrals: int) -> Request:
+        headers = {"throttle_deferrals": deferrals} if deferrals else {}
+        return Request(
+            id=task_id, args=(), kwargs={}, delivery_info={"routing_key": "celery"},
+            request_dict={"id": task_id, "headers": headers}, headers=headers,
+            revoked=lambda: False,
+        )  # fmt: skip
+
+    # Given a task that reserved a slot 0.3 s ahead and went back through the broker for
+    # it (a come-back to its slot), and a task waiting in the line for the same limit
+    back = request("t-back", 1)
+    gate = waiting._gate(back)
+    assert gate is not None
+    first = Throttler.of(app).limiter.acquire_many(
+        gate.execution.targets, max_wait_s=0.0, acquisition_id="t-first"
+    )
+    assert first.allowed
+    reserved = Throttler.of(app).limiter.acquire_many(
+        gate.execution.targets, max_wait_s=5.0, acquisition_id="t-back", lease_s=60.0
+    )
+    assert reserved.allowed and 0.0 < reserved.wait_s <= 0.1 + 0.01
+    waiter = request("t-waiting", 0)
+    waiter_gate = waiting._gate(waiter)
+    assert waiter_gate is not None
+    line.line.join(
+        Pending(waiting, waiter, waiter_gate, None), pairs_of(waiter_gate), now=time.monotonic()
+    )
+    try:
+        # When it comes back
+        waiting._decide(back, gate)
+        # Then it finds its reservation and is held for it (or handed to the pool), not
+        # put behind the waiting task in the line, whose pass would come after its slot
+        assert len(line.line) == 1
+        held = [args[0].id for _, _, args in timed if args]  # (not the line's own pass)
+        assert held + [r.id for r in handed] == ["t-back"]
+    finally:
+        for one in (back, waiter):
+            state.reserved_requests.discard(one)
+            state.scheduled_requests.discard(one)
+
+
+def test_a_task_decided_while_the_line_is_full_sees_a_hold_placed_before_its_slot(
+    app: Celery,
+) -> None:
+    @app.task(name="held.call", shared=False)
+    @throttled("api")
+    def call() -> None: ...
+
+    handed: list[Any] = []
+    timed: list[tuple[float, Any, tuple[Any, ...]]] = []
+    consumer = consumer_of(handed, timed)
+    line = WaitingLine(consumer, 60.0)
+    line.announcements = SimpleNamespace(listening_since=0.0)  # listening since ever
+    waiting = Waiting(call, consumer, Undecided(consumer), line)
+    back = Request(
+        id="t-full", args=(), kwargs={}, delivery_info={"routing_key": "celery"},
+        request_dict={"id": "t-full"}, revoked=lambda: False,
+    )  # fmt: skip
+    gate = waiting._gate(back)
+    assert gate is not None
+    # Given a task back for the slot it reserved 0.1 s ahead, decided where the line has
+    # no room (a quorum queue's fixed prefetch), and held in the consumer for that slot
+    limiter = Throttler.of(app).limiter
+    limiter.acquire_many(gate.execution.targets, acquisition_id="t-first")
+    limiter.acquire_many(
+        gate.execution.targets, max_wait_s=5.0, acquisition_id="t-full", lease_s=60.0
+    )
+    waiting.decide_in_pool(Pending(waiting, back, gate, None))
+    ((_, release, args),) = [entry for entry in timed if entry[2]]
+    try:
+        # When a pause of its limit is announced before its slot, then the slot comes
+        line.held_at["api"] = time.monotonic()
+        release(*args)
+        # Then the pool child is told that a hold came since the decision: it looks at
+        # Redis again before it calls (told "clear", it would call through the pause)
+        assert handed == [back]
+        admission = back.request_dict[ADMISSION_KEY][1]
+        assert admission.holds_clear is False
+    finally:
+        state.reserved_requests.discard(back)
+        state.scheduled_requests.discard(back)

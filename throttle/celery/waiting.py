@@ -86,7 +86,13 @@ from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_o
 from throttle.celery.comeback import UNIT_RECHECK_S, unit_names, units_only
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
-from throttle.celery.message import H_DEADLINE, deadline_value, not_before_header, queue_of
+from throttle.celery.message import (
+    H_DEADLINE,
+    count_header,
+    deadline_value,
+    not_before_header,
+    queue_of,
+)
 from throttle.celery.runtime import (
     RABBITMQ_CONSUMER_TIMEOUT_S,
     Throttler,
@@ -268,7 +274,15 @@ class Waiting:
             self.decide_in_pool(Pending(self, request, gate, None, stale=stale))
             return
         pairs = pairs_of(gate)
-        if line is not None and self._may_line(gate) and line.line.needs(pairs):
+        if (
+            line is not None
+            and self._may_line(gate)
+            and line.line.needs(pairs)
+            and not count_header(gate.execution.message_headers)
+        ):
+            # Behind the tasks waiting for the same limits, without asking: they would be
+            # served first. Not a task back through the broker: it may hold a reserved
+            # slot, which joining the line would miss, and it came before them.
             line.join(Pending(self, request, gate, None, stale=True), pairs, priority_of(request))
             return
         pending = Pending(self, request, gate, None, stale=stale)
@@ -421,6 +435,7 @@ class Waiting:
         try:
             if pending.stale:
                 gate.evaluate()
+            since = time.monotonic()  # a hold announced after this may postdate the look
             now = time.time()
             decision = gate.admit(near_s=None)
         except Exception as exc:
@@ -440,9 +455,9 @@ class Waiting:
         )  # fmt: skip
         carry(request.request_dict, admission)
         if held and LEAD_S < wait <= self.settings_sleep_max:
-            self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait)
+            self._hold(request, wait - LEAD_S, self._release, decision, pending, now + wait, since)
         else:
-            self._to_pool(request, pairs_of(gate))
+            self._to_pool(request, pairs_of(gate), since)
 
     def _undecided(self, request: Any, exc: Exception) -> None:
         """The consumer could not decide (the limiter's Redis is away, an argument the
