@@ -45,7 +45,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     [
         (600.0, False, RECHECK_S, RECHECK_S * 1.5),  # stopped in the pool: the recheck
         (600.0, True, PAUSE_TO_LINE_S, PAUSE_TO_LINE_S * 1.5),  # admitted: back to a line
-        (5.0, False, 4.0, 5.0),  # its deadline first: back at it, to expire there
+        (5.0, False, 0.0, 5.0),  # its deadline first: back at it, to expire there
     ],
 )
 def test_a_paused_task_comes_back_for_the_recheck_a_line_or_its_deadline(

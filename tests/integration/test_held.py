@@ -26,6 +26,17 @@ class Request(SimpleNamespace):  # celery's reserved requests are a WeakSet
     __hash__ = object.__hash__
 
 
+def request_of(task_id: str, *, deferrals: int = 0, revoked: bool = False) -> Request:
+    """A worker's request of a task without arguments (``deferrals``: sent back that many
+    times, as its header says)."""
+    headers = {"throttle_deferrals": deferrals} if deferrals else {}
+    return Request(
+        id=task_id, args=(), kwargs={}, delivery_info={"routing_key": "celery"},
+        request_dict={"id": task_id, "headers": headers}, headers=headers,
+        revoked=lambda: revoked,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     app = Celery("held", set_as_current=False)
@@ -33,7 +44,11 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
         throttle_redis_url=redis_url,
         throttle_config={
             "settings": {"prefix": prefix},
-            "limits": {"api": {"algorithm": "gcra", "rate": "10/s", "burst": 1}},
+            "limits": {
+                "api": {"algorithm": "gcra", "rate": "10/s", "burst": 1},
+                # a slot a second ahead: a slow host does not reach it before the test does
+                "slow": {"algorithm": "gcra", "rate": "1/s", "burst": 1},
+            },
         },
     )
     yield app
@@ -53,10 +68,7 @@ def test_a_held_task_whose_slot_passed_while_redis_is_away_goes_to_the_pool(
     timer = SimpleNamespace(call_at=lambda *args, **kwargs: None)
     consumer = SimpleNamespace(on_task_request=handed.append, qos=qos, timer=timer)
     waiting = Waiting(call, consumer, Undecided(consumer))
-    request = Request(
-        id="t-held", args=(), kwargs={}, delivery_info={"routing_key": "celery"},
-        request_dict={"id": "t-held", "headers": {}}, revoked=lambda: revoked,
-    )  # fmt: skip
+    request = request_of("t-held", revoked=revoked)
     # Given a task admitted with a slot that the consumer held it for
     gate = waiting._gate(request)
     assert gate is not None
@@ -94,7 +106,7 @@ def consumer_of(handed: list[Any], timed: list[tuple[float, Any, tuple[Any, ...]
 
 def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Celery) -> None:
     @app.task(name="held.call", shared=False)
-    @throttled("api")
+    @throttled("slow")
     def call() -> None: ...
 
     handed: list[Any] = []
@@ -103,17 +115,9 @@ def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Ce
     line = WaitingLine(consumer, 60.0)
     waiting = Waiting(call, consumer, Undecided(consumer), line)
 
-    def request(task_id: str, deferrals: int) -> Request:
-        headers = {"throttle_deferrals": deferrals} if deferrals else {}
-        return Request(
-            id=task_id, args=(), kwargs={}, delivery_info={"routing_key": "celery"},
-            request_dict={"id": task_id, "headers": headers}, headers=headers,
-            revoked=lambda: False,
-        )  # fmt: skip
-
-    # Given a task that reserved a slot 0.3 s ahead and went back through the broker for
-    # it (a come-back to its slot), and a task waiting in the line for the same limit
-    back = request("t-back", 1)
+    # Given a task that reserved a slot a second ahead and went back through the broker
+    # for it (a come-back to its slot), and a task waiting in the line for the same limit
+    back = request_of("t-back", deferrals=1)
     gate = waiting._gate(back)
     assert gate is not None
     first = Throttler.of(app).limiter.acquire_many(
@@ -123,8 +127,8 @@ def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Ce
     reserved = Throttler.of(app).limiter.acquire_many(
         gate.execution.targets, max_wait_s=5.0, acquisition_id="t-back", lease_s=60.0
     )
-    assert reserved.allowed and 0.0 < reserved.wait_s <= 0.1 + 0.01
-    waiter = request("t-waiting", 0)
+    assert reserved.allowed and 0.0 < reserved.wait_s <= 1.0 + 0.01
+    waiter = request_of("t-waiting")
     waiter_gate = waiting._gate(waiter)
     assert waiter_gate is not None
     line.line.join(
@@ -148,7 +152,7 @@ def test_a_task_decided_while_the_line_is_full_sees_a_hold_placed_before_its_slo
     app: Celery,
 ) -> None:
     @app.task(name="held.call", shared=False)
-    @throttled("api")
+    @throttled("slow")
     def call() -> None: ...
 
     handed: list[Any] = []
@@ -157,13 +161,10 @@ def test_a_task_decided_while_the_line_is_full_sees_a_hold_placed_before_its_slo
     line = WaitingLine(consumer, 60.0)
     line.announcements = SimpleNamespace(listening_since=0.0)  # listening since ever
     waiting = Waiting(call, consumer, Undecided(consumer), line)
-    back = Request(
-        id="t-full", args=(), kwargs={}, delivery_info={"routing_key": "celery"},
-        request_dict={"id": "t-full"}, revoked=lambda: False,
-    )  # fmt: skip
+    back = request_of("t-full")
     gate = waiting._gate(back)
     assert gate is not None
-    # Given a task back for the slot it reserved 0.1 s ahead, decided where the line has
+    # Given a task back for the slot it reserved a second ahead, decided where the line has
     # no room (a quorum queue's fixed prefetch), and held in the consumer for that slot
     limiter = Throttler.of(app).limiter
     limiter.acquire_many(gate.execution.targets, acquisition_id="t-first")
@@ -174,7 +175,7 @@ def test_a_task_decided_while_the_line_is_full_sees_a_hold_placed_before_its_slo
     ((_, release, args),) = [entry for entry in timed if entry[2]]
     try:
         # When a pause of its limit is announced before its slot, then the slot comes
-        line.held_at["api"] = time.monotonic()
+        line.held_at["slow"] = time.monotonic()
         release(*args)
         # Then the pool child is told that a hold came since the decision: it looks at
         # Redis again before it calls (told "clear", it would call through the pause)

@@ -11,6 +11,7 @@ before it only if that wait is not spent in the pool slot.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,10 +203,19 @@ def test_a_flood_longer_than_the_line_s_budget_goes_back_through_the_broker_once
     # twice)
     done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
     assert done == {f"f{i}": 1 for i in range(30)}
-    # each about once: sent back for about when its turn comes (its place among the
-    # tasks that left the line with it), not for the limit's next slot, to leave again
-    # and again (at most 2 publishes per task: the producer's and one more)
-    assert published <= 2 * 30, published
+    # each sent back for about when its turn comes, one spacing (0.5 s) after the one sent
+    # on before it, not all for the limit's next slot (under 1 s), to leave again and
+    # again: the countdowns (computed, not timed) reach several seconds, and the
+    # publishes stay near one more per task (2.3 a task before; a slow host may send a
+    # few back once more for a slot it reached late)
+    countdowns = [
+        float(found) for found in re.findall(
+            r"deferred ([\d.]+) s by spaced \([^)]*, deferral 1\)",
+            (tmp / "w-flood.log").read_text(),
+        )
+    ]  # fmt: skip
+    assert len(countdowns) >= 5 and max(countdowns) >= 2.0, countdowns
+    assert published <= 3 * 30, published
     # and no pool child slept for a slot: a task sent on from the line without having
     # asked goes with a denial, not to be decided in the pool and sleep there up to
     # sleep_max while the others wait for a free pool slot
@@ -245,7 +255,7 @@ def test_a_limit_switched_to_shadow_lets_the_tasks_waiting_in_the_line_run_at_on
     done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
     assert done == {f"s{i}": 1 for i in range(20)}
     last = max(at for _, at in log(client))
-    assert last - switched_at < 4.0, (last - switched_at, log(client))
+    assert last - switched_at < 5.0, (last - switched_at, log(client))
 
 
 PAUSE_CONFIG = """
@@ -278,13 +288,13 @@ def test_a_pause_keeps_the_waiting_tasks_in_the_workers_and_a_resume_runs_them(
         for handle in handles:
             handle.get(timeout=90)
     # Then every task ran once, the last within the backlog's own time after the resume
-    # (17 or fewer left at 5/s: 3.4 s, with room for a slow host): none was sent back for
+    # (17 or fewer left at 5/s: 3.4 s, with ample room for a slow host): none was sent back for
     # pause_recheck (30 s and more) because it had a deadline, or because the pause
     # caught it held for its slot
     done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
     assert done == {f"p{i}": 1 for i in range(20)}
     last = max(at for _, at in log(client))
-    assert last - resumed_at < 10.0, (last - resumed_at, log(client))
+    assert last - resumed_at < 15.0, (last - resumed_at, log(client))
 
 
 MAX_WAIT_CONFIG = flood_config(", max_wait: 2s")
