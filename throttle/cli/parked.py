@@ -76,16 +76,19 @@ def bring_back(app: Any, throttler: Throttler, limit: str) -> int:
     ended, or for ``pause_recheck``, they would come back that late): the releasers send
     them to the workers, whose lines take them. Returns how many; a Redis error raises
     (BackendError)."""
-    lot = [read_parked(app, throttler, one) for one in wrap_errors(lambda: _scan(throttler))]
-    parked = [task.parked for task in _select(lot, None, limit)]
+    parked = [task.parked for task in _select(_read_lot(app, throttler), None, limit)]
     moved: int = wrap_errors(lambda: throttler.parking.bring_forward(parked))
     return moved
 
 
+def _read_lot(app: Any, throttler: Throttler) -> list[ParkedTask]:
+    """Every parked task, read; a Redis error raises (BackendError)."""
+    return [read_parked(app, throttler, one) for one in wrap_errors(lambda: _scan(throttler))]
+
+
 def _lot(app: Any, throttler: Throttler) -> list[ParkedTask]:
     with one_line_errors():
-        parked = wrap_errors(lambda: _scan(throttler))
-        return [read_parked(app, throttler, one) for one in parked]
+        return _read_lot(app, throttler)
 
 
 def _scan(throttler: Throttler) -> list[Parked]:
