@@ -22,6 +22,7 @@ from celery import chain, chord
 from tests.support.servers import RedisServer
 from tests.support.upstream import api_lateness, violations_explained
 from throttle import Limit, Limiter
+from throttle.celery.stock import FRESH_S
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
@@ -247,6 +248,12 @@ def test_reserved_cost_is_refunded_or_charged(fleet: Fleet) -> None:
 def test_an_admitted_task_settles_only_what_changed(fleet: Fleet) -> None:
     from tests.apps.celery_app import roomy, spend  # noqa: PLC0415
 
+    def alone(task: Any, *args: Any) -> Any:
+        """Send a task alone: one sent within FRESH_S of a decision that left room could
+        draw from its pool child's stock (throttle/celery/stock.py), and acquire nothing."""
+        time.sleep(FRESH_S * 2)
+        return task.delay(*args)
+
     def script_calls(handle: Any) -> int:
         """The FCALL/EVALSHA/EVAL calls naming the task's id (its lease record is among
         their keys), read from the server's slow log, which records every command here."""
@@ -269,11 +276,11 @@ def test_an_admitted_task_settles_only_what_changed(fleet: Fleet) -> None:
         spend.delay("warm", 100, 40).get(timeout=30)
         fleet.client.slowlog_reset()
         # A fixed cost, and an estimate not corrected: the acquire alone
-        assert script_calls(roomy.delay(1)) == 1
-        assert script_calls(spend.delay("once", 100, None)) == 1
+        assert script_calls(alone(roomy, 1)) == 1
+        assert script_calls(alone(spend, "once", 100, None)) == 1
         # A reported cost, and a body that raised under on_error: refund: one settle more
-        assert script_calls(spend.delay("twice", 100, 40)) == 2
-        failed = spend.delay("refunded", 100, None, True)
+        assert script_calls(alone(spend, "twice", 100, 40)) == 2
+        failed = alone(spend, "refunded", 100, None, True)
         with pytest.raises(ValueError):
             failed.get(timeout=30)
         assert script_calls(failed) == 2

@@ -20,6 +20,7 @@ from celery import Task
 
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler
+from throttle.celery.stock import Draw
 from throttle.config import Settings
 from throttle.decision import Acquisition, Decision
 from throttle.rules import Rule, Target
@@ -107,6 +108,10 @@ class Ticket:
     the ticket), where Celery's current task and request, kept per thread, are not set."""
     request: Any = None
     """The running task's request (its id, eager or not), for the same reason."""
+    draw: Draw | None = None
+    """The task's units, when drawn from its process's stock (:mod:`throttle.celery.stock`)
+    instead of acquired: :attr:`acquisition` is then its share, not recorded in Redis (the
+    stock is settled as a whole)."""
 
     @property
     def shadow(self) -> tuple[tuple[Rule, Target], ...]:

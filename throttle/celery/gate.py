@@ -300,6 +300,18 @@ class Gate:
         the worker's consumer, which held the task until shortly before its slot."""
         redelivered = bool((self.execution.request.delivery_info or {}).get("redelivered"))
         planned = self.planned
+        # Decided here, while the limits have plenty of room: from the process's stock
+        # (of the task's limits and their plans, as its first acquisition would take).
+        # Not a redelivered copy (it may find its own reservation), nor one back with a plan.
+        stocks = self.execution.throttler.stocks
+        taking = self.execution.targets if self.acquiring is None else self.acquiring
+        stocked = (
+            admission is None and planned is None and self.rule_set.stockable and not redelivered
+        )
+        if stocked:
+            draw = stocks.draw(taking)
+            if draw is not None:
+                return Ticket(draw.share(), self.execution.rules, now, draw=draw)
         first: Decision | None = None
         first_slot = now
         # Admitted by the worker's consumer, a task that a pause then stops goes back to
@@ -366,6 +378,8 @@ class Gate:
                     self._give_up(decision)
                     now = time.time()
                     continue
+            if stocked:
+                stocks.saw(taking, decision)
             plan = self.plan.plan if planned is not None and self.plan is not None else None
             # The slot of the consumer's decision (its time, when it admitted at once).
             slot_at = first_slot if on_first else now + wait

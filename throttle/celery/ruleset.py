@@ -36,6 +36,11 @@ class RuleSet:
     shadow: tuple[Rule, ...] = ()
     """The task's limits in shadow mode (:mod:`throttle.celery.shadow`): left out of
     :attr:`rules`, which the task waits for; looked at on a twin state, never waited for."""
+    stockable: bool = False
+    """Every limit is a plain token bucket or GCRA rate (not fair, no spacing guard,
+    adaptive rate or learned estimate) and none is a concurrency limit: a worker
+    process may take their units ahead while they have plenty of room
+    (:mod:`throttle.celery.stock`)."""
 
     @classmethod
     def of(cls, rules: Sequence[Rule], shadow: Sequence[Rule] = ()) -> RuleSet:
@@ -49,4 +54,18 @@ class RuleSet:
             concurrency=any(rule.limit.algorithm.holds_units for rule in rules),
             plan=plan_shape(rules),
             estimates=any(learns(rule) for rule in rules),
+            stockable=bool(rules) and all(stockable(rule) for rule in rules),
         )
+
+
+def stockable(rule: Rule) -> bool:
+    """Whether a worker process may take the units of ``rule`` ahead of its tasks
+    (:attr:`RuleSet.stockable`)."""
+    limit = rule.limit
+    return (
+        limit.algorithm.reserves
+        and not limit.fair
+        and not rule.guarded
+        and not rule.adaptive
+        and not learns(rule)
+    )

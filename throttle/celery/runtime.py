@@ -23,6 +23,7 @@ from throttle.celery.observe import Observers, TaskTrailReporter, default_observ
 from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
+from throttle.celery.stock import Stocks
 from throttle.config import CONFIG_ENV, Settings, ThrottleConfig
 from throttle.errors import BackendError, ConfigError, did_you_mean
 from throttle.limiter import Limiter
@@ -172,6 +173,7 @@ class Throttler:
         self.learned = LearnedRates(limiter.client, keyspace, refresh_s=self.settings.refresh_s)
         self.parking = ParkingLot(limiter.client, keyspace)
         self.clock = RedisClock(limiter.client)
+        self.stocks = Stocks(limiter, self.settings.burst_margin_s)
         self.stats = StatsBook(limiter.client, keyspace, clock=self.clock.now)
         self.refusals = RefusalBook(
             limiter.client, keyspace, max_entries=self.settings.refusals_max,

@@ -39,6 +39,9 @@ def settle(
     acquisition = ticket.acquisition
     if acquisition is None:
         return
+    if ticket.draw is not None:
+        settle_draw(throttler, ticket, acquisition, failed)
+        return
     estimates = estimates or {}
     if not failed and not ticket.reported and not holds_units(acquisition) and not estimates:
         return  # the common case, below without building the costs: nothing to settle
@@ -72,6 +75,25 @@ def settle(
         return
     deltas = settlement.deltas  # empty when the lease was gone: nothing settled
     throttler.observer.settled([names[i] for i in own], [deltas[i] for i in own if deltas])
+
+
+def settle_draw(throttler: Throttler, ticket: Ticket, share: Acquisition, failed: bool) -> None:
+    """Settle a task drawn from a stock (:mod:`throttle.celery.stock`): its actual costs
+    go to the stock, settled as a whole when it ends (no round trip here); the observers
+    count what the task's own limits were refunded or charged, as for any settle."""
+    assert ticket.draw is not None
+    if not failed and not ticket.reported:
+        ticket.draw.done(())
+        return
+    actuals = actual_costs(ticket, share, failed)
+    ticket.draw.done(actuals)
+    own = [
+        (limit.name, actual - cost)
+        for (limit, _), cost, actual in zip(share.targets, share.costs, actuals, strict=True)
+        if actual is not None and not limit.name.endswith(PLAN_SUFFIX)
+    ]
+    if own:
+        throttler.observer.settled([name for name, _ in own], [delta for _, delta in own])
 
 
 def actual_costs(

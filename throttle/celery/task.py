@@ -82,6 +82,8 @@ def run(
         leave_ticket(token)
         if settles:
             settle(execution.throttler, ticket, failed, execution.estimates)
+        elif ticket.draw is not None:  # given back to the broker: its share stays used
+            ticket.draw.done(())
 
 
 def requeued(execution: Execution, exc: Exception) -> bool:

@@ -238,6 +238,8 @@ def report_upstream(
                 throttler.limiter, throttler.rates, signal, targets, throttler.learned
             )
             held = bool(holds)
+            if holds:  # this process's stocks of them end now, not up to STOCK_S later
+                throttler.stocks.drop({targets[i].current.name for i in holds})
             # Limits in shadow mode: their twins are held as the limits would be (what the
             # twins' looks report then includes the hold), and no rate is set or learned.
             twins = [_shadow_target(rule, target) for rule, target in shadowed]
