@@ -305,7 +305,9 @@ class Settings:
         an upstream that enforces exactly the same limit). It costs at most
         ``burst_margin x rate`` tokens of the burst, once per busy period, and nothing of
         the sustained rate. 0: the whole burst. Eager mode and direct calls, which call
-        as soon as they are admitted, take the whole burst.
+        as soon as they are admitted, take the whole burst. Half the margin is also how
+        long a pool child may draw units it took ahead while its limits have plenty of
+        room (:mod:`throttle.celery.stock`; 0: it takes none ahead).
     jitter_s:
         The most random delay added to a retry after a denial that reserved nothing
         (windows, concurrency), so that denied tasks do not return together.

@@ -17,7 +17,7 @@ from celery.exceptions import Ignore, Retry
 from tests.support.eager import close_throttler
 from throttle.celery import report_cost, throttled
 from throttle.celery.runtime import Throttler
-from throttle.celery.stock import STOCK_S
+from throttle.celery.stock import KEYS_MAX, STOCK_S
 from throttle.testing import upstream_response
 from throttle.upstream import report_upstream
 
@@ -186,3 +186,15 @@ def test_a_hold_this_process_places_ends_its_stock_of_the_limit(
     with pytest.raises((Retry, Ignore)):  # denied, it comes back after the hold
         run(refused, "after", 200)
     assert script_calls(client) > before
+
+
+def test_many_keys_seen_once_do_not_grow_what_a_process_remembers(app: Celery) -> None:
+    @app.task(name="stock.keys", shared=False)
+    @throttled("tokens")
+    def keyed(tenant: str, tokens: int) -> None: ...
+
+    for i in range(KEYS_MAX + 100):
+        run(keyed, f"k{i}", f"tenant-{i}", 1)
+    stocks = Throttler.of(app).stocks
+    assert 0 < len(stocks._room) <= KEYS_MAX
+    assert len(stocks._size) <= KEYS_MAX

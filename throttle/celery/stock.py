@@ -77,6 +77,10 @@ MIN_TASKS = 2
 MAX_TASKS = 32
 """The bounds of a stock's size, in tasks: it doubles when a stock is drawn out within
 :data:`STOCK_S`, and halves when one ends with more than half of it left."""
+KEYS_MAX = 1024
+"""The most sets of limits and keys a process remembers room and stock sizes for: past
+it, those it remembers are forgotten (many keys, each seen once, must not grow a worker's
+memory)."""
 STOCK_PREFIX = "stock-"
 """The acquisition ids of stocks (a task's is its task id)."""
 LEASE_S = 60.0
@@ -204,6 +208,8 @@ class Stocks:
         pairs = tuple((limit.name, key) for limit, key, _ in targets)
         with self._lock:
             if self._roomy(targets, decision, self._size.get(pairs, MIN_TASKS)):
+                if len(self._room) >= KEYS_MAX:
+                    self._room.clear()
                 self._room[pairs] = time.monotonic()
             else:
                 self._room.pop(pairs, None)
@@ -308,7 +314,10 @@ class Stocks:
                     self._wake.wait(left)
                     continue
                 self._ending.popleft()
-            self._close(pairs, stock)
+            try:
+                self._close(pairs, stock)
+            except Exception:  # the thread must outlive one stock's failure
+                logger.exception("throttle: stock %s not closed", stock.acquisition.id)
 
     def _close(self, pairs: Pairs, stock: Stock) -> None:
         """No more draws from ``stock``; settled once its running tasks finished."""
@@ -318,11 +327,15 @@ class Stocks:
             stock.closed = True
             if self._stocks.get(pairs) is stock:
                 del self._stocks[pairs]
-            size = self._size.get(pairs, MIN_TASKS)
+            size = self._size.pop(pairs, MIN_TASKS)
             if stock.drawn >= stock.tasks:
-                self._size[pairs] = min(size * 2, MAX_TASKS)
+                size = min(size * 2, MAX_TASKS)
             elif stock.drawn * 2 < stock.tasks:
-                self._size[pairs] = max(size // 2, MIN_TASKS)
+                size = max(size // 2, MIN_TASKS)
+            if size > MIN_TASKS:
+                if len(self._size) >= KEYS_MAX:
+                    self._size.clear()
+                self._size[pairs] = size
             last = stock.running == 0
         if last:
             self._settle(stock)
