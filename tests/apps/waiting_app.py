@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from throttle.celery import slot_time, throttled
+from throttle.celery import report_cost, slot_time, throttled
 from throttle.celery.steps import LaneStep, ThrottleStep
 from throttle.celery.waiting import WaitStep
 
@@ -112,6 +112,15 @@ def slow(tag: str) -> None:
 def bulk(self: Any, tag: str) -> None:
     """Under ``bulk`` (a token bucket of burst 10 refilled at 1000/s): never waits, and
     never has room for 20 more (the consumer decides every task of it)."""
+    _log(tag)
+
+
+@app.task(shared=False)
+@throttled("roomy", "budget")
+def stocked(tag: str, tenant: str, tokens: int, used: int) -> None:
+    """Under two limits that never bind (``roomy``, ``budget`` per tenant, whose cost is
+    ``tokens``), reporting ``used``: drawn from its pool child's stock."""
+    report_cost(used, limit="budget")
     _log(tag)
 
 

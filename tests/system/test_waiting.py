@@ -27,6 +27,7 @@ from throttle.celery.waiting import LEAD_S
 from throttle.limiter import Limiter
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
+from throttle.spec import Limit
 from workers.harness import Worker, running
 
 SPACING_S = 1.0
@@ -480,3 +481,44 @@ def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
     with running(app, [worker(redis_server, tmp, "w-next", "prefork")]):
         held.get(timeout=VISIBILITY_S + 30)
     assert client.hgetall("waiting:done") == {b"k1": b"1", b"k2": b"1"}
+
+
+STOCK_CONFIG = """
+settings:
+  burst_margin: 1h  # an hour of these slow refills in hand: stocks fit in it
+limits:
+  roomy: {algorithm: gcra, rate: 10000/d, burst: 10000}
+  budget: {algorithm: gcra, rate: 100000/d, burst: 100000, key: "{tenant}", cost: tokens}
+"""
+
+
+def test_roomy_tasks_draw_from_stocks_on_gevent_and_take_exactly_what_they_used(
+    server: tuple[RedisServer, Path],
+) -> None:
+    """Stocks (throttle/celery/stock.py) under gevent, whose closing thread is a greenlet:
+    most tasks take no round trip, each runs once, and the limits are charged what the
+    tasks used (refills of about 0.1 and 1.2 tokens a second aside), not what the stocks
+    took."""
+    from tests.apps.waiting_app import app, stocked  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server, tmp, "stock.yaml", STOCK_CONFIG)
+    tasks = 300
+    with running(app, [worker(redis_server, tmp, "w-stock", "gevent", config="stock.yaml",
+                              concurrency=20)]):  # fmt: skip
+        before = fcalls(client)
+        handles = [stocked.delay(f"s{i}", "acme", 100, 4) for i in range(tasks)]
+        for handle in handles:
+            handle.get(timeout=60)
+        calls = fcalls(client) - before
+        time.sleep(0.5)  # the last stock ends (50 ms) and gives back what was not drawn
+        limiter = Limiter.from_url(redis_server.url)
+        roomy = limiter.peek(Limit.parse("10000/d burst 10000", name="roomy", algorithm="gcra"))
+        budget = limiter.peek(
+            Limit.parse("100000/d burst 100000", name="budget", algorithm="gcra"), "acme"
+        )
+    assert [int(n) for n in client.hvals("waiting:done")] == [1] * tasks
+    # Without stocks, an acquire and a settle a task (600); 130 on a quiet host
+    assert calls < tasks, calls
+    assert tasks - 5 <= 10000 - roomy.remaining <= tasks + 0.5
+    assert tasks * 4 - 60 <= 100000 - budget.remaining <= tasks * 4 + 1  # not 100 a task
