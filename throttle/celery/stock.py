@@ -29,10 +29,12 @@ The bounds, which keep the limiter's guarantees:
   stocks instead, and a stock is at most :data:`MARGIN_SHARE` of the margin
   (:func:`within_margin`). With ``burst_margin: 0`` there are no stocks.
 - **Plain rate limits only**: token bucket and GCRA limits that are not fair, without
-  the spacing guard, a concurrency limit, a plan, an adaptive rate or a learned
-  estimate (:attr:`RuleSet.stockable <throttle.celery.ruleset.RuleSet.stockable>`). A
-  window could see a stock's units drawn in the next window; the others need a record or
-  a decision per task.
+  the spacing guard, a concurrency limit, an adaptive rate or a learned estimate
+  (:attr:`RuleSet.stockable <throttle.celery.ruleset.RuleSet.stockable>`). A window
+  could see a stock's units drawn in the next window; the others need a record or a
+  decision per task. A task that plans (:mod:`throttle.celery.plan`) stocks its plans'
+  units with its limits', as its first acquisition takes them; a task back with a plan
+  takes no stock.
 - **A hold this process places** (an upstream's refusal reported from a body) closes its
   stocks of the held limits at once; a hold or pause placed elsewhere is seen when the
   stock ends, at most :data:`STOCK_S` later.
