@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, signals
 from celery.exceptions import Ignore, Retry
 
 from tests.support.eager import close_throttler
@@ -198,3 +198,20 @@ def test_many_keys_seen_once_do_not_grow_what_a_process_remembers(app: Celery) -
     stocks = Throttler.of(app).stocks
     assert 0 < len(stocks._room) <= KEYS_MAX
     assert len(stocks._size) <= KEYS_MAX
+
+
+def test_a_process_exiting_gives_its_open_stocks_back(app: Celery) -> None:
+    @app.task(name="stock.exiting", shared=False)
+    @throttled("api")
+    def call() -> None: ...
+
+    stocks = Throttler.of(app).stocks
+    stocks.draw_s = 60.0  # open until the process exits, not closed by time
+    for i in range(5):  # the first acquires; then stocks of 2 and of 4 (one left)
+        run(call, f"e{i}")
+    assert stocks._stocks  # one is open, with units not drawn
+    # When the pool child exits (as a prefork child sends it; a worker sends
+    # worker_shutdown), what was not drawn goes back at once
+    signals.worker_process_shutdown.send(sender=None, pid=0, exitcode=0)
+    assert not stocks._stocks
+    assert spent(app, "api") == pytest.approx(5, abs=0.5)

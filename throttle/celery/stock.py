@@ -39,6 +39,11 @@ The bounds, which keep the limiter's guarantees:
   stocks of the held limits at once; a hold or pause placed elsewhere is seen when the
   stock ends, at most :data:`STOCK_S` later.
 
+A process that exits (a pool child recycled by ``--max-tasks-per-child``, a worker's
+warm shutdown: Celery's ``worker_process_shutdown`` and ``worker_shutdown`` signals)
+first gives its open stocks back. One killed (SIGKILL, a crash) keeps what its stocks
+took, as a task killed mid-call keeps its reservation.
+
 The price: a task drawn from a stock has no acquisition record of its own, so a copy of it
 redelivered after its worker died pays again (the redelivery's acquire finds no slot
 under its id); and capacity a stock took for tasks that did not come is idle until the
@@ -53,9 +58,13 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from celery import signals
 
 from throttle.decision import Acquisition, Decision
 from throttle.errors import ThrottleError
@@ -165,6 +174,7 @@ class Stocks:
         """How long a stock's units may be drawn, in s."""
         self._pid = -1
         self._mine()
+        _books.add(self)
 
     def _mine(self) -> None:
         """A process forked from one with stocks starts with none (their records, and
@@ -223,6 +233,16 @@ class Stocks:
             found = [(p, s) for p, s in self._stocks.items() if any(n in names for n, _ in p)]
             for pairs in [p for p in self._room if any(n in names for n, _ in p)]:
                 del self._room[pairs]
+        for pairs, stock in found:
+            self._close(pairs, stock)
+
+    def close_all(self) -> None:
+        """Close every open stock of this process (it is exiting): what their tasks did
+        not draw goes back now (a stock whose tasks still run, when they finish)."""
+        if self._pid != os.getpid():
+            return  # forked: the stocks are the parent's
+        with self._lock:
+            found = list(self._stocks.items())
         for pairs, stock in found:
             self._close(pairs, stock)
 
@@ -372,3 +392,23 @@ def within_margin(limit: Limit, units: float, margin_s: float, draw_s: float) ->
         return False
     missed = limit.rate_per_s * draw_s
     return missed <= kept / 2 * (1 + 1e-9) or units <= MARGIN_SHARE * kept
+
+
+_books: weakref.WeakSet[Stocks] = weakref.WeakSet()
+"""Every stock book of this process (one per throttled app)."""
+
+
+def close_all(**kwargs: Any) -> None:
+    """Give back every open stock of this process: a pool child or a worker exiting."""
+    for book in list(_books):
+        try:
+            book.close_all()
+        except Exception:  # exiting: one app's failure must not keep the others' stocks
+            logger.exception("throttle: stocks not given back at exit")
+
+
+# A prefork pool child exiting (recycled, or its worker's warm shutdown) sends the first in
+# the child; the worker itself (threads, gevent, eventlet, solo: the pool runs in it) the
+# second, once its pool stopped.
+signals.worker_process_shutdown.connect(close_all, weak=False, dispatch_uid="throttle-stocks")
+signals.worker_shutdown.connect(close_all, weak=False, dispatch_uid="throttle-stocks")
