@@ -39,7 +39,15 @@ VISIBILITY_S = 8.0
 # visibility timeout, as the worker requires. reserve_ahead as long: these tests hold a
 # task in the consumer's timer for its slot, seconds ahead (by default a slot more than
 # 250 ms ahead is waited for in the line, reserving nothing: test_capacity.py).
-CONFIG = """
+STOCKED_LIMITS = """
+  roomy: {algorithm: gcra, rate: 10000/d, burst: 10000}
+  budget: {algorithm: gcra, rate: 100000/d, burst: 100000, key: "{tenant}", cost: tokens}
+"""
+"""The limits of ``stocked``, in every limits file of this module: a worker with the
+throttler's worker step (``release=True``) refuses to start while a task of the app names
+a limit its file does not define."""
+CONFIG = (
+    """
 settings:
   sleep_max: 3s
   reserve_ahead: 3s
@@ -48,8 +56,9 @@ settings:
 limits:
   spaced: {algorithm: gcra, rate: 1/s, burst: 1}
   slow: {algorithm: gcra, rate: 24/m, burst: 1}
-  bulk: {rate: 1000/s, burst: 10}
-"""
+  bulk: {rate: 1000/s, burst: 10}"""
+    + STOCKED_LIMITS
+)
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +182,7 @@ def flood_config(spaced: str = "") -> str:
 limits:
   spaced: {{algorithm: gcra, rate: 2/s, burst: 1{spaced}}}
   slow: {{algorithm: gcra, rate: 24/m, burst: 1}}
-  bulk: {{rate: 1000/s, burst: 10}}
-"""
+  bulk: {{rate: 1000/s, burst: 10}}{STOCKED_LIMITS}"""
 
 
 FLOOD_CONFIG = flood_config()
@@ -483,13 +491,13 @@ def test_a_worker_killed_while_it_holds_a_task_loses_none_and_runs_none_twice(
     assert client.hgetall("waiting:done") == {b"k1": b"1", b"k2": b"1"}
 
 
-STOCK_CONFIG = """
+STOCK_CONFIG = (
+    """
 settings:
   burst_margin: 1h  # an hour of these slow refills in hand: stocks fit in it
-limits:
-  roomy: {algorithm: gcra, rate: 10000/d, burst: 10000}
-  budget: {algorithm: gcra, rate: 100000/d, burst: 100000, key: "{tenant}", cost: tokens}
-"""
+limits:"""
+    + STOCKED_LIMITS
+)
 
 
 def test_roomy_tasks_draw_from_stocks_on_gevent_and_take_exactly_what_they_used(
