@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.support.clock import redis_now_s
 from tests.support.publishes import broker_lpushes
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
@@ -411,11 +412,6 @@ def held_slow(app: Any, slow: Any, first: str, second: str) -> Any:
     return held
 
 
-def redis_now_s(client: redis.Redis) -> float:
-    seconds, micros = client.time()
-    return float(seconds + micros / 1e6)
-
-
 def test_a_held_task_revoked_never_runs_and_gives_its_slot_up(
     server: tuple[RedisServer, Path],
 ) -> None:
@@ -504,9 +500,9 @@ def test_roomy_tasks_draw_from_stocks_on_gevent_and_take_exactly_what_they_used(
     server: tuple[RedisServer, Path],
 ) -> None:
     """Stocks (throttle/celery/stock.py) under gevent, whose closing thread is a greenlet:
-    most tasks take no round trip, each runs once, and the limits are charged what the
-    tasks used (refills of about 0.1 and 1.2 tokens a second aside), not what the stocks
-    took."""
+    most tasks take no round trip, each runs once, and once the worker stopped (its open
+    stocks given back) the limits are charged what the tasks used, less what they refilled
+    meanwhile on the Redis clock, not what the stocks took."""
     from tests.apps.waiting_app import app, stocked  # noqa: PLC0415
 
     redis_server, tmp = server
@@ -514,19 +510,23 @@ def test_roomy_tasks_draw_from_stocks_on_gevent_and_take_exactly_what_they_used(
     tasks = 300
     with running(app, [worker(redis_server, tmp, "w-stock", "gevent", config="stock.yaml",
                               concurrency=20)]):  # fmt: skip
+        started = redis_now_s(client)
         before = fcalls(client)
         handles = [stocked.delay(f"s{i}", "acme", 100, 4) for i in range(tasks)]
         for handle in handles:
             handle.get(timeout=60)
         calls = fcalls(client) - before
-        time.sleep(0.5)  # the last stock ends (50 ms) and gives back what was not drawn
-        limiter = Limiter.from_url(redis_server.url)
-        roomy = limiter.peek(Limit.parse("10000/d burst 10000", name="roomy", algorithm="gcra"))
-        budget = limiter.peek(
-            Limit.parse("100000/d burst 100000", name="budget", algorithm="gcra"), "acme"
-        )
+    limiter = Limiter.from_url(redis_server.url)
+    roomy = limiter.peek(Limit.parse("10000/d burst 10000", name="roomy", algorithm="gcra"))
+    budget = limiter.peek(
+        Limit.parse("100000/d burst 100000", name="budget", algorithm="gcra"), "acme"
+    )
+    elapsed = redis_now_s(client) - started
     assert [int(n) for n in client.hvals("waiting:done")] == [1] * tasks
-    # Without stocks, an acquire and a settle a task (600); 130 on a quiet host
-    assert calls < tasks, calls
-    assert tasks - 5 <= 10000 - roomy.remaining <= tasks + 0.5
-    assert tasks * 4 - 60 <= 100000 - budget.remaining <= tasks * 4 + 1  # not 100 a task
+    # Without stocks, an acquire and a settle a task (600); 130 on a quiet host, more on a
+    # loaded one, whose consumer decides more of the tasks itself
+    assert calls < tasks * 1.5, calls
+    refilled = elapsed / 86400  # tokens a second: 10,000 and 100,000 a day
+    assert tasks - 10000 * refilled - 0.5 <= 10000 - roomy.remaining <= tasks + 0.5
+    # 4 a task (what each reported), not 100 (what it reserved)
+    assert tasks * 4 - 100000 * refilled - 1 <= 100000 - budget.remaining <= tasks * 4 + 1
