@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from celery import Celery
@@ -104,7 +104,18 @@ def consumer_of(handed: list[Any], timed: list[tuple[float, Any, tuple[Any, ...]
     return SimpleNamespace(on_task_request=handed.append, qos=qos, timer=timer)
 
 
-def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Celery) -> None:
+class Consumer(NamedTuple):
+    """A slow task's consumer side with a line (:func:`consumer_of`), and what it recorded."""
+
+    waiting: Waiting
+    line: WaitingLine
+    handed: list[Any]
+    timed: list[tuple[float, Any, tuple[Any, ...]]]
+
+
+def with_line(app: Celery) -> Consumer:
+    """The consumer side of a task under ``slow``, with a line of 60 s."""
+
     @app.task(name="held.call", shared=False)
     @throttled("slow")
     def call() -> None: ...
@@ -113,7 +124,11 @@ def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Ce
     timed: list[tuple[float, Any, tuple[Any, ...]]] = []
     consumer = consumer_of(handed, timed)
     line = WaitingLine(consumer, 60.0)
-    waiting = Waiting(call, consumer, Undecided(consumer), line)
+    return Consumer(Waiting(call, consumer, Undecided(consumer), line), line, handed, timed)
+
+
+def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Celery) -> None:
+    waiting, line, handed, timed = with_line(app)
 
     # Given a task that reserved a slot a second ahead and went back through the broker
     # for it (a come-back to its slot), and a task waiting in the line for the same limit
@@ -151,16 +166,8 @@ def test_a_task_back_for_its_reserved_slot_asks_before_it_joins_the_line(app: Ce
 def test_a_task_decided_while_the_line_is_full_sees_a_hold_placed_before_its_slot(
     app: Celery,
 ) -> None:
-    @app.task(name="held.call", shared=False)
-    @throttled("slow")
-    def call() -> None: ...
-
-    handed: list[Any] = []
-    timed: list[tuple[float, Any, tuple[Any, ...]]] = []
-    consumer = consumer_of(handed, timed)
-    line = WaitingLine(consumer, 60.0)
+    waiting, line, handed, timed = with_line(app)
     line.announcements = SimpleNamespace(listening_since=0.0)  # listening since ever
-    waiting = Waiting(call, consumer, Undecided(consumer), line)
     back = request_of("t-full")
     gate = waiting._gate(back)
     assert gate is not None
