@@ -12,6 +12,7 @@ from celery import Celery
 
 from tests.support.clock import redis_now_s
 from tests.support.eager import close_throttler
+from tests.support.publishes import script_calls as served_scripts
 from tests.support.servers import RedisServer
 from throttle import BackendUnavailable, ConfigError, Limit, Limiter, Throttled, ThrottleTimeout
 from throttle.celery import ThrottledTask, Throttler, report_cost, slot_time, throttled
@@ -321,15 +322,12 @@ def test_shared_tasks_are_throttled_too(redis_url: str, prefix: str) -> None:
 
 
 def script_calls(server: RedisServer) -> int:
-    """The limiter's calls (FCALL of its functions; EVALSHA, EVAL of its scripts) the
-    private server has executed so far."""
+    """The limiter's calls the private server has executed so far."""
     client = server.client()
     try:
-        stats = client.info("commandstats")
+        return served_scripts(client)
     finally:
         client.close()
-    names = ("fcall", "evalsha", "eval")
-    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in names)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Retry
 
 from tests.support.eager import close_throttler
+from tests.support.publishes import script_calls
 from tests.support.waits import wait_for
 from throttle.celery import report_cost, stock, throttled
 from throttle.celery.runtime import Throttler
@@ -23,15 +24,6 @@ from throttle.testing import upstream_response
 from throttle.upstream import report_upstream
 
 BURST = 10_000
-
-
-def script_calls(client: redis.Redis) -> int:
-    """The script calls this Redis has run so far."""
-    stats = client.info("commandstats")
-    return sum(
-        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
-        for name in ("fcall", "evalsha", "eval")
-    )
 
 
 @pytest.fixture

@@ -35,6 +35,14 @@ def broker_lpushes(client: redis.Redis) -> int:
     return int(stats.get("cmdstat_lpush", {}).get("calls", 0))
 
 
+def script_calls(client: redis.Redis) -> int:
+    """The script calls (FCALL of the limiter's functions; EVALSHA, EVAL) the Redis server
+    has served so far (``INFO commandstats``)."""
+    stats = client.info("commandstats")
+    names = ("fcall", "evalsha", "eval")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names)
+
+
 def count_publishes(
     client: Callable[[], redis.Redis], task_names: Callable[[], set[str]]
 ) -> Callable[..., None]:
