@@ -188,8 +188,9 @@ class Admission:
     task's limits since its decision (it listens to the holds' announcements). True:
     none; the pool child runs the task at its slot without looking at Redis again.
     False: one was; the pool child looks again before it calls, however near the slot.
-    None (it was not listening): it looks again when the slot is further than
-    ``gate.RECHECK_LEAD_S``, as a task the pool decided itself."""
+    None (it was not listening): it looks again when the decision's slot was further than
+    ``gate.RECHECK_LEAD_S`` from the decision, however near it is when the pool starts
+    the task."""
 
     sleep_max_s: float | None = None
     """The most the pool child may sleep to this decision's slot, in s (None: the
