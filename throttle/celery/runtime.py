@@ -58,7 +58,7 @@ def throttling_enabled(app: Celery) -> bool:
     else the environment's ``THROTTLE_ENABLED``; on unless one of them says ``False``,
     ``0``, ``false``, ``no`` or ``off``. Off, tasks run unthrottled and nothing reaches
     Redis: no limiter is built, the worker's steps do nothing."""
-    value = app.conf.get("throttle_enabled")
+    value = _setting(app.conf, "throttle_enabled")
     if value is None:
         value = os.environ.get("THROTTLE_ENABLED")
         if value is None:
@@ -66,6 +66,23 @@ def throttling_enabled(app: Celery) -> bool:
     if isinstance(value, str):
         return value.strip().lower() not in _OFF
     return bool(value)
+
+
+def _setting(conf: Any, name: str) -> Any:
+    """``conf.get(name)`` (None when not set) as Celery's configuration view looks it up
+    (each map in order, the name and its old and new spellings), without the KeyError it
+    raises and catches for each map and spelling that lacks it: read once per task, a
+    setting left unset cost 4-5 µs that way, about a tenth of the throttler's own time."""
+    try:
+        maps, spellings, key = conf.maps, conf._to_keys(name), conf._key
+    except AttributeError:  # not Celery's view (a configuration of another kind)
+        return conf.get(name)
+    for mapping in maps:
+        for spelling in spellings:
+            found = key(spelling)
+            if found in mapping:
+                return mapping[found]
+    return None
 
 
 def task_rules(
