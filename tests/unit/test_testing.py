@@ -344,3 +344,29 @@ def test_the_upstream_responses_need_no_http_client(
     assert response.headers.get("RETRY-AFTER") == "7" or provider == "openai"
     signal = read_response(response, now=now)
     assert signal is not None and signal.refused and signal.hold_s == pytest.approx(7, abs=1)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "settings"),
+    [
+        pytest.param(None, {}, id="unset"),
+        pytest.param(None, {"throttle_enabled": "off"}, id="config-object"),
+        pytest.param("CELERY", {"CELERY_THROTTLE_ENABLED": False}, id="django-namespace"),
+        pytest.param("CELERY", {"CELERY_BROKER_URL": "memory://"}, id="namespace-unset"),
+    ],
+)
+def test_the_switch_is_read_as_celery_reads_its_settings(
+    namespace: str | None, settings: dict[str, Any]
+) -> None:
+    from throttle.celery.runtime import _setting  # noqa: PLC0415
+
+    app = Celery("switch", set_as_current=False)
+    app.config_from_object(SimpleNamespace(**settings), namespace=namespace)
+    # As the configuration reads it, before and after a change made at run time (a test
+    # that switches throttling off, then on again), and for a setting no map has
+    for value in (None, False, True):
+        if value is not None:
+            app.conf.throttle_enabled = value
+        assert _setting(app.conf, "throttle_enabled") == app.conf.get("throttle_enabled")
+    assert _setting(app.conf, "throttle_no_such_setting") is None
+    assert _setting(app.conf, "task_default_queue") == app.conf.get("task_default_queue")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery, Task
+from celery.utils.collections import ConfigurationView, DictAttribute
 
 from throttle.adaptive import LearnedRates
 from throttle.celery.estimates import Estimates
@@ -68,15 +69,20 @@ def throttling_enabled(app: Celery) -> bool:
     return bool(value)
 
 
+_LOADED = (dict, DictAttribute)
+"""The maps of a loaded Celery configuration: its changes and defaults, and the object it
+was configured from."""
+
+
 def _setting(conf: Any, name: str) -> Any:
     """``conf.get(name)`` (None when not set) as Celery's configuration view looks it up
     (each map in order, the name and its old and new spellings), without the KeyError it
     raises and catches for each map and spelling that lacks it: read once per task, a
     setting left unset cost 4-5 µs that way, about a tenth of the throttler's own time."""
-    try:
-        maps, spellings, key = conf.maps, conf._to_keys(name), conf._key
-    except AttributeError:  # not Celery's view (a configuration of another kind)
-        return conf.get(name)
+    maps = getattr(conf, "maps", None) if isinstance(conf, ConfigurationView) else None
+    if not maps or not all(type(m) in _LOADED for m in maps):
+        return conf.get(name)  # not loaded yet (a pending configuration loads on a read)
+    spellings, key = conf._to_keys(name), conf._key
     for mapping in maps:
         for spelling in spellings:
             found = key(spelling)
