@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from throttle.errors import ConfigError, RequestError
@@ -371,6 +371,18 @@ class RateBook(RateBookBase):
         if now is not None:
             self._read(*self._fetch(), now)
         return self._modes.get(name)
+
+    def modes_in_force(self) -> Mapping[str, str]:
+        """The modes set at run time (limit name -> mode), re-read every refresh_s: the
+        cache itself (read it, never change it)."""
+        now = self._stale()
+        if now is not None:
+            self._read(*self._fetch(), now)
+        return self._modes
+
+    def cached_modes(self) -> Mapping[str, str]:
+        """The modes set at run time as last read (no refresh): the cache itself."""
+        return self._modes
 
     def modes(self) -> dict[str, str]:
         """The modes set at run time (limit name -> mode), read afresh."""

@@ -36,6 +36,9 @@ class RuleSet:
     shadow: tuple[Rule, ...] = ()
     """The task's limits in shadow mode (:mod:`throttle.celery.shadow`): left out of
     :attr:`rules`, which the task waits for; looked at on a twin state, never waited for."""
+    shadow_declared: bool = False
+    """Some rule says ``mode: shadow`` itself (the settings' mode and the modes set at run
+    time aside)."""
     stockable: bool = False
     """Every limit is a plain token bucket or GCRA rate (not fair, no spacing guard,
     adaptive rate or learned estimate) and none is a concurrency limit: a worker
@@ -54,6 +57,7 @@ class RuleSet:
             concurrency=any(rule.limit.algorithm.holds_units for rule in rules),
             plan=plan_shape(rules),
             estimates=any(learns(rule) for rule in rules),
+            shadow_declared=any(rule.mode == "shadow" for rule in (*rules, *shadow)),
             stockable=bool(rules) and all(stockable(rule) for rule in rules),
         )
 

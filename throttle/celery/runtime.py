@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from celery import Celery, Task
@@ -322,13 +322,20 @@ class Throttler:
         """The mode in force of ``rule``: set at run time (``celery throttle enforce`` /
         ``shadow``, followed within ``settings.refresh``), else its own, else
         ``settings.mode``; a concurrency limit is always enforced."""
+        return self._mode(rule, self._run_time_modes())
+
+    def _run_time_modes(self) -> Mapping[str, str]:
+        """The modes set at run time (limit name -> mode), re-read every refresh_s; with
+        Redis down, the last ones read (the gate meets the outage)."""
+        try:
+            return self.rates.modes_in_force()
+        except BackendError:
+            return self.rates.cached_modes()
+
+    def _mode(self, rule: Rule, modes: Mapping[str, str]) -> str:
         if rule.limit.algorithm.holds_units:
             return "enforce"
-        try:
-            mode = self.rates.mode(rule.name)
-        except BackendError:  # Redis down: the last modes read (the gate meets the outage)
-            mode = self.rates.cached_mode(rule.name)
-        return mode or rule.mode or self.settings.mode
+        return modes.get(rule.name) or rule.mode or self.settings.mode
 
     def rule_set(self, task: Task, declared: Declared | None, queue: str | None) -> RuleSet:
         """The task's rules (:meth:`rules`) and what the gate derives from them, resolved
@@ -337,7 +344,10 @@ class Throttler:
         every = self._all_rules(task, declared, queue)
         if not every.rules:
             return every
-        shadowed = frozenset(r.name for r in every.rules if self.mode_of(r) == "shadow")
+        modes = self._run_time_modes()
+        if not modes and not every.shadow_declared and self.settings.mode != "shadow":
+            return every  # every limit enforced: no mode to look up per rule
+        shadowed = frozenset(r.name for r in every.rules if self._mode(r, modes) == "shadow")
         if not shadowed:
             return every
         cache_key = (task.name, queue, id(declared), shadowed)
