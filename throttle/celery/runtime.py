@@ -73,6 +73,9 @@ _LOADED = (dict, DictAttribute)
 """The maps of a loaded Celery configuration: its changes and defaults, and the object it
 was configured from."""
 
+_SPELLINGS: dict[tuple[Any, ...], tuple[str, ...]] = {}
+"""The keys a setting is looked up by, per name and configuration's spelling rules."""
+
 
 def _setting(conf: Any, name: str) -> Any:
     """``conf.get(name)`` (None when not set) as Celery's configuration view looks it up
@@ -82,10 +85,13 @@ def _setting(conf: Any, name: str) -> Any:
     maps = getattr(conf, "maps", None) if isinstance(conf, ConfigurationView) else None
     if not maps or not all(type(m) in _LOADED for m in maps):
         return conf.get(name)  # not loaded yet (a pending configuration loads on a read)
-    spellings, key = conf._to_keys(name), conf._key
+    spelt = (name, conf.prefix, conf.key_t, conf._keys)
+    keys = _SPELLINGS.get(spelt)
+    if keys is None:
+        keys = tuple(dict.fromkeys(conf._key(spelling) for spelling in conf._to_keys(name)))
+        _SPELLINGS[spelt] = keys
     for mapping in maps:
-        for spelling in spellings:
-            found = key(spelling)
+        for found in keys:
             if found in mapping:
                 return mapping[found]
     return None
