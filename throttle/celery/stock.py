@@ -82,8 +82,11 @@ times the stock's cost (a stock takes at most a quarter of the room)."""
 MARGIN_SHARE = 0.125
 """Where a limit's burst margin is capped (at half its burst), a stock takes at most this
 share of what a worker keeps in hand of it (:func:`within_margin`)."""
-FRESH_S = 0.05
-"""How old a decision may be and still say that the limits have room, in s."""
+FRESH_S = 2 * STOCK_S
+"""How old a decision may be and still say that the limits have room, in s. Longer than
+:data:`STOCK_S`: a stock whose own acquisition left room is followed by the next one as
+it ends, without a task's acquisition between the two to look at the room again (the
+next stock's acquisition looks, and takes nothing if the room is gone)."""
 MIN_TASKS = 2
 MAX_TASKS = 32
 """The bounds of a stock's size, in tasks: it doubles when a stock is drawn out within
