@@ -42,13 +42,17 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
             "limits": {
                 "requests": {"algorithm": "gcra", "rate": "100/s", "burst": 10},
                 "tokens": {"rate": "1000000/d", "key": "{tenant}", "cost": "tokens"},
+                "strict": {"algorithm": "gcra", "rate": "4/s", "burst": 1},
             },
-            "tasks": {"adm.call": ["requests", "tokens"]},
+            "tasks": {"adm.call": ["requests", "tokens"], "adm.strict": ["strict"]},
         },
     )  # fmt: skip
 
     @app.task(name="adm.call", shared=False)
     def call(tenant: str, tokens: int) -> None: ...
+
+    @app.task(name="adm.strict", shared=False)
+    def strict() -> None: ...
 
     yield app
     close_throttler(app)
@@ -123,6 +127,47 @@ def test_targets_of_other_rules_are_not_taken(app: Celery, evaluations: list[int
     found = pool_targets(app, changed)
     assert [limit.name for limit, _, _ in found] == ["requests", "tokens"]
     assert len(evaluations) == 2
+
+
+def test_a_hold_placed_while_the_consumer_held_the_task_is_looked_for_however_late_the_pool(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a task the consumer admitted 250 ms ahead of its slot (4/s burst 1, the burst
+    # taken) while it did not listen for holds (no line: holds_clear None)
+    strict = app.tasks["adm.strict"]
+    decided: list[Admission] = []
+    for task_id in ("first", "second"):
+        request = Context(request_of(task_id))
+        gate = Gate(strict, None, strict.run, (), {}, request=request)
+        gate.evaluate()
+        decided_at = time.time()
+        decision = gate.admit(near_s=1.0)
+        decided.append(Admission(task_id, decision, decided_at, False, *gate.evaluated()))
+    admission = decided[1]
+    assert admission.holds_clear is None and admission.decision.wait_s > 0.2
+    # When the upstream's word holds the limit while the consumer holds the task, and the
+    # pool starts it only 4 ms before its slot (the hand-over took the rest of the lead)
+    Throttler.of(app).limiter.hold("strict", None, 5.0)
+    late = dataclasses.replace(
+        admission, decided_at=time.time() - (admission.decision.wait_s - 0.004)
+    )
+    sent_back: list[Any] = []
+
+    def come_back(execution: Any, decision: Any, **_: Any) -> None:
+        sent_back.append(decision)
+        raise RuntimeError("sent back")
+
+    monkeypatch.setattr(gate_module, "come_back", come_back)
+    strict.push_request(**request_of("second"))
+    try:
+        with pytest.raises(RuntimeError, match="sent back"):
+            Gate(strict, None, strict.run, (), {}).enter(late)
+    finally:
+        strict.pop_request()
+    # Then the pool child looked again before the slot: the hold voided it, and the task
+    # goes back to wait for the hold's end instead of calling inside it
+    assert len(sent_back) == 1 and not sent_back[0].allowed
+    assert sent_back[0].retry_after_s > 4.0
 
 
 class Consumer:
