@@ -222,3 +222,43 @@ def test_a_process_exiting_gives_its_open_stocks_back(app: Celery, patient: None
     signals.worker_process_shutdown.send(sender=None, pid=0, exitcode=0)
     assert not stocks._stocks
     assert taken(app, "api") == pytest.approx(5, abs=0.5)
+
+
+def test_a_process_exiting_waits_for_the_stock_its_closing_thread_is_settling(
+    app: Celery, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.task(name="stock.closing", shared=False)
+    @throttled("api")
+    def call() -> None: ...
+
+    stocks = Throttler.of(app).stocks
+    for i in range(4):  # the first acquires; then two stocks of 2 (one left in the second)
+        run(call, f"s{i}")
+    assert stocks._stocks
+    # Given the closing thread settling a stock that ended (taken out of the book, its
+    # round trip not made yet)
+    settling, release = threading.Event(), threading.Event()
+    real = stocks.limiter.settle
+
+    def slow(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == "throttle-stocks":
+            settling.set()
+            release.wait(10)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stocks.limiter, "settle", slow)
+    monkeypatch.setattr(stocks, "draw_s", 0.0)
+    with stocks._lock:
+        for _, open_stock in stocks._ending:
+            open_stock.until = 0.0  # ended: the closing thread closes it now
+        stocks._wake.notify()
+    assert settling.wait(10)
+    assert not stocks._stocks
+    # When the process exits meanwhile, its exit waits for that settle: the daemon thread
+    # would die with the process before its round trip, and the units not drawn with it
+    exited = threading.Event()
+    threading.Thread(target=lambda: (stocks.close_all(), exited.set()), daemon=True).start()
+    assert not exited.wait(0.3)
+    release.set()
+    assert exited.wait(10)
+    assert taken(app, "api") == pytest.approx(4, abs=0.5)

@@ -97,6 +97,8 @@ it, those it remembers are forgotten (many keys, each seen once, must not grow a
 memory)."""
 STOCK_PREFIX = "stock-"
 """The acquisition ids of stocks (a task's is its task id)."""
+EXIT_WAIT_S = 5.0
+"""How long a process exiting waits for the settles in progress on other threads, in s."""
 LEASE_S = 60.0
 """How long a stock's record lives, in s: it is settled when its last drawn task finished;
 one whose tasks run longer finds no record, and gives back nothing."""
@@ -194,6 +196,10 @@ class Stocks:
         self._size: dict[Pairs, int] = {}
         self._ending: deque[tuple[Pairs, Stock]] = deque()
         """Open stocks in the order they end (all last :data:`STOCK_S`)."""
+        self._settling = 0
+        """Closed stocks whose settle has not returned yet (the closing thread's, or a
+        task's): a process exiting waits for them (:meth:`close_all`)."""
+        self._settled = threading.Condition(self._lock)
         self._closer: threading.Thread | None = None
 
     def draw(self, targets: Sequence[Target]) -> Draw | None:
@@ -248,6 +254,10 @@ class Stocks:
             found = list(self._stocks.items())
         for pairs, stock in found:
             self._close(pairs, stock)
+        # A stock the closing thread took out of the book just before is being settled
+        # there: that daemon thread dies with the process, so wait for its round trip.
+        with self._lock:
+            self._settled.wait_for(lambda: self._settling == 0, timeout=EXIT_WAIT_S)
 
     def done(self, draw: Draw, actuals: Sequence[float | None]) -> None:
         """A drawn task finished, with its actual cost per target (None, or none given:
@@ -259,6 +269,8 @@ class Stocks:
                     stock.used[i] += actual - draw.costs[i]
             stock.running -= 1
             last = stock.closed and stock.running == 0
+            if last:
+                self._settling += 1
         if last:
             self._settle(stock)
 
@@ -362,20 +374,28 @@ class Stocks:
                     self._size.clear()
                 self._size[pairs] = size
             last = stock.running == 0
+            if last:
+                self._settling += 1  # counted with the close: close_all sees it
         if last:
             self._settle(stock)
 
     def _settle(self, stock: Stock) -> None:
         """Give back what the stock's tasks did not use (or charge what they used
-        beyond it): one round trip, none when they used what it took."""
-        with self._lock:
-            actuals = stock.settled_at()
-        if actuals is None:
-            return
+        beyond it): one round trip, none when they used what it took. Counted in
+        ``_settling`` by the caller, under the lock that closed the stock."""
         try:
-            self.limiter.settle(stock.acquisition, actuals)
-        except ThrottleError as exc:  # the record expires by itself; what was left is lost
-            logger.warning("throttle: stock %s not settled: %s", stock.acquisition.id, exc)
+            with self._lock:
+                actuals = stock.settled_at()
+            if actuals is None:
+                return
+            try:
+                self.limiter.settle(stock.acquisition, actuals)
+            except ThrottleError as exc:  # the record expires by itself; what was left is lost
+                logger.warning("throttle: stock %s not settled: %s", stock.acquisition.id, exc)
+        finally:
+            with self._lock:
+                self._settling -= 1
+                self._settled.notify_all()
 
 
 def kept_units(limit: Limit, margin_s: float) -> float:
