@@ -213,10 +213,10 @@ class RateBookBase:
                 value=mode,
             )
 
-    def cached_mode(self, name: str) -> str | None:
-        """The mode set at run time for limit ``name`` as last read (None: none set; no
-        refresh: call :meth:`RateBook.mode` for one)."""
-        return self._modes.get(name)
+    def cached_modes(self) -> Mapping[str, str]:
+        """The modes set at run time (limit name -> mode) as last read (no refresh: call
+        :meth:`RateBook.modes_in_force` for that): the cache itself, never to be changed."""
+        return self._modes
 
     def ceiling(self, limit: Limit) -> Limit:
         """``limit`` with the operator's cached run-time rate, if one is stored: the
@@ -367,10 +367,7 @@ class RateBook(RateBookBase):
 
     def mode(self, name: str) -> str | None:
         """The mode set at run time for limit ``name`` (re-read every refresh_s), or None."""
-        now = self._stale()
-        if now is not None:
-            self._read(*self._fetch(), now)
-        return self._modes.get(name)
+        return self.modes_in_force().get(name)
 
     def modes_in_force(self) -> Mapping[str, str]:
         """The modes set at run time (limit name -> mode), re-read every refresh_s: the
@@ -378,10 +375,6 @@ class RateBook(RateBookBase):
         now = self._stale()
         if now is not None:
             self._read(*self._fetch(), now)
-        return self._modes
-
-    def cached_modes(self) -> Mapping[str, str]:
-        """The modes set at run time as last read (no refresh): the cache itself."""
         return self._modes
 
     def modes(self) -> dict[str, str]:

@@ -365,18 +365,14 @@ class Gate:
                 come_back_to_slot(self.execution, decision)  # a slot further ahead
             # What the consumer knew of holds placed since its decision (None: nothing).
             heard = admission.holds_clear if on_first and admission is not None else None
-            # A hold may come at any time from the decision to the slot: one the consumer
-            # cannot rule out (it was not listening) over a wait of more than
-            # RECHECK_LEAD_S is looked for, however near the slot is by now (the hand-over
-            # to the pool may have taken the rest of the lead).
-            unsure = (
-                heard is None
-                and on_first
-                and admission is not None
-                and admission.decision.wait_s > RECHECK_LEAD_S
-            )
-            if (wait > 0 or heard is False or unsure) and decision.acquisition:
-                look = True if unsure else None if heard is None else not heard
+            if heard is None and admission is not None and on_first:
+                # A hold may come at any time from the decision to the slot: one the
+                # consumer cannot rule out over a wait of more than RECHECK_LEAD_S is
+                # looked for as one it heard of, however near the slot is by now (the
+                # hand-over to the pool may have taken the rest of the lead).
+                heard = None if admission.decision.wait_s <= RECHECK_LEAD_S else False
+            if (wait > 0 or heard is False) and decision.acquisition:
+                look = None if heard is None else not heard
                 decision, on_time = self._sleep_to_slot(decision, look)
                 if not decision.allowed:
                     come_back(
