@@ -59,10 +59,12 @@ from throttle.redis.replies import (
     holds,
     one_limit_decision,
     peek_state,
+    series_decisions,
     settlement,
 )
 from throttle.redis.scripts import (
     ONE_LIMIT_OPERATION,
+    SERIES_OPERATION,
     function_name,
     operation_source,
     script_source,
@@ -147,6 +149,9 @@ _R = TypeVar("_R")
 
 Request: TypeAlias = tuple[_S, Sequence[str], list[Any], Callable[[Any], _R]]
 """One script call, built and not yet sent: (script, keys, args, the decoder of its reply)."""
+Series: TypeAlias = tuple[tuple[int, ...], Request[_S, list[Decision | ThrottleError]]]
+"""A call of :meth:`Limiter.acquire_each` and the positions of the targets its reply
+decides, in order."""
 
 
 class RequestBuilder(Generic[_S]):
@@ -191,6 +196,8 @@ class RequestBuilder(Generic[_S]):
         self._scripts: dict[frozenset[str], tuple[_S, _S]] = {}
         # The one-limit acquire script (lua/acquire_one.lua) of each algorithm code.
         self._one: dict[str, _S] = {}
+        # The acquire_series script (lua/acquire_series.lua) of each algorithm code.
+        self._series: dict[str, _S] = {}
         self._peek: dict[str, _S] = {}
         self._hold_script: _S | None = None
         self._holds_script: _S | None = None
@@ -304,29 +311,80 @@ class RequestBuilder(Generic[_S]):
         targets: Sequence[tuple[Limit, str | None, float]],
         max_wait_s: float,
         ago_s: Sequence[float] | None,
-    ) -> list[Request[_S, Decision] | ThrottleError]:
+    ) -> tuple[list[Decision | ThrottleError | None], list[Series[_S]]]:
         """The calls of an acquire of each target on its own (see
-        :meth:`Limiter.acquire_each`): per target, its call dated ``ago_s`` back, or the
-        error its arguments raise."""
+        :meth:`Limiter.acquire_each`), each target dated ``ago_s`` back: per target, the
+        error its arguments raise or None (its call decides it); and the calls, each with
+        the positions of the targets it decides. The targets of one limit and key go in one
+        call (``lua/acquire_series.lua``, in their order) where its algorithm allows (a
+        token bucket, GCRA or window: one state per key); the others one call each."""
         targets = _checked_targets(targets, (3,))
         if ago_s is not None and len(ago_s) != len(targets):
             raise RequestError(f"ago_s has {len(ago_s)} values for {len(targets)} targets")
-        built: list[Request[_S, Decision] | ThrottleError] = []
+        out: list[Decision | ThrottleError | None] = [None] * len(targets)
+        calls: list[Series[_S]] = []
+        groups: dict[tuple[Limit, str | None], list[tuple[int, float, int]]] = {}
+        try:
+            _, max_wait_us, _ = _options(1.0, max_wait_s, DEFAULT_LEASE_S)
+        except ThrottleError as exc:
+            return [exc] * len(targets), []
         for i, (limit, key, cost) in enumerate(targets):
+            ago = 0.0 if ago_s is None else min(max(float(ago_s[i]), 0.0), MAX_AGO_S)
+            if type(limit) is Limit and limit.code not in _SEVERAL:
+                try:
+                    own = _checked_ask(limit, key, cost)
+                except ThrottleError as exc:
+                    out[i] = exc
+                    continue
+                groups.setdefault((limit, key), []).append((i, own, round(ago * 1e6)))
+                continue
             try:
                 request = self._many_request(
                     [(limit, key, cost)], 1.0, max_wait_s, None, DEFAULT_LEASE_S
                 )
             except ThrottleError as exc:
-                built.append(exc)
+                out[i] = exc
                 continue
-            ago = 0.0 if ago_s is None else min(max(float(ago_s[i]), 0.0), MAX_AGO_S)
             if ago > 0:
                 ago_us = round(ago * 1e6)
                 args = request[2]
                 args[0] = -ago_us if self._clock_us is None else self._clock_us() - ago_us
-            built.append(request)
-        return built
+            script, keys, args, decode = request
+            calls.append(((i,), (script, keys, args, functools.partial(_as_list, decode))))
+        for (limit, key), asks in groups.items():
+            calls.append(self._series_request(limit, key, max_wait_us, asks))
+        return out, calls
+
+    def _series_request(
+        self, limit: Limit, key: str | None, max_wait_us: int, asks: list[tuple[int, float, int]]
+    ) -> Series[_S]:
+        """The call of lua/acquire_series.lua for ``asks`` (position, cost, ago in us) of
+        one limit and key, checked already."""
+        script = self._series.get(limit.code)
+        if script is None:
+            script = self._series[limit.code] = self._register(
+                function_name(SERIES_OPERATION, limit.code),
+                script_source(SERIES_OPERATION, limit.codes),
+            )
+        _, count, period_us, burst = limit_args(limit)
+        clock = self._clock_us
+        pair, whole, own = self.keyspace.one_limit(limit, key)
+        keys: Sequence[str] = pair
+        fence: Any = b""
+        if self.fence_s:
+            keys = (*keys, self.keyspace.fence_key())
+            fence = round(self.fence_s * 1e6)
+        args: list[Any] = [
+            b"" if clock is None else clock(), max_wait_us, count, period_us, burst, whole, own,
+            fence,
+        ]  # fmt: skip
+        costs: list[float] = []
+        for _, cost, ago_us in asks:
+            args.append(ago_us)
+            args.append(cost)
+            costs.append(cost)
+        decode = functools.partial(series_decisions, limit, costs)
+        return tuple(i for i, _, _ in asks), (script, keys, args, decode)
 
     def _batch_requests(
         self, calls: Sequence[Acquire]
@@ -674,7 +732,11 @@ class Limiter(RequestBuilder[Routine[Script]]):
         CPU per call of separate round trips, for ten at a time. Otherwise they go one by
         one.
         """
-        return self._send_each(self._each_requests(targets, max_wait_s, ago_s))
+        out, calls = self._each_requests(targets, max_wait_s, ago_s)
+        replies = run_routines(self.client, [call[:3] for _, call in calls], self._direct)
+        for (positions, call), reply in zip(calls, replies, strict=True):
+            _place(out, positions, call[3], reply)
+        return _placed(out)
 
     def acquire_batch(self, calls: Sequence[Acquire]) -> list[Decision | ThrottleError]:
         """Several independent :meth:`acquire_many` calls (each all or nothing, each with
@@ -805,6 +867,49 @@ class Limiter(RequestBuilder[Routine[Script]]):
     def _call(self, routine: Routine[Script], keys: Sequence[str], args: list[Any]) -> Any:
         """One call through :func:`run_routine` (the one place bench/core.py taps)."""
         return run_routine(self.client, routine, keys, args, self._direct)
+
+
+def _checked_ask(limit: Limit, key: str | None, cost: object) -> float:
+    """The cost of one ask of ``limit`` for ``key``, checked as :meth:`RequestBuilder._one_request`
+    checks a target (a RequestError or CostExceedsCapacity otherwise)."""
+    own = cost if type(cost) is float and 0.0 <= cost < _INF else None
+    if own is None:
+        own = _number(cost, f"cost of limit {limit.name!r}")
+    if key is not None and (type(key) is not str or not key):
+        raise RequestError(f"key must be a non-empty string or None (got {key!r})")
+    if own > limit.capacity:
+        raise CostExceedsCapacity(limit.name, own, limit.capacity)
+    return own
+
+
+def _as_list(decode: Callable[[Any], Decision], raw: Any) -> list[Decision | ThrottleError]:
+    """A one-target call's decision as a series call's: a list of one."""
+    return [decode(raw)]
+
+
+def _place(
+    out: list[Decision | ThrottleError | None],
+    positions: tuple[int, ...],
+    decode: Callable[[Any], list[Decision | ThrottleError]],
+    reply: Any,
+) -> None:
+    """Put the decisions of one call of :meth:`Limiter.acquire_each` (its ``reply``, or the
+    error it failed with) in the places of its targets."""
+    try:
+        decided = [reply] * len(positions) if isinstance(reply, ThrottleError) else decode(reply)
+    except ThrottleError as exc:  # a reply that names a misuse, or a malformed one
+        decided = [exc] * len(positions)
+    for position, decision in zip(positions, decided, strict=True):
+        out[position] = decision
+
+
+def _placed(out: list[Decision | ThrottleError | None]) -> list[Decision | ThrottleError]:
+    """The outcomes of :meth:`Limiter.acquire_each`, each target's placed."""
+    placed: list[Decision | ThrottleError] = []
+    for item in out:
+        assert item is not None, "every target is decided or failed"
+        placed.append(item)
+    return placed
 
 
 def _held_s(raw: Any) -> float:

@@ -18,6 +18,7 @@ from throttle import (
     Limiter,
     RequestError,
     Throttled,
+    ThrottleError,
 )
 
 HOUR = 3600.0
@@ -215,9 +216,10 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     dated = limiter.acquire_each(
         [(gcra, "k", 1.0)] * 5, max_wait_s=HOUR, ago_s=[0.4, 0.3, 0.2, 0.1, 0.0]
     )
-    # Then none waits (they came at the limit's rate), all in one round trip
+    # Then none waits (they came at the limit's rate), all in one round trip and one call
+    # (the asks of one limit and key go together)
     assert [(d.allowed, d.wait_s) for d in dated] == [(True, 0.0)] * 5  # type: ignore[union-attr]
-    assert trips == [5]
+    assert trips == [1]
     # Undated, three asks at once are spaced by the limit, each on its own: one that can
     # never pass (a cost above the capacity) fails alone in its place
     asks = [(gcra, "n", 1.0), (gcra, "n", 2.0), (gcra, "n", 1.0), (gcra, "n", 1.0)]
@@ -229,13 +231,47 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     # calls (a descheduled redis-server only shortens the waits)
     assert 0.0 < waits[1] <= 0.1 + 1e-6
     assert waits[1] < waits[2] <= 0.2 + 1e-6
-    assert trips == [5, 3]
+    assert trips == [1, 1]
     # and a limit that is full denies one ask without touching the others
     window = Limit.parse("1/h", name="win", algorithm="fixed_window")
     mixed = limiter.acquire_each([(window, None, 1.0), (window, None, 1.0), (gcra, "m", 1.0)])
     assert [d.allowed for d in mixed if isinstance(d, Decision)] == [True, False, True]
     with pytest.raises(RequestError, match="ago_s has 1 values for 2 targets"):
         limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=[0.1])
+
+
+def test_acquire_each_goes_as_one_call_per_limit_and_key_and_decides_as_one_call_per_ask(
+    limiter: Limiter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gcra = Limit.parse("10/s burst 2", name="g", algorithm="gcra")
+    bucket = Limit.parse("10/s burst 2", name="b")
+    window = Limit.parse("2/h", name="w", algorithm="sliding_window")
+    fair = Limit.parse("10/s burst 2", name="f", algorithm="gcra", fair=True)
+    asks: list[tuple[Limit, str | None, float]] = [
+        (gcra, "x", 1.0), (bucket, "x", 1.0), (gcra, "y", 1.0), (window, None, 1.0),
+        (gcra, "x", 1.0), (fair, "x", 1.0), (bucket, "x", 1.0), (gcra, "x", 1.0),
+        (window, None, 1.0), (bucket, "x", 5.0), (window, None, 1.0), (fair, "x", 1.0),
+    ]  # fmt: skip
+    # Given asks of four limits and two keys gathered over 50 ms, sent together
+    ago = [0.05 * (len(asks) - i) / len(asks) for i in range(len(asks))]
+    trips = pipelined_trips(limiter, monkeypatch)
+    together = limiter.acquire_each(asks, max_wait_s=1.0, ago_s=ago)
+    # Then one call per limit and key of a token bucket, GCRA or window (an ask that
+    # cannot pass is not sent), each fair ask alone (its state is every key's), all in one
+    # round trip
+    assert trips == [1 + 1 + 1 + 1 + 2]
+    outcome = [
+        type(d).__name__ if isinstance(d, ThrottleError) else (d.allowed, d.wait_s > 0)
+        for d in together
+    ]
+    # and each ask decided in its place, in order within its limit and key: GCRA x
+    # admits two at once (burst 2), then waits; the bucket's third ask costs above its
+    # capacity; the 2/h window admits two
+    assert outcome == [
+        (True, False), (True, False), (True, False), (True, False),
+        (True, False), (True, False), (True, False), (True, True),
+        (True, False), "CostExceedsCapacity", (False, False), (True, False),
+    ]  # fmt: skip
 
 
 def test_acquire_batch_runs_independent_acquisitions_in_order_in_one_round_trip(

@@ -4,6 +4,7 @@ the only copy of each."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import subprocess
 import sys
 import threading
@@ -17,11 +18,11 @@ import redis
 from tests.support.clock import FakeClock
 from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
-from throttle import BackendUnavailable, Limit, Limiter
+from throttle import BackendUnavailable, Decision, Limit, Limiter
 from throttle.redis.scripts import (
     ALGORITHM_FILES,
     LIBRARY_OPERATIONS,
-    ONE_LIMIT_OPERATION,
+    ONE_LIMIT_OPERATIONS,
     SEVERAL_LIMITS_ONLY,
     function_name,
     library_name,
@@ -117,7 +118,11 @@ def test_the_library_holds_every_operation_of_the_limiter(private_redis: RedisSe
     client.function_load(library_source(), replace=True)
     (library,) = client.function_list(library=library_name())
     names = {pairs(function)[b"name"].decode() for function in pairs(library)[b"functions"]}
-    one = [function_name(ONE_LIMIT_OPERATION, code) for code in ("tb", "gcra", "fw", "sw")]
+    one = [
+        function_name(operation, code)
+        for code in ("tb", "gcra", "fw", "sw")
+        for operation in ONE_LIMIT_OPERATIONS
+    ]
     assert names == {*one, *(function_name(op) for op in LIBRARY_OPERATIONS)}
     client.close()
 
@@ -135,6 +140,7 @@ def test_lua_dir_is_the_repository_copy() -> None:
             "prelude.lua",
             "acquire.lua",
             "acquire_one.lua",
+            "acquire_series.lua",
             "settle.lua",
             "peek.lua",
             "hold.lua",
@@ -184,13 +190,16 @@ def test_one_limit_scripts_stop_each_file_at_the_marker() -> None:
         assert f"\nALGO.{code} = {{" in full, name
         if code in ("conc", "fair"):
             continue  # concurrency records a holder, fair uses its deny: acquire.lua
-        one = script_source(ONE_LIMIT_OPERATION, frozenset({code}))
-        assert "ALGO" not in one.split("-- KEYS[1]")[1], name  # only acquire_one's comments
-        assert "local function limit_record" not in one
-        # Everything before the marker, of the prelude and of the algorithm, is there once.
-        for source in (prelude, text):
-            head = source.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
-            assert one.count(head) == 1, name
+        for operation in ONE_LIMIT_OPERATIONS:  # acquire_one, acquire_series
+            one = script_source(operation, frozenset({code}))
+            # only the operation's own comments name the registry
+            assert "ALGO" not in one.split("-- KEYS[1]")[1], name
+            assert "local function limit_record" not in one
+            # Everything before the marker, of the prelude and of the algorithm, is there
+            # once.
+            for source in (prelude, text):
+                head = source.split(SEVERAL_LIMITS_ONLY)[0].rstrip("\n")
+                assert one.count(head) == 1, name
 
 
 def test_parking_operations_carry_the_prelude_up_to_the_marker() -> None:
@@ -201,3 +210,30 @@ def test_parking_operations_carry_the_prelude_up_to_the_marker() -> None:
         assert source.count(head) == 1, name
         assert "local ALGO" not in source and "limit_record" not in source, name
         assert source.endswith((lua_dir() / name).read_text()), name
+
+
+def test_asks_of_one_limit_and_key_decide_alike_as_a_function_and_as_a_script(
+    private_redis: RedisServer,
+) -> None:
+    # The asks of one limit and key go in one call (lua/acquire_series.lua): the same
+    # decisions from the library's function and from the script (Redis 6, EVALSHA).
+    decided = {}
+    for calls in ("functions", "scripts"):
+        limiter = Limiter(private_redis.client(), prefix=f"series-{calls}", clock_us=FakeClock())
+        if calls == "scripts":
+            limiter.library.functions = False
+        limiter.fence_s = 0.5  # the restart fence's marker, read by the series call too
+        gcra = Limit.parse("10/s burst 2", name="g", algorithm="gcra")
+        window = Limit.parse("2/h", name="w", algorithm="fixed_window")
+        asks = [(gcra, "k", 1.0), (window, None, 1.0)] * 3
+        decided[calls] = [
+            (d.allowed, round(d.wait_s, 6), round(d.retry_after_s, 6))
+            for d in limiter.acquire_each(asks, max_wait_s=1.0)
+            if isinstance(d, Decision)
+        ]
+    assert decided["functions"] == decided["scripts"]
+    # a fresh namespace's fence: no slot within 0.5 s; then one spacing (0.1 s) apart
+    waits = [wait for _, wait, _ in decided["functions"][::2]]
+    assert waits[0] >= 0.5
+    assert [round(b - a, 6) for a, b in itertools.pairwise(waits)] == [0.1, 0.1]
+    assert [allowed for allowed, _, _ in decided["functions"][1::2]] == [True, True, False]

@@ -35,7 +35,15 @@ from redis.commands.core import AsyncScript
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import BackendUnavailable, ThrottleError
-from throttle.limiter import _NO_WAIT, DEFAULT_LEASE_S, Acquire, Request, RequestBuilder
+from throttle.limiter import (
+    _NO_WAIT,
+    DEFAULT_LEASE_S,
+    Acquire,
+    Request,
+    RequestBuilder,
+    _place,
+    _placed,
+)
 from throttle.redis.client import async_client_from_url, run_routine_async, wrap_errors_async
 from throttle.redis.library import Library, Routine
 from throttle.redis.replies import one_limit_decision
@@ -194,7 +202,16 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
     ) -> list[Decision | ThrottleError]:
         """Take each target on its own: :meth:`throttle.Limiter.acquire_each`, the calls
         awaited one after the other (not pipelined)."""
-        return await self._send_each(self._each_requests(targets, max_wait_s, ago_s))
+        out, calls = self._each_requests(targets, max_wait_s, ago_s)
+        for positions, (script, keys, args, decode) in calls:
+            try:
+                reply = await self._call(script, keys, args)
+            except BackendUnavailable:
+                raise
+            except ThrottleError as exc:
+                reply = exc
+            _place(out, positions, decode, reply)
+        return _placed(out)
 
     async def acquire_batch(self, calls: Sequence[Acquire]) -> list[Decision | ThrottleError]:
         """Several independent acquisitions: :meth:`throttle.Limiter.acquire_batch`, the

@@ -24,7 +24,12 @@ from throttle.errors import BackendError
 from throttle.memory.adapt import adapt
 from throttle.memory.model import ModelLimiter, Record, Spec
 from throttle.memory.prelude import Params, ceil_us
-from throttle.redis.scripts import ALGORITHM_FILES, operation_source, script_source
+from throttle.redis.scripts import (
+    ALGORITHM_FILES,
+    ONE_LIMIT_OPERATIONS,
+    operation_source,
+    script_source,
+)
 
 _SETTLE_CODES = {"settled": b"0", "already_settled": b"1", "unknown": b"2", "mismatch": b"3"}
 _NKEYS = {"conc": 2, "fair": 3}  # state keys per limit (ALGO[code].nkeys): 1 for the others
@@ -208,6 +213,31 @@ class MemoryRedis:
         return struct.pack(
             "<ddddd", r["allowed"], r["wait"], r["retry"], r["remaining"], r["reset"]
         )
+
+    def _acquire_series(self, code: str | None, keys: list[str], args: list[Any]) -> bytes:
+        assert code is not None
+        base = self._now(args[0])
+        count, period_us, burst = (float(_text(a)) for a in args[2:5])
+        max_wait = float(_text(args[1]))
+        hold = self._hold_until(keys[0], args[5], args[6])
+        p, algo = Params(count, period_us, burst), self.model.algos[code]
+        out: list[bytes] = []
+        for i in range(8, len(args), 2):
+            now, cost = base - float(_text(args[i])), float(_text(args[i + 1]))
+            if cost > burst:
+                out.append(struct.pack("<ddddd", 2, 0, 0, 0, 0))
+            elif hold > now:
+                out.append(struct.pack("<ddddd", 0, 0, ceil_us(hold - now), 0, 0))
+            else:
+                r = algo.check(keys[1], p, now, cost, max_wait)
+                if r["allowed"]:
+                    algo.commit(keys[1], p, now, cost, r, holder="", expiry=0.0)
+                out.append(
+                    struct.pack(
+                        "<ddddd", r["allowed"], r["wait"], r["retry"], r["remaining"], r["reset"]
+                    )
+                )
+        return b"".join(out)
 
     def _limits(self, keys: list[str], args: list[Any], first: int, n: int) -> list[Spec]:
         """The n limits of ARGV (5 values each from index ``first``: settle.lua's and
@@ -409,7 +439,8 @@ def _known_sources() -> dict[str, tuple[str, str | None]]:
     codes = sorted(ALGORITHM_FILES)
     for code in codes:
         if code not in ("conc", "fair"):
-            known[script_source("acquire_one", frozenset((code,)))] = ("acquire_one", code)
+            for operation in ONE_LIMIT_OPERATIONS:
+                known[script_source(operation, frozenset((code,)))] = (operation, code)
         known[script_source("peek", frozenset((code,)))] = ("peek", None)
     for mask in range(1, 2 ** len(codes)):
         chosen = frozenset(c for i, c in enumerate(codes) if mask >> i & 1)

@@ -16,7 +16,7 @@ from enum import IntEnum
 from typing import Any
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement, SettleStatus
-from throttle.errors import BackendError, CostExceedsCapacity, RequestError
+from throttle.errors import BackendError, CostExceedsCapacity, RequestError, ThrottleError
 from throttle.redis.keys import decode_hold_field
 from throttle.spec import Limit
 
@@ -110,6 +110,31 @@ def one_limit_decision(limit: Limit, cost: float, raw: bytes) -> Decision:
         Decision,
         (allowed, remaining, retry_after_s, reset_after_s, wait_s, (state,), None, False, 0.0),
     )
+
+
+def series_decisions(
+    limit: Limit, costs: Sequence[float], raw: bytes
+) -> list[Decision | ThrottleError]:
+    """The Decision of each ask of a reply of ``lua/acquire_series.lua`` on ``limit`` (the
+    asks' ``costs``, in order): acquire_one.lua's reply per ask, packed one after the
+    other; :class:`CostExceedsCapacity` in the place of an ask whose cost the script found
+    above the capacity (the limiter's own check normally fires first)."""
+    if len(raw) != _ONE_REPLY_SIZE * len(costs):
+        raise BackendError(
+            f"a script replied {len(raw)} bytes where {_ONE_REPLY_SIZE * len(costs)} were due"
+        )
+    out: list[Decision | ThrottleError] = []
+    for i, cost in enumerate(costs):
+        chunk = raw[i * _ONE_REPLY_SIZE : (i + 1) * _ONE_REPLY_SIZE]
+        if chunk[:8] == _OVER_CAPACITY:
+            out.append(CostExceedsCapacity(limit.name, cost, limit.capacity))
+        else:
+            out.append(one_limit_decision(limit, cost, chunk))
+    return out
+
+
+_OVER_CAPACITY = struct.pack("<d", 2.0)
+"""The first double of an ask acquire_series.lua found above the capacity."""
 
 
 def acquire_decision(

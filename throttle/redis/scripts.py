@@ -11,7 +11,8 @@ The common call, one limit and no acquisition id, runs ``acquire_one.lua`` inste
 what follows it (the ``ALGO`` registry, the per-limit record, each algorithm's
 ``ALGO[code]`` entry and its ``adjust``) serves only the drivers of several limits, and a
 script pays for every table and function it creates on each call. ``acquire_one.lua``
-calls the algorithm's ``check`` and ``commit`` directly (see ``prelude.lua``). The
+calls the algorithm's ``check`` and ``commit`` directly (see ``prelude.lua``), and so does
+``acquire_series.lua``, several asks of one limit and key in one call. The
 operations of the parking lot (``park.lua``, ``claim_parked.lua``, ``commit_parked.lua``,
 ``accept_parked.lua``: :mod:`throttle.parking`) use no algorithm: each is sent after the
 same cut prelude (:func:`operation_source`).
@@ -36,6 +37,8 @@ __all__ = [
     "ALGORITHM_FILES",
     "LIBRARY_OPERATIONS",
     "ONE_LIMIT_OPERATION",
+    "ONE_LIMIT_OPERATIONS",
+    "SERIES_OPERATION",
     "SEVERAL_LIMITS_ONLY",
     "function_name",
     "library_name",
@@ -56,6 +59,12 @@ ALGORITHM_FILES = {
 }
 ONE_LIMIT_OPERATION = "acquire_one"
 """The operation of one limit without an acquisition id (not for concurrency limits)."""
+SERIES_OPERATION = "acquire_series"
+"""The operation of several asks of one limit and key, each on its own
+(:meth:`throttle.Limiter.acquire_each`; not for concurrency or fair limits)."""
+ONE_LIMIT_OPERATIONS = (ONE_LIMIT_OPERATION, SERIES_OPERATION)
+"""The operations of one algorithm's limit (not conc or fair), sent cut as
+``acquire_one.lua`` is, and held by the library once per algorithm."""
 
 SEVERAL_LIMITS_ONLY = (
     "-- ==== several limits only: acquire_one.lua is sent without the rest of this file ===="
@@ -97,7 +106,7 @@ def script_source(operation: str, codes: frozenset[str]) -> str:
     """The source of an operation (``"acquire"``, ``"settle"``, or ``"acquire_one"`` for
     exactly one algorithm) over the algorithms named by ``codes`` (``{"tb"}``,
     ``{"tb", "gcra", "fw"}``...)."""
-    if operation == ONE_LIMIT_OPERATION:
+    if operation in ONE_LIMIT_OPERATIONS:
         if len(codes) != 1 or codes & {"conc", "fair"}:
             raise ValueError(
                 f"{operation} takes one algorithm other than conc and fair (got {codes})"
@@ -150,12 +159,11 @@ def _library() -> tuple[str, str]:
     for code, name in sorted(ALGORITHM_FILES.items()):
         parts.append(_read(name))
         if code not in ("conc", "fair"):
-            # Right after its algorithm's file: the one-limit body calls that file's check
-            # and commit, as in its script.
-            parts.append(
-                _FUNCTION.format(
-                    name=f"{{lib}}_acquire_one_{code}", body=_read(f"{ONE_LIMIT_OPERATION}.lua")
-                )
+            # Right after its algorithm's file: the one-limit bodies call that file's check
+            # and commit, as in their scripts.
+            parts.extend(
+                _FUNCTION.format(name=f"{{lib}}_{operation}_{code}", body=_read(f"{operation}.lua"))
+                for operation in ONE_LIMIT_OPERATIONS
             )
     for operation in LIBRARY_OPERATIONS:
         bodies.append((operation, _read(f"{operation}.lua")))
@@ -174,16 +182,17 @@ def library_name() -> str:
 
 def library_source() -> str:
     """The source of the function library, for ``FUNCTION LOAD``: ``prelude.lua``, every
-    algorithm's file (each followed by its ``acquire_one`` function, which calls that
-    file's ``check`` and ``commit``), then a function per operation of
+    algorithm's file (each followed by its ``acquire_one`` and ``acquire_series``
+    functions, which call that file's ``check`` and ``commit``), then a function per operation of
     :data:`LIBRARY_OPERATIONS`, each the operation's file as its body."""
     return _library()[1]
 
 
 @functools.cache
 def function_name(operation: str, code: str | None = None) -> str:
-    """The library's function of ``operation`` (``acquire_one`` of algorithm ``code``)."""
-    if operation == ONE_LIMIT_OPERATION:
+    """The library's function of ``operation`` (``acquire_one`` or ``acquire_series`` of
+    algorithm ``code``)."""
+    if operation in ONE_LIMIT_OPERATIONS:
         if code not in ALGORITHM_FILES or code in ("conc", "fair"):
             raise ValueError(f"{operation} takes one algorithm other than conc and fair")
         return f"{library_name()}_{operation}_{code}"
