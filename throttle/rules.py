@@ -453,6 +453,12 @@ class Rule:
                 template = parse_key_template(self.plan, limit=name, source=None)
             except ConfigError as exc:
                 raise ConfigError(exc.problem, field="plan", value=self.plan, limit=name) from None
+            if not template.paths:
+                raise ConfigError(
+                    "a plan template names the task's argument that holds the plan, such as "
+                    "'{plan}': without a field, every task would be on the same plan",
+                    field="plan", value=self.plan, limit=name,
+                )  # fmt: skip
             object.__setattr__(self, "plan_template", template)
         elif not callable(self.plan):
             raise ConfigError(
@@ -502,6 +508,12 @@ class Rule:
                     + (", not null (YAML reads a bare `null`, `~` or empty name so)"
                        if plan is None else ""),
                     field="plans", value=plan, limit=name,
+                )  # fmt: skip
+            if plan in limits:  # 2 and "2": one plan, since an argument of 2 or "2" is it
+                raise ConfigError(
+                    f"plan {plan!r} is named twice (as {plan} and as {plan!r}): a task's plan "
+                    f"argument of either matches both, so keep one",
+                    field=f"plans.{plan}", value=spec, limit=name,
                 )  # fmt: skip
             limits[plan] = _plan_limit(limit, plan, spec)
             cost = real(self.cost)

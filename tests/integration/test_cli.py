@@ -357,6 +357,10 @@ def test_set_key_gives_one_key_its_own_rate_shown_in_status_and_clear_drops_it(
         "free": {"rate": "10/s", "burst": 5.0}, "pro": {"rate": "100/s", "burst": 50.0}
     }  # fmt: skip
     assert "10/s + 2 plans; acme: 250/s" in cli("status", "--timeout", "0").output
+    # the undo it suggests is a command a shell runs as it reads, whatever the key
+    spaced = cli("set", "tiers", "20/s", "--key", "never ran")
+    assert "throttle clear tiers --key 'never ran'" in spaced.output, spaced.output
+    assert cli("clear", "tiers", "--key", "never ran").exit_code == 0
     # a bad rate, a key on an unkeyed limit: usage errors, nothing stored
     assert cli("set", "tiers", "fast", "--key", "acme").exit_code == 2
     zero = cli("set", "tiers", "0/s", "--key", "acme")

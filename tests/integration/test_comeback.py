@@ -8,14 +8,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
-from celery import Celery
+import redis
+from celery import Celery, Task, signals
+from celery.exceptions import Retry
 
 from tests.support.eager import close_throttler
-from throttle.celery import comeback, throttled
+from throttle.celery import comeback, defer_task, throttled
 from throttle.celery.comeback import PAUSE_TO_LINE_S, come_back
+from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.gate import Gate
+from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
 
 RECHECK_S = 30.0
@@ -75,3 +80,49 @@ def test_a_paused_task_comes_back_for_the_recheck_a_line_or_its_deadline(
     finally:
         call.pop_request()
     assert low <= caught.value.countdown_s <= high
+
+
+@pytest.mark.parametrize("how", ["defer_task", "retry", "refusal"])
+def test_a_copy_sent_from_the_body_finds_the_runs_acquisition_settled(
+    app: Celery, client: redis.Redis, prefix: str, how: str
+) -> None:
+    # Given a task under a roomy limit (burst 3: a copy that found this run's reservation
+    # would call at once, beside the next slot's call) whose body sends a copy of itself
+    # at once: defer_task(0), self.retry(countdown=0), or an upstream's refusal that holds
+    # nothing (the task comes back for the limit's next free slot)
+    app.conf.broker_url = app.conf.throttle_redis_url
+    app.conf.throttle_config["limits"]["roomy"] = {"algorithm": "gcra", "rate": "3/s", "burst": 3}
+    lease = Throttler.of(app).limiter.keyspace.lease_key("t-copied")
+    seen: list[bytes | None] = []
+
+    @app.task(name="comeback.copied", shared=False, bind=True, max_retries=3)
+    @throttled("roomy")
+    def copied(self: Task) -> None:
+        assert client.hget(lease, "s") == b"1", "the run holds its own reservation"
+        if how == "defer_task":
+            defer_task(0)
+        elif how == "retry":
+            raise self.retry(countdown=0)
+        ticket = current_ticket()
+        assert ticket is not None
+        ticket.refusal = Refusal(0.0, ("roomy",))
+        raise RuntimeError("the SDK's own error around the 429")
+
+    def published(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers is not None and headers.get("id") == "t-copied":
+            seen.append(client.hget(lease, "s"))
+
+    signals.before_task_publish.connect(published, weak=False)
+    copied.push_request(id="t-copied", headers={}, delivery_info={"routing_key": "copied"},
+                        called_directly=False, is_eager=False, retries=0)  # fmt: skip
+    try:
+        with pytest.raises(Retry):
+            copied()
+    finally:
+        copied.pop_request()
+        signals.before_task_publish.disconnect(published)
+        client.delete("copied", "celery")
+    # Then, when the copy was sent, this run's acquisition was settled already: the copy
+    # acquires a slot of its own under the same id instead of running on this one's
+    assert seen, "a copy was sent"
+    assert seen[0] is not None and seen[0] != b"1", seen

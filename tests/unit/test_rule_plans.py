@@ -98,6 +98,8 @@ def test_inline_plans_through_declare() -> None:
         ({"plan": "{plan}", "plans": {"free": "1/s"}, "key": None}, "plans",
          "give the limit a key"),
         ({"plan": "{0}", "plans": {"free": "1/s"}}, "plan", "must name arguments"),
+        ({"plan": "plan", "plans": {"free": "1/s"}}, "plan", "every task would be on the same"),
+        ({"plan": "{plan}", "plans": {2: "3/s", "2": "5/s"}}, "plans.2", "named twice"),
         ({"plan": "{plan}", "plans": {"free": "1/s burst 1"}, "cost": 2}, "plans.free",
          "below the limit's cost"),
     ],

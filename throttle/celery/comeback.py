@@ -185,6 +185,8 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
         raise Throttled(countdown_s, names)
     execution = Execution(task, Throttler.of(task.app), ticket.rules, task.run)
     set_deadlines(execution)
+    # Before the copy is sent (or parked): the copy must take a slot of its own.
+    ticket.settle_once(True)
     denied = Decision.denial(names, countdown_s)
     now = overdue(execution, countdown_s)
     if now is not None:

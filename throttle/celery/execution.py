@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from celery import Task
+from celery import Task, signals
 
 from throttle.celery.message import queue_of
 from throttle.celery.runtime import Throttler
@@ -112,6 +112,18 @@ class Ticket:
     """The task's units, when drawn from its process's stock (:mod:`throttle.celery.stock`)
     instead of acquired: :attr:`acquisition` is then its share, not recorded in Redis (the
     stock is settled as a whole)."""
+    settler: Callable[[bool], None] | None = None
+    """Settles the ticket (failed or not): set by :func:`throttle.celery.task.run`, called
+    once (:meth:`settle_once`)."""
+
+    def settle_once(self, failed: bool) -> None:
+        """Settle the ticket, once: after the body, or earlier, when a copy of the task is
+        published from its body (a retry, a deferral: :func:`settle_before_copy`), so that
+        the copy takes a slot of its own instead of finding this one's reservation under
+        the same id."""
+        settler, self.settler = self.settler, None
+        if settler is not None:
+            settler(failed)
 
     @property
     def shadow(self) -> tuple[tuple[Rule, Target], ...]:
@@ -147,6 +159,30 @@ def enter_ticket(ticket: Ticket) -> contextvars.Token[Ticket | None]:
 
 def leave_ticket(token: contextvars.Token[Ticket | None]) -> None:
     _ticket.reset(token)
+
+
+def settle_before_copy(
+    headers: Mapping[str, Any] | None = None, body: Any = None, **_: Any
+) -> None:
+    """Celery's ``before_task_publish``: a message with the running throttled task's own
+    id (a copy of it sent from its body: ``self.retry()``, :func:`defer_task
+    <throttle.celery.comeback.defer_task>`, an upstream's refusal) settles the task's
+    ticket first. Settled only after the body, the copy could be consumed and acquire
+    under the same id before that, find the reservation this run's call used, and call on
+    it at once: two calls on one slot."""
+    ticket = _ticket.get()
+    if ticket is None or ticket.settler is None or ticket.request is None:
+        return
+    task_id = headers.get("id") if isinstance(headers, Mapping) else None
+    if task_id is None and isinstance(body, Mapping):
+        task_id = body.get("id")  # protocol 1
+    if task_id is not None and task_id == ticket.request.id:
+        ticket.settle_once(True)
+
+
+signals.before_task_publish.connect(
+    settle_before_copy, weak=False, dispatch_uid="throttle-settle-before-copy"
+)
 
 
 # -- the consumer's decision, carried to the pool child

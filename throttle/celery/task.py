@@ -67,6 +67,9 @@ def run(
     if ticket is None:
         return call()
     ticket.task, ticket.request = task, execution.request
+    ticket.settler = functools.partial(
+        settle, execution.throttler, ticket, estimates=execution.estimates
+    )
     token = enter_ticket(ticket)
     failed = True
     settles = True
@@ -81,7 +84,7 @@ def run(
     finally:
         leave_ticket(token)
         if settles:
-            settle(execution.throttler, ticket, failed, execution.estimates)
+            ticket.settle_once(failed)  # unless a copy sent from the body settled it
         elif ticket.draw is not None:  # given back to the broker: its share stays used
             ticket.draw.done(())
 

@@ -175,10 +175,10 @@ def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh
     burst = f"burst {amount(changed.capacity)}"
     if rule.plan_limits and "burst" not in rate.lower() and rule.limit.algorithm.reserves:
         burst = f"burst at most its plan's ({amount(changed.capacity)} on the limit's own rate)"
+    undo = ["celery", *app_option(ctx).split(), "throttle", "clear", rule.name, "--key", key]
     click.echo(
         f"{what}: {rate_spec(changed)} {burst}, whatever its plan; workers follow within "
-        f"{refresh} (settings.refresh). Undo: celery{app_option(ctx)} throttle clear "
-        f"{rule.name} --key {key}"
+        f"{refresh} (settings.refresh). Undo: {shlex.join(undo)}"
     )
 
 
