@@ -20,6 +20,7 @@ import difflib
 import math
 import reprlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "BackendError",
@@ -77,6 +78,10 @@ class ThrottleError(Exception):
     """Base class of every error raised by this package."""
 
 
+_NO_VALUE: Any = object()
+"""No offending value to show (:class:`ConfigError`)."""
+
+
 class ConfigError(ThrottleError, ValueError):
     """A limit spec or config value is malformed.
 
@@ -89,13 +94,13 @@ class ConfigError(ThrottleError, ValueError):
         problem: str,
         *,
         field: str | None = None,
-        value: object = None,
+        value: object = _NO_VALUE,
         limit: str | None = None,
         source: str | None = None,
     ) -> None:
         self.problem = problem
         self.field = field
-        self.value = value
+        self.value = None if value is _NO_VALUE else value
         self.limit = limit
         self.source = source
         place = [
@@ -108,7 +113,7 @@ class ConfigError(ThrottleError, ValueError):
             if part
         ]
         message = f"{': '.join(place)}: {problem}" if place else problem
-        if value is not None:
+        if value is not _NO_VALUE:  # None too: a null in YAML, an argument left None
             message += f" (got {_shown.shown(value)})"
         super().__init__(message)
 

@@ -107,8 +107,9 @@ def test_the_limit_in_force_comes_from_current() -> None:
 @pytest.mark.parametrize("cost", [-1, float("nan"), float("inf"), True, "x", None, 10**400])
 def test_a_cost_from_the_arguments_must_be_a_finite_number_at_least_zero(cost: object) -> None:
     rule = Rule(TOKENS, cost="max_tokens")
-    with pytest.raises(ConfigError, match="finite number"):
+    with pytest.raises(ConfigError, match="finite number") as caught:
         targets([rule], complete, ("a", "b"), {"max_tokens": cost})
+    assert "(got " in str(caught.value)  # the value shown, None included
 
 
 def test_policy_strings_are_parsed_once_into_typed_values() -> None:

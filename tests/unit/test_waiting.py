@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pickle
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from celery.app.task import Context
 
+from throttle.celery import waiting
 from throttle.celery.execution import Admission, carry, mark_clear, take_admission
 from throttle.celery.waiting import (
     BUSY_S,
@@ -144,3 +146,49 @@ def test_the_line_is_bounded_only_where_the_prefetch_count_cannot_be_raised() ->
     assert line_room(consumer("amqp", True, 8)) is None
     assert line_room(consumer("redis", False, 8)) is None
     assert line_room(consumer("amqp", False, 0)) is None
+
+
+class Request:
+    """A request as Celery's state sets hold it (weakly)."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+
+def test_a_task_leaving_the_line_passes_its_raise_to_one_beyond_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    qos = SimpleNamespace(raised=0)
+    qos.increment_eventually = lambda: setattr(qos, "raised", qos.raised + 1)
+    qos.decrement_eventually = lambda: setattr(qos, "raised", qos.raised - 1)
+    timer = SimpleNamespace(call_at=lambda *args, **kwargs: object(), cancel=lambda entry: None)
+    line = WaitingLine(SimpleNamespace(qos=qos, timer=timer), max_wait_s=60.0)
+    assert line.room is None  # a prefetch count raised per waiting task (Redis)
+    monkeypatch.setattr(waiting, "LINE_MAX_TASKS", 3)
+    gate = SimpleNamespace(execution=SimpleNamespace(deadline=None))
+    # Given a flood of five tasks: three raise the prefetch count, two keep ordinary
+    # prefetch slots (beyond the bound)
+    for n in range(5):
+        pending = SimpleNamespace(request=Request(f"t{n}"), gate=gate)
+        line.join(pending, (("api", "a"),), priority=0)  # type: ignore[arg-type]
+    waiters = list(line.line.waiters)
+    assert qos.raised == 3
+    assert [w.raised for w in waiters] == [True, True, True, False, False]
+
+    def leave(waiter: Any) -> None:  # as a pass over the line takes a task out
+        line._left(waiter)
+        line.line._remove(waiter)
+
+    # When a task beyond the bound leaves, nothing changes; when one that raised the count
+    # leaves, its raise passes to a task beyond the bound still waiting: the ordinary
+    # slots free up as the line drains, and the consumer receives other tasks again
+    leave(waiters[4])
+    leave(waiters[0])
+    assert qos.raised == 3 and waiters[3].raised
+    # and once none waits beyond the bound, the count comes down with the line
+    leave(waiters[1])
+    assert qos.raised == 2
+    for waiter in (waiters[2], waiters[3]):
+        leave(waiter)
+    assert qos.raised == 0
+    assert len(line.line) == 0

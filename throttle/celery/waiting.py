@@ -758,6 +758,10 @@ class WaitingLine:
         self.sent_until: dict[Pair, float] = {}
         """For each (limit, key) pair, when the last task sent on from the line on it
         comes back (monotonic s): the next one comes a spacing after it."""
+        self.beyond: deque[Waiter] = deque()
+        """The tasks that joined beyond :data:`LINE_MAX_TASKS` (the prefetch count not
+        raised for them: each keeps an ordinary prefetch slot), in arrival order; some
+        may have left since (``gone``)."""
 
     def listen(self, throttler: Throttler) -> None:
         """Listen to the capacity announcements of ``throttler``'s namespace, and follow
@@ -826,6 +830,10 @@ class WaitingLine:
             pending, pairs, priority=priority, blocks=blocks, now=now, raised=raised,
             leave_by=leave_by,
         )  # fmt: skip
+        if self.room is None and not raised:
+            if len(self.beyond) >= LINE_MAX_TASKS:  # mostly tasks that left since
+                self.beyond = deque(w for w in self.beyond if not w.gone)
+            self.beyond.append(waiter)
         # Only this task's own time can be earlier than the timer's: no pass over the line
         # per arrival (a backlog of a thousand would cost the consumer a million looks).
         self._arm_at(self.line.free_at(waiter))
@@ -843,8 +851,20 @@ class WaitingLine:
         return blocks
 
     def _left(self, waiter: Waiter) -> None:
-        if waiter.raised:
-            self.consumer.qos.decrement_eventually()
+        """``waiter`` leaves the line. Its raise of the prefetch count passes to a task
+        that joined beyond the bound and still waits, if any: lowered instead, the count
+        would leave those tasks in the ordinary prefetch slots, and the consumer would
+        receive nothing more (other tenants' tasks, unthrottled ones) until the line had
+        nearly run dry."""
+        if not waiter.raised:
+            return
+        beyond = self.beyond
+        while beyond:
+            other = beyond.popleft()
+            if not other.gone and other is not waiter:
+                other.raised = True
+                return
+        self.consumer.qos.decrement_eventually()
 
     def _due(self) -> None:
         """The timer: send on the tasks that waited too long, serve the others."""
@@ -976,6 +996,7 @@ class WaitingLine:
         """Forget every waiting task (the consumer stops: their messages, unacknowledged,
         come back from the broker) and stop listening."""
         self.line.clear()
+        self.beyond.clear()
         self._cancel()
         probing, self.probing = self.probing, None
         if probing is not None:
