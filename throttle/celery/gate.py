@@ -12,7 +12,7 @@
    :data:`RECHECK_LEAD_S` before it (for a hold placed meanwhile); after the consumer
    held it, only the rest, at most ``waiting.LEAD_S``, looking once more only when the
    consumer had heard of a hold placed since its decision. A task late for its slot (busy
-   workers) gives it up and takes a new one (:meth:`Gate.late_tolerance`). Anything
+   workers) gives it up and takes a new one (:mod:`throttle.celery.lateness`). Anything
    else comes back later (:mod:`throttle.celery.comeback`: a slot further ahead, a
    denial, a plan, a deadline passed).
 3. **Run.** The body runs on a :class:`Ticket` (after the spacing guard, for limits that
@@ -26,7 +26,6 @@ When the limiter's Redis fails, the rules' ``on_redis_down`` decide
 
 from __future__ import annotations
 
-import math
 import random
 import time
 import uuid
@@ -52,6 +51,7 @@ from throttle.celery.deadlines import (
     set_deadlines,
 )
 from throttle.celery.execution import Admission, Execution, Ticket
+from throttle.celery.lateness import tolerance_s, too_late
 from throttle.celery.message import planned_header
 from throttle.celery.plan import Plan, due_wait_s, plan_at
 from throttle.celery.redis_down import run_while_down
@@ -401,58 +401,12 @@ class Gate:
         return sleep_max
 
     def late_tolerance(self) -> float:
-        """How late a task may reach its reserved slot and still call on it, in s.
-
-        ``late_tolerance``; but when every reserving limit of the task (token bucket,
-        GCRA) has the spacing guard, up to one spacing of the tightest of them (at most
-        half a ``sleep_max``). Giving a slot up keeps a late call from landing next to the
-        following one; the guard already does that, by pushing the following calls back
-        by the lateness. Kept, a slot late by d delays the busy period's later calls by at
-        most d (the guard's push is the largest lateness since the limit was last idle,
-        not a sum), so never by more than one spacing; given up, it is a whole spacing of
-        the limit lost, and the task goes to the back of the queue.
-
-        Without the guard, up to the burst's slack (:meth:`_slack_s`, at most half a
-        ``sleep_max``): a late call within it is one an upstream that enforces the same
-        limits admits, and giving the slot up would charge its cost again."""
-        execution, tolerance = self.execution, self.settings.late_tolerance_s
-        if not self.rule_set.guarded:
-            return max(tolerance, min(self._slack_s(), self.settings.sleep_max_s / 2))
-        spacing = math.inf
-        for rule, (limit, _, cost) in zip(execution.rules, execution.targets, strict=True):
-            if limit.algorithm.reserves:
-                if not rule.guarded:
-                    return tolerance
-                spacing = min(spacing, limit.period_s / limit.count * cost)
-        if math.isinf(spacing):
-            return tolerance
-        return max(tolerance, min(spacing, self.settings.sleep_max_s / 2))
-
-    def _slack_s(self) -> float:
-        """How late a call may come after its reserved slot, in s, without an upstream
-        that enforces the same limits refusing it or the next call: for each reserving
-        limit (token bucket, GCRA), the time its burst beyond this call's cost takes to
-        refill, ``(burst - cost) x period / count`` (a call late by d brings the next one
-        d closer, which that much burst absorbs); the smallest over them, 0 without any
-        (a burst-1 limit has none)."""
-        slack = math.inf
-        for limit, _, cost in self.execution.targets:
-            if limit.algorithm.reserves:
-                spare = max(limit.capacity - cost, 0.0)
-                slack = min(slack, spare * limit.period_s / limit.count)
-        return 0.0 if math.isinf(slack) else slack
+        """How late this execution may reach its reserved slot and still call on it, in s
+        (:func:`throttle.celery.lateness.tolerance_s`)."""
+        return tolerance_s(self.execution, bool(self.rule_set.guarded))
 
     def _too_late(self, late_s: float) -> bool:
-        """Whether a task ``late_s`` behind its slot is later than :meth:`late_tolerance`
-        (worked out only past ``settings.late_tolerance``, below which it never is). Never
-        for a task whose limits are all concurrency limits: a unit has no slot to be late
-        for, and giving it up would hand it to a task waiting for one, and send this one
-        back."""
-        if late_s <= self.settings.late_tolerance_s:
-            return False
-        if all(limit.algorithm.holds_units for limit, _, _ in self.execution.targets):
-            return False
-        return late_s > self.late_tolerance()
+        return too_late(self.execution, bool(self.rule_set.guarded), late_s)
 
     def _sleep_to_slot(self, decision: Decision, look: bool | None = None) -> tuple[Decision, bool]:
         """Sleep until the slot of ``decision`` (allowed, not past); returns the decision
