@@ -370,3 +370,22 @@ def test_the_switch_is_read_as_celery_reads_its_settings(
         assert _setting(app.conf, "throttle_enabled") == app.conf.get("throttle_enabled")
     assert _setting(app.conf, "throttle_no_such_setting") is None
     assert _setting(app.conf, "task_default_queue") == app.conf.get("task_default_queue")
+
+
+def test_the_switch_in_the_environment_is_read_as_os_environ_has_it_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from throttle.celery.runtime import throttling_enabled  # noqa: PLC0415
+
+    app = Celery("env-switch", set_as_current=False)
+    monkeypatch.delenv("THROTTLE_ENABLED", raising=False)
+    assert throttling_enabled(app)
+    # set, changed and removed at run time (a test's monkeypatch, os.environ itself)
+    for value, enabled in (("off", False), ("1", True), (" No ", False)):
+        monkeypatch.setenv("THROTTLE_ENABLED", value)
+        assert throttling_enabled(app) is enabled, value
+    os.environ.pop("THROTTLE_ENABLED")
+    assert throttling_enabled(app)
+    # and os.environ replaced by another mapping is read through it
+    monkeypatch.setattr(os, "environ", {"THROTTLE_ENABLED": "false"})
+    assert not throttling_enabled(app)

@@ -67,9 +67,10 @@ def run(
     if ticket is None:
         return call()
     ticket.task, ticket.request = task, execution.request
-    ticket.settler = functools.partial(
-        settle, execution.throttler, ticket, estimates=execution.estimates
-    )
+    if ticket.acquisition is not None:  # else nothing to settle (limits in shadow mode)
+        ticket.settler = functools.partial(
+            settle, execution.throttler, ticket, estimates=execution.estimates
+        )
     token = enter_ticket(ticket)
     failed = True
     settles = True
