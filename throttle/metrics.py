@@ -304,12 +304,14 @@ def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
     _record(update)
 
 
-def shadowed(limits: Sequence[str], waits: Sequence[float]) -> None:
-    """Limits in shadow mode would have delayed a task by ``waits`` (s, one per limit)."""
+def shadowed(looks: Sequence[tuple[Sequence[str], Sequence[float]]]) -> None:
+    """Limits in shadow mode would have delayed tasks: per task, its ``(limits, waits)``
+    (s, one per limit)."""
 
     def update(m: _Instruments) -> None:
-        for limit, wait_s in zip(limits, waits, strict=True):
-            m.shadow.labels(limit).observe(max(wait_s, 0.0))
+        for limits, waits in looks:
+            for limit, wait_s in zip(limits, waits, strict=True):
+                m.shadow.labels(limit).observe(max(wait_s, 0.0))
 
     _record(update)
 

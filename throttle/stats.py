@@ -254,10 +254,26 @@ def shadow_fields(limits: Sequence[str], waits: Sequence[float]) -> list[str]:
     (``waits``, s)."""
     fields = []
     for name, wait in zip(limits, waits, strict=True):
-        fields.append(f"shadow:{name}")
+        fields.append(_shadow_field(-1, name))
         if wait >= SHADOW_MIN_S:
-            fields.append(f"shadow_w:{_bucket(wait)}:{name}")
+            fields.append(_shadow_field(_bucket(wait), name))
     return fields
+
+
+_FIELDS: dict[tuple[int, str], str] = {}
+"""The shadow fields already formatted, by (bucket, limit name): as frequent as the
+tasks, each is formatted once."""
+
+
+def _shadow_field(bucket: int, name: str) -> str:
+    """``shadow:NAME`` (``bucket`` -1) or ``shadow_w:BUCKET:NAME``."""
+    field = _FIELDS.get((bucket, name))
+    if field is None:
+        if len(_FIELDS) >= 65536:  # limit names change rarely: this bounds a misuse
+            _FIELDS.clear()
+        field = f"shadow:{name}" if bucket < 0 else f"shadow_w:{bucket}:{name}"
+        _FIELDS[(bucket, name)] = field
+    return field
 
 
 TALLY_EVERY_S = 1.0
@@ -300,9 +316,15 @@ class Tally(Gathering[tuple[dict[tuple[int, str], int], list[str]]]):
         names = list(dict.fromkeys(limits))
         self._count(names, event_fields(names, (event,)))
 
-    def add_shadow(self, limits: Sequence[str], waits: Sequence[float]) -> None:
-        """:meth:`StatsBook.record_shadow`, written within ``every_s``."""
-        self._count(list(limits), shadow_fields(limits, waits))
+    def add_shadow(self, looks: Sequence[tuple[Sequence[str], Sequence[float]]]) -> None:
+        """:meth:`StatsBook.record_shadow` for each task's ``(limits, waits)``, written
+        within ``every_s``."""
+        names: dict[str, None] = {}
+        fields: list[str] = []
+        for limits, waits in looks:
+            names.update(dict.fromkeys(limits))
+            fields += shadow_fields(limits, waits)
+        self._count(list(names), fields)
 
     def _count(self, limits: list[str], fields: Iterable[str]) -> None:
         if not limits:

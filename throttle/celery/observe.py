@@ -61,6 +61,11 @@ class Observed(Protocol):
         """The headers of the task's message (the throttler's deferral count among them)."""
 
 
+Shadowed = tuple[Observed, Sequence[str], Sequence[float]]
+"""One shadow look, as :meth:`Observer.shadowed` takes it: the execution, the limits in
+shadow mode, the wait each would have imposed (s)."""
+
+
 class Observer:
     """Hooks on what the throttler decides; each does nothing here. Times in s."""
 
@@ -87,6 +92,12 @@ class Observer:
         """Limits in shadow mode would have delayed the task by ``waits`` (one per limit;
         0: not at all); it runs at once (:mod:`throttle.celery.shadow`)."""
 
+    def shadowed_many(self, looks: Sequence[Shadowed]) -> None:
+        """:meth:`shadowed` for each of ``looks``: the shadow looks a process sent together
+        (as frequent as the tasks: an observer that can take them at once overrides this)."""
+        for execution, limits, waits in looks:
+            self.shadowed(execution, limits, waits)
+
 
 class PrometheusReporter(Observer):
     """The worker's Prometheus counters and histograms (:mod:`throttle.metrics`)."""
@@ -112,7 +123,11 @@ class PrometheusReporter(Observer):
         metrics.redis_error(limits)
 
     def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
-        metrics.shadowed(limits, waits)
+        metrics.shadowed([(limits, waits)])
+
+    def shadowed_many(self, looks: Sequence[Shadowed]) -> None:
+        if metrics.counting():
+            metrics.shadowed([(limits, waits) for _, limits, waits in looks])
 
 
 class FlowerReporter(Observer):
@@ -194,7 +209,10 @@ class FleetStatsReporter(Observer):
         self._record(limits, ("timeout",))
 
     def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
-        self.tally.add_shadow(limits, waits)
+        self.tally.add_shadow([(limits, waits)])
+
+    def shadowed_many(self, looks: Sequence[Shadowed]) -> None:
+        self.tally.add_shadow([(limits, waits) for _, limits, waits in looks])
 
     def _tally_failed(self, limits: list[str], exc: Exception) -> None:
         self.on_error.redis_error(limits)
@@ -339,6 +357,9 @@ class Observers(Observer):
 
     def shadowed(self, execution: Observed, limits: Sequence[str], waits: Sequence[float]) -> None:
         self._each(lambda observer: observer.shadowed(execution, limits, waits))
+
+    def shadowed_many(self, looks: Sequence[Shadowed]) -> None:
+        self._each(lambda observer: observer.shadowed_many(looks))
 
     def _each(self, hook: Callable[[Observer], None]) -> None:
         for observer in self.observers:

@@ -43,6 +43,7 @@ from typing import Any, cast
 
 from throttle.celery.execution import Execution
 from throttle.celery.message import H_DEFERRALS, sent_header
+from throttle.celery.observe import Shadowed
 from throttle.celery.runtime import Throttler
 from throttle.errors import BackendError, ThrottleError
 from throttle.gathering import Gathering
@@ -173,6 +174,7 @@ class Looks(Gathering[list[_Look]]):
         except BackendError as exc:
             logger.debug("throttle: %d shadow looks failed: %s", len(looked), exc)
             return
+        seen: list[Shadowed] = []
         for look, pairs, queued_s in looked:
             execution = look.shadowing.execution
             waits: list[float] = []
@@ -188,7 +190,8 @@ class Looks(Gathering[list[_Look]]):
                     wait += queued_s
                 waits.append(min(max(wait, 0.0), HORIZON_S))
             if len(waits) == len(pairs):
-                throttler.observer.shadowed(execution, [rule.name for rule, _ in pairs], waits)
+                seen.append((execution, [rule.name for rule, _ in pairs], waits))
+        throttler.observer.shadowed_many(seen)
 
 
 class _HoldsLater:
