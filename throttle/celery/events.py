@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from celery import Celery
-from celery.events import Event
 from celery.utils.time import utcoffset
 
 from throttle.gathering import Gathering
@@ -51,12 +51,20 @@ class BatchedEvents(Gathering[list[dict[str, Any]]]):
     def send(self, type_: str, *, uuid: str, hostname: str | None, **fields: Any) -> None:
         """Add one event of the task ``uuid`` (the worker's ``hostname``, as the event of
         ``Task.send_event`` carries it), sent within ``every_s``."""
-        event = Event(
-            type_, uuid=uuid, hostname=hostname, utcoffset=utcoffset(), pid=os.getpid(),
-            clock=self.app.clock.forward(), **fields,
-        )  # fmt: skip
+        self.send_many(type_, [{"uuid": uuid, "hostname": hostname, **fields}])
+
+    def send_many(self, type_: str, events: list[dict[str, Any]]) -> None:
+        """Add events of ``type_``, each the fields of one (``uuid`` and ``hostname``
+        among them: :meth:`send`), sent within ``every_s``. Stamped as ``Event`` stamps
+        one (``timestamp``), with this process's ``utcoffset`` and ``pid``, and each its
+        own tick of the app's clock."""
+        offset, pid, clock, now = utcoffset(), os.getpid(), self.app.clock, time.time()
+        for event in events:
+            event.update(
+                type=type_, timestamp=now, utcoffset=offset, pid=pid, clock=clock.forward()
+            )
         with self._lock:
-            self._pending.append(event)
+            self._pending += events
             full = len(self._pending) >= self.batch_max
             if not full:
                 self._arm()

@@ -176,6 +176,23 @@ class FlowerReporter(Observer):
             waits=[round(wait, 3) for wait in waits],
         )
 
+    def shadowed_many(self, looks: Sequence[Shadowed]) -> None:
+        events = [
+            {
+                "uuid": execution.request.id,
+                "hostname": execution.request.hostname,
+                "name": execution.task.name,
+                "limits": list(limits),
+                "waits": [round(wait, 3) for wait in waits],
+            }
+            for execution, limits, waits in looks
+            if max(waits, default=0.0) > 0  # a shadow that would not have delayed: none
+        ]
+        if events:
+            if self._batched is None:
+                self._batched = BatchedEvents(looks[0][0].task.app)
+            self._batched.send_many("task-shadowed", events)
+
 
 class FleetStatsReporter(Observer):
     """The fleet-wide counts of denials, parkings and time-outs (:class:`StatsBook`), one
