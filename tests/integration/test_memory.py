@@ -50,6 +50,39 @@ def test_holds_peek_and_voided_reservations_match_the_scripts(
     both("peek", conc)
 
 
+def test_asks_of_one_limit_and_key_together_match_the_scripts(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    # lua/acquire_series.lua and its model: asks dated back, a hold, a cost above the
+    # capacity, every algorithm that takes it
+    real = Limiter(client, prefix=prefix, clock_us=clock)
+    memory = MemoryLimiter(prefix=prefix, clock_us=clock)
+    limits = [
+        Limit.parse("5/s burst 2", name="g", algorithm="gcra"),
+        Limit.parse("5/s burst 2", name="b"),
+        Limit.parse("3/s", name="f", algorithm="fixed_window"),
+        Limit.parse("3/s", name="s", algorithm="sliding_window"),
+    ]
+    asks = [(limit, key, cost) for limit in limits for key in ("k", None) for cost in (1.0, 3.0)]
+    ago = [0.3 * i / len(asks) for i in range(len(asks), 0, -1)]
+
+    def both(**kwargs: object) -> None:
+        answers = [one.acquire_each(asks * 2, max_wait_s=0.5, **kwargs) for one in (real, memory)]
+        assert answers[0] == answers[1], kwargs
+        kinds = {getattr(d, "allowed", type(d).__name__) for d in answers[0]}
+        assert kinds == {True, False, "CostExceedsCapacity"}, kinds  # a mix, every time
+
+    both(ago_s=ago * 2)
+    clock.advance(0.2)
+    both()
+    for one in (real, memory):
+        one.hold(limits[0], "k", 0.1)
+        one.hold(limits[2], None, 1.0)
+    both(ago_s=ago * 2)  # the asks dated before the hold's end: denied by it
+    clock.advance(0.15)
+    both()
+
+
 def test_reserve_until_is_a_deadline_on_the_scripts_clock(
     client: redis.Redis, prefix: str, clock: FakeClock
 ) -> None:
