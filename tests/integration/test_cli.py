@@ -591,13 +591,20 @@ def test_pause_and_resume_a_limit_or_one_key(cli: Cli) -> None:
 
     # A key that no task of the limit can have is refused (exit 2), not paused in vain:
     # a limit without a key, an empty key
-    for args in (("pause", "api", "acme"), ("pause", "tenant", ""), ("reset", "api", "x")):
+    for args in (
+        ("pause", "api", "acme"), ("pause", "tenant", ""), ("reset", "api", "x"),
+        ("resume", "api", "acme"),
+    ):  # fmt: skip
         result = cli(*args)
         assert result.exit_code == 2, result.output
     assert "limit 'api' has no key" in cli("pause", "api", "acme").output
     assert cli("refusals", "api", "--key", "acme").exit_code == 2
     assert cli("clear", "api", "--key", "acme").exit_code == 2
     assert cli.limiter.holds() == {("tenant", "beta"): pytest.approx(60.0, abs=5.0)}
+    # a key held anyway (placed before the limits file dropped the limit's key) is lifted
+    cli.limiter.hold("api", "stale", 60.0)
+    assert cli("resume", "api", "stale").exit_code == 0
+    assert ("api", "stale") not in cli.limiter.holds()
 
 
 # -- check ----------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ def set_rate(
         # Every task would fail with CostExceedsCapacity: refuse rather than break them.
         raise click.BadParameter(
             f"the burst {amount(changed.capacity)} of {rate!r} is below the cost "
-            f"{amount(cost)} that each task of limit {limit!r} takes: no task could run",
+            f"{amount(cost)} that each task of limit {limit!r} takes: no task could run "
+            f"(give a burst: '{rate.split(' burst ')[0].strip()} burst {amount(cost)}')",
             param_hint="RATE",
         )
     with one_line_errors():
@@ -303,11 +304,16 @@ def pause(ctx: click.Context, limit: str, key: str | None) -> None:
 def resume(ctx: click.Context, limit: str, key: str | None) -> None:
     """Lift the pause (or a timed hold) of LIMIT, or of its KEY."""
     app, throttler = throttler_of(ctx)
-    lookup(known_limits(app, throttler), limit)
+    rule = lookup(known_limits(app, throttler), limit).rule
     limiter = throttler.limiter
     what = _which(limit, key)
     with one_line_errors():
         before = limiter.holds()
+    if (limit, key) not in before:
+        # A key its tasks cannot have is a usage error, as for pause (one held anyway,
+        # from before the limits file changed, can still be lifted).
+        checked_key(rule, key, "KEY")
+    with one_line_errors():
         limiter.unhold(limit, key)
         after = limiter.holds()
     held = before.get((limit, key))
