@@ -311,12 +311,19 @@ def test_a_refusal_that_says_the_quota_is_spent_holds_at_once(
     assert clocked_limiter.holds() == {("api", None): pytest.approx(signal.hold_s)}
 
 
-def test_a_retry_after_within_a_slow_limits_spacing_is_not_a_spent_quota() -> None:
+def test_a_retry_after_within_rounding_or_a_slow_limits_spacing_is_not_a_spent_quota() -> None:
     slow = Limit.parse("1/m burst 1", name="slow", algorithm="gcra")
     assert not quota_spent(parse(429, {"Retry-After": "60"}), slow)
     assert quota_spent(parse(429, {"Retry-After": "121"}), slow)
-    assert not quota_spent(parse(429, {"Retry-After": "2"}), API)
-    assert quota_spent(parse(429, {"Retry-After": "3"}), API)
+    # At 20/s a call a few ms early is told "Retry-After: 1" (its wait rounded up to a
+    # whole second); two seconds is more than rounding explains: the quota is spent
+    assert not quota_spent(parse(429, {"Retry-After": "1"}), API)
+    assert quota_spent(parse(429, {"Retry-After": "2"}), API)
+    assert quota_spent(parse(429, {"Retry-After-Ms": "2000"}), API)
+    # and at 1/s, where one spacing is already a second, two are not enough
+    second = Limit.parse("1/s burst 1", name="second", algorithm="gcra")
+    assert not quota_spent(parse(429, {"Retry-After": "2"}), second)
+    assert quota_spent(parse(429, {"Retry-After": "3"}), second)
 
 
 def test_an_adaptive_limit_learns_from_the_hook_and_a_stated_policy_wins(

@@ -60,6 +60,11 @@ SPENT_SPACINGS = 2.0
 (:func:`quota_spent`)."""
 
 
+ROUNDING_S = 1.0
+"""How much longer than the call's wait an integer-second header may say (a delta rounded
+up), in s."""
+
+
 def _rate_text(number: float) -> str:
     """A number for a rate spec: plain decimal, no exponent (``Limit.parse`` reads no 'e')."""
     return f"{number:.6f}".rstrip("0").rstrip(".")
@@ -233,11 +238,14 @@ def _policy_text(signal: UpstreamSignal) -> str:
 
 def quota_spent(signal: UpstreamSignal, limit: Limit) -> bool:
     """Whether a refusal says the upstream's quota is spent, rather than that one call
-    came early: its hold is longer than :data:`PREEMPT_MIN_S` (integer-second headers are
-    that much off: a shorter one says "the next call is within rounding") and than
-    :data:`SPENT_SPACINGS` spacings of ``limit`` (a slow limit's next slot is far anyway)."""
+    came early: its hold is longer than :data:`SPENT_SPACINGS` spacings of ``limit`` (a
+    slow limit's next slot is far anyway), and than the second an integer-second header
+    rounds a call's wait up by beyond them (``Retry-After: 1`` at 10/s says no more than
+    "the next call is within rounding"; ``Retry-After: 2`` says more than a second, ten
+    spacings), up to :data:`PREEMPT_MIN_S`."""
     spacing = 1.0 / limit.rate_per_s
-    return signal.hold_s > max(PREEMPT_MIN_S, SPENT_SPACINGS * spacing)
+    rounded = min(PREEMPT_MIN_S, ROUNDING_S + SPENT_SPACINGS * spacing)
+    return signal.hold_s > max(rounded, SPENT_SPACINGS * spacing)
 
 
 def wants_reserved(target: Target) -> bool:
