@@ -18,6 +18,7 @@ from throttle.errors import (
     ThrottleError,
     ThrottleTimeout,
     UpstreamFinal,
+    throttled_in,
 )
 from throttle.limiter import DEFAULT_LEASE_S, Acquire, Limiter
 from throttle.redis.keys import KeySpace
@@ -43,4 +44,5 @@ __all__ = [
     "ThrottleTimeout",
     "Throttled",
     "UpstreamFinal",
+    "throttled_in",
 ]

@@ -182,6 +182,20 @@ class Throttled(ThrottleError):
         return f"Throttled({who}wait={shown})"
 
 
+def throttled_in(exc: BaseException) -> Throttled | None:
+    """The :class:`Throttled` that ``exc`` is, or was raised from or during, if any: an SDK
+    that wraps the exceptions of its HTTP client still carries an upstream hook's word
+    (``anthropic`` raises ``APIConnectionError`` from the hook's ``Throttled``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Throttled):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class ThrottleTimeout(ThrottleError):
     """A task could not get its slot before its throttle deadline (``max_wait`` or
     ``expires``): it fails with this error instead of waiting forever."""

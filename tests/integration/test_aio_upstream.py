@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anthropic
 import httpx
 import httpx2
 import openai
@@ -18,7 +19,7 @@ import redis
 import redis.asyncio
 
 from tests.support.clock import FakeClock
-from throttle import ConfigError, Limit, RequestError, Throttled
+from throttle import ConfigError, Limit, RequestError, Throttled, throttled_in
 from throttle import Limiter as SyncLimiter
 from throttle.adaptive import Adaptive
 from throttle.adaptive import LearnedRates as SyncLearnedRates
@@ -309,3 +310,37 @@ def test_an_sdks_exception_holds_the_limit_as_its_response_would(
     assert clocked.acquire(limit, "acct-2").allowed
     assert sync_apply_upstream(clocked, error, limit, "acct-3") == signal
     assert not clocked.acquire(limit, "acct-3").allowed
+
+
+def test_behind_an_sdk_that_wraps_its_clients_errors_the_hooks_throttled_is_found(
+    arun: Callable[[Callable[..., Any]], Any],
+) -> None:
+    # Given AsyncAnthropic (which wraps any exception of its HTTP client as
+    # APIConnectionError) on a client with the hook, and an API that answers 429
+    limit = Limit.parse("50/m", name="anthropic-requests")
+    error = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+
+    async def answer(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(429, headers={"retry-after": "3"}, json=error)
+
+    async def body(limiter: Limiter, rates: RateBook) -> None:
+        hook = upstream_hook(limiter, limit, retry=True)
+        http = httpx2.AsyncClient(
+            transport=httpx2.MockTransport(answer), event_hooks={"response": [hook]}
+        )
+        sdk = anthropic.AsyncAnthropic(
+            api_key="k", base_url="https://api.test", max_retries=0, http_client=http
+        )
+        with pytest.raises(anthropic.APIConnectionError) as info:
+            await sdk.messages.create(
+                model="m", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+            )
+        await http.aclose()
+        # Then the hook's Throttled is found in the SDK's exception, with the hold
+        refused = throttled_in(info.value)
+        assert refused is not None and refused.retry_after_s == 3.0
+        assert refused.denied_by == ("anthropic-requests",)
+        assert await limiter.holds() == {("anthropic-requests", None): pytest.approx(3.0)}
+        assert throttled_in(RuntimeError("a network error")) is None
+
+    arun(body)

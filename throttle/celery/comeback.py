@@ -43,7 +43,7 @@ from throttle.celery.plan import Plan, hand_back, reserve_plan
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
-from throttle.errors import Throttled
+from throttle.errors import Throttled, throttled_in
 
 logger = logging.getLogger("throttle")
 
@@ -225,13 +225,9 @@ def _unseen_refusal(exc: BaseException) -> Refusal | None:
     :class:`Throttled`, marked ``from_upstream``, in ``exc`` or what it was raised from or
     during. Nothing was held (no ticket, no limits); the task comes back after the
     upstream's time instead of failing with it."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, Throttled) and current.from_upstream:
-            return Refusal(current.retry_after_s, ())
-        current = current.__cause__ or current.__context__
+    throttled = throttled_in(exc)
+    if throttled is not None and throttled.from_upstream:
+        return Refusal(throttled.retry_after_s, ())
     return None
 
 
