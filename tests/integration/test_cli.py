@@ -442,6 +442,11 @@ def test_refusals_lists_a_limit_s_record_newest_first_per_key_and_as_json(cli: C
         ("task-2", "acme", 2.0), ("task-1", "other", 2.0)
     ]  # fmt: skip
     assert cli("refusals", "nope").exit_code == 2
+    # a limit of code of its own (asyncio's apply_upstream, not in the limits file) is
+    # read by its name once it has refusals
+    book.record([Refusal("own-aio", None, None, None, 429, "retry-after", 3.0, True)])
+    mine = cli("refusals", "own-aio")
+    assert mine.exit_code == 0 and "1 refusal of limit 'own-aio'" in mine.output, mine.output
 
 
 def test_status_tells_a_rate_that_follows_the_upstream_and_set_replaces_it(cli: Cli) -> None:

@@ -60,9 +60,15 @@ def refusals(ctx: click.Context, limit: str, key: str | None, as_json: bool, cou
     key, task_id, task, status, header, hold_s and held.
     """
     app, throttler = throttler_of(ctx)
-    checked_key(lookup(known_limits(app, throttler), limit).rule, key, "--key")
+    known = known_limits(app, throttler)
+    if limit in known:
+        checked_key(known[limit].rule, key, "--key")
     with one_line_errors():
         found = throttler.refusals.read(limit, key=key, count=count)
+    if limit not in known and not found:
+        # A limit of code of its own (asyncio, apply_upstream) is read by its name once
+        # it has a refusal; with none, the name is more likely a typo.
+        lookup(known, limit)
     if as_json:
         click.echo(json.dumps([refusal.as_json() for refusal in found], indent=2))
         return
