@@ -191,7 +191,8 @@ class Looks(Gathering[list[_Look]]):
                 waits.append(min(max(wait, 0.0), HORIZON_S))
             if len(waits) == len(pairs):
                 seen.append((execution, [rule.name for rule, _ in pairs], waits))
-        throttler.observer.shadowed_many(seen)
+        if seen:
+            throttler.observer.shadowed_many(seen)
 
 
 class _HoldsLater:
