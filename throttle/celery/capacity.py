@@ -102,10 +102,12 @@ class Line:
     """Pair -> until when (monotonic s) no task asks for it."""
     counts: dict[Pair, int] = field(default_factory=dict)
     """Pair -> how many waiting tasks need it (so that a look costs no pass over the line)."""
-    shapes: dict[tuple[Pair, ...], int] = field(default_factory=dict)
-    """The pairs of a waiting task -> how many need just those: when the next one may ask
-    (:meth:`due`), and whether any still may (:meth:`serve`), without a pass over the line,
-    which a worker serves hundreds of times a second at a high rate."""
+    queues: dict[tuple[Pair, ...], list[Waiter]] = field(default_factory=dict)
+    """The pairs of a waiting task -> the tasks that need just those, in order: when the
+    next one may ask (:meth:`due`) and which asks next (:meth:`serve`) are found from the
+    first task of each, without a pass over the line, which a worker serves hundreds of
+    times a second at a high rate (a flood of one tenant, blocked, is a thousand tasks a
+    pass would skip one by one)."""
     _ages: list[tuple[float, int, Waiter]] = field(default_factory=list)
     """A heap of (leave_at, seq, waiter): the first to leave first (:meth:`expired`); a
     waiter that left stays in it until it comes to the top, or the heap is rebuilt."""
@@ -135,13 +137,10 @@ class Line:
         leave_at = min(now + self.max_wait_s, leave_by)
         waiter = Waiter(item, tuple(pairs), priority, next(self._seq), now, leave_at, raised)
         key = waiter.order()
-        index = len(self.waiters)
-        while index > 0 and self.waiters[index - 1].order() > key:
-            index -= 1
-        self.waiters.insert(index, waiter)
+        _insert(self.waiters, waiter, key)
+        _insert(self.queues.setdefault(waiter.pairs, []), waiter, key)
         for pair in waiter.pairs:
             self.counts[pair] = self.counts.get(pair, 0) + 1
-        self.shapes[waiter.pairs] = self.shapes.get(waiter.pairs, 0) + 1
         if len(self._ages) > 2 * len(self.waiters) + 64:  # mostly waiters that left
             self._ages = [(w.leave_at, w.seq, w) for w in self.waiters if w is not waiter]
             heapq.heapify(self._ages)
@@ -170,10 +169,9 @@ class Line:
     def serve(self, now: float) -> None:
         """Ask for every waiting task that nothing blocks, in order (see the module): a
         denial blocks its pairs, and the tasks behind it that need them are skipped (once
-        every task is blocked, the pass ends)."""
-        for waiter in list(self.waiters):
-            if waiter.gone or self._is_blocked(waiter, now):
-                continue
+        every task is blocked, the pass ends). Each step asks the first in order of the
+        first tasks of each set of pairs that nothing blocks."""
+        while (waiter := self._next(now)) is not None:
             try:
                 blocks = self.ask(waiter)
             except Exception:  # the task is the caller's to send on; the line goes on
@@ -183,14 +181,21 @@ class Line:
                 self._remove(waiter)
             else:
                 self.block(blocks or {pair: MIN_BLOCK_S for pair in waiter.pairs}, now)
-                if self._all_blocked(now):
-                    return
+                if not self._is_blocked(waiter, now):  # a denial that named other pairs
+                    self.block(dict.fromkeys(waiter.pairs, MIN_BLOCK_S), now)
 
-    def _all_blocked(self, now: float) -> bool:
+    def _next(self, now: float) -> Waiter | None:
+        """The first waiting task in order that nothing blocks, or None."""
         blocked = self.blocked
-        return all(
-            any(blocked.get(pair, -math.inf) > now for pair in shape) for shape in self.shapes
-        )
+        best: Waiter | None = None
+        best_key: tuple[int, int] | None = None
+        for shape, queue in self.queues.items():
+            if any(blocked.get(pair, -math.inf) > now for pair in shape):
+                continue
+            key = queue[0].order()
+            if best_key is None or key < best_key:
+                best, best_key = queue[0], key
+        return best
 
     def _is_blocked(self, waiter: Waiter, now: float) -> bool:
         blocked = self.blocked
@@ -202,6 +207,12 @@ class Line:
         waiter.gone = True
         with contextlib.suppress(ValueError):
             self.waiters.remove(waiter)
+        queue = self.queues.get(waiter.pairs)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(waiter)
+            if not queue:
+                del self.queues[waiter.pairs]
         for pair in waiter.pairs:
             left = self.counts.get(pair, 0) - 1
             if left > 0:
@@ -209,11 +220,6 @@ class Line:
             else:
                 self.counts.pop(pair, None)
                 self.blocked.pop(pair, None)  # nobody waits for it any more
-        left = self.shapes.get(waiter.pairs, 0) - 1
-        if left > 0:
-            self.shapes[waiter.pairs] = left
-        else:
-            self.shapes.pop(waiter.pairs, None)
 
     def leave(self, waiter: Waiter) -> None:
         """Take ``waiter`` out of the line (sent on by its caller)."""
@@ -227,7 +233,7 @@ class Line:
             return None
         blocked = self.blocked
         soonest = oldest.leave_at
-        for shape in self.shapes:
+        for shape in self.queues:
             soonest = min(soonest, max(blocked.get(pair, -math.inf) for pair in shape))
         return soonest
 
@@ -265,9 +271,18 @@ class Line:
             waiter.gone = True
         self.blocked.clear()
         self.counts.clear()
-        self.shapes.clear()
+        self.queues.clear()
         self._ages.clear()
         return waiters
+
+
+def _insert(waiters: list[Waiter], waiter: Waiter, key: tuple[int, int]) -> None:
+    """Insert ``waiter`` (of order ``key``) into ``waiters``, kept in order: from the end,
+    where a task of the same priority goes."""
+    index = len(waiters)
+    while index > 0 and waiters[index - 1].order() > key:
+        index -= 1
+    waiters.insert(index, waiter)
 
 
 class Announcements:
