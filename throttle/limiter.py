@@ -202,6 +202,14 @@ class RequestBuilder(Generic[_S]):
         self._hold_script: _S | None = None
         self._holds_script: _S | None = None
 
+    def _script_of(self, scripts: dict[str, _S], operation: str, limit: Limit) -> _S:
+        """The script of a one-limit ``operation`` for ``limit``'s algorithm, registered in
+        ``scripts`` (one per algorithm code) on its first use."""
+        script = scripts[limit.code] = self._register(
+            function_name(operation, limit.code), script_source(operation, limit.codes)
+        )
+        return script
+
     def _one_request(
         self,
         limit: Limit,
@@ -233,10 +241,7 @@ class RequestBuilder(Generic[_S]):
             raise CostExceedsCapacity(limit.name, cost, limit.capacity)
         script = self._one.get(limit.code)
         if script is None:
-            script = self._one[limit.code] = self._register(
-                function_name(ONE_LIMIT_OPERATION, limit.code),
-                script_source(ONE_LIMIT_OPERATION, limit.codes),
-            )
+            script = self._script_of(self._one, ONE_LIMIT_OPERATION, limit)
         _, count, period_us, burst = limit_args(limit)
         clock = self._clock_us
         pair, whole, own = self.keyspace.one_limit(limit, key)
@@ -362,10 +367,7 @@ class RequestBuilder(Generic[_S]):
         one limit and key, checked already."""
         script = self._series.get(limit.code)
         if script is None:
-            script = self._series[limit.code] = self._register(
-                function_name(SERIES_OPERATION, limit.code),
-                script_source(SERIES_OPERATION, limit.codes),
-            )
+            script = self._script_of(self._series, SERIES_OPERATION, limit)
         _, count, period_us, burst = limit_args(limit)
         clock = self._clock_us
         pair, whole, own = self.keyspace.one_limit(limit, key)
