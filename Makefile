@@ -46,8 +46,12 @@ CELERY_SDIST := $(VENV)/celery-$(CELERY_VERSION).tar.gz
 $(CELERY_SDIST): constraints.txt | $(STAMP)
 	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV) celery==$(CELERY_VERSION)
 
+# Two processes, each taking whole test files (a module's servers and workers stay in one
+# process): most of a test's time is waiting for rates and fleets, not CPU.
+PYTEST_PROCESSES ?= 2
+
 pytest: setup test-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
 test: test-deps lint typecheck docs-check pytest
 
