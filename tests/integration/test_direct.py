@@ -3,6 +3,7 @@ every call reads its own reply, whatever happened to the calls before it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -23,6 +24,7 @@ from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
 from throttle.celery.runtime import Throttler
+from throttle.errors import BackendUnavailable
 from throttle.redis import direct
 from throttle.redis.direct import DirectCalls, direct_calls
 
@@ -65,6 +67,31 @@ def test_a_call_interrupted_between_its_write_and_its_read_leaves_no_reply_behin
         calls("ECHO", "first")
     assert calls("ECHO", "second") == b"second"
     assert calls("ECHO", "third") == b"third"
+
+
+def test_calls_that_time_out_give_their_connections_back_to_the_pool(
+    server: RedisServer,
+) -> None:
+    # Given a client whose calls time out after 30 ms, on a pool of 3 connections
+    admin = server.client()
+    client = redis.Redis(port=server.port, socket_timeout=0.03, retry=None, max_connections=3)
+    limiter = Limiter(client)
+    limit = Limit.parse("100000/s", name="t")
+    limiter.acquire(limit)
+    # When Redis stops answering for 60 ms, ten times (more calls than the pool holds),
+    # and a call is made during each pause and after it
+    for _ in range(10):
+        admin.execute_command("CLIENT", "PAUSE", 60, "ALL")
+        for _ in range(2):
+            with contextlib.suppress(BackendUnavailable):
+                limiter.acquire(limit)
+            time.sleep(0.08)
+    # Then, Redis answering again, the limiter and the client's own commands have a
+    # connection: none was left counted as in use by the pool
+    time.sleep(0.3)
+    assert limiter.acquire(limit).allowed
+    assert client.ping()
+    assert len(_direct(client).idle) == 1
 
 
 def test_an_error_reply_keeps_the_connection(server: RedisServer) -> None:

@@ -19,7 +19,8 @@ used again by the next call. What keeps it as safe as the pool:
   reply such as a missing function). Any other way out of a call (a timeout, a lost
   connection, an exception raised into the call between its write and its read, such as
   Celery's soft time limit) disconnects it, so no call can ever read an earlier call's
-  reply;
+  reply, and puts it back disconnected: it connects again when next used (a connection
+  dropped instead would stay counted as in use by the pool, which runs out);
 * a process forked from one that made calls drops the idle connections it inherited
   (``os.register_at_fork``): a socket is never shared by two processes;
 * a call that fails with an error of the connection's retry policy is retried as the
@@ -132,7 +133,8 @@ class DirectCalls:
             idle.append(conn)
             raise
         except BaseException:
-            conn.disconnect()
+            conn.disconnect()  # what it would read next is unknown
+            idle.append(conn)  # still the pool's: it connects again when next used
             raise
         idle.append(conn)
         return reply
@@ -166,6 +168,7 @@ class DirectCalls:
                     replies.append(exc)
         except BaseException:
             conn.disconnect()
+            idle.append(conn)
             raise
         idle.append(conn)
         return replies
