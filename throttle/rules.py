@@ -302,6 +302,15 @@ class Rule:
             if not self.key:
                 raise ConfigError("an empty key template", field="key", value="", limit=name)
             template = parse_key_template(self.key, limit=name, source=None)
+            if not template.paths:
+                hint = (
+                    f": write '{{{self.key}}}' for the argument" if self.key.isidentifier() else ""
+                )
+                raise ConfigError(
+                    "a key template names the task's arguments that make the key, such as "
+                    f"'{{tenant_id}}': without a field, every task would share one key{hint}",
+                    field="key", value=self.key, limit=name,
+                )  # fmt: skip
         elif self.key is not None and not callable(self.key):
             raise ConfigError(
                 "must be a template string such as '{tenant_id}' or a callable",

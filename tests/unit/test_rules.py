@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -165,6 +166,17 @@ def test_a_key_an_operator_types_is_checked_against_the_limit_s_template() -> No
     assert key_problem(composite, "acme") is not None  # not the template's shape
     assert key_problem(Rule(REQUESTS, key="{tenant_id}"), "acme corp") is None  # one value
     assert "has no key" in (key_problem(Rule(REQUESTS), "acme") or "")
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("tenant_id", "write '{tenant_id}' for the argument"), ("acme-eu", "share one key")],
+)
+def test_a_key_template_without_a_field_is_refused(key: str, hint: str) -> None:
+    # A key with no {field} would be one constant: every tenant in one bucket
+    with pytest.raises(ConfigError, match=re.escape(hint)) as caught:
+        Rule(REQUESTS, key=key)
+    assert (caught.value.field, caught.value.value) == ("key", key)
 
 
 def test_a_call_the_task_would_refuse_is_named_as_such_not_as_a_missing_argument() -> None:
