@@ -12,6 +12,7 @@ own refill named.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,3 +271,10 @@ def test_a_released_concurrency_unit_goes_to_a_task_waiting_in_the_line(
         most = max(most, running_now)
     assert most <= 2, seen
     assert client.hgetall("capacity:done") == {f"u{i}".encode(): b"1" for i in range(8)}
+    # and each of the six tasks that waited in the line for a unit logs its wait, counted
+    # from when the limit first held it back (the last two waited for two tasks of 0.3 s
+    # before theirs; the worker's clock), not from the unit's grant (~0)
+    text = (tmp / "w-units.log").read_text()
+    waits = [float(w) for w in re.findall(r"waits ([\d.]+) s for its slot \(limits units\)", text)]
+    assert len(waits) >= 6, text
+    assert max(waits) >= 0.5, waits

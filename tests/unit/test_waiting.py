@@ -169,7 +169,7 @@ def test_a_task_leaving_the_line_passes_its_raise_to_one_beyond_the_bound(
     # Given a flood of five tasks: three raise the prefetch count, two keep ordinary
     # prefetch slots (beyond the bound)
     for n in range(5):
-        pending = SimpleNamespace(request=Request(f"t{n}"), gate=gate)
+        pending = SimpleNamespace(request=Request(f"t{n}"), gate=gate, held_since=None)
         line.join(pending, (("api", "a"),), priority=0)  # type: ignore[arg-type]
     waiters = list(line.line.waiters)
     assert qos.raised == 3

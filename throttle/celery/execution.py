@@ -228,6 +228,10 @@ class Admission:
     ``gate.RECHECK_LEAD_S`` from the decision, however near it is when the pool starts
     the task."""
 
+    held_since: float | None = None
+    """Since when the task's limits had held it in the worker's line before this decision
+    (epoch s, this host's clock; None: it was not held there): the wait it is reported to
+    have had counts from then, not from the decision."""
     sleep_max_s: float | None = None
     """The most the pool child may sleep to this decision's slot, in s (None: the
     setting's ``sleep_max``): set when the consumer had no room to hold the task (a

@@ -132,7 +132,9 @@ class Gate:
             else:
                 ticket = self._decide(now, admission)
                 if admission is not None:
-                    now = admission.decided_at  # the wait counted from the decision
+                    # The wait counted from the decision, or from when the limits first
+                    # held the task back in the worker's line.
+                    now = admission.held_since or admission.decided_at
             if self.rule_set.guarded:
                 self._space()
         except BackendError as exc:

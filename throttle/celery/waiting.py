@@ -333,8 +333,9 @@ class Waiting:
             fresh = self.line is not None and self.line.rates_changed_lately()
             targets, estimates = gate.evaluated()
             admission = Admission(
-                request.id, decision, now, fresh, targets=targets, estimates=estimates
-            )
+                request.id, decision, now, fresh, targets=targets, estimates=estimates,
+                held_since=pending.held_since,
+            )  # fmt: skip
             carry(request.request_dict, admission)
             wait = decision.wait_s
             if decision.acquisition is not None and LEAD_S < wait <= self.settings_sleep_max:
@@ -629,7 +630,7 @@ class Pending:
     """A task in the line: its consumer side, request and gate, and its last denial
     (None until it asked)."""
 
-    __slots__ = ("decided_at", "decision", "gate", "request", "stale", "waiting")
+    __slots__ = ("decided_at", "decision", "gate", "held_since", "request", "stale", "waiting")
 
     def __init__(
         self,
@@ -645,6 +646,8 @@ class Pending:
         self.gate = gate
         self.decision = decision
         self.decided_at = 0.0
+        self.held_since: float | None = None
+        """When it first joined the line (epoch s, this host's clock; None: not yet)."""
         self.stale = stale
         """Whether the gate's evaluation may be out of date (the task waited since it was
         evaluated: in the line, for its plan, or it asked before): evaluated again before
@@ -819,6 +822,8 @@ class WaitingLine:
         if raised:
             self.consumer.qos.increment_eventually()
         state.reserved_requests.discard(request)
+        if pending.held_since is None:
+            pending.held_since = time.time()
         now = time.monotonic()
         leave_by = math.inf
         deadline = pending.gate.execution.deadline  # max_wait, expires: Redis clock
