@@ -111,6 +111,16 @@ def test_a_malformed_url_is_a_config_error_without_the_password() -> None:
     assert "limiter:***@127.0.0.1" in message and "hunter" not in message
 
 
+@pytest.mark.parametrize("url", ["redis://:s3/cr3t@127.0.0.1:6379/0", "rediss://u:s3cr3t#x@h:1/0"])
+def test_a_limiter_from_a_malformed_url_is_a_config_error_without_the_password(url: str) -> None:
+    for limiter in (Limiter, AsyncLimiter):
+        with pytest.raises(ConfigError) as caught:
+            limiter.from_url(url)
+        message = str(caught.value)
+        assert "field 'redis_url'" in message and "percent-encode" in message, message
+        assert "s3" not in message, message
+
+
 @pytest.mark.parametrize(
     ("query", "problem"),
     [

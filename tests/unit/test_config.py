@@ -832,6 +832,8 @@ def test_a_merge_key_may_be_overridden_and_a_burst_given_twice_may_not(tmp_path:
         ("htp://x", "a Redis URL starts with redis://"),
         ("redis://127.0.0.1:notaport/0", "the port must be a number"),
         ("redis://127.0.0.1:6379/zz", "the database (the URL's path) must be a number"),
+        ("redis://:pa/ss@127.0.0.1:6379/0", "redis-py cannot read this URL: percent-encode"),
+        ("redis://h:1/0?socket_timeout=x", "redis-py cannot read this URL: Invalid value"),
     ],
 )
 def test_a_redis_url_of_the_wrong_form_is_an_error_of_the_file(url: str, problem: str) -> None:

@@ -215,6 +215,23 @@ def check_form(url: str) -> None:
             "the database (the URL's path) must be a number, such as /0",
             field="redis_url", value=f"/{db}",
         )  # fmt: skip
+    try:
+        parse_url(url)  # as redis-py will read it
+    except ValueError:
+        bare = f"{scheme}://{rest.rpartition('@')[2]}"  # no user name or password
+        try:
+            parse_url(bare)
+        except ValueError as exc:  # an option of the query
+            raise ConfigError(
+                f"redis-py cannot read this URL: {exc}", field="redis_url", value=redact(url)
+            ) from None
+        # A user name or password with an unencoded '/', '?' or '#' ends the host part
+        # early: redis-py's ValueError would quote a piece of the password.
+        raise ConfigError(
+            "redis-py cannot read this URL: percent-encode a '/', '?', '#' or '@' in the "
+            "user name or password (%2F, %3F, %23, %40)",
+            field="redis_url", value=redact(url),
+        ) from None  # fmt: skip
 
 
 def is_sentinel_url(url: str) -> bool:
