@@ -216,11 +216,11 @@ def check_form(url: str) -> None:
             field="redis_url", value=f"/{db}",
         )  # fmt: skip
     try:
-        parse_url(url)  # as redis-py will read it
+        parse_url(url)  # type: ignore[no-untyped-call]  # as redis-py will read it
     except ValueError:
         bare = f"{scheme}://{rest.rpartition('@')[2]}"  # no user name or password
         try:
-            parse_url(bare)
+            parse_url(bare)  # type: ignore[no-untyped-call]
         except ValueError as exc:  # an option of the query
             raise ConfigError(
                 f"redis-py cannot read this URL: {exc}", field="redis_url", value=redact(url)
