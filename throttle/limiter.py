@@ -45,6 +45,7 @@ from throttle.decision import Acquisition, Decision, LimitState, Settlement
 from throttle.errors import CostExceedsCapacity, RequestError, ThrottleError
 from throttle.redis.client import (
     RedisClient,
+    check_client,
     client_from_url,
     run_routine,
     run_routines,
@@ -588,6 +589,7 @@ class Limiter(RequestBuilder[Routine[Script]]):
         clock_us: Callable[[], int] | None = None,
         own_connections: bool = True,
     ) -> None:
+        check_client(client)
         self.library = Library(client)
         """Whether this limiter calls Redis functions or scripts (see
         :mod:`throttle.redis.library`)."""

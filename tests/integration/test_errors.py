@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from tests.support.servers import free_port
 from throttle import (
@@ -244,3 +245,20 @@ def test_malformed_targets_are_request_errors_before_anything_is_sent(limiter: L
     with pytest.raises(RequestError, match=re.escape("each target is a (limit, key, cost) tuple")):
         limiter.acquire_each([(limit, "k")])
     assert limiter.peek(limit).remaining == 10.0  # nothing taken
+
+
+def test_a_client_that_decodes_replies_is_refused_by_name(redis_url: str) -> None:
+    # The scripts answer in bytes that are not text: a decoding client would fail every
+    # call with redis-py's UnicodeDecodeError
+    from throttle.aio import Limiter as AsyncLimiter  # noqa: PLC0415
+
+    for make in (
+        lambda: Limiter(redis.Redis.from_url(redis_url, decode_responses=True)),
+        lambda: Limiter.from_url(redis_url + "?decode_responses=true"),
+        lambda: AsyncLimiter(redis.asyncio.Redis.from_url(redis_url, decode_responses=True)),
+    ):
+        with pytest.raises(ConfigError, match="without decode_responses") as caught:
+            make()
+        assert caught.value.field == "decode_responses"
+    # and a client of its own, without the option, works
+    assert Limiter.from_url(redis_url).acquire(Limit.parse("10/s", name="d")).allowed

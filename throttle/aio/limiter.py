@@ -44,7 +44,12 @@ from throttle.limiter import (
     _place,
     _placed,
 )
-from throttle.redis.client import async_client_from_url, run_routine_async, wrap_errors_async
+from throttle.redis.client import (
+    async_client_from_url,
+    check_client,
+    run_routine_async,
+    wrap_errors_async,
+)
 from throttle.redis.library import Library, Routine
 from throttle.redis.replies import one_limit_decision
 from throttle.spec import Limit
@@ -84,6 +89,7 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         namespace: str = "default",
         clock_us: Callable[[], int] | None = None,
     ) -> None:
+        check_client(client)
         self.library = Library(client)
         """Whether this limiter calls Redis functions or scripts (see
         :mod:`throttle.redis.library`)."""

@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RedisClient",
     "async_client_from_url",
+    "check_client",
     "client_from_url",
     "run_routine",
     "run_routine_async",
@@ -82,6 +83,21 @@ def _said(exc: Exception) -> str:
     text = str(exc)
     head, sep, _ = text.partition(" : <redis.")
     return head if sep else text
+
+
+def check_client(client: object) -> None:
+    """Refuse, as a :class:`ConfigError`, a client the limiter cannot read replies from:
+    one made with ``decode_responses=True``, which decodes every reply as text, where the
+    limiter's scripts answer in bytes that are not (packed numbers). Use a client of its
+    own, without the option (the rest of an application may keep its decoding one)."""
+    get_encoder = getattr(client, "get_encoder", None)
+    encoder = get_encoder() if callable(get_encoder) else None
+    if getattr(encoder, "decode_responses", False):
+        raise ConfigError(
+            "the limiter reads its scripts' replies as bytes: give it a client made "
+            "without decode_responses (a client of its own)",
+            field="decode_responses", value=True,
+        )  # fmt: skip
 
 
 def client_from_url(url: str, **options: Any) -> RedisClient:
