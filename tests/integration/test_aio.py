@@ -463,3 +463,48 @@ def test_an_acquire_cancelled_after_its_call_left_gives_back_what_it_took(
     remaining, ordered = asyncio.run(main())
     assert remaining == 2  # both units free: not held until the lease's end (300 s)
     assert ordered
+
+
+def test_a_retry_of_a_cancelled_acquire_keeps_what_it_took(redis_url: str, prefix: str) -> None:
+    one = Limit.parse("1 concurrent", name="one")
+
+    async def main() -> tuple[Decision, float, Decision, str]:
+        limiter = Limiter(redis.asyncio.Redis.from_url(redis_url), prefix=prefix)
+        other = redis.asyncio.Redis.from_url(redis_url)
+        settle = limiter.settle
+
+        async def slow_settle(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.3)  # a slow network: the give-back arrives late
+            return await settle(*args, **kwargs)
+
+        limiter.settle = slow_settle  # type: ignore[method-assign]
+        try:
+            await limiter.peek(one)  # the library loaded, the connection open
+            # Given an acquire cancelled while Redis holds its clients' commands for
+            # 0.2 s: its call runs all the same, and what it took is given back, late
+            await other.execute_command("CLIENT", "PAUSE", 200, "ALL")
+            taking = asyncio.ensure_future(limiter.acquire(one, acquisition_id="task-1"))
+            await asyncio.sleep(0.1)
+            taking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await taking
+            await asyncio.sleep(0.2)  # the call ran; its give-back is on its way
+            # When the caller retries it, under the same id (as the docs advise)
+            retried = await limiter.acquire(one, acquisition_id="task-1")
+            # Then, once the give-back is over, the retry still holds the unit: nobody
+            # else gets it, and its own settle releases it
+            await asyncio.sleep(0.4)
+            remaining = (await limiter.peek(one)).remaining
+            intruder = await limiter.acquire(one, acquisition_id="task-2")
+            assert retried.acquisition is not None
+            settled = await settle(retried.acquisition, 0.0)
+            return retried, remaining, intruder, settled.status
+        finally:
+            await limiter.client.aclose()
+            await other.aclose()
+
+    retried, remaining, intruder, status = asyncio.run(main())
+    assert retried.allowed
+    assert remaining == 0
+    assert not intruder.allowed
+    assert status == "settled", status
