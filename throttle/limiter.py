@@ -114,6 +114,18 @@ class Acquire(NamedTuple):
     reserve_until: float | None = None
 
 
+MAX_DEBT_S = 86400.0
+"""The longest one call's cost may keep a key of a rate limit waiting, in s: a settle
+charging more (a debt beyond the burst that the limit's rate takes longer than this to
+repay) or a spacing as long is a mistake (a typo, a unit mixed up), refused."""
+
+
+def _most_owed(limit: Limit) -> float:
+    """The largest cost one call of ``limit`` may be charged or spaced for: its burst and
+    :data:`MAX_DEBT_S` of its rate."""
+    return min(limit.capacity + limit.count * MAX_DEBT_S / limit.period_s, MAX_AMOUNT)
+
+
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
     """``value`` as a finite float >= 0 (> 0 when ``positive``, <= ``most``), or a
     RequestError that names ``what`` and the value."""
@@ -425,9 +437,11 @@ class RequestBuilder(Generic[_S]):
         args: list[Any] = [b"", acquisition.id, n]
         for (limit, key), actual in zip(acquisition.targets, actuals, strict=True):
             args.extend(target_args(limit, key))
-            # A cost beyond any limit's count is a mistake, and charged it would deny the
-            # key for ages: refused, as an acquire's cost beyond the capacity is.
-            args.append(b"" if actual is None else _number(actual, "actual_cost", most=MAX_AMOUNT))
+            if actual is None:
+                args.append(b"")
+                continue
+            most = MAX_AMOUNT if limit.algorithm.holds_units else _most_owed(limit)
+            args.append(_number(actual, f"actual_cost of limit {limit.name!r}", most=most))
         # A refund or a released unit is announced, for the tasks waiting for it.
         args.append(self.keyspace.capacity_channel())
         args.extend(limit.name for limit, _ in acquisition.targets)
@@ -523,7 +537,8 @@ class RequestBuilder(Generic[_S]):
                 raise RequestError(f"the spacing guard needs a rate limit (got {limit!r})")
             if key is not None and (type(key) is not str or not key):
                 raise RequestError(f"key must be a non-empty string or None (got {key!r})")
-            spacing_us = limit.period_s * 1e6 / limit.count * _number(cost, "cost")
+            own = _number(cost, f"cost of limit {limit.name!r}", most=_most_owed(limit))
+            spacing_us = limit.period_s * 1e6 / limit.count * own
             # A fair limit's rate is its keys' total: its calls are spaced as one.
             keys.append(self.keyspace.space_key(limit, None if limit.fair else key))
             args.append(repr(spacing_us))

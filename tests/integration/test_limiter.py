@@ -726,3 +726,19 @@ def test_one_limit_with_its_own_cost_runs_the_one_limit_script(clocked: Limiter)
     # The global cost is still checked, as acquire_many always did.
     with pytest.raises(RequestError, match="cost must be"):
         clocked.acquire_many([(limit, "k", 1)], cost=-1)
+
+
+def test_a_settle_or_a_spacing_of_more_than_a_day_of_the_limit_is_refused(
+    clocked: Limiter,
+) -> None:
+    limit = Limit.parse("100/m burst 10", name="api")  # a day: 144,000, and the burst
+    decision = clocked.acquire(limit, acquisition_id="t")
+    assert decision.acquisition is not None
+    # A charge that the limit's rate takes more than a day to repay is a mistake (the
+    # key would be denied for ages: 1e15 at 100/m, 19,000 years): refused, naming it
+    with pytest.raises(RequestError, match=r"actual_cost of limit 'api' .* <= 144010"):
+        clocked.settle(decision.acquisition, 144_011)
+    with pytest.raises(RequestError, match=r"cost of limit 'api'"):
+        clocked.space([(limit, "k", 1e300)])
+    # while a debt within a day is charged, as an upstream that counted it would
+    assert clocked.settle(decision.acquisition, 144_010).charged == 144_009.0
