@@ -54,7 +54,9 @@ class Algorithm(str, Enum):
     """Leaky bucket / GCRA shaper: calls spaced by period/count, ``burst`` may come at once;
     can reserve the next free slot."""
     SLIDING_WINDOW = "sliding_window"
-    """Sliding-window counter: at most ``count`` per period, estimated in O(1) memory."""
+    """Sliding-window counter: about ``count`` per sliding period, estimated from two
+    windows in O(1) memory (a burst at the end of a window can put up to nearly 2x ``count``
+    in a true sliding period)."""
     FIXED_WINDOW = "fixed_window"
     """Fixed window aligned to the epoch (UTC): hour or day quotas."""
     CONCURRENCY = "concurrency"
