@@ -188,7 +188,13 @@ def _positive(
 def check_name(name: object, *, field: str = "name", source: str | None = None) -> str:
     """A limit's name: a non-empty ``str`` of Unicode text (it is part of Redis keys, sent
     as UTF-8: a lone surrogate, which YAML's ``"\\ud800"`` can write, has no form there)."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"a limit's name is text: quote it ('{name}')" if isinstance(name, int | float)
+            else "a limit needs a non-empty name",
+            field=field, value=name, source=source,
+        )  # fmt: skip
+    if not name:
         raise ConfigError("a limit needs a non-empty name", field=field, value=name, source=source)
     try:
         name.encode("utf-8")
@@ -452,8 +458,9 @@ class Limit:
             # Re-raise with the place the value came from.
             own = exc.field in ("name", "fair") or (exc.field or "").startswith("weights")
             part = _WHAT.get(exc.field or "") if not own else None
+            named = part is None or part in exc.problem or exc.problem.startswith("the ")
             raise ConfigError(
-                exc.problem if part is None or part in exc.problem else f"its {part} {exc.problem}",
+                exc.problem if named else f"its {part} {exc.problem}",
                 field=exc.field if own else field,
                 value=exc.value if own else spec,
                 limit=limit if exc.field != "name" else None,

@@ -846,3 +846,16 @@ def test_a_redis_url_of_the_wrong_form_is_an_error_of_the_file(url: str, problem
     for fine in ("redis+sentinel://a:26379,b:26379/main/0", "unix:///tmp/redis.sock",
                  "rediss://h:6380/0?ssl_ca_certs=/only/on/the/workers.pem"):  # fmt: skip
         ThrottleConfig.from_mapping({"settings": {"redis_url": fine}})
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"a": {"rate": "1/0.0000001ms"}}, "field 'rate': the period must be at least 1e-06 s"),
+        ({5: {"rate": "1/s"}}, "field 'limits': a limit's name is text: quote it ('5')"),
+    ],
+)
+def test_a_limit_s_error_reads_as_one_sentence(limits: dict[object, object], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ThrottleConfig.from_mapping({"limits": limits}, source="limits.yaml")
+    assert message in str(caught.value), caught.value
