@@ -694,7 +694,8 @@ class Limiter(RequestBuilder[Routine[Script]]):
             Instead of ``max_wait_s``: reserve no slot later than this time, in epoch s on
             the Redis clock (a deadline such as a task's expiry). The script measures the
             window from its own ``TIME``, so the call's latency cannot carry a slot past
-            it, as ``max_wait_s`` computed by the caller beforehand could.
+            it, as ``max_wait_s`` computed by the caller beforehand could. A deadline
+            already passed reads as ``max_wait_s=0`` (admitted if there is room now).
         acquisition_id:
             Records the acquisition under this id (a task id, say) so that it can be
             settled, and so that acquiring again with the same id, on the same limits and
