@@ -109,8 +109,10 @@ class Settlement:
     """The outcome of :meth:`Limiter.settle`.
 
     ``deltas`` are actual minus reserved cost, one per limit of the acquisition: > 0 was
-    charged, < 0 refunded. Any status other than ``"settled"`` means nothing changed (and
-    ``deltas`` is empty).
+    charged, < 0 refunded, as asked: a refund is capped by the limit's state (a bucket
+    never above its burst, a GCRA slot never before now, a window only while the window
+    that paid still counts), which the delta does not show. Any status other than
+    ``"settled"`` means nothing changed (and ``deltas`` is empty).
     """
 
     status: SettleStatus
