@@ -347,7 +347,13 @@ class RequestBuilder(Generic[_S]):
         except ThrottleError as exc:
             return [exc] * len(targets), []
         for i, (limit, key, cost) in enumerate(targets):
-            ago = 0.0 if ago_s is None else min(max(float(ago_s[i]), 0.0), MAX_AGO_S)
+            ago = 0.0
+            if ago_s is not None:
+                given = real(ago_s[i])
+                if given is None or math.isnan(given):
+                    out[i] = RequestError(f"ago_s must be a number of s (got {ago_s[i]!r})")
+                    continue
+                ago = min(max(given, 0.0), MAX_AGO_S)  # < 0: now; beyond: MAX_AGO_S ago
             if type(limit) is Limit and limit.code not in _SEVERAL:
                 try:
                     own = _checked_ask(limit, key, cost)

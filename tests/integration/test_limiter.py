@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 
@@ -238,6 +239,14 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     assert [d.allowed for d in mixed if isinstance(d, Decision)] == [True, False, True]
     with pytest.raises(RequestError, match="ago_s has 1 values for 2 targets"):
         limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=[0.1])
+    # an ago_s that is not a number is that ask's error, named; the others are decided
+    roomy = Limit.parse("10/s", name="roomy")
+    asked = limiter.acquire_each([(roomy, "n", 1.0)] * 3, ago_s=[math.nan, "x", 0.0])  # type: ignore[list-item]
+    assert [str(d) for d in asked[:2]] == [
+        "ago_s must be a number of s (got nan)",
+        "ago_s must be a number of s (got 'x')",
+    ]
+    assert isinstance(asked[2], Decision) and asked[2].allowed
 
 
 def test_acquire_each_goes_as_one_call_per_limit_and_key_and_decides_as_one_call_per_ask(

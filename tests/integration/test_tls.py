@@ -546,3 +546,12 @@ def test_no_sentinel_answering_reads_as_an_outage_in_one_short_line() -> None:
     message = str(caught.value)
     assert message.startswith("Redis is unreachable: No master found for 'limits'"), message
     assert "<redis." not in message and len(message) < 200, message
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"), [(None, "(got None)"), ("", "(got '')"), ("h:6379", "(got 'h:6379')")]
+)
+def test_a_redis_url_that_is_not_one_is_named_as_given(url: object, shown: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Limiter.from_url(url)  # type: ignore[arg-type]
+    assert caught.value.field == "redis_url" and str(caught.value).endswith(shown)

@@ -193,11 +193,13 @@ def check_form(url: str) -> None:
     """Refuse, as a :class:`ConfigError` naming the field, a URL whose form is wrong on
     any host (what ``celery throttle check`` can tell without the workers' files): a
     scheme the limiter does not take, a port or a database that is not a number."""
+    if not isinstance(url, str):
+        raise ConfigError("a Redis URL is text", field="redis_url", value=url)
     scheme, _, rest = url.partition("://")
     if scheme not in _SCHEMES:  # as redis-py reads them: lower case
         raise ConfigError(
             f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}",
-            field="redis_url", value=f"{scheme}://" if "://" in url else "no scheme",
+            field="redis_url", value=f"{scheme}://" if "://" in url else redact(url),
         )  # fmt: skip
     parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
     if scheme not in ("redis", "rediss"):
