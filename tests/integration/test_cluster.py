@@ -583,3 +583,19 @@ def test_small_clusters_form_and_serve_every_slot(masters: int, namespace: str) 
             assert info["cluster_state"] == "ok"
             assert int(info["cluster_slots_assigned"]) == 16384
             assert int(info["cluster_known_nodes"]) == masters
+
+
+def test_a_plain_url_of_a_cluster_node_says_to_use_a_cluster_url(
+    redis_cluster: LocalCluster,
+) -> None:
+    # Given a redis:// URL of each node in turn: the limiter's keys live on one of them
+    limit = Limit.parse("10/s", name=f"moved-{uuid.uuid4().hex[:6]}")
+    errors = []
+    for node in redis_cluster.nodes:
+        try:
+            Limiter.from_url(node.url).acquire(limit)
+        except BackendError as exc:
+            errors.append(str(exc))
+    # Then a node that does not hold them answers MOVED, which names the fix
+    assert errors, "every node served the call"
+    assert all("use a redis+cluster:// URL" in error for error in errors), errors

@@ -72,8 +72,18 @@ _REFUSED = (redis.RedisError, RedisClusterException)
 def _wrapped(exc: Exception) -> BackendError:
     """The package's error for a driver error (one of ``_REFUSED``)."""
     if isinstance(exc, _UNAVAILABLE):
-        return BackendUnavailable(f"Redis is unreachable: {_said(exc)}")
-    return BackendError(f"Redis refused a limiter call: {_said(exc)}")
+        return BackendUnavailable(f"Redis is unreachable: {_said(exc)}{_hint(exc)}")
+    return BackendError(f"Redis refused a limiter call: {_said(exc)}{_hint(exc)}")
+
+
+def _hint(exc: Exception) -> str:
+    """What to do about a driver error that a configuration causes, or ''."""
+    said = str(exc)
+    if isinstance(exc, redis.exceptions.MovedError) or said.startswith(("MOVED ", "ASK ")):
+        return " (a Redis Cluster node: use a redis+cluster:// URL)"
+    if "NOAUTH" in said or "must be called with the client already authenticated" in said:
+        return " (this Redis wants a password: redis://:PASSWORD@host:port/db)"
+    return ""
 
 
 def _said(exc: Exception) -> str:
