@@ -1,7 +1,8 @@
 -- peek.lua: what an acquire would be told now, taking nothing (for status and gauges).
 --
--- KEYS as acquire.lua without an acquisition: KEYS[1] the holds, then the state keys.
--- ARGV[1] now_us, ARGV[2] unused, ARGV[3] n, then 5 per limit as text, as settle.lua's
+-- KEYS as acquire.lua without an acquisition: KEYS[1] the holds, then the state keys,
+-- then (ARGV[2] = 1) the fence marker, read as the acquires read it but never written.
+-- ARGV[1] now_us, ARGV[2] 1 when fenced, ARGV[3] n, then 5 per limit as text, as settle.lua's
 -- (code, count, period_us, burst, cost: the cost to ask about), ARGV[4+5n], ARGV[5+5n]
 -- unused, then 2 hold fields per limit.
 --
@@ -12,6 +13,9 @@
 -- written, but for a concurrency limit's sweep of expired leases.
 
 local now = clock_us(ARGV[1])
+if ARGV[2] == '1' then
+  FENCE = tonumber(redis.call('GET', KEYS[#KEYS])) or 0
+end
 local n = tonumber(ARGV[3])
 local fields = {}
 for i = 1, 2 * n do

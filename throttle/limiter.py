@@ -480,6 +480,9 @@ class RequestBuilder(Generic[_S]):
         args.extend(keyspace.hold_fields(limit.name, key))
         if self._clock_us is not None:
             args[0] = self._clock_us()
+        if self.fence_s:  # read as the acquires read it (never written by a peek)
+            keys.append(keyspace.fence_key())
+            args[1] = 1
         script = self._peek.get(limit.code)
         if script is None:
             script = self._peek[limit.code] = self._register(

@@ -86,6 +86,24 @@ def test_a_burst_comes_at_the_fence_end_not_before(
     assert [fenced.acquire(limit, "k").wait_s for _ in range(3)] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("limit", [BUCKET, WIDE], ids=["token_bucket", "gcra-burst-3"])
+def test_a_peek_reads_the_fence_as_the_acquires_do(
+    fenced: Limiter, client: redis.Redis, prefix: str, clock: FakeClock, limit: Limit
+) -> None:
+    """status and the gauges show what an acquire would be told: nothing before the fence
+    ends, on a key never seen since the loss; and a peek writes no marker of its own."""
+    lose_the_data(client, prefix)
+    peeked = fenced.peek(limit, "k")
+    assert peeked.allowed and not client.exists(fenced.keyspace.fence_key())
+    fenced.acquire(limit, "other")  # the first acquire finds the marker missing
+    peeked = fenced.peek(limit, "k")
+    denied = fenced.acquire(limit, "k")
+    assert not peeked.allowed and not denied.allowed
+    assert peeked.retry_after_s == pytest.approx(denied.retry_after_s)
+    clock.advance(FENCE_S + 0.05)
+    assert fenced.peek(limit, "k").allowed
+
+
 def test_a_recorded_acquisition_is_fenced_and_settles(
     fenced: Limiter, client: redis.Redis, prefix: str, clock: FakeClock
 ) -> None:
