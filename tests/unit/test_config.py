@@ -832,8 +832,9 @@ def test_a_merge_key_may_be_overridden_and_a_burst_given_twice_may_not(tmp_path:
         ("htp://x", "a Redis URL starts with redis://"),
         ("redis://127.0.0.1:notaport/0", "the port must be a number"),
         ("redis://127.0.0.1:6379/zz", "the database (the URL's path) must be a number"),
-        ("redis://:pa/ss@127.0.0.1:6379/0", "redis-py cannot read this URL: percent-encode"),
+        ("redis://:pa/ss@127.0.0.1:6379/0", "a URL parser cannot read this URL's host"),
         ("redis://h:1/0?socket_timeout=x", "redis-py cannot read this URL: Invalid value"),
+        ("redis://h:1/0?decode_responses=true", "the limiter reads its scripts' replies as bytes"),
     ],
 )
 def test_a_redis_url_of_the_wrong_form_is_an_error_of_the_file(url: str, problem: str) -> None:
@@ -852,7 +853,7 @@ def test_a_redis_url_of_the_wrong_form_is_an_error_of_the_file(url: str, problem
     ("limits", "message"),
     [
         ({"a": {"rate": "1/0.0000001ms"}}, "field 'rate': the period must be at least 1e-06 s"),
-        ({5: {"rate": "1/s"}}, "field 'limits': a limit's name is text: quote it ('5')"),
+        ({5: {"rate": "1/s"}}, "field 'limits': a limit's name is text: quote it (YAML read"),
     ],
 )
 def test_a_limit_s_error_reads_as_one_sentence(limits: dict[object, object], message: str) -> None:

@@ -189,10 +189,17 @@ def check_options(url: str) -> None:
                 )
 
 
+_ENCODE = (
+    "a URL parser cannot read this URL's host: percent-encode a '/', '?', '#' or '@' in the "
+    "user name or password (%2F, %3F, %23, %40)"
+)
+
+
 def check_form(url: str) -> None:
     """Refuse, as a :class:`ConfigError` naming the field, a URL whose form is wrong on
     any host (what ``celery throttle check`` can tell without the workers' files): a
-    scheme the limiter does not take, a port or a database that is not a number."""
+    scheme the limiter does not take, a port or a database that is not a number,
+    ``decode_responses``, a user name or password that redis-py would misread."""
     if not isinstance(url, str):
         raise ConfigError("a Redis URL is text", field="redis_url", value=url)
     scheme, _, rest = url.partition("://")
@@ -202,6 +209,11 @@ def check_form(url: str) -> None:
             field="redis_url", value=f"{scheme}://" if "://" in url else redact(url),
         )  # fmt: skip
     parsed = urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
+    if "decode_responses" in dict(parse_qsl(parsed.query, keep_blank_values=True)):
+        raise ConfigError(
+            "the limiter reads its scripts' replies as bytes: drop decode_responses",
+            field="redis_url", value=redact(url),
+        )  # fmt: skip
     if scheme not in ("redis", "rediss"):
         return  # a socket path; several hosts (Sentinel, Cluster): read by their parsers
     try:
@@ -217,23 +229,22 @@ def check_form(url: str) -> None:
             "the database (the URL's path) must be a number, such as /0",
             field="redis_url", value=f"/{db}",
         )  # fmt: skip
+    # A user name or password with an unencoded '/', '?' or '#' ends redis-py's host part
+    # early: its ValueError quotes a piece of the password, or, when that piece is a number,
+    # it reads it as the port and connects elsewhere without a password.
+    bare = f"{scheme}://{rest.rpartition('@')[2]}"  # no user name or password
     try:
-        parse_url(url)  # type: ignore[no-untyped-call]  # as redis-py will read it
+        options = parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError:
-        bare = f"{scheme}://{rest.rpartition('@')[2]}"  # no user name or password
         try:
             parse_url(bare)  # type: ignore[no-untyped-call]
         except ValueError as exc:  # an option of the query
             raise ConfigError(
                 f"redis-py cannot read this URL: {exc}", field="redis_url", value=redact(url)
             ) from None
-        # A user name or password with an unencoded '/', '?' or '#' ends the host part
-        # early: redis-py's ValueError would quote a piece of the password.
-        raise ConfigError(
-            "redis-py cannot read this URL: percent-encode a '/', '?', '#' or '@' in the "
-            "user name or password (%2F, %3F, %23, %40)",
-            field="redis_url", value=redact(url),
-        ) from None  # fmt: skip
+        raise ConfigError(_ENCODE, field="redis_url", value=redact(url)) from None
+    if "@" in rest and (options.get("host"), options.get("port")) != (parsed.hostname, parsed.port):
+        raise ConfigError(_ENCODE, field="redis_url", value=redact(url))
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -283,7 +294,8 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         name, colon, port = host.rpartition(":")
         name = name.strip("[]")  # an IPv6 address: [::1]:26379
         if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise bad(f"sentinel {host!r} is not HOST:PORT")
+            # No credentials found, yet an '@': a '?' in the password ended them early.
+            raise bad(_ENCODE if "@" in url and not at else f"sentinel {host!r} is not HOST:PORT")
         sentinels.append((name, int(port)))
     # redis-py parses the credentials and typed options, as for any redis:// URL.
     node = "rediss" if scheme.startswith("rediss") else "redis"
@@ -418,7 +430,8 @@ def cluster_client(url: str, *, lazy: bool = False, **options: Any) -> RedisClus
         name, colon, port = host.rpartition(":")
         name = name.strip("[]")  # an IPv6 address: [::1]:7000
         if not colon or not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise bad(f"cluster node {host!r} is not HOST:PORT")
+            mangled = "@" in url and not at  # a '?' in the password ended it early
+            raise bad(_ENCODE if mangled else f"cluster node {host!r} is not HOST:PORT")
         nodes.append(ClusterNode(name, int(port)))  # type: ignore[no-untyped-call]
     # The first node through redis-py's URL parser (credentials, typed options), the others
     # as further startup nodes.
@@ -433,6 +446,9 @@ def cluster_client(url: str, *, lazy: bool = False, **options: Any) -> RedisClus
     except ValueError:
         # Its message may quote a piece of the URL, password included: not repeated here.
         raise bad(unparsable) from None
+    first_name, _, first_port = hosts.split(",")[0].rpartition(":")
+    if (parsed.get("host"), parsed.get("port")) != (first_name.strip("[]"), int(first_port)):
+        raise bad(_ENCODE)  # a password read as a host: the call would go elsewhere
 
     def build() -> RedisCluster:
         try:
