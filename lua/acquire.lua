@@ -113,6 +113,9 @@ if acq then
         end
       end
     end
+    -- Found by this call: a give-back of the call that made it (cancelled before its
+    -- reply) must leave it to this one (settle.lua's unless_found).
+    redis.call('HSET', lease, 'f', '1')
     return reply
   end
 end

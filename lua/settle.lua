@@ -13,6 +13,9 @@
 --                            a concurrency unit released): PUBLISH channel, the names of
 --                            the limits that gave some back, space-separated
 -- ARGV[5+5n..] 1 per limit:  its name (for the announcement)
+-- ARGV[5+6n]   unless_found  '1': settle nothing (status 1) if an acquire under the same
+--                            id found the record since it was made (acquire.lua): the
+--                            give-back of a cancelled acquire, whose retry took it over
 --
 -- Returns 'status' then, when settled, one delta per limit
 --   status 0 = settled: delta = actual - reserved, > 0 charged, < 0 refunded;
@@ -32,6 +35,9 @@ elseif rec[1] ~= '1' then
 end
 if tonumber(rec[2]) ~= n then
   return '3'
+end
+if ARGV[5 + 6 * n] == '1' and redis.call('HEXISTS', lease, 'f') == 1 then
+  return '1'
 end
 
 local fields = {}

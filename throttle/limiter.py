@@ -421,9 +421,15 @@ class RequestBuilder(Generic[_S]):
         return built
 
     def _settle_request(
-        self, acquisition: Acquisition, actual_cost: float | Sequence[float | None] | None
+        self,
+        acquisition: Acquisition,
+        actual_cost: float | Sequence[float | None] | None,
+        unless_found: bool = False,
     ) -> Request[_S, Settlement]:
-        """The call of a settle (see :meth:`Limiter.settle`)."""
+        """The call of a settle (see :meth:`Limiter.settle`); ``unless_found``: none if an
+        acquire under the same id has found the record since (status
+        ``already_settled``: the give-back of a cancelled acquire whose retry took the
+        record over)."""
         if not isinstance(acquisition, Acquisition):
             raise RequestError(
                 f"settle needs the Acquisition of an allowed, recorded decision "
@@ -451,6 +457,7 @@ class RequestBuilder(Generic[_S]):
         # A refund or a released unit is announced, for the tasks waiting for it.
         args.append(self.keyspace.capacity_channel())
         args.extend(limit.name for limit, _ in acquisition.targets)
+        args.append(b"1" if unless_found else b"")
         if self._clock_us is not None:
             args[0] = self._clock_us()
         codes = frozenset(limit.code for limit, _ in acquisition.targets)

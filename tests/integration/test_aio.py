@@ -465,43 +465,51 @@ def test_an_acquire_cancelled_after_its_call_left_gives_back_what_it_took(
     assert ordered
 
 
-def test_a_retry_of_a_cancelled_acquire_keeps_what_it_took(redis_url: str, prefix: str) -> None:
+@pytest.mark.parametrize("retrier", ["same", "other"], ids=["same-limiter", "other-limiter"])
+def test_a_retry_of_a_cancelled_acquire_keeps_what_it_took(
+    redis_url: str, prefix: str, retrier: str
+) -> None:
     one = Limit.parse("1 concurrent", name="one")
 
     async def main() -> tuple[Decision, float, Decision, str]:
         limiter = Limiter(redis.asyncio.Redis.from_url(redis_url), prefix=prefix)
-        other = redis.asyncio.Redis.from_url(redis_url)
-        settle = limiter.settle
+        other = Limiter(redis.asyncio.Redis.from_url(redis_url), prefix=prefix)
+        admin = redis.asyncio.Redis.from_url(redis_url)
+        give_back = limiter._give_back_now
 
-        async def slow_settle(*args: Any, **kwargs: Any) -> Any:
+        async def slow_give_back(*args: Any) -> None:
             await asyncio.sleep(0.3)  # a slow network: the give-back arrives late
-            return await settle(*args, **kwargs)
+            await give_back(*args)
 
-        limiter.settle = slow_settle  # type: ignore[method-assign]
+        limiter._give_back_now = slow_give_back  # type: ignore[method-assign]
         try:
-            await limiter.peek(one)  # the library loaded, the connection open
+            await limiter.peek(one)  # the library loaded, the connections open
+            await other.peek(one)
             # Given an acquire cancelled while Redis holds its clients' commands for
             # 0.2 s: its call runs all the same, and what it took is given back, late
-            await other.execute_command("CLIENT", "PAUSE", 200, "ALL")
+            await admin.execute_command("CLIENT", "PAUSE", 200, "ALL")
             taking = asyncio.ensure_future(limiter.acquire(one, acquisition_id="task-1"))
             await asyncio.sleep(0.1)
             taking.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await taking
             await asyncio.sleep(0.2)  # the call ran; its give-back is on its way
-            # When the caller retries it, under the same id (as the docs advise)
-            retried = await limiter.acquire(one, acquisition_id="task-1")
+            # When the caller retries it under the same id (as the docs advise), from
+            # this limiter or another one (another process, say)
+            by = limiter if retrier == "same" else other
+            retried = await by.acquire(one, acquisition_id="task-1")
             # Then, once the give-back is over, the retry still holds the unit: nobody
             # else gets it, and its own settle releases it
             await asyncio.sleep(0.4)
-            remaining = (await limiter.peek(one)).remaining
-            intruder = await limiter.acquire(one, acquisition_id="task-2")
+            remaining = (await by.peek(one)).remaining
+            intruder = await by.acquire(one, acquisition_id="task-2")
             assert retried.acquisition is not None
-            settled = await settle(retried.acquisition, 0.0)
+            settled = await by.settle(retried.acquisition, 0.0)
             return retried, remaining, intruder, settled.status
         finally:
             await limiter.client.aclose()
-            await other.aclose()
+            await other.client.aclose()
+            await admin.aclose()
 
     retried, remaining, intruder, status = asyncio.run(main())
     assert retried.allowed

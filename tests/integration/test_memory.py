@@ -146,3 +146,33 @@ def test_asks_dated_in_the_past_are_taken_as_of_then() -> None:
     assert [d.wait_s for d in dated] == [0.0, 0.0, 0.0]  # type: ignore[union-attr]
     at_once = memory.acquire_each([(gcra, "n", 1.0)] * 2, max_wait_s=10)
     assert [d.wait_s for d in at_once][1] == pytest.approx(0.1, abs=0.01)  # type: ignore[union-attr]
+
+
+def test_a_give_back_leaves_a_record_found_since_to_its_finder_as_the_scripts_do(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    real = Limiter(client, prefix=prefix, clock_us=clock)
+    memory = MemoryLimiter(prefix=prefix, clock_us=clock)
+    conc = Limit.parse("1 concurrent", name="one")
+
+    def give_back(limiter: Limiter, decision: Decision) -> object:
+        # what the asyncio limiter sends for a cancelled acquire's take
+        assert decision.acquisition is not None
+        script, keys, args, decode = limiter._settle_request(
+            decision.acquisition, 0.0, unless_found=True
+        )
+        return decode(limiter._call(script, keys, args))
+
+    for limiter in (real, memory):
+        taken = limiter.acquire_many([(conc, "a")], acquisition_id="t1")
+        untouched = limiter.acquire_many([(conc, "b")], acquisition_id="t2")
+        found = limiter.acquire_many([(conc, "a")], acquisition_id="t1")  # a retry
+        assert taken.allowed and found.held
+        # The give-back of the first call leaves the unit to the retry that found it...
+        assert give_back(limiter, taken).status == "already_settled"  # type: ignore[attr-defined]
+        assert limiter.peek(conc, "a").remaining == 0
+        # ...and one of a record nobody found gives it back
+        assert give_back(limiter, untouched).status == "settled"  # type: ignore[attr-defined]
+        assert limiter.peek(conc, "b").remaining == 1
+        assert found.acquisition is not None
+        assert limiter.settle(found.acquisition, 0.0).status == "settled"

@@ -228,7 +228,10 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         self, acquisition: Acquisition, given: asyncio.Future[None] | None
     ) -> None:
         try:
-            await self.settle(acquisition, 0.0)
+            # Unless an acquire under the same id found the record meanwhile (a retry,
+            # from this process or another): it is that one's now.
+            script, keys, args, decode = self._settle_request(acquisition, 0.0, unless_found=True)
+            decode(await self._call(script, keys, args))
         except Exception as exc:  # the lease ends by itself
             logger.debug("throttle: a cancelled acquisition was not given back: %s", exc)
         finally:

@@ -31,6 +31,9 @@ class Record:
     expires_at: float = math.inf
     """When the record expires, in us of the server's clock
     (:class:`~throttle.memory.MemoryRedis`)."""
+    found: bool = False
+    """Whether an acquire under the same id found it since it was made (acquire.lua's
+    ``f``)."""
 
 
 Summary = tuple[Any, ...]
@@ -108,6 +111,7 @@ class ModelLimiter:
                 for i, hold in enumerate(holds, start=1):
                     if hold > held.slot and hold > now:
                         return ("voided", i, ceil_us(hold - now))
+                held.found = True
                 return (
                     "redelivered",
                     ceil_us(held.slot - now),
@@ -181,13 +185,19 @@ class ModelLimiter:
         *,
         now: float,
         actuals: Sequence[float | None],
+        unless_found: bool = False,
     ) -> tuple[str, tuple[float, ...]]:
         """settle.lua: the record ``record_name`` of holder ``holder`` settled at ``actuals``
-        (None: as reserved) -> (status, deltas)."""
+        (None: as reserved) -> (status, deltas); with ``unless_found``, nothing if an
+        acquire found the record since it was made."""
         record = self.records.get(record_name)
         if record is None:
             return ("unknown", ())
         if record.settled:
+            return ("already_settled", ())
+        if len(record.keys) != len(specs):
+            return ("mismatch", ())
+        if unless_found and record.found:
             return ("already_settled", ())
         if record.keys != tuple(key for _, _, key in specs):
             return ("mismatch", ())

@@ -306,7 +306,10 @@ class MemoryRedis:
         self._record(record)
         specs = self._limits(keys[:-1], args, 3, n)
         actuals = [_number(args[3 + 5 * i + 4]) for i in range(n)]
-        status, deltas = self.model.finish(record, holder, specs, now=now, actuals=actuals)
+        unless_found = len(args) > 4 + 6 * n and _text(args[4 + 6 * n]) == "1"
+        status, deltas = self.model.finish(
+            record, holder, specs, now=now, actuals=actuals, unless_found=unless_found
+        )
         return b" ".join([_SETTLE_CODES[status], *(repr(d).encode() for d in deltas)])
 
     def _peek(self, code: str | None, keys: list[str], args: list[Any]) -> bytes:
