@@ -126,6 +126,14 @@ def _most_owed(limit: Limit) -> float:
     return min(limit.capacity + limit.count * MAX_DEBT_S / limit.period_s, MAX_AMOUNT)
 
 
+def checked_actual(limit: Limit, actual: object) -> float:
+    """``actual`` as a settle of ``limit`` takes it (a number from 0 to :func:`_most_owed`;
+    any number for a concurrency limit, whose units come back whatever the cost), or the
+    :class:`RequestError` that settle raises for it."""
+    most = MAX_AMOUNT if limit.algorithm.holds_units else _most_owed(limit)
+    return _number(actual, f"actual_cost of limit {limit.name!r}", most=most)
+
+
 def _number(value: object, what: str, *, positive: bool = False, most: float = _INF) -> float:
     """``value`` as a finite float >= 0 (> 0 when ``positive``, <= ``most``), or a
     RequestError that names ``what`` and the value."""
@@ -452,8 +460,7 @@ class RequestBuilder(Generic[_S]):
             if actual is None:
                 args.append(b"")
                 continue
-            most = MAX_AMOUNT if limit.algorithm.holds_units else _most_owed(limit)
-            args.append(_number(actual, f"actual_cost of limit {limit.name!r}", most=most))
+            args.append(checked_actual(limit, actual))
         # A refund or a released unit is announced, for the tasks waiting for it.
         args.append(self.keyspace.capacity_channel())
         args.extend(limit.name for limit, _ in acquisition.targets)

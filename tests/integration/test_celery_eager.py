@@ -37,6 +37,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
                 "hourly": {"algorithm": "gcra", "rate": "1/h", "burst": 1, "max_wait": "1s"},
                 "budget": {"rate": "1000/d", "key": "{tenant}", "cost": "estimate"},
                 "pair": {"rate": "2 concurrent"},
+                "minute": {"rate": "100/m", "key": "{tenant}", "cost": "estimate"},
             },
             "tasks": {"eager.mapped": ["five"]},
         },
@@ -164,6 +165,32 @@ def test_a_cost_the_limiter_refuses_is_settled_as_reserved_and_frees_its_unit(
     assert call.apply(("acme", 10)).get() == "done"
     pair = Throttler.of(app).config.rule("pair").limit
     assert Throttler.of(app).limiter.peek(pair).remaining == 2
+
+
+def test_a_refused_cost_leaves_the_other_limits_reports_settled(
+    app: Celery, client: redis.Redis
+) -> None:
+    @app.task(shared=False)
+    @throttled("budget", "minute")
+    def call(tenant: str, estimate: int) -> str:
+        ticket = current_ticket()
+        assert ticket is not None
+        ticket.reported["budget"] = 1e30  # past report_cost's own check: refused
+        ticket.reported["minute"] = 10  # a refund of 40: taken
+        return "done"
+
+    started = redis_now_s(client)
+    assert call.apply(("refused", 50)).get() == "done"
+    throttler = Throttler.of(app)
+    budget = throttler.config.rule("budget").limit
+    minute = throttler.config.rule("minute").limit
+    # budget settled as reserved (50 of 1000), minute at what was reported (10 of 100),
+    # give or take what each refilled since (on the Redis clock)
+    elapsed = redis_now_s(client) - started
+    budget_left = throttler.limiter.peek(budget, "refused").remaining
+    minute_left = throttler.limiter.peek(minute, "refused").remaining
+    assert 950 - 1e-3 <= budget_left <= 950 + elapsed * 1000 / 86400 + 1e-3
+    assert 90 - 1e-3 <= minute_left <= 90 + elapsed * 100 / 60 + 1e-3
 
 
 def test_base_class_with_its_own_limits(app: Celery) -> None:

@@ -20,7 +20,8 @@ from throttle.celery.plan import hand_back, rule_name
 from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
 from throttle.errors import BackendError, RequestError
-from throttle.spec import PLAN_SUFFIX
+from throttle.limiter import checked_actual
+from throttle.spec import PLAN_SUFFIX, Limit
 
 logger = logging.getLogger("throttle")
 
@@ -60,10 +61,15 @@ def settle(
         try:
             settlement = throttler.limiter.settle(acquisition, actuals)
         except RequestError as exc:
-            # A cost the limiter refuses: settled as reserved, so that the concurrency
-            # units come back now, not when the lease ends; the body's outcome stands.
+            # A cost the limiter refuses: that limit settled as reserved, the others at
+            # what was reported, so that the concurrency units come back now, not when the
+            # lease ends; the body's outcome stands.
             logger.error("throttle: task %s settled as reserved: %s", acquisition.id, exc)
-            settlement = throttler.limiter.settle(acquisition, None)
+            actuals = [
+                _kept(limit, actual)
+                for (limit, _), actual in zip(acquisition.targets, actuals, strict=True)
+            ]
+            settlement = throttler.limiter.settle(acquisition, actuals)
         if ticket.plan is not None:
             # Ran on a plan: what the call did not use goes back to the plan too.
             by_name = dict(zip((rule_name(n) for n in names), actuals, strict=True))
@@ -141,3 +147,13 @@ def holds_units(acquisition: Acquisition) -> bool:
     """Whether the acquisition holds concurrency units (given back only by a settle, or by
     the lease's end)."""
     return any(limit.algorithm.holds_units for limit, _ in acquisition.targets)
+
+
+def _kept(limit: Limit, actual: float | None) -> float | None:
+    """``actual`` if a settle of ``limit`` takes it, else None (as reserved)."""
+    if actual is None:
+        return None
+    try:
+        return checked_actual(limit, actual)
+    except RequestError:
+        return None
