@@ -90,6 +90,8 @@ class Releaser(threading.Thread):
         self.poll_s = release_poll_s(Throttler.of(app).settings, poll_s)
         self.batch = batch
         self._stop_event = threading.Event()
+        self._foreign: set[str] = set()
+        """Names of other apps' parked tasks seen (each logged once)."""
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -146,13 +148,37 @@ class Releaser(threading.Thread):
         return True
 
     def release_once(self) -> int:
-        """Claim, publish and commit one batch; returns how many were released."""
+        """Claim, publish and commit one batch; returns how many were released. A task of
+        another app (one whose name this app does not define: apps that share the
+        limiter's Redis, prefix and namespace share its parking lot) is left claimed: its
+        claim expires and its own app's releaser takes it, where this one's broker would
+        discard it as unregistered. The price: such a task can come back up to a claim
+        (30 s) late."""
         throttler = Throttler.of(self.app)
         claimed = throttler.parking.claim(lead_s=self.poll_s, batch=self.batch)
-        if claimed:
-            self.publish(claimed)
-            throttler.parking.commit(claimed)
-        return len(claimed)
+        ours = [item for item in claimed if self._ours(item)]
+        if ours:
+            self.publish(ours)
+            throttler.parking.commit(ours)
+        return len(ours)
+
+    def _ours(self, item: Claimed) -> bool:
+        """Whether this app defines the parked task's name (True when the payload cannot be
+        read: :meth:`publish` reports that)."""
+        try:
+            name = parked_signature(item.payload).get("task")
+        except Exception:
+            return True
+        if not isinstance(name, str) or name in self.app.tasks:
+            return True
+        if name not in self._foreign:
+            self._foreign.add(name)
+            logger.warning(
+                "throttle: parked tasks of %s, which this app does not define, are left to "
+                "the releasers of an app that does (apps sharing the limiter's Redis, "
+                "prefix and namespace share its parking lot)", name,
+            )  # fmt: skip
+        return False
 
     def publish(self, claimed: Sequence[Claimed]) -> None:
         """Send claimed tasks to the broker now, each with its parking token and publish
