@@ -16,6 +16,7 @@ import pytest
 from tests.apps.cli_app import app as cli_app
 from tests.integration import test_cli
 from tests.integration.test_cli import Cli
+from throttle import Limit
 from throttle.celery.message import parked_payload
 from throttle.celery.observe import TaskTrailReporter
 from throttle.celery.runtime import Throttler
@@ -109,6 +110,11 @@ def test_purge_asks_then_deletes_by_queue_or_limit_only(cli: Cli) -> None:
         trail, mapping={"how": "park", "limits": '["gate"]', "at": now, "until": now + 30}
     )
     cli.limiter.client.pexpire(trail, 60_000)
+    # and the slot it reserved before it was parked (its lease record)
+    reserved = cli.limiter.acquire_many(
+        [(Limit.parse("1/h", name="gate-slot"), None)], acquisition_id=first
+    )
+    assert reserved.allowed
     kept = park(BUSY, "other.throttled", 90.0)
     # Not confirmed: nothing deleted
     result = cli("purge", "--queue", "cli", input="n\n")

@@ -67,6 +67,11 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
             return {**out, "state": "releasing", "until": None}
         return {**out, "state": "parked", "until": round(found.due_us / 1e6, 3)}
 
+    trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
+    if trail.get("how") == "purged":  # first: a reservation it held outlives it, unused
+        limits = json.loads(trail.get("limits", "[]"))
+        out["limits"] = list(dict.fromkeys(rule_name(str(n)) for n in limits))
+        return {**out, "state": "purged"}
     lease = {_text(k): _bytes(v) for k, v in client.hgetall(keyspace.lease_key(task_id)).items()}
     if lease:
         count = int(lease.get("n", b"0"))
@@ -91,7 +96,6 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
 
     if lease.get("s") == b"2":  # settled: it ran, whatever deferrals came before
         return {**out, "state": "done", "result": finished(app, task_id), "until": None}
-    trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
     if trail:
         limits = list(
             dict.fromkeys(rule_name(str(n)) for n in json.loads(trail.get("limits", "[]")))
