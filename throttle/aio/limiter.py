@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,10 +101,6 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         self.client = client
         self._giving_back: set[asyncio.Task[None]] = set()
         """What cancelled acquisitions are giving back (kept: a task is weakly held)."""
-        self._cancelled: dict[str, asyncio.Future[None]] = {}
-        """Per acquisition id of a cancelled acquire: done once its call has finished and
-        what it took is given back. An acquire of the same id waits for it first, or the
-        give-back would release what that acquire found held under the id."""
 
     @classmethod
     def from_url(
@@ -163,7 +158,7 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         script, keys, args, decode = self._many_request(
             targets, cost, max_wait_s, acquisition_id, lease_s, reserve_until
         )
-        return await self._take(script, keys, args, decode, acquisition_id)
+        return await self._take(script, keys, args, decode)
 
     async def _take(
         self,
@@ -171,62 +166,34 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         keys: Sequence[str],
         args: list[Any],
         decode: Callable[[Any], Decision],
-        acquisition_id: str | None = None,
     ) -> Decision:
         """An acquisition's call, which takes capacity once Redis runs it. The caller may be
         cancelled (``asyncio.timeout``, a task cancelled) after the call left: the call then
         finishes on its own, and what it took is given back (settled at cost 0: concurrency
         units released, tokens refunded), since the caller never gets the acquisition to do
         it. An acquisition without a record (no id, no concurrency limit) cannot be named:
-        its cost stays taken, as a call made. A retry of a cancelled acquisition (the same
-        ``acquisition_id``) is sent once that has been given back."""
-        if acquisition_id is not None:
-            earlier = self._cancelled.get(acquisition_id)
-            if earlier is not None:
-                await asyncio.shield(earlier)
+        its cost stays taken, as a call made."""
         call = asyncio.ensure_future(self._call(routine, keys, args))
         try:
             return decode(await asyncio.shield(call))
         except asyncio.CancelledError:
-            given: asyncio.Future[None] | None = None
-            if acquisition_id is not None:
-                given = asyncio.get_running_loop().create_future()
-                self._cancelled[acquisition_id] = given
-                given.add_done_callback(lambda _: self._forget(acquisition_id, given))
-            call.add_done_callback(lambda done: self._give_back(done, decode, given))
+            call.add_done_callback(lambda done: self._give_back(done, decode))
             raise
 
-    def _forget(self, acquisition_id: str, given: asyncio.Future[None]) -> None:
-        if self._cancelled.get(acquisition_id) is given:
-            del self._cancelled[acquisition_id]
-
-    def _give_back(
-        self,
-        done: asyncio.Future[Any],
-        decode: Callable[[Any], Decision],
-        given: asyncio.Future[None] | None,
-    ) -> None:
-        """The call of a cancelled acquisition finished: settle what it took at cost 0;
-        ``given`` is done once that is over."""
-        decision = None
-        if not done.cancelled() and done.exception() is None:
-            with contextlib.suppress(Exception):
-                decision = decode(done.result())
-        if (
-            decision is not None
-            and decision.allowed
-            and decision.acquisition is not None
-            and not decision.held
-        ):
-            task = asyncio.ensure_future(self._give_back_now(decision.acquisition, given))
+    def _give_back(self, done: asyncio.Future[Any], decode: Callable[[Any], Decision]) -> None:
+        """The call of a cancelled acquisition finished: settle what it took at cost 0."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        try:
+            decision = decode(done.result())
+        except Exception:
+            return
+        if decision.allowed and decision.acquisition is not None and not decision.held:
+            task = asyncio.ensure_future(self._give_back_now(decision.acquisition))
             self._giving_back.add(task)
             task.add_done_callback(self._giving_back.discard)
-        elif given is not None and not given.done():
-            given.set_result(None)
 
-    async def _give_back_now(
-        self, acquisition: Acquisition, given: asyncio.Future[None] | None
-    ) -> None:
+    async def _give_back_now(self, acquisition: Acquisition) -> None:
         try:
             # Unless an acquire under the same id found the record meanwhile (a retry,
             # from this process or another): it is that one's now.
@@ -234,9 +201,6 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
             decode(await self._call(script, keys, args))
         except Exception as exc:  # the lease ends by itself
             logger.debug("throttle: a cancelled acquisition was not given back: %s", exc)
-        finally:
-            if given is not None and not given.done():
-                given.set_result(None)
 
     async def acquire_each(
         self,
