@@ -467,9 +467,10 @@ def test_an_acquire_cancelled_after_its_call_left_gives_back_what_it_took(
 
 @pytest.mark.parametrize("retrier", ["same", "other"], ids=["same-limiter", "other-limiter"])
 def test_a_retry_of_a_cancelled_acquire_keeps_what_it_took(
-    redis_url: str, prefix: str, retrier: str
+    private_redis: RedisServer, prefix: str, retrier: str
 ) -> None:
     one = Limit.parse("1 concurrent", name="one")
+    redis_url = private_redis.url  # CLIENT PAUSE: never on a server the tests did not start
 
     async def main() -> tuple[Decision, float, Decision, str]:
         limiter = Limiter(redis.asyncio.Redis.from_url(redis_url), prefix=prefix)
