@@ -67,12 +67,16 @@ def task_status(app: Any, throttler: Throttler, task_id: str) -> dict[str, Any]:
             return {**out, "state": "releasing", "until": None}
         return {**out, "state": "parked", "until": round(found.due_us / 1e6, 3)}
 
-    trail = {_text(k): _text(v) for k, v in client.hgetall(keyspace.task_key(task_id)).items()}
+    with client.pipeline(transaction=False) as pipe:  # one round trip
+        pipe.hgetall(keyspace.task_key(task_id))
+        pipe.hgetall(keyspace.lease_key(task_id))
+        trail_fields, lease_fields = pipe.execute()
+    trail = {_text(k): _text(v) for k, v in trail_fields.items()}
     if trail.get("how") == "purged":  # first: a reservation it held outlives it, unused
         limits = json.loads(trail.get("limits", "[]"))
         out["limits"] = list(dict.fromkeys(rule_name(str(n)) for n in limits))
         return {**out, "state": "purged"}
-    lease = {_text(k): _bytes(v) for k, v in client.hgetall(keyspace.lease_key(task_id)).items()}
+    lease = {_text(k): _bytes(v) for k, v in lease_fields.items()}
     if lease:
         count = int(lease.get("n", b"0"))
         out["limits"] = _task_limits(
