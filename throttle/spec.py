@@ -256,7 +256,8 @@ class Limit:
     algorithm:
         An :class:`Algorithm` (or its config name).
     count:
-        Tokens per period; for ``concurrency``, the units that may be in flight.
+        Tokens per period; for ``concurrency``, the units that may be in flight (a whole
+        number).
     period_s:
         The period in seconds (ignored for ``concurrency``).
     burst:
@@ -308,6 +309,15 @@ class Limit:
         algorithm = _algorithm(self.algorithm, name, None)
         count = _positive(self.count, "count", name, None, high=MAX_AMOUNT)
         period_s = 1.0
+        if algorithm.holds_units and not count.is_integer():
+            # A concurrency limit counts tasks in flight, and an upstream's limit of
+            # connections or streams is a whole number: the half of "2.5 concurrent" would
+            # only ever admit a task of cost 0.5, so a fraction is a mistake, refused.
+            raise ConfigError(
+                "the count of a concurrency limit must be a whole number (tasks in flight "
+                "at once), such as '3 concurrent'",
+                field="count", value=self.count, limit=name,
+            )  # fmt: skip
         if not algorithm.holds_units:
             period_s = _positive(self.period_s, "period_s", name, None, high=MAX_PERIOD_S)
             if period_s < MIN_PERIOD_S:

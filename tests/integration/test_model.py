@@ -29,7 +29,10 @@ ALGORITHMS = ("token_bucket", "gcra", "sliding_window", "fixed_window", "concurr
 @st.composite
 def limits(draw: st.DrawFn, algorithm: str | None = None) -> Limit:
     algo = algorithm or draw(st.sampled_from(ALGORITHMS))
-    count = draw(st.sampled_from([1.0, 2.0, 3.0, 2.5, 7.0, 100.0]))
+    counts = [1.0, 2.0, 3.0, 2.5, 7.0, 100.0]
+    if algo == "concurrency":
+        counts.remove(2.5)  # a concurrency limit counts whole tasks in flight
+    count = draw(st.sampled_from(counts))
     period_s = draw(st.sampled_from([0.05, 1.0, 3.0, 60.0, 3600.0, 86400.0]))
     burst = None
     if algo in ("token_bucket", "gcra"):

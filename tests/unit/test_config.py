@@ -381,6 +381,14 @@ BAD_DOCUMENTS = [
         id="limit-listed-twice",
     ),
     pytest.param(
+        "limits:\n  slots: {rate: 2.5 concurrent}\n",
+        "slots",
+        "rate",
+        "2.5 concurrent",
+        "the count of a concurrency limit must be a whole number",
+        id="concurrency-count-a-fraction",
+    ),
+    pytest.param(
         BASE + "settings:\n  redis: redis://localhost\n",
         None,
         "settings.redis",

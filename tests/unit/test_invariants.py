@@ -20,6 +20,7 @@ from throttle import Limit
 SLACK = 1e-6  # tokens: float rounding over a few dozen additions
 
 counts = st.sampled_from([1.0, 2.0, 3.0, 2.5, 7.0, 100.0])
+whole_counts = st.sampled_from([1.0, 2.0, 3.0, 7.0, 100.0])  # tasks in flight: concurrency
 periods_s = st.sampled_from([0.05, 1.0, 3.0, 60.0])
 bursts = st.sampled_from([None, 1.0, 1.5, 4.0])
 
@@ -90,7 +91,7 @@ def test_windows_never_admit_more_than_count_per_window(
 
 @given(data=st.data())
 def test_concurrency_never_holds_more_than_count(data: st.DataObject) -> None:
-    limit = Limit("l", "concurrency", data.draw(counts))  # type: ignore[arg-type]
+    limit = Limit("l", "concurrency", data.draw(whole_counts))  # type: ignore[arg-type]
     model, now = ModelLimiter(), EPOCH_US
     holding: dict[str, tuple[float, float]] = {}  # id: (lease end, cost)
     steps = data.draw(

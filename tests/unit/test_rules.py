@@ -126,6 +126,19 @@ def test_policy_strings_are_parsed_once_into_typed_values() -> None:
     assert (caught.value.limit, caught.value.field) == ("requests", "on_redis_down")
 
 
+def test_a_concurrency_limit_counts_whole_tasks_in_the_python_api_as_in_a_file() -> None:
+    whole = "the count of a concurrency limit must be a whole number"
+    with pytest.raises(ConfigError, match=whole) as caught:
+        Limit("slots", Algorithm.CONCURRENCY, 2.5)
+    assert (caught.value.limit, caught.value.field, caught.value.value) == ("slots", "count", 2.5)
+    with pytest.raises(ConfigError, match=whole) as caught:
+        declare(["2.5 concurrent"], "proj.tasks.stream", {})  # @throttled("2.5 concurrent")
+    assert str(caught.value).startswith("proj.tasks.stream: limit 'proj.tasks.stream': field ")
+    assert (caught.value.field, caught.value.value) == ("rate", "2.5 concurrent")
+    assert Limit.parse("3 concurrent").count == 3
+    assert Limit.parse("2.5/s").count == 2.5  # a rate's count may be a fraction
+
+
 def test_declare_splits_inline_rates_from_names_and_keeps_the_overrides() -> None:
     declared = declare(
         ["20/s burst 1", "github", REQUESTS],
