@@ -100,6 +100,11 @@ _SETTINGS_FIELDS = {
     "mode": "mode",
 }
 _TOP_FIELDS = ("settings", "limits", "queues", "tasks")
+MIN_REFRESH_S = 0.1
+"""The shortest ``refresh``, in s: each process re-reads the rates, modes and learned rates
+set at run time once per refresh (a Redis round trip), and a worker's consumer reads its
+waiting tasks' adaptive limits as often (up to 100 round trips: ``call_repeatedly``); 0
+would make the first a round trip per task and the second a busy loop in the consumer."""
 MIN_SLEEP_MAX_S = 0.05
 """The shortest ``sleep_max``, in s: a rescheduled task arrives up to three quarters of it
 before its slot, the rest covers Redis round trips (see :mod:`throttle.celery.arrival`)."""
@@ -250,7 +255,7 @@ class Settings:
         Where the keys live (:class:`throttle.redis.keys.KeySpace`).
     refresh_s:
         How often a process re-reads rates changed at run time: the fleet follows a
-        change within this time.
+        change within this time. At least :data:`MIN_REFRESH_S` (100 ms).
     sleep_max_s:
         A slot at most this far ahead is waited for in the worker; beyond, the task is
         rescheduled (or, in a worker's consumer, waits in its line: ``line_max``). In the
@@ -411,6 +416,17 @@ class Settings:
         settings = cls(**values)
         if errors is not None and len(errors) > found:
             return settings  # park_lead against park_after only when both are valid
+        if settings.refresh_s < MIN_REFRESH_S:
+            _report(
+                errors,
+                ConfigError(
+                    f"refresh must be at least {MIN_REFRESH_S:g} s: each process re-reads "
+                    f"the rates set at run time once per refresh, and a worker's consumer "
+                    f"re-reads its adaptive limits' learned rates as often; with less, that "
+                    f"is a Redis round trip on every task and a consumer that never idles",
+                    field="settings.refresh", value=config.get("refresh"), source=source,
+                ),
+            )  # fmt: skip
         if settings.sleep_max_s < MIN_SLEEP_MAX_S:
             _report(
                 errors,

@@ -445,6 +445,22 @@ BAD_DOCUMENTS = [
         id="reserve-ahead-below-the-floor",
     ),
     pytest.param(
+        BASE + "settings:\n  refresh: 0\n",
+        None,
+        "settings.refresh",
+        0,
+        "refresh must be at least 0.1 s",
+        id="refresh-zero",
+    ),
+    pytest.param(
+        BASE + "settings:\n  refresh: 50ms\n",
+        None,
+        "settings.refresh",
+        "50ms",
+        "refresh must be at least 0.1 s",
+        id="refresh-below-the-floor",
+    ),
+    pytest.param(
         BASE + "settings:\n  refresh: soon\n",
         None,
         "settings.refresh",
