@@ -44,7 +44,7 @@ from throttle.redis.client import RedisClient, run_script, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.redis.scripts import operation_source
 from throttle.spec import Limit
-from throttle.units import parse_duration, real
+from throttle.units import MAX_DURATION_S, parse_duration, real
 
 __all__ = [
     "ADAPTIVE_FIELDS",
@@ -126,8 +126,11 @@ class Adaptive:
                 "must be a number between 0 and 1 (exclusive)",
                 field="decrease", value=self.decrease,
             )  # fmt: skip
-        if not (0 < self.recover_s < math.inf):
-            raise ConfigError("must be a duration > 0", field="recover", value=self.recover_s)
+        if not (0 < self.recover_s <= MAX_DURATION_S):
+            raise ConfigError(
+                f"must be a duration > 0 and at most {MAX_DURATION_S / 86400:g}d (ten years)",
+                field="recover", value=self.recover_s,
+            )  # fmt: skip
 
     def floor_for(self, limit: Limit) -> float:
         """The floor for ``limit`` (per s)."""

@@ -78,7 +78,7 @@ from throttle.redis.wire import (
     target_numbers,
 )
 from throttle.spec import MAX_AMOUNT, Limit
-from throttle.units import real
+from throttle.units import MAX_DURATION_S, real
 
 __all__ = [
     "DEFAULT_LEASE_S", "HOLD_PLACED", "MAX_DURATION_S", "Acquire", "Limiter", "Request",
@@ -90,8 +90,6 @@ DEFAULT_LEASE_S = 300.0
 MAX_AGO_S = 1.0
 """The furthest back :meth:`Limiter.acquire_each` dates an acquisition, in s: a key's TTL is
 set from the dated time, with a second to spare."""
-MAX_DURATION_S = 10 * 365 * 86400.0
-"""The longest ``max_wait_s`` or ``lease_s`` accepted (ten years): beyond, a typo."""
 HOLD_PLACED = "!held"
 """The word an announcement of a hold placed (or lengthened) carries on the capacity
 channel (:meth:`KeySpace.capacity_channel`) besides the limit's name (``lua/hold.lua``

@@ -30,7 +30,7 @@ from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
 from throttle.spec import MAX_AMOUNT, Limit
-from throttle.units import parse_duration, real
+from throttle.units import parse_duration, real, spelt_s
 from throttle.upstream.dialects import dimension_name
 
 __all__ = [
@@ -154,11 +154,13 @@ def _redis_down(value: object, limit: str | None) -> tuple[RedisDown, float | No
     the other policies); a ConfigError names the field for anything else."""
     if value in ("defer", "allow", "local"):
         return RedisDown(value), None
-    if isinstance(value, str) and value.startswith("allow:"):
+    if isinstance(value, str) and value.startswith("allow:") and spelt_s(value[6:]) is not None:
         try:
             return RedisDown.ALLOW, parse_duration(value[6:], field="on_redis_down", limit=limit)
-        except ConfigError:
-            pass
+        except ConfigError as exc:  # a duration, out of bounds (ten years): say that
+            raise ConfigError(
+                exc.problem, field="on_redis_down", value=value, limit=limit
+            ) from None
     raise ConfigError(_REDIS_DOWN_HELP, field="on_redis_down", value=value, limit=limit)
 
 

@@ -124,7 +124,8 @@ def settings_table() -> str:
             raise ValueError(f"setting {key!r}: no Settings field or docstring entry {attr!r}")
         rows.append((f"`{key}`", kind, _default(defaults[attr], kind), docs[attr]))
     note = (
-        "Durations are seconds, or a string such as `250ms`, `30s`, `10m`, `2h`, `1d`. "
+        "Durations are seconds, or a string such as `250ms`, `30s`, `10m`, `2h`, `1d`, from 0 "
+        "to `3650d` (ten years: longer is a typo, and the limiter refuses it too). "
         "In Python: `throttle.config.Settings`, whose duration fields end in `_s`."
     )
     return _table(("setting", "kind", "default", "meaning"), rows) + "\n\n" + note

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.rules import RedisDown, Rule, declare, key_problem, named_arguments, targets
 from throttle.spec import Algorithm, Limit
+from throttle.units import MAX_DURATION_S
 
 TOKENS = Limit.parse("90000/m", name="tokens")
 REQUESTS = Limit.parse("10/s", name="requests")
@@ -137,6 +139,37 @@ def test_a_concurrency_limit_counts_whole_tasks_in_the_python_api_as_in_a_file()
     assert (caught.value.field, caught.value.value) == ("rate", "2.5 concurrent")
     assert Limit.parse("3 concurrent").count == 3
     assert Limit.parse("2.5/s").count == 2.5  # a rate's count may be a fraction
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        pytest.param({"max_wait_s": -1}, "max_wait", id="negative-wait"),
+        pytest.param({"max_wait_s": float("nan")}, "max_wait", id="nan-wait"),
+        pytest.param({"max_wait_s": float("inf")}, "max_wait", id="inf-wait"),
+        pytest.param({"max_wait_s": 1e12}, "max_wait", id="wait-beyond-ten-years"),
+        pytest.param({"max_wait_s": "3651d"}, "max_wait", id="wait-string-beyond-ten-years"),
+        pytest.param({"on_redis_down": "allow:5000d"}, "on_redis_down", id="fail-open-too-long"),
+    ],
+)
+def test_a_duration_is_finite_at_least_zero_and_at_most_ten_years_in_python_as_in_a_file(
+    options: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError, match="must be a duration") as caught:
+        Rule(REQUESTS, **options)
+    assert caught.value.field == field
+    # @throttled("10/s", max_wait=...) builds the same Rule: the same error, named after the task
+    if field == "max_wait":
+        with pytest.raises(ConfigError, match="must be a duration"):
+            declare(["10/s"], "proj.tasks.fetch", options)
+    assert Rule(REQUESTS, max_wait_s=MAX_DURATION_S).max_wait_s == MAX_DURATION_S
+
+
+def test_an_adaptive_limit_recovers_within_ten_years_in_python_as_in_a_file() -> None:
+    with pytest.raises(ConfigError, match="at most 3650d") as caught:
+        Adaptive(recover_s=3651 * 86400.0)
+    assert caught.value.field == "recover"
+    assert Adaptive(recover_s=MAX_DURATION_S).recover_s == MAX_DURATION_S
 
 
 def test_declare_splits_inline_rates_from_names_and_keeps_the_overrides() -> None:
