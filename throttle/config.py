@@ -52,6 +52,7 @@ from throttle.redis.urls import check_form
 from throttle.rules import Rule
 from throttle.spec import MAX_AMOUNT, Algorithm, Limit, check_fields, check_name
 from throttle.units import parse_duration
+from throttle.upstream.dialects import NAMED_DIMENSIONS
 
 __all__ = [
     "CONFIG_ENV",
@@ -622,6 +623,29 @@ class ThrottleConfig:
                 field="throttle_config", value=source,
             )  # fmt: skip
         return cls.load(source)
+
+    def warnings(self) -> list[ConfigError]:
+        """What is valid but most likely a typo, as ConfigErrors that ``celery throttle
+        check`` prints as warnings and a worker logs at start: a limit's ``upstream`` that
+        is a near miss of a dimension OpenAI, Anthropic or Discord name (``tokenz``,
+        ``input_tokens``). Dimensions stay open-ended (a GitHub resource, a Stripe reason:
+        whatever the headers say), so a name close to none is not warned of."""
+        found = []
+        for name, rule in self.rules.items():
+            if rule.upstream is None or rule.upstream in NAMED_DIMENSIONS:
+                continue
+            hint = did_you_mean(rule.upstream, NAMED_DIMENSIONS)
+            if not hint:
+                continue
+            warning = ConfigError(
+                f"a dimension OpenAI, Anthropic and Discord do not name{hint}: unless the "
+                "upstream's headers name it (a GitHub resource, a Stripe reason), no "
+                "response will set this limit's rate, and only refusals that blame no "
+                "dimension will hold it",
+                field="upstream", value=rule.upstream, limit=name, source=self.source,
+            )  # fmt: skip
+            found.append(warning)
+        return found
 
     def rules_for(self, task_name: str, queue: str | None) -> tuple[Rule, ...]:
         """The configured rules of a task consumed from ``queue``: the task's, then the

@@ -612,6 +612,31 @@ def test_a_limit_names_the_upstream_dimension_it_follows() -> None:
     assert Rule(spelt.rules["llm"].limit, upstream="input-tokens").upstream == "input-tokens"
 
 
+def test_an_upstream_dimension_close_to_a_provider_s_is_a_warning_not_an_error() -> None:
+    config = ThrottleConfig.from_mapping(
+        {
+            "limits": {
+                "typo": {"rate": "1/s", "upstream": "tokenz"},
+                "snake": {"rate": "1/s", "upstream": "input_tokens"},
+                "openai": {"rate": "1/s", "upstream": "tokens"},
+                "github": {"rate": "1/s", "upstream": "search"},  # open-ended: a resource
+                "stripe": {"rate": "1/s", "upstream": "global-rate"},  # ...or a reason
+            }
+        },
+        source="limits.yaml",
+    )
+    warnings = config.warnings()
+    assert [(w.limit, w.field, w.value) for w in warnings] == [
+        ("typo", "upstream", "tokenz"),
+        ("snake", "upstream", "input_tokens"),
+    ]
+    assert str(warnings[0]).startswith(
+        "limits.yaml: limit 'typo': field 'upstream': a dimension OpenAI, Anthropic and "
+        "Discord do not name (did you mean 'tokens'?): "
+    )
+    assert str(warnings[0]).endswith("(got 'tokenz')")
+
+
 def test_the_spacing_guard_is_on_for_burst_1_rate_limits_by_default() -> None:
     config = ThrottleConfig.from_mapping(
         {

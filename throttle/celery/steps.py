@@ -150,7 +150,8 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     that the file lacks, settings that outlive the broker's visibility timeout
     (:meth:`Throttler.validate`); and logs each key, plan or cost naming an argument its
     task does not have (:func:`throttle.celery.task.argument_errors`), and each task of
-    ``tasks:`` the app does not register (:func:`throttle.celery.runtime.unknown_tasks`)."""
+    ``tasks:`` the app does not register (:func:`throttle.celery.runtime.unknown_tasks`)
+    and each likely typo of the file (:meth:`ThrottleConfig.warnings`)."""
     if throttler.in_memory:
         from_file = throttler.url_origin == throttler.config.source
         pool = pool_name(worker)
@@ -169,7 +170,7 @@ def check_worker(throttler: Throttler, worker: Any) -> None:
     # it never runs. `celery throttle check -A` counts them as errors.
     for error in argument_errors(throttler.app, throttler.config):
         logger.error("throttle: %s: every call of that task will fail or fall back", error)
-    for warning in unknown_tasks(throttler.app, throttler.config):
+    for warning in [*throttler.config.warnings(), *unknown_tasks(throttler.app, throttler.config)]:
         logger.warning("throttle: %s", warning)
 
 

@@ -344,12 +344,15 @@ def check(ctx: click.Context, file: str) -> None:
     With an app (-A), also that every limit its tasks name in @throttled is in the file,
     and that each key, plan and cost of their limits names an argument of the task,
     which a worker of the app checks when it starts; and warns (exit 0) of each task
-    of tasks: that the app does not register.
+    of tasks: that the app does not register. Without an app too, it warns of each
+    upstream: that is a near miss of a dimension the providers name (tokenz).
     """
     errors = [str(error) for error in ThrottleConfig.check(file)]
     config = None
     if not errors:
         config = ThrottleConfig.load(file)
+        for warning in config.warnings():
+            click.echo(f"warning: {warning}")
         app = getattr(ctx.obj, "app", None)
         if app is not None:
             app.loader.import_default_modules()

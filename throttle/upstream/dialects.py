@@ -36,6 +36,7 @@ __all__ = [
     "GITHUB_SECONDARY_S",
     "MAX_COUNT",
     "MIN_QUOTA",
+    "NAMED_DIMENSIONS",
     "PER_DAY_S",
     "PER_MINUTE_S",
     "Reading",
@@ -69,6 +70,9 @@ decimals)."""
 _DIMENSION = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _OPENAI = ("requests", "tokens")
 _ANTHROPIC = ("requests", "tokens", "input-tokens", "output-tokens")
+NAMED_DIMENSIONS = (*_ANTHROPIC, "route", "global", "shared")
+"""The dimensions the OpenAI, Anthropic and Discord readers name themselves; GitHub's
+resources and Stripe's reasons are whatever their headers say, so no list holds them all."""
 _SECONDARY_TEXT = "secondary rate limit"
 _BODY_CHARS = 4096
 
