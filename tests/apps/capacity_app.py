@@ -99,3 +99,13 @@ def held(tag: str, hold_s: float) -> None:
     log(tag, "start")
     time.sleep(hold_s)
     log(tag, "end")
+
+
+@app.task(shared=False)
+@throttled("paced", "units")
+def paced_units(tag: str, hold_s: float) -> None:
+    """Under ``paced`` (GCRA 5/s, burst 1) and ``units`` (2 concurrent): holds its unit
+    ``hold_s``."""
+    log(tag, "start")
+    time.sleep(hold_s)
+    log(tag, "end")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -89,6 +90,45 @@ def test_a_deadline_in_eager_mode_raises_throttle_timeout(app: Celery) -> None:
     assert time.monotonic() - started < 0.5  # known at once: the slot is an hour away
     # the limit's own wait (about an hour), not the pause_recheck it is slept in steps of
     assert caught.value.needed_s > 3000
+
+
+@pytest.mark.parametrize("max_wait", [None, "10s"])
+def test_an_eager_task_denied_a_concurrency_unit_runs_when_one_comes_back(
+    redis_url: str, prefix: str, max_wait: str | None
+) -> None:
+    # Given 2 concurrent units beside a 5/s limit (a unit's lease names 360 s), and three
+    # eager calls at once that each hold a unit 0.5 s
+    units: dict[str, Any] = {"rate": "2 concurrent"}
+    if max_wait is not None:
+        units["max_wait"] = max_wait
+    app = Celery("eager-units", set_as_current=False, task_cls=ThrottledTask)
+    app.conf.update(
+        task_always_eager=True,
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix},
+            "limits": {"units": units, "five": {"algorithm": "gcra", "rate": "5/s"}},
+        },
+    )
+
+    @app.task(shared=False)
+    @throttled("five", "units")
+    def hold(x: int) -> float:
+        time.sleep(0.5)
+        return redis_now_s(redis.Redis.from_url(redis_url))
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            started = redis_now_s(redis.Redis.from_url(redis_url))
+            results = list(pool.map(lambda i: hold.apply((i,)).result, range(3)))
+        assert all(isinstance(end, float) for end in results), results  # no ThrottleTimeout
+        ends = sorted(results)
+        # Then the third runs once a unit comes back (looked for from 50 ms, doubling),
+        # not after pause_recheck (30 s), and is not timed out for the lease's 360 s
+        assert ends[1] - started < 1.5, (started, ends)
+        assert ends[2] - ends[0] < 2.0, (started, ends)
+    finally:
+        close_throttler(app)
 
 
 def test_direct_calls_and_task_names_mapped_in_the_file(

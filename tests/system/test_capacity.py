@@ -54,6 +54,7 @@ limits:
   learner: {algorithm: token_bucket, rate: 60/m, burst: 1, adaptive: true}
   ordered: {algorithm: gcra, rate: 12/m, burst: 1}
   units: {rate: 2 concurrent}
+  paced: {algorithm: gcra, rate: 5/s, burst: 1}
 """
 
 
@@ -278,3 +279,32 @@ def test_a_released_concurrency_unit_goes_to_a_task_waiting_in_the_line(
     waits = [float(w) for w in re.findall(r"waits ([\d.]+) s for its slot \(limits units\)", text)]
     assert len(waits) >= 6, text
     assert max(waits) >= 0.5, waits
+
+
+def test_a_task_denied_by_a_rate_and_a_concurrency_limit_at_once_waits_for_the_unit(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.capacity_app import paced_units  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    # Given a limit of 5/s (burst 1) and one of 2 concurrent (a unit's lease: 360 s) on one
+    # task, and 6 tasks of 0.3 s on a worker of 4 pool slots: the later ones are denied by
+    # both limits at once
+    with running(app, [worker(redis_server, tmp, "w-paced", "prefork", concurrency=4)]):
+        handles = [paced_units.delay(f"p{i}", 0.3) for i in range(6)]
+        # Then each runs as a unit comes back (3 rounds of 0.3 s), not sent back for the
+        # 360 s the concurrency limit's lease names
+        for handle in handles:
+            handle.get(timeout=60)
+    seen = events(client)
+    starts = sorted(t for _, event, t in seen if event == "start")
+    assert starts[-1] - starts[0] <= 10.0, seen
+    # and at most 2 at once, 0.2 s apart (Redis time)
+    running_now, most = 0, 0
+    for _, event, _ in seen:
+        running_now += 1 if event == "start" else -1
+        most = max(most, running_now)
+    assert most <= 2, seen
+    assert all(b - a >= 0.2 - 0.005 for a, b in itertools.pairwise(starts)), starts
+    assert client.hgetall("capacity:done") == {f"p{i}".encode(): b"1" for i in range(6)}

@@ -49,8 +49,8 @@ logger = logging.getLogger("throttle")
 
 
 UNIT_RECHECK_S = 1.0
-"""The longest a denial by concurrency limits alone sends a task back for (or blocks the
-tasks of a worker's line for it), in s: a unit comes back when a task ends (announced on
+"""The longest a concurrency limit's denial sends a task back for (or blocks the tasks of
+a worker's line for it), in s: a unit comes back when a task ends (announced on
 the capacity channel), not when the oldest lease would end, which is what the limit's
 retry names (the task time limit and more)."""
 
@@ -60,11 +60,21 @@ def unit_names(execution: Execution) -> set[str]:
     return {limit.name for limit, _, _ in execution.targets if limit.algorithm.holds_units}
 
 
-def units_only(decision: Decision, units: set[str]) -> bool:
-    """Whether every limit that denied ``decision`` is one of the concurrency limits
-    ``units`` (:func:`unit_names`)."""
-    denied = [state.limit for state in decision.limits if not state.allowed]
-    return bool(units) and bool(denied) and all(name in units for name in denied)
+def denial_wait_s(decision: Decision, units: set[str], unit_wait_s: float) -> float:
+    """How long a denial keeps the task back, in s: the longest wait among the limits that
+    denied it, a concurrency limit's (one of ``units``, :func:`unit_names`) at most
+    ``unit_wait_s``. A concurrency limit's own retry names when its oldest lease would
+    end (the task time limit and more), while a unit comes back when a task ends; beside
+    a rate limit that denied too, it would keep the task back as long. A pause (inf)
+    stays one."""
+    waits = [
+        min(state.retry_after_s, unit_wait_s)
+        if state.limit in units and not math.isinf(state.retry_after_s)
+        else state.retry_after_s
+        for state in decision.limits
+        if not state.allowed
+    ]
+    return max(waits, default=decision.retry_after_s)
 
 
 PAUSE_TO_LINE_S = 1.0
@@ -83,19 +93,16 @@ def come_back(
 ) -> NoReturn:
     """A denial: come back when the limits say, plus a jitter; or time out (the
     deadline is on the Redis clock). ``planned``: the task keeps its ``plan`` (for that
-    time, epoch s). Denied by concurrency limits alone, within :data:`UNIT_RECHECK_S`,
-    doubled with each deferral of the task (a worker's consumer then waits in its line
-    for a unit to be released; without a line, a task whose units stay taken does not
-    come back every second). Paused: back after ``pause_recheck``, or at its deadline;
-    ``to_line`` (a task the consumer admitted before the pause began): within
-    :data:`PAUSE_TO_LINE_S`, to wait in a worker's line, which a resume wakes."""
+    time, epoch s). A concurrency limit's part of the wait is at most
+    :data:`UNIT_RECHECK_S`, doubled with each deferral of the task (a worker's consumer
+    then waits in its line for a unit to be released; without a line, a task whose units
+    stay taken does not come back every second). Paused: back after ``pause_recheck``,
+    or at its deadline; ``to_line`` (a task the consumer admitted before the pause
+    began): within :data:`PAUSE_TO_LINE_S`, to wait in a worker's line, which a resume
+    wakes."""
     settings = execution.settings
-    retry = decision.retry_after_s
-    if not math.isinf(retry) and units_only(
-        decision, unit_names(execution)
-    ):  # (a pause is a pause)
-        deferrals = min(count_header(execution.message_headers), 6)
-        retry = min(retry, UNIT_RECHECK_S * 2**deferrals)
+    deferrals = min(count_header(execution.message_headers), 6)
+    retry = denial_wait_s(decision, unit_names(execution), UNIT_RECHECK_S * 2**deferrals)
     if math.isinf(retry):
         # Paused (celery throttle pause): look again now and then; nothing is lost.
         recheck = settings.pause_recheck_s

@@ -37,11 +37,14 @@ from celery import Task
 from throttle.adaptive import Adaptive
 from throttle.celery import shadow
 from throttle.celery.comeback import (
+    UNIT_RECHECK_S,
     come_back,
     come_back_planned,
     come_back_to_slot,
+    denial_wait_s,
     drop_second_copy,
     restore_eta,
+    unit_names,
 )
 from throttle.celery.deadlines import (
     MAX_RESERVE_S,
@@ -64,6 +67,9 @@ from throttle.spec import Limit
 RECHECK_LEAD_S = 0.01
 """A task sleeping to its slot looks at Redis again this long before it (for holds placed
 meanwhile), then sleeps the rest: the round trip must not make the call late."""
+UNIT_POLL_S = 0.05
+"""How soon an eager or direct call denied a concurrency unit looks again, in s (doubling
+up to ``comeback.UNIT_RECHECK_S``): nothing announces a unit's return to a caller."""
 EARLY_ACK_SLEEP_MAX_S = 0.05
 """The longest a task without ``acks_late`` sleeps to its slot in its pool slot, in s. Its
 message is acknowledged when the pool starts it: a worker killed during the sleep would
@@ -438,7 +444,14 @@ class Gate:
     # -- eager mode and direct calls
 
     def _block(self) -> Ticket:
+        """Sleep until the limits admit the task, in steps: the limits' wait; for a
+        concurrency unit (whose limit names only when its oldest lease would end) from
+        :data:`UNIT_POLL_S`, doubling up to ``UNIT_RECHECK_S``; while paused,
+        ``pause_recheck``. Past the deadline, or when the rate limits' own wait alone
+        passes it, :class:`ThrottleTimeout`."""
         execution = self.execution
+        units = unit_names(execution)
+        unit_poll = UNIT_POLL_S
         while True:
             now = time.time()
             decision = self._acquire(*self._horizon())
@@ -446,9 +459,14 @@ class Gate:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
-            retry = min(decision.retry_after_s, self.settings.pause_recheck_s)
+            # A unit may come back at any time: only the other limits' wait is known.
+            known = denial_wait_s(decision, units, 0.0)
+            retry = min(denial_wait_s(decision, units, unit_poll), self.settings.pause_recheck_s)
+            unit_poll = min(2 * unit_poll, UNIT_RECHECK_S)
             left = left_s(execution)
-            if left is not None and retry > left:
+            if left is not None and (known > left or left <= 0):
                 # The limits' own wait, not the recheck it is slept in steps of.
-                raise ThrottleTimeout(decision.denied_by, decision.retry_after_s, max(left, 0.0))
+                raise ThrottleTimeout(decision.denied_by, max(known, retry), max(left, 0.0))
+            if left is not None:
+                retry = min(retry, left)  # one more look at the deadline
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))

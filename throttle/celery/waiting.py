@@ -83,7 +83,7 @@ from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
-from throttle.celery.comeback import UNIT_RECHECK_S, unit_names, units_only
+from throttle.celery.comeback import UNIT_RECHECK_S, denial_wait_s, unit_names
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import (
@@ -359,9 +359,7 @@ class Waiting:
              else state.retry_after_s)  # a pause (inf) stays one: resume wakes the line
             for state in decision.limits
         ]  # fmt: skip
-        retry = decision.retry_after_s
-        if not math.isinf(retry) and units_only(decision, units):
-            retry = min(retry, UNIT_RECHECK_S)
+        retry = denial_wait_s(decision, units, UNIT_RECHECK_S)
         deadline = gate.execution.deadline
         if (
             line is None
