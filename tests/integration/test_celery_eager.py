@@ -273,6 +273,21 @@ def test_throttled_above_app_task_is_refused_at_import() -> None:
             throttled("10/s")(task)
 
 
+def test_throttled_without_parentheses_is_refused_at_import() -> None:
+    # Bare, the function comes as a limit, and @app.task would register the decorator's
+    # inner function under its name ("decorate"), failing at the first call
+    app = Celery("bare", set_as_current=False)
+    with pytest.raises(ConfigError, match=r"in parentheses: @throttled\('api'\)") as caught:
+
+        @app.task(shared=False)
+        @throttled
+        def bare(x: int) -> int:
+            return x
+
+    assert "bare" in str(caught.value)
+    assert not [name for name in app.tasks if name.endswith("decorate")]
+
+
 def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
     seen: list[str] = []
 

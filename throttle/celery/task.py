@@ -177,6 +177,15 @@ def throttled(
     algorithm:
         The algorithm of inline rates (default token bucket).
     """
+    for item in limits:
+        if callable(item) and not isinstance(item, Limit | Rule | str):
+            # Bare @throttled: the function came as a limit, and the task registered
+            # would be the decorator's own inner function.
+            raise ConfigError(
+                "@throttled takes its limits in parentheses: @throttled('api') for a limit "
+                "of the config file, @throttled('20/s') for an inline rate",
+                value=getattr(item, "__qualname__", item), source="@throttled",
+            )  # fmt: skip
     options = {
         "key": key, "cost": cost, "max_wait_s": max_wait, "on_timeout": on_timeout,
         "on_error": on_error, "on_redis_down": on_redis_down, "algorithm": algorithm,
