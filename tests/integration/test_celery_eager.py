@@ -288,6 +288,32 @@ def test_throttled_without_parentheses_is_refused_at_import() -> None:
     assert not [name for name in app.tasks if name.endswith("decorate")]
 
 
+def test_celerys_own_tasks_under_an_app_wide_throttled_task_need_no_limiter() -> None:
+    # Given task_cls=ThrottledTask, and no Redis for the limiter anywhere (a memory
+    # broker; the env's THROTTLE_REDIS_URL left out)
+    app = Celery("nourl", set_as_current=False, task_cls=ThrottledTask, broker="memory://")
+    app.conf.update(task_always_eager=True, throttle_config={"limits": {}})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("THROTTLE_REDIS_URL", raising=False)
+        # Then Celery's own tasks run: celery.ping, what a test worker's start checks
+        # (as celery.contrib.testing.tasks defines it)
+        @app.task(name="celery.ping", shared=False)
+        def ping() -> str:
+            return "pong"
+
+        assert ping.delay().get() == "pong"
+        assert app.tasks["celery.backend_cleanup"].delay().get() is None
+
+        # and a task of the app still says what is missing
+        @app.task(shared=False)
+        def own() -> int:
+            return 1
+
+        with pytest.raises(ConfigError, match="no Redis for the limiter"):
+            own.delay().get()
+    close_throttler(app)
+
+
 def test_keys_and_costs_from_callables_and_argument_errors(app: Celery) -> None:
     seen: list[str] = []
 
