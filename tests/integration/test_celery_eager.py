@@ -295,6 +295,7 @@ def test_celerys_own_tasks_under_an_app_wide_throttled_task_need_no_limiter() ->
     app.conf.update(task_always_eager=True, throttle_config={"limits": {}})
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("THROTTLE_REDIS_URL", raising=False)
+
         # Then Celery's own tasks run: celery.ping, what a test worker's start checks
         # (as celery.contrib.testing.tasks defines it)
         @app.task(name="celery.ping", shared=False)
