@@ -343,6 +343,8 @@ class RequestBuilder(Generic[_S]):
         call (``lua/acquire_series.lua``, in their order) where its algorithm allows (a
         token bucket, GCRA or window: one state per key); the others one call each."""
         targets = _checked_targets(targets, (3,))
+        if ago_s is not None and (isinstance(ago_s, str) or not hasattr(ago_s, "__len__")):
+            raise RequestError(f"ago_s must be one number of s per target, a list (got {ago_s!r})")
         if ago_s is not None and len(ago_s) != len(targets):
             raise RequestError(f"ago_s has {len(ago_s)} values for {len(targets)} targets")
         out: list[Decision | ThrottleError | None] = [None] * len(targets)

@@ -239,6 +239,8 @@ def test_acquire_each_takes_each_target_alone_as_of_when_it_was_asked(
     assert [d.allowed for d in mixed if isinstance(d, Decision)] == [True, False, True]
     with pytest.raises(RequestError, match="ago_s has 1 values for 2 targets"):
         limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=[0.1])
+    with pytest.raises(RequestError, match=r"one number of s per target, a list \(got 0.5\)"):
+        limiter.acquire_each([(gcra, "k", 1.0)] * 2, ago_s=0.5)  # type: ignore[arg-type]
     # an ago_s that is not a number is that ask's error, named; the others are decided
     roomy = Limit.parse("10/s", name="roomy")
     asked = limiter.acquire_each([(roomy, "n", 1.0)] * 3, ago_s=[math.nan, "x", 0.0])  # type: ignore[list-item]
