@@ -675,6 +675,20 @@ def test_check_passes_the_example_files(name: str) -> None:
     assert ": OK: " in result.output
 
 
+def test_check_through_the_celery_program_without_an_app_warns_of_no_task(
+    tmp_path: Path,
+) -> None:
+    # Without -A the celery program's app is Celery's default one, which registers none
+    # of the tasks the example file maps: nothing to warn of
+    example = ROOT / "configs" / "limits.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "throttle", "check", str(example)],
+        cwd=tmp_path, text=True, capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.stdout.splitlines() == [f"{example}: OK: 9 limits, 2 queues, 3 tasks"]
+
+
 def test_check_with_an_app_names_its_tasks_limits_the_file_lacks(cli: Cli) -> None:
     def ours(result: Result) -> list[str]:
         return [

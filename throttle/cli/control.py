@@ -353,7 +353,7 @@ def check(ctx: click.Context, file: str) -> None:
         config = ThrottleConfig.load(file)
         for warning in config.warnings():
             click.echo(f"warning: {warning}")
-        app = getattr(ctx.obj, "app", None)
+        app = _given_app(ctx)
         if app is not None:
             app.loader.import_default_modules()
             errors += _task_errors(app, config, file)
@@ -367,6 +367,16 @@ def check(ctx: click.Context, file: str) -> None:
     assert config is not None
     counts = {"limit": config.rules, "queue": config.queues, "task": config.tasks}
     click.echo(f"{file}: OK: " + ", ".join(counted(len(v), k) for k, v in counts.items()))
+
+
+def _given_app(ctx: click.Context) -> Any:
+    """The app the command was given (``-A``), or None: run by the ``celery`` program
+    without ``-A``, its app is Celery's default one, which defines none of the tasks a
+    file names (each would be warned of as unregistered)."""
+    root = ctx.find_root()
+    if "app" in root.params and not root.params["app"]:
+        return None
+    return getattr(ctx.obj, "app", None)
 
 
 def _task_errors(app: Any, config: ThrottleConfig, file: str) -> list[str]:
