@@ -149,7 +149,7 @@ import pytest
 from celery import Celery
 from throttle.celery import ThrottledTask, install, throttled
 
-app = Celery("user", broker="memory://", task_cls=ThrottledTask)
+app = Celery("user", broker="memory://", backend="cache+memory://", task_cls=ThrottledTask)
 app.conf.throttle_config = {"limits": {"slow": {"rate": "2/s burst 1"}}}
 install(app)
 
@@ -174,6 +174,13 @@ def test_on_a_real_redis(throttle_redis, throttle_recorder):
     assert keys
 
 
+def test_with_celerys_test_worker(throttle_redis):
+    from celery.contrib.testing.worker import start_worker
+
+    with start_worker(app, pool="threads", perform_ping_check=False, shutdown_timeout=10):
+        assert slow.delay(3).get(timeout=20) == 3
+
+
 def test_without_a_redis_url_it_says_what_to_set(throttle_redis):
     pass
 """
@@ -188,9 +195,10 @@ def test_throttle_redis_uses_a_prefix_of_its_own_and_cleans_up(
         client.set("theirs", "kept")
         result = pytester.runpytest_subprocess(
             "-q", "-p", "no:cacheprovider", "--throttle-redis-url", server.url,
-            "test_redis.py::test_on_a_real_redis",
+            "test_redis.py::test_on_a_real_redis", "test_redis.py::test_with_celerys_test_worker",
         )  # fmt: skip
-        result.assert_outcomes(passed=1)
+        result.assert_outcomes(passed=2)
+        # (the worker's restart fence and clock check under the test's prefix too)
         assert [key.decode() for key in client.scan_iter()] == ["theirs"]
         client.close()
     monkeypatch.delenv("THROTTLE_TEST_REDIS_URL", raising=False)
