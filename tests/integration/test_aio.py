@@ -119,6 +119,16 @@ def test_a_limiter_marked_started_is_not_fenced_on_a_new_redis(redis_url: str, p
     assert run(redis_url, prefix, body).wait_s == 0.0  # not 2 s of fence
 
 
+def test_a_limiter_used_in_a_second_event_loop_says_so(redis_url: str, prefix: str) -> None:
+    # Given one asyncio limiter used in an asyncio.run(), then in another
+    limiter = Limiter.from_url(redis_url, prefix=prefix)
+    api = Limit.parse("10/s", name="api")
+    assert asyncio.run(limiter.acquire(api)).allowed
+    # Then its call there names the cause, as a BackendError, not asyncio's RuntimeError
+    with pytest.raises(BackendError, match=r"build the limiter \(its client\) inside each"):
+        asyncio.run(limiter.acquire(api))
+
+
 def test_a_batch_of_acquisitions_is_taken_in_order(redis_url: str, prefix: str) -> None:
     shared = Limit.parse("10/s burst 1", name="shared", algorithm="gcra")
     window = Limit.parse("1/h", name="tenant", algorithm="fixed_window")

@@ -299,6 +299,9 @@ async def run_script_async(
             return await client.eval(cast(str, script.script), len(keys), *keys, *args)
     except _REFUSED as exc:
         raise _wrapped(exc) from exc
+    except RuntimeError as exc:
+        _raise_if_other_loop(exc)
+        raise
 
 
 async def run_routine_async(
@@ -326,6 +329,9 @@ async def run_routine_async(
                 return await run_script_async(client, routine.script, keys, args)
     except _REFUSED as exc:
         raise _wrapped(exc) from exc
+    except RuntimeError as exc:
+        _raise_if_other_loop(exc)
+        raise
     if library.functions is None:
         library.functions = True
     return reply
@@ -353,3 +359,22 @@ async def wrap_errors_async(call: Callable[[], Awaitable[_T]]) -> _T:
         return await call()
     except _REFUSED as exc:
         raise _wrapped(exc) from exc
+    except RuntimeError as exc:
+        _raise_if_other_loop(exc)
+        raise
+
+
+_OTHER_LOOP = ("Event loop is closed", "attached to a different loop")
+"""What asyncio (and redis-py) say when a connection made in one event loop is used in
+another."""
+
+
+def _raise_if_other_loop(exc: RuntimeError) -> None:
+    """Raise a BackendError naming the cause when ``exc`` says the client's connections
+    belong to another event loop (an ``asyncio.run`` that ended, then another)."""
+    if any(words in str(exc) for words in _OTHER_LOOP):
+        raise BackendError(
+            f"the limiter's asyncio client was used in an event loop other than the one "
+            f"its connections were made in ({exc}): build the limiter (its client) inside "
+            f"each event loop, as in each asyncio.run()"
+        ) from exc
