@@ -28,7 +28,9 @@ their own app overrides it in a ``conftest.py``::
   provider's refusals (429 with OpenAI's, Anthropic's, GitHub's, Stripe's, Discord's or
   the generic headers), to test a task's reaction without a network.
 
-Each fixture puts the app's settings back as they were when the test ends.
+Each fixture puts the app's settings back as they were when the test ends. A test asks
+for one of ``throttle_memory``, ``throttle_off`` and ``throttle_redis`` (two fail the
+test: they would contradict each other).
 """
 
 from __future__ import annotations
@@ -84,13 +86,32 @@ class _Saved:
         self.app._throttler = self.throttler
 
 
+_EXCLUSIVE = ("throttle_memory", "throttle_off", "throttle_redis")
+"""The fixtures that each set the app's limiter: a test asks for one of them."""
+
+
+def _alone(request: pytest.FixtureRequest, name: str) -> None:
+    """Fail the test when it also asks for another fixture that sets the app's limiter:
+    whichever was set up last would win, silently."""
+    others = [f for f in _EXCLUSIVE if f != name and f in request.fixturenames]
+    if name == "throttle_off" and "throttle_recorder" in request.fixturenames:
+        others.append("throttle_recorder")  # nothing to record with throttling off
+    if others:
+        pytest.fail(
+            f"{name} and {', '.join(others)} contradict each other: each sets how the app "
+            "is throttled in this test; ask for one",
+            pytrace=False,
+        )
+
+
 @pytest.fixture
-def throttle_memory(throttle_app: Any) -> Iterator[Any]:
+def throttle_memory(throttle_app: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     """``throttle_app`` on a fresh in-memory limiter for this test (full buckets, no holds,
     no run-time rates); yields the :class:`~throttle.testing.MemoryLimiter`. Eager tasks
     and Celery's test worker (``celery_worker``, ``start_worker``) both use it."""
     from throttle.testing import use_memory  # noqa: PLC0415 (inert until asked for)
 
+    _alone(request, "throttle_memory")
     saved = _Saved(throttle_app)
     throttle_app.conf.throttle_enabled = True
     try:
@@ -100,9 +121,10 @@ def throttle_memory(throttle_app: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
-def throttle_off(throttle_app: Any) -> Iterator[Any]:
+def throttle_off(throttle_app: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Throttling off for this test (``throttle_enabled = False``): throttled tasks run at
     once, nothing connects to a Redis. Yields the app."""
+    _alone(request, "throttle_off")
     saved = _Saved(throttle_app)
     throttle_app.conf.throttle_enabled = False
     throttle_app._throttler = None
@@ -121,6 +143,7 @@ def throttle_redis(throttle_app: Any, request: pytest.FixtureRequest) -> Iterato
     from throttle.config import ThrottleConfig  # noqa: PLC0415
     from throttle.limiter import Limiter  # noqa: PLC0415
 
+    _alone(request, "throttle_redis")
     url = os.environ.get(REDIS_URL_ENV) or request.config.getoption("--throttle-redis-url")
     if not url:
         pytest.fail(

@@ -205,3 +205,35 @@ def test_throttle_redis_uses_a_prefix_of_its_own_and_cleans_up(
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-k", "without")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*throttle_redis needs a Redis: set $THROTTLE_TEST_REDIS_URL*"])
+
+
+CONTRADICTIONS = """
+def test_off_then_memory(throttle_off, throttle_memory):
+    pass
+
+
+def test_memory_then_off(throttle_memory, throttle_off):
+    pass
+
+
+def test_recorder_and_off(throttle_recorder, throttle_off):
+    pass
+
+
+def test_memory_and_its_recorder(throttle_memory, throttle_recorder):
+    pass
+"""
+
+
+def test_fixtures_that_contradict_each_other_fail_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_contradictions=CONTRADICTIONS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    # whichever came last would have won, silently; the recorder's own limiter is fine
+    result.assert_outcomes(passed=1, errors=3)
+    result.stdout.fnmatch_lines(
+        ["*throttle_off and throttle_memory contradict each other*"], consecutive=False
+    )
+    result.stdout.fnmatch_lines(
+        ["*throttle_memory and throttle_off contradict each other*"], consecutive=False
+    )
