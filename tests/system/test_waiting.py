@@ -342,6 +342,52 @@ def test_a_pause_keeps_the_waiting_tasks_in_the_workers_and_a_resume_runs_them(
     assert last - resumed_at < 15.0, (last - resumed_at, log(client))
 
 
+SHORT_LINE_CONFIG = f"""
+settings: {{line_max: 2s}}
+limits:
+  spaced: {{algorithm: gcra, rate: 5/s, burst: 1}}
+  slow: {{algorithm: gcra, rate: 24/m, burst: 1}}
+  bulk: {{rate: 1000/s, burst: 10}}{STOCKED_LIMITS}"""
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Redis backend's setex
+def test_a_pause_that_sent_tasks_on_from_the_line_leaves_no_pause_behind(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server, tmp, "short.yaml", SHORT_LINE_CONFIG)
+    limiter = Limiter(client)
+    # Given a line that holds a task 2 s at most, with parking, and a limit paused for
+    # longer than that while 10 tasks wait: they leave the line for the pause's recheck
+    # (parked)
+    line = worker(redis_server, tmp, "w-short", "prefork", config="short.yaml", release=True)
+    with running(app, [line]):
+        for i in range(10):
+            spaced.delay(f"a{i}")
+        wait_for(lambda: len(log(client)) >= 1, timeout_s=30)
+        limiter.hold("spaced")
+        time.sleep(4.0)  # twice the line's 2 s
+        assert "(parked in Redis" in (tmp / "w-short.log").read_text()
+        # (the tasks parked for the recheck come back 30 s or more later: after the test)
+        limiter.unhold("spaced")
+        # When a flood of 20 comes after the resume (4 s of work at 5/s: the later ones
+        # wait in the line longer than it holds them, and are sent on for their turn)
+        sent_at = redis_now_s(client)
+        second = [spaced.delay(f"b{i}") for i in range(20)]
+        for handle in second:
+            handle.get(timeout=90)
+    # Then each comes back for its turn, not for the pause's recheck (30 s and more): the
+    # pause left nothing behind in the line
+    last = max(at for tag, at in log(client) if tag.startswith("b"))
+    assert last - sent_at < 15.0, (last - sent_at, log(client))
+    done = {tag.decode(): int(n) for tag, n in client.hgetall("waiting:done").items()}
+    assert {tag: n for tag, n in done.items() if tag.startswith("b")} == {
+        f"b{i}": 1 for i in range(20)
+    }
+
+
 MAX_WAIT_CONFIG = flood_config(", max_wait: 2s")
 
 

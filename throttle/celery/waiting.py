@@ -908,8 +908,11 @@ class WaitingLine:
         sent_until = self.sent_until
         for pair in waiter.pairs:
             due = max(due, sent_until.get(pair, -math.inf) + spacing)
-        for pair in waiter.pairs:
-            sent_until[pair] = due
+        if not math.isinf(due):
+            # A pause has no end: a task sent on during one comes back for the pause's
+            # recheck, and the tasks sent on after the resume must not queue behind it.
+            for pair in waiter.pairs:
+                sent_until[pair] = due
         if len(sent_until) > LINE_MAX_TASKS:  # keys of long ago: forget them
             for pair in [pair for pair, until in sent_until.items() if until < now]:
                 del sent_until[pair]
