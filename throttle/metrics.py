@@ -292,13 +292,17 @@ def allowed(limits: Iterable[str], wait_s: float) -> None:
     _record(update)
 
 
-def deferred(limits: Iterable[str], how: str, wait_s: float) -> None:
-    """The gate deferred a task for ``wait_s``: ``how`` is ``republish`` or ``park``."""
+def deferred(limits: Iterable[str], how: str, wait_s: float, *, by_gate: bool = True) -> None:
+    """A task was deferred for ``wait_s``: ``how`` is ``republish`` or ``park``.
+    ``by_gate``: the gate's denial (a decision, and its wait); False for a deferral the
+    body asked for after it ran (the upstream's word: :func:`upstream_deferred`), which
+    is a reschedule only: its run was counted allowed already."""
 
     def update(m: _Instruments) -> None:
         for limit in limits:
-            m.decisions.labels(limit, "denied").inc()
-            m.wait.labels(limit).observe(max(wait_s, 0.0))
+            if by_gate:
+                m.decisions.labels(limit, "denied").inc()
+                m.wait.labels(limit).observe(max(wait_s, 0.0))
             m.reschedules.labels(limit, how).inc()
 
     _record(update)

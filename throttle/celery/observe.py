@@ -109,8 +109,9 @@ class PrometheusReporter(Observer):
     def deferred(
         self, execution: Observed, limits: Sequence[str], how: str, wait_s: float, count: int
     ) -> None:
-        metrics.deferred(limits, how, wait_s)
-        if not execution.targets:  # defer_task(): the upstream's word, after the body ran
+        by_gate = bool(execution.targets)  # else defer_task(): the upstream's word
+        metrics.deferred(limits, how, wait_s, by_gate=by_gate)
+        if not by_gate:
             metrics.upstream_deferred(limits)
 
     def timed_out(self, execution: Observed, limits: Sequence[str], action: str) -> None:
