@@ -187,6 +187,8 @@ def test_status_json_reports_what_the_limiter_holds(cli: Cli) -> None:
     assert _ours(list(rows)) == KNOWN
     api = rows["api"]
     assert (api["algorithm"], api["rate"], api["burst"]) == ("token_bucket", "1/h", 5)
+    pool = rows["pool"]
+    assert (pool["rate"], pool["burst"], pool["effective_burst"]) == ("3 concurrent", None, None)
     # 1/h refills 0.0003 tokens per second: what is left is burst - N
     assert api["tokens"] == pytest.approx(5 - 3, abs=0.01)
     assert api["next_slot_s"] == 0
@@ -243,6 +245,7 @@ def test_status_table_shows_holds_overrides_keys_and_denials(cli: Cli) -> None:
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
     assert lines["pool"].split()[5:8] == ["0", "on", "release"]  # a unit back when one ends
+    assert lines["pool"].split()[4] == "-"  # its units are its rate: no burst
     assert lines["LIMIT"].split()[:3] == ["LIMIT", "ALGORITHM", "RATE"]
     assert lines["gate"].split()[-3:] == ["paused", "?", "0"]
     assert lines["api"].endswith("1.2 (0.4 timed out)")  # over 5 minutes by default

@@ -119,12 +119,13 @@ def collect_status(
                 "algorithm": configured.algorithm.value,
                 "fair": configured.fair,
                 "rate": rate_spec(configured),
-                "burst": configured.capacity,
+                # A concurrency limit's units are its rate ("8 concurrent"): no burst.
+                "burst": None if configured.algorithm.holds_units else configured.capacity,
                 "override": override,
                 "override_ignored": ignored,
                 "followed": override is not None and followed.get(name) == override,
                 "effective_rate": rate_spec(effective),
-                "effective_burst": effective.capacity,
+                "effective_burst": None if effective.algorithm.holds_units else effective.capacity,
                 "adaptive": entry.rule.adaptive is not None,
                 "learned_per_s": _learned(learned.get((name, None)), effective),
                 "key_learned_per_s": {
@@ -220,7 +221,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         rate = f"{rate}; {key}: {spec}"
     if len(key_rates) > 2:
         rate = f"{rate}; +{len(key_rates) - 2} keys set"
-    burst = amount(row["burst"] if row["override_ignored"] else row["effective_burst"])
+    shown = row["burst"] if row["override_ignored"] else row["effective_burst"]
+    burst = "-" if shown is None else amount(shown)
     hold = row["hold"]
     next_slot = row["next_slot_s"]
     if row["key"] is not None:
