@@ -353,5 +353,16 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
         "free": {"rate": "10/s", "burst": 5.0}, "pro": {"rate": "100/s", "burst": 100.0},
     }  # fmt: skip
     assert (tiers["key_rates"], trial["mode"]) == ({"acme": "250/s"}, "shadow")
+    # and, the limit enforced at run time, its shadow figures say they are the shadow's
+    fleet.cli("enforce", "trial")
+    try:
+        until(
+            lambda: cell(browser, "trial", "shadow").startswith(
+                "enforced now; in shadow mode it would have delayed"
+            ),
+            15, "enforced now",
+        )  # fmt: skip
+    finally:
+        fleet.cli("enforce", "trial", "--default")
     fleet.cli("clear", "tiers", "--key", "acme")
     until(lambda: not browser.find_elements(By.CSS_SELECTOR, ".key-rate"), 10, "the rate cleared")

@@ -347,16 +347,17 @@ def timeout_option(default_s: float) -> Callable[[FC], FC]:
     )
 
 
-minutes_option = click.option(
-    "--minutes",
-    type=click.IntRange(1, MAX_MINUTES),
-    default=DEFAULT_MINUTES,
-    show_default=True,
-    metavar="M",
-    help="The tasks not admitted at once per minute (DENIED/MIN: they waited for their slot "
-    "or were deferred) are averaged over the last M whole minutes.",
-)
-"""``--minutes M`` (``status``, ``web``)."""
+def minutes_option(counted: str) -> Callable[[FC], FC]:
+    """``--minutes M`` (``status``, ``web``): over how many whole minutes the per-minute
+    counts of ``counted`` (the command's own words) are averaged."""
+    return click.option(
+        "--minutes",
+        type=click.IntRange(1, MAX_MINUTES),
+        default=DEFAULT_MINUTES,
+        show_default=True,
+        metavar="M",
+        help=f"{counted} are averaged over the last M whole minutes.",
+    )
 
 
 @click.command()
@@ -368,7 +369,10 @@ minutes_option = click.option(
     help="Redraw every N seconds until Ctrl-C (with --json: one JSON document per line).",
 )
 @timeout_option(1.0)
-@minutes_option
+@minutes_option(
+    "The tasks not admitted at once per minute (DENIED/MIN: they waited for their slot or "
+    "were deferred)"
+)
 @click.pass_context
 def status(
     ctx: click.Context, as_json: bool, watch: float | None, timeout: float, minutes: int

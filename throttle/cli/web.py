@@ -73,7 +73,10 @@ def _token(allow: bool, token_file: Path | None) -> tuple[str | None, bool]:
     help="Seconds between two snapshots of the fleet.",
 )
 @timeout_option(0.5)
-@minutes_option
+@minutes_option(
+    "The tasks the fleet deferred, parked or timed out per minute (refused /min; not those "
+    "that waited for their slot in a worker)"
+)
 @click.option(
     "--allow-control", is_flag=True, help="Allow pause and resume from the page, with a token."
 )

@@ -140,7 +140,8 @@ function row(limit, history) {
   const seen = limit.shadow;
   if (seen && seen.tasks) {
     // What the limit, in shadow, would have done over the last minutes (counted from the send).
-    name.append(el("span", {class: "sub shadow"}, "would have delayed " + seen.delayed + " of " + seen.tasks +
+    name.append(el("span", {class: "sub shadow"}, (limit.mode === "shadow" ? "" : "enforced now; in shadow mode it ") +
+      "would have delayed " + seen.delayed + " of " + seen.tasks +
       (seen.delayed ? ", p50 " + dur(seen.p50_s) + ", p95 " + dur(seen.p95_s) : "")));
   }
   const nextSlot = limit.key !== null ? "per key" : limit.next_slot_s === null ? "paused"
