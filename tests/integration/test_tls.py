@@ -325,6 +325,7 @@ def test_a_wrong_password_is_a_clear_error_without_the_password(tls_server: Redi
     with pytest.raises(BackendUnavailable) as caught:
         limiter.acquire(Limit.parse("5/s", name="x"))
     error = caught.value
+    assert str(error).startswith("Redis refused the limiter's credentials: ")  # not "unreachable"
     assert "invalid username-password pair" in str(error)
     chain = f"{error!s} {error!r} {error.__cause__!s} {error.__cause__!r}"
     assert CORE not in chain and "wrong-" not in chain

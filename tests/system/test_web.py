@@ -298,6 +298,12 @@ def test_control_is_refused_without_the_flag_or_the_token(fleet: Fleet) -> None:
         urllib.request.urlopen(request, timeout=10)
     refused.value.close()  # an HTTPError holds its response's socket
     assert refused.value.code == 421
+    # and a health check's HEAD gets GET's status and headers, without a body
+    head = urllib.request.Request(f"{controlled}/", method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as response:
+        assert response.status == 200
+        assert int(response.headers["Content-Length"]) > 0
+        assert response.read() == b""
 
 
 def test_the_page_shows_plans_key_rates_and_shadow_results(

@@ -71,6 +71,11 @@ _REFUSED = (redis.RedisError, RedisClusterException)
 
 def _wrapped(exc: Exception) -> BackendError:
     """The package's error for a driver error (one of ``_REFUSED``)."""
+    if isinstance(exc, redis.AuthenticationError):
+        return BackendUnavailable(
+            f"Redis refused the limiter's credentials: {_said(exc)} (check the user and "
+            "password of the URL)"
+        )
     if isinstance(exc, _UNAVAILABLE):
         return BackendUnavailable(f"Redis is unreachable: {_said(exc)}{_hint(exc)}")
     return BackendError(f"Redis refused a limiter call: {_said(exc)}{_hint(exc)}")

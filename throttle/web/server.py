@@ -206,6 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         return name == bound or (bound in _LOOPBACK and name in _LOOPBACK)
 
+    head_only = False
+    """Answering a HEAD: GET's status and headers, without the body."""
+
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -213,7 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in _HEADERS.items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        if not self.head_only:
+            self.wfile.write(body)
 
     def _json(self, status: int, data: Any) -> None:
         body = json.dumps(_finite(data), allow_nan=False).encode()
@@ -234,6 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
         name, content_type = asset
         body = resources.files("throttle.web").joinpath(name).read_bytes()
         self._send(HTTPStatus.OK, body, content_type)
+
+    def do_HEAD(self) -> None:
+        """What a health check sends: GET's answer without its body."""
+        self.head_only = True
+        self.do_GET()
 
     def do_POST(self) -> None:
         if not self._host_ok():
