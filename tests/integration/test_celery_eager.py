@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,25 @@ def test_an_eager_task_denied_a_concurrency_unit_runs_when_one_comes_back(
         assert ends[2] - ends[0] < 2.0, (started, ends)
     finally:
         close_throttler(app)
+
+
+def test_an_eager_task_on_a_paused_limit_waits_to_its_deadline_for_a_resume(app: Celery) -> None:
+    @app.task(shared=False)
+    @throttled("five", max_wait=1.5)
+    def call(x: int) -> int:
+        return x
+
+    limiter = Throttler.of(app).limiter
+    # Given a paused limit (no end known), a task whose deadline is 1.5 s away fails at
+    # its deadline, not at once
+    limiter.hold("five")
+    started = time.monotonic()
+    with pytest.raises(ThrottleTimeout, match="in inf s"):
+        call.delay(1).get()
+    assert time.monotonic() - started >= 1.4
+    # and one whose limit is resumed meanwhile runs
+    threading.Timer(0.3, limiter.unhold, ("five",)).start()
+    assert call.delay(2).get() == 2
 
 
 def test_direct_calls_and_task_names_mapped_in_the_file(

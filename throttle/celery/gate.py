@@ -26,6 +26,7 @@ When the limiter's Redis fails, the rules' ``on_redis_down`` decide
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
@@ -459,12 +460,14 @@ class Gate:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
-            # A unit may come back at any time: only the other limits' wait is known.
+            # A unit may come back at any time, and a pause end: only the other limits'
+            # wait is known.
             known = denial_wait_s(decision, units, 0.0)
+            exact = 0.0 if math.isinf(known) else known
             retry = min(denial_wait_s(decision, units, unit_poll), self.settings.pause_recheck_s)
             unit_poll = min(2 * unit_poll, UNIT_RECHECK_S)
             left = left_s(execution)
-            if left is not None and (known > left or left <= 0):
+            if left is not None and (exact > left or left <= 0):
                 # The limits' own wait, not the recheck it is slept in steps of.
                 raise ThrottleTimeout(decision.denied_by, max(known, retry), max(left, 0.0))
             if left is not None:
