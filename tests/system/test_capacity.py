@@ -86,6 +86,15 @@ def events(client: redis.Redis) -> list[tuple[str, str, float]]:
     return [(tag, event, float(at)) for tag, event, at in entries]
 
 
+def most_at_once(seen: list[tuple[str, str, float]]) -> int:
+    """The most bodies that ran at once, from their starts and ends in order."""
+    running_now, most = 0, 0
+    for _, event, _ in seen:
+        running_now += 1 if event == "start" else -1
+        most = max(most, running_now)
+    return most
+
+
 def at(client: redis.Redis, tag: str, event: str) -> float:
     return next(t for name, what, t in events(client) if (name, what) == (tag, event))
 
@@ -266,11 +275,7 @@ def test_a_released_concurrency_unit_goes_to_a_task_waiting_in_the_line(
     starts = [t for _, event, t in seen if event == "start"]
     assert max(starts) - min(starts) <= 10.0, seen
     # and never more than 2 at once
-    running_now, most = 0, 0
-    for _, event, _ in seen:
-        running_now += 1 if event == "start" else -1
-        most = max(most, running_now)
-    assert most <= 2, seen
+    assert most_at_once(seen) <= 2, seen
     assert client.hgetall("capacity:done") == {f"u{i}".encode(): b"1" for i in range(8)}
     # and each of the six tasks that waited in the line for a unit logs its wait, counted
     # from when the limit first held it back (the last two waited for two tasks of 0.3 s
@@ -301,10 +306,6 @@ def test_a_task_denied_by_a_rate_and_a_concurrency_limit_at_once_waits_for_the_u
     starts = sorted(t for _, event, t in seen if event == "start")
     assert starts[-1] - starts[0] <= 10.0, seen
     # and at most 2 at once, 0.2 s apart (Redis time)
-    running_now, most = 0, 0
-    for _, event, _ in seen:
-        running_now += 1 if event == "start" else -1
-        most = max(most, running_now)
-    assert most <= 2, seen
+    assert most_at_once(seen) <= 2, seen
     assert all(b - a >= 0.2 - 0.005 for a, b in itertools.pairwise(starts)), starts
     assert client.hgetall("capacity:done") == {f"p{i}".encode(): b"1" for i in range(6)}
