@@ -109,3 +109,11 @@ def paced_units(tag: str, hold_s: float) -> None:
     log(tag, "start")
     time.sleep(hold_s)
     log(tag, "end")
+
+
+@app.task(shared=False)
+@throttled("shared")
+def shared_fairly(tenant: str, tag: str) -> None:
+    """Under ``shared`` (2/s, fair among its tenants): logs its start under its tenant."""
+    log(tenant, "start")
+    log(tenant, "end")

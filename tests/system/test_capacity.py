@@ -55,6 +55,7 @@ limits:
   ordered: {algorithm: gcra, rate: 12/m, burst: 1}
   units: {rate: 2 concurrent}
   paced: {algorithm: gcra, rate: 5/s, burst: 1}
+  shared: {rate: 2/s, burst: 1, key: "{tenant}", fair: true}
 """
 
 
@@ -309,3 +310,27 @@ def test_a_task_denied_by_a_rate_and_a_concurrency_limit_at_once_waits_for_the_u
     assert most_at_once(seen) <= 2, seen
     assert all(b - a >= 0.2 - 0.005 for a, b in itertools.pairwise(starts)), starts
     assert client.hgetall("capacity:done") == {f"p{i}".encode(): b"1" for i in range(6)}
+
+
+def test_a_fair_limit_reaches_its_rate_for_two_tenants_waiting_in_one_workers_line(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.capacity_app import shared_fairly  # noqa: PLC0415
+
+    app, client = fresh(server)
+    redis_server, tmp = server
+    # Given a fair limit of 2/s (burst 1) shared by two tenants whose 12 tasks, sent
+    # alternately, all wait in one worker's line
+    with running(app, [worker(redis_server, tmp, "w-fair", "threads", concurrency=4)]):
+        handles = [shared_fairly.delay("ab"[i % 2], f"f{i}") for i in range(12)]
+        for handle in handles:
+            handle.get(timeout=60)
+    # Then the two together run at the limit's rate (11 intervals of 0.5 s after the
+    # first, on the Redis clock), each tenant at about half of it: a look of the line at
+    # a fair limit is not made before the time its denial named, which would be denied
+    # again and push the tenant's turn a share interval further
+    starts = sorted(t for _, event, t in events(client) if event == "start")
+    assert 11 * 0.5 - 0.01 <= starts[-1] - starts[0] <= 11 * 0.5 * 1.25, starts
+    for tenant in "ab":
+        own = sorted(t for tag, event, t in events(client) if event == "start" and tag == tenant)
+        assert len(own) == 6 and own[-1] - own[0] <= 5 * 1.0 * 1.3, own

@@ -44,7 +44,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,6 +358,7 @@ def blocks_of(
     limits: Iterable[tuple[str, bool, float]],
     retry_after_s: float,
     horizon_s: float,
+    exact: Collection[str] = (),
 ) -> dict[Pair, float]:
     """How long each pair stays blocked after a denial, in s: each denying limit's own
     ``retry_after_s`` (its ``limits``: name, allowed, retry_after_s, in the order of
@@ -366,13 +367,16 @@ def blocks_of(
     the limits do not line up or none of them denied (a slot that fell into a later window).
     A limit that denied although it could admit within the horizon cannot reserve that
     time (a hold until then, a window that turns then): blocked for the whole of it, or
-    the task would ask again and again until then."""
+    the task would ask again and again until then. The limits named in ``exact`` (fair
+    ones) are blocked for the whole of their retry: it names when the key may reserve
+    within the horizon already, and a look before then is denied and moves the key's
+    turn on by one share interval (lua/fair.lua's plan)."""
     states = list(limits)
     blocks: dict[Pair, float] = {}
     if len(states) == len(pairs):
-        for pair, (_, allowed, retry) in zip(pairs, states, strict=True):
+        for pair, (name, allowed, retry) in zip(pairs, states, strict=True):
             if not allowed:
-                blocks[pair] = _block_s(retry, horizon_s)
+                blocks[pair] = _block_s(retry, 0.0 if name in exact else horizon_s)
     if not blocks:
         blocks = dict.fromkeys(pairs, _block_s(retry_after_s, horizon_s))
     return blocks

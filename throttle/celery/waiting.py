@@ -84,6 +84,7 @@ from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
 from throttle.celery.comeback import UNIT_RECHECK_S, denial_wait_s, unit_names
+from throttle.celery.deadlines import MAX_RESERVE_S
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
 from throttle.celery.message import (
@@ -318,7 +319,7 @@ class Waiting:
             now = time.time()
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            near = self.near_s() if self.line is not None else None
+            near = self.near_s(gate) if self.line is not None else None
             decision = gate.admit(near_s=near)
         except Exception as exc:
             self._undecided(request, exc)
@@ -346,7 +347,7 @@ class Waiting:
                 self._to_pool(request, pairs_of(gate), since)
             return None
         pending.decision, pending.decided_at = decision, time.monotonic()
-        horizon = self.near_s()
+        horizon = self.near_s(gate)
         line = self.line
         # A concurrency limit's retry is when its oldest lease ends (up to the task time
         # limit and more): a unit comes back when a task ends, which is announced. Its
@@ -375,17 +376,30 @@ class Waiting:
         ):
             self.send_on(pending, None)
             return None
-        return blocks_of(pairs_of(gate), states, retry, horizon)
+        fair = {limit.name for limit, _, _ in gate.execution.targets if limit.fair}
+        return blocks_of(pairs_of(gate), states, retry, horizon, exact=fair)
 
     @property
     def settings_sleep_max(self) -> float:
         return self.throttler.settings.sleep_max_s
 
-    def near_s(self) -> float:
+    def near_s(self, gate: Gate | None = None) -> float:
         """How far ahead a task in the consumer reserves its slot, in s: the near horizon,
-        ``reserve_ahead`` (at most ``sleep_max``). Further, it waits in the line."""
+        ``reserve_ahead`` (at most ``sleep_max``). Further, it waits in the line.
+
+        Under a fair limit (of ``gate``), at least one of its turns on that limit (cost /
+        rate, at most ``MAX_RESERVE_S``): the fair script admits a key on its schedule
+        only within the asker's horizon, and each denial moves the key's turn on by one
+        share interval (lua/fair.lua's plan), so a horizon shorter than one turn was
+        denied every other look (half the limit's rate for two tenants). A slot beyond
+        ``sleep_max`` is then reached through the broker, as the pool's far slots are."""
         settings = self.throttler.settings
-        return min(settings.sleep_max_s, settings.reserve_ahead_s)
+        near = min(settings.sleep_max_s, settings.reserve_ahead_s)
+        if gate is not None:
+            for limit, _, cost in gate.execution.targets:
+                if limit.fair:
+                    near = max(near, min(cost / limit.rate_per_s, MAX_RESERVE_S))
+        return near
 
     @staticmethod
     def _may_line(gate: Gate) -> bool:
@@ -903,7 +917,7 @@ class WaitingLine:
         came at once leave at once: sent back for the limits' next slot, they would all
         come back at once, and leave again; so they come back at the limits' pace."""
         pending: Pending = waiter.item
-        due = now + self.line.blocked_for(waiter, now) + pending.waiting.near_s()
+        due = now + self.line.blocked_for(waiter, now) + pending.waiting.near_s(pending.gate)
         spacing = spacing_s(pending.gate)
         sent_until = self.sent_until
         for pair in waiter.pairs:
