@@ -9,6 +9,7 @@ import asyncio
 import collections
 import concurrent.futures
 import email.utils
+import logging
 import math
 import os
 import time
@@ -556,14 +557,37 @@ def test_report_upstream_of_one_named_limit(
         with requests.Session() as session:
             response = session.post(f"{api.url}/call", timeout=5)
             assert response.status_code == 200
-            with pytest.raises(RequestError, match="no limit 'github'"):
-                report_upstream(httpx.Response(200), limit="github")  # even if it says nothing
             response = session.post(f"{api.url}/call", timeout=5)
             report_upstream(response, limit="api")
             return response.status_code
 
     assert call.delay(10).get() == 429
     assert set(Limiter(client, prefix=prefix).holds()) == {("api", None)}
+
+
+def test_a_named_limit_the_task_lacks_is_logged_and_never_fails_a_served_call(
+    eager: Celery, client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a hook that names a limit the task does not have (another task's)
+    @eager.task(shared=False)
+    @throttled("api", "tokens")
+    def call(estimate: int) -> int:
+        served = httpx.Response(200, headers={"RateLimit-Remaining": "5"})
+        for _ in range(2):
+            report_upstream(served, limit="github", retry=True)
+        refused = httpx.Response(429, headers={"Retry-After": "7"})
+        with pytest.raises(Throttled):
+            report_upstream(refused, limit="github", retry=True)
+        return 200
+
+    # Then a served call raises nothing (an SDK that retries what its hook raised would
+    # call again), a refusal holds the task's limits as without a name, and the name is
+    # logged once, with the limits the task has
+    with caplog.at_level(logging.ERROR, logger="throttle"):
+        assert call.delay(10).get() == 200
+    assert set(Limiter(client, prefix=prefix).holds()) == {("api", None), ("tokens", None)}
+    logged = [r.getMessage() for r in caplog.records if "has no limit 'github'" in r.getMessage()]
+    assert len(logged) == 1 and "'api', 'tokens'" in logged[0], logged
 
 
 def test_retry_in_eager_mode_raises_throttled_with_the_hold(eager: Celery, api: Api) -> None:

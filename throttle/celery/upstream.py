@@ -22,7 +22,7 @@ from celery._state import get_current_task
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import hold_twins, shadow_limit
-from throttle.errors import BackendError, RequestError, Throttled, UpstreamFinal
+from throttle.errors import BackendError, Throttled, UpstreamFinal
 from throttle.refusals import Refusal as RefusalEntry
 from throttle.rules import Rule
 from throttle.rules import Target as RuleTarget
@@ -67,6 +67,8 @@ def _retried_by_client(response: Any) -> int:
 
 _warned: set[str] = set()
 """Task names warned of in this process about calls made again inside the task."""
+_unknown: set[tuple[str, str | None]] = set()
+"""(task name, limit) named by report_upstream that the task does not have, warned of."""
 
 
 def _warn_retried(task: Any, why: str) -> None:
@@ -83,6 +85,20 @@ def _warn_retried(task: Any, why: str) -> None:
         "anthropic; stripe: max_network_retries=0; PyGithub: retry=None) and let "
         "upstream_hook(retry=True) run the task again for its next slot",
         name, why,
+    )  # fmt: skip
+
+
+def _warn_unknown_limit(task: Any, name: str | None, names: list[str]) -> None:
+    """Once per task name, limit and process: ``report_upstream`` (``upstream_hook``) named
+    a limit the task does not have."""
+    seen = (getattr(task, "name", "?"), name)
+    if seen in _unknown:
+        return
+    _unknown.add(seen)
+    logger.error(
+        "throttle: report_upstream: task %s has no limit %r (it has %s): the upstream's "
+        "answers go to all its limits; name one of them, or none",
+        seen[0], name, ", ".join(repr(each) for each in names),
     )  # fmt: skip
 
 
@@ -197,11 +213,21 @@ def report_upstream(
     shadowed = [
         (rule, target) for rule, target in ticket.shadow if name is None or rule.name == name
     ]
-    if not picked and not shadowed:  # checked on every response: a misspelt name fails at once
+    if not picked and not shadowed:
+        # A name the task does not have (misspelt, or another task's): logged, and the
+        # answer goes to all the task's limits, as without a name. Raising here would
+        # fail the call after the upstream served it, and an SDK that retries what its
+        # hook raised would make it again.
         names = [current.name for current, _ in acquisition.targets] if acquisition else []
         names += [rule.name for rule, _ in ticket.shadow]
-        listed = ", ".join(repr(each) for each in names)
-        raise RequestError(f"report_upstream: the task has no limit {name!r} (it has {listed})")
+        _warn_unknown_limit(ticket.task, name, names)
+        picked = [
+            (current, key, cost, rules.get(current.name))
+            for (current, key), cost in (
+                zip(acquisition.targets, acquisition.costs, strict=True) if acquisition else ()
+            )
+        ]
+        shadowed = list(ticket.shadow)
     # The ticket's task: the body may call from another thread (asyncio.to_thread), where
     # Celery's current task (kept per thread) is None.
     task = ticket.task if ticket.task is not None else get_current_task()
