@@ -325,13 +325,22 @@ def test_celerys_own_tasks_under_an_app_wide_throttled_task_need_no_limiter() ->
         assert ping.delay().get() == "pong"
         assert app.tasks["celery.backend_cleanup"].delay().get() is None
 
-        # and a task of the app still says what is missing
+        # and so do the app's tasks that no limit can apply to (none declared, none in
+        # the file by name or queue)
         @app.task(shared=False)
         def own() -> int:
             return 1
 
+        assert own.delay().get() == 1
+
+        # while a task with a limit still says what is missing
+        @app.task(shared=False)
+        @throttled("2/s")
+        def limited() -> int:
+            return 2
+
         with pytest.raises(ConfigError, match="no Redis for the limiter"):
-            own.delay().get()
+            limited.delay().get()
     close_throttler(app)
 
 

@@ -30,7 +30,7 @@ from throttle.celery.execution import (
 )
 from throttle.celery.gate import Gate
 from throttle.celery.message import restore_delivery
-from throttle.celery.runtime import task_rules, throttling_enabled
+from throttle.celery.runtime import Throttler, task_rules, throttling_enabled
 from throttle.celery.settle import settle
 from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
@@ -241,10 +241,7 @@ class ThrottledTask(Task):  # type: ignore[misc]
         if getattr(body, "__throttle__", None) is not None:
             return super().__call__(*args, **kwargs)  # @throttled gates inside run
         declared = type(self).declared_limits()
-        if self.name.startswith("celery.") and not (declared.rules or declared.names):
-            # Celery's own tasks (celery.ping, chord_unlock...) under an app-wide
-            # task_cls: the file never limits them (task_rules), so they need no limiter,
-            # and run where none is configured (a test worker's ping).
+        if not (declared.rules or declared.names) and _unlimited(self):
             return super().__call__(*args, **kwargs)
         fn: Callable[..., Any] = getattr(body, "__func__", body)
         call_args = (self, *args) if fn is not body else args
@@ -256,6 +253,27 @@ class ThrottledTask(Task):  # type: ignore[misc]
             call_args,
             kwargs,
         )
+
+
+def _unlimited(task: Task) -> bool:
+    """Whether no limit can apply to ``task`` (a ThrottledTask declaring none) and so it
+    needs no limiter: one of Celery's own tasks (celery.ping, chord_unlock...: the file
+    never limits them, :func:`task_rules`), or, where no limiter can be built for lack of
+    a Redis URL, a task the limits file maps to no limit by its name or any queue (a test
+    app under an app-wide ``task_cls`` with nothing configured). The throttler is built
+    once per process: this costs a lookup per call."""
+    if task.name.startswith("celery."):
+        return True
+    if not throttling_enabled(task.app):
+        return False  # run() calls the body, building nothing
+    try:
+        Throttler.of(task.app)
+    except ConfigError as exc:
+        if exc.field != "redis_url":
+            return False  # run() raises it
+        config = ThrottleConfig.from_source(task.app.conf.get("throttle_config"))
+        return not config.queues and not config.tasks.get(task.name)
+    return False
 
 
 def report_cost(actual: float, limit: str | None = None) -> None:
