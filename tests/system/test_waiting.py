@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from throttle.limiter import Limiter
 from throttle.rates import RateBook
 from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
-from workers.harness import Worker, running
+from workers.harness import ROOT, Worker, running
 
 SPACING_S = 1.0
 SLOW_SPACING_S = 2.5
@@ -386,6 +388,42 @@ def test_a_pause_that_sent_tasks_on_from_the_line_leaves_no_pause_behind(
     assert {tag: n for tag, n in done.items() if tag.startswith("b")} == {
         f"b{i}": 1 for i in range(20)
     }
+
+
+SLOW_SHORT_LINE_CONFIG = SHORT_LINE_CONFIG.replace("rate: 5/s", "rate: 2/s")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Redis backend's setex
+def test_a_rate_raised_at_run_time_brings_the_tasks_parked_for_the_old_one(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server, tmp, "slowshort.yaml", SLOW_SHORT_LINE_CONFIG)
+    # Given a line that holds a task 2 s at most, with parking, and 20 tasks at 2/s: those
+    # that would wait longer are sent on, parked for their turn at 2/s (up to 10 s out)
+    line = worker(redis_server, tmp, "w-raise", "prefork", config="slowshort.yaml",
+                  release=True)  # fmt: skip
+    with running(app, [line]):
+        handles = [spaced.delay(f"r{i}") for i in range(20)]
+        wait_for(lambda: "(parked in Redis" in (tmp / "w-raise.log").read_text(), timeout_s=30)
+        # When the operator raises the rate to 50/s
+        env = {**os.environ, "THROTTLE_CONFIG": str(tmp / "slowshort.yaml")}
+        raised_at = redis_now_s(client)
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.apps.waiting_app", "throttle",
+             "set", "spaced", "50/s"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "parked for the old rate come back now" in done.stdout, done.stdout
+        for handle in handles:
+            handle.get(timeout=60)
+    # Then the parked ones come back now and run at the new rate: the last within a few
+    # seconds of the change, not at the old pace (about 8 s more)
+    last = max(at for _, at in log(client))
+    assert last - raised_at < 4.0, (last - raised_at, log(client))
 
 
 MAX_WAIT_CONFIG = flood_config(", max_wait: 2s")

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from throttle.admin import reset as reset_state
-from throttle.celery.runtime import unknown_limits, unknown_tasks
+from throttle.celery.runtime import Throttler, unknown_limits, unknown_tasks
 from throttle.celery.task import argument_errors
 from throttle.cli.base import (
     EXIT_ERRORS,
@@ -81,12 +81,15 @@ def set_rate(
     if key is not None:
         _set_key(ctx, entry.rule, key, rate, refresh)
         return
+    with one_line_errors():
+        before = throttler.rates.current(configured)
     if default:
         with one_line_errors():
             throttler.rates.clear(limit)
         click.echo(
             f"limit {limit!r}: back to {_spec(configured)} (the configured rate); workers "
             f"follow within {refresh} (settings.refresh)"
+            f"{_faster(app, throttler, before, configured)}"
         )
         return
     assert rate is not None
@@ -118,6 +121,7 @@ def set_rate(
     click.echo(
         f"limit {limit!r}: {_spec(changed)} for the whole fleet (configured "
         f"{_spec(configured)}); workers follow within {refresh} (settings.refresh)"
+        f"{_faster(app, throttler, before, changed)}"
     )
     if not isinstance(cost, float) and changed.capacity < configured.capacity:
         # A cost taken from the task's arguments is not known here: one above the new burst
@@ -129,6 +133,17 @@ def set_rate(
             'burst ("... burst N") if such tasks are queued',
             err=True,
         )
+
+
+def _faster(app: Any, throttler: Throttler, before: Limit, after: Limit) -> str:
+    """When the rate in force rose (``before`` -> ``after``), the tasks parked under the
+    limit for the old pace are made due now (their workers' lines then serve them at the
+    new one), as ``resume`` does; what to add to the message ('' when it did not rise)."""
+    if after.algorithm.holds_units or after.rate_per_s <= before.rate_per_s:
+        return ""
+    with one_line_errors():
+        back = bring_back(app, throttler, after.name)
+    return f"; {counted(back, 'task')} parked for the old rate come back now" if back else ""
 
 
 def _spec(limit: Limit) -> str:
