@@ -93,8 +93,12 @@ _EXCLUSIVE = ("throttle_memory", "throttle_off", "throttle_redis")
 def _alone(request: pytest.FixtureRequest, name: str) -> None:
     """Fail the test when it also asks for another fixture that sets the app's limiter:
     whichever was set up last would win, silently."""
-    others = [f for f in _EXCLUSIVE if f != name and f in request.fixturenames]
-    if name == "throttle_off" and "throttle_recorder" in request.fixturenames:
+    asked = request.fixturenames
+    if name == "throttle_recorder":  # (it sets up throttle_memory or throttle_redis)
+        others = ["throttle_off"] if "throttle_off" in asked else []
+    else:
+        others = [f for f in _EXCLUSIVE if f != name and f in asked]
+    if name == "throttle_off" and "throttle_recorder" in asked:
         others.append("throttle_recorder")  # nothing to record with throttling off
     if others:
         pytest.fail(
@@ -180,6 +184,7 @@ def throttle_recorder(throttle_app: Any, request: pytest.FixtureRequest) -> Iter
     from throttle.celery.runtime import Throttler  # noqa: PLC0415
     from throttle.testing import Recorder  # noqa: PLC0415
 
+    _alone(request, "throttle_recorder")
     if "throttle_redis" in request.fixturenames:
         request.getfixturevalue("throttle_redis")
     else:

@@ -237,3 +237,7 @@ def test_fixtures_that_contradict_each_other_fail_the_test(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(
         ["*throttle_memory and throttle_off contradict each other*"], consecutive=False
     )
+    # (the recorder's own limiter is not named: the test did not ask for it)
+    result.stdout.fnmatch_lines(
+        ["*throttle_recorder and throttle_off contradict each other*"], consecutive=False
+    )
