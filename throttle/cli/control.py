@@ -213,10 +213,11 @@ def clear(ctx: click.Context, limit: str, key: str | None) -> None:
         return
     configured = entry.rule.limit
     with one_line_errors():
+        before = throttler.rates.current(configured)
         throttler.rates.clear(limit)
     click.echo(
         f"limit {limit!r}: back to {_spec(configured)} (the configured rate); workers follow "
-        f"within {refresh} (settings.refresh)"
+        f"within {refresh} (settings.refresh){_faster(app, throttler, before, configured)}"
     )
 
 
