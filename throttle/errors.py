@@ -207,9 +207,17 @@ class ThrottleTimeout(ThrottleError):
         super().__init__(list(self.limits), needed_s, left_s)
 
     def __str__(self) -> str:
+        names = ", ".join(self.limits) or "the limits"
+        if not math.isfinite(self.needed_s):
+            # A pause, or a concurrency unit: nothing says when it ends.
+            return (
+                f"throttle deadline: {names} did not admit the task by its deadline "
+                f"({self.left_s:.3f} s away), and no time is known when they will (a pause "
+                "ends when resumed, a concurrency unit comes back when a task ends)"
+            )
         return (
-            f"throttle deadline: {', '.join(self.limits) or 'the limits'} would admit the task "
-            f"in {self.needed_s:.3f} s, but its deadline is {self.left_s:.3f} s away"
+            f"throttle deadline: {names} would admit the task in {self.needed_s:.3f} s, but "
+            f"its deadline is {self.left_s:.3f} s away"
         )
 
 

@@ -468,8 +468,10 @@ class Gate:
             unit_poll = min(2 * unit_poll, UNIT_RECHECK_S)
             left = left_s(execution)
             if left is not None and (exact > left or left <= 0):
-                # The limits' own wait, not the recheck it is slept in steps of.
-                raise ThrottleTimeout(decision.denied_by, max(known, retry), max(left, 0.0))
+                # The limits' own wait, not the recheck it is slept in steps of (for a
+                # unit or a pause alone: none is known, nan).
+                needed = known if known > 0 else math.nan
+                raise ThrottleTimeout(decision.denied_by, needed, max(left, 0.0))
             if left is not None:
                 retry = min(retry, left)  # one more look at the deadline
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))
