@@ -102,7 +102,11 @@ def come_back(
     wakes."""
     settings = execution.settings
     deferrals = min(count_header(execution.message_headers), 6)
-    retry = denial_wait_s(decision, unit_names(execution), UNIT_RECHECK_S * 2**deferrals)
+    units = unit_names(execution)
+    retry = denial_wait_s(decision, units, UNIT_RECHECK_S * 2**deferrals)
+    # What a time-out says the limits needed: a unit's or a pause's end is not known (nan).
+    known = denial_wait_s(decision, units, 0.0)
+    needed = known if 0 < known < math.inf else math.nan
     if math.isinf(retry):
         # Paused (celery throttle pause): look again now and then; nothing is lost.
         recheck = settings.pause_recheck_s
@@ -112,7 +116,9 @@ def come_back(
         left = left_s(execution)
         if left is not None and left < retry:
             if left <= 0:
-                time_out(execution, execution.throttler.clock.now(), retry, decision)
+                time_out(
+                    execution, execution.throttler.clock.now(), retry, decision, shown_s=needed
+                )
             retry = left  # back at its deadline: to run, or to time out there
         defer(execution, retry, retry, decision, planned=planned)
     now = overdue(execution, retry)
@@ -121,7 +127,7 @@ def come_back(
             # Its plan slot is handed back: the key's next tasks need not wait for it.
             hand_back(execution.throttler.limiter, plan.plan, execution.request.id,
                       [0.0] * len(plan.plan), lease_s(execution))  # fmt: skip
-        time_out(execution, now, retry, decision)
+        time_out(execution, now, retry, decision, shown_s=needed)
     jitter = 0.0
     if not planned_by_fair(execution, decision):
         jitter = random.uniform(0.0, min(settings.jitter_s, max(retry, 0.05)))

@@ -204,11 +204,19 @@ def saved_eta(execution: Execution) -> list[Any]:
     return [eta_value(request.eta), retries]
 
 
-def time_out(execution: Execution, now: float, needed_s: float, decision: Decision) -> NoReturn:
+def time_out(
+    execution: Execution,
+    now: float,
+    needed_s: float,
+    decision: Decision,
+    *,
+    shown_s: float | None = None,
+) -> NoReturn:
     """The task would wait ``needed_s`` from ``now``, past its deadline. If that is past its
     ``expires``, the task expires (:func:`expire`: it could never run); else (past
     ``max_wait``) fail it with ThrottleTimeout, or send it to the dead-letter queue of its
-    rule's ``on_timeout`` (once: never from that queue)."""
+    rule's ``on_timeout`` (once: never from that queue). ``shown_s``: the wait the error
+    names, when not ``needed_s`` (nan: none is known, a concurrency unit's or a pause's)."""
     limits = denied_limits(execution, decision)
     if execution.expires is not None and now + needed_s > execution.expires:
         expire(execution, limits)
@@ -222,7 +230,7 @@ def time_out(execution: Execution, now: float, needed_s: float, decision: Decisi
     dead_lettered = execution.queue is not None and headers.get(H_DEAD) == execution.queue
     if queue is None or dead_lettered:
         execution.throttler.observer.timed_out(execution, limits, "fail")
-        raise ThrottleTimeout(decision.denied_by, needed_s, left)
+        raise ThrottleTimeout(decision.denied_by, needed_s if shown_s is None else shown_s, left)
     headers = {k: v for k, v in headers.items() if k not in (H_PARKED, H_PUBLISH, H_DEADLINE)}
     headers[H_DEAD] = queue
     sig = copy_of(execution, headers, queue=queue)
