@@ -77,6 +77,14 @@ def denial_wait_s(decision: Decision, units: set[str], unit_wait_s: float) -> fl
     return max(waits, default=decision.retry_after_s)
 
 
+def known_wait_s(decision: Decision, units: set[str]) -> float:
+    """The wait of a denial that the limits can name, in s: that of its rate limits; nan
+    when it is a concurrency unit's or a pause's alone, whose end nothing tells (what a
+    time-out says the task needed)."""
+    known = denial_wait_s(decision, units, 0.0)
+    return known if 0 < known < math.inf else math.nan
+
+
 PAUSE_TO_LINE_S = 1.0
 """How soon a task that a pause stopped on its way to the pool comes back, in s: to a
 worker's consumer, whose line holds it until the resume (a ``pause_recheck`` of 30 s
@@ -104,9 +112,7 @@ def come_back(
     deferrals = min(count_header(execution.message_headers), 6)
     units = unit_names(execution)
     retry = denial_wait_s(decision, units, UNIT_RECHECK_S * 2**deferrals)
-    # What a time-out says the limits needed: a unit's or a pause's end is not known (nan).
-    known = denial_wait_s(decision, units, 0.0)
-    needed = known if 0 < known < math.inf else math.nan
+    needed = known_wait_s(decision, units)  # what a time-out says the task needed
     if math.isinf(retry):
         # Paused (celery throttle pause): look again now and then; nothing is lost.
         recheck = settings.pause_recheck_s

@@ -26,7 +26,6 @@ When the limiter's Redis fails, the rules' ``on_redis_down`` decide
 
 from __future__ import annotations
 
-import math
 import random
 import time
 import uuid
@@ -44,6 +43,7 @@ from throttle.celery.comeback import (
     come_back_to_slot,
     denial_wait_s,
     drop_second_copy,
+    known_wait_s,
     restore_eta,
     unit_names,
 )
@@ -460,18 +460,15 @@ class Gate:
                 if decision.wait_s > 0:
                     time.sleep(decision.wait_s)
                 return Ticket(decision.acquisition, execution.rules, now + decision.wait_s)
-            # A unit may come back at any time, and a pause end: only the other limits'
-            # wait is known.
-            known = denial_wait_s(decision, units, 0.0)
-            exact = 0.0 if math.isinf(known) else known
+            # A unit may come back at any time, and a pause end: only the rate limits'
+            # wait is known (nan: none).
+            known = known_wait_s(decision, units)
             retry = min(denial_wait_s(decision, units, unit_poll), self.settings.pause_recheck_s)
             unit_poll = min(2 * unit_poll, UNIT_RECHECK_S)
             left = left_s(execution)
-            if left is not None and (exact > left or left <= 0):
-                # The limits' own wait, not the recheck it is slept in steps of (for a
-                # unit or a pause alone: none is known, nan).
-                needed = known if known > 0 else math.nan
-                raise ThrottleTimeout(decision.denied_by, needed, max(left, 0.0))
+            if left is not None and (known > left or left <= 0):
+                # The limits' own wait, not the recheck it is slept in steps of.
+                raise ThrottleTimeout(decision.denied_by, known, max(left, 0.0))
             if left is not None:
                 retry = min(retry, left)  # one more look at the deadline
             time.sleep(retry + random.uniform(0.0, min(self.settings.jitter_s, retry) / 10))

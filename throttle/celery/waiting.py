@@ -83,7 +83,7 @@ from celery.worker.control import inspect_command
 from celery.worker.strategy import default
 
 from throttle.celery.capacity import Announcements, Line, Pair, Waiter, blocks_of
-from throttle.celery.comeback import UNIT_RECHECK_S, denial_wait_s, unit_names
+from throttle.celery.comeback import UNIT_RECHECK_S, unit_names
 from throttle.celery.deadlines import MAX_RESERVE_S
 from throttle.celery.execution import ADMISSION_KEY, Admission, carry, mark_clear
 from throttle.celery.gate import Gate
@@ -317,10 +317,10 @@ class Waiting:
             pending.stale = True
             since = time.monotonic()  # a hold announced after this may postdate the look
             now = time.time()
+            horizon = self.near_s(gate)
             # Without a line (a broker whose visibility timeout leaves it no time, the
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            near = self.near_s(gate) if self.line is not None else None
-            decision = gate.admit(near_s=near)
+            decision = gate.admit(near_s=horizon if self.line is not None else None)
         except Exception as exc:
             self._undecided(request, exc)
             self._to_pool(request)
@@ -347,7 +347,6 @@ class Waiting:
                 self._to_pool(request, pairs_of(gate), since)
             return None
         pending.decision, pending.decided_at = decision, time.monotonic()
-        horizon = self.near_s(gate)
         line = self.line
         # A concurrency limit's retry is when its oldest lease ends (up to the task time
         # limit and more): a unit comes back when a task ends, which is announced. Its
@@ -360,7 +359,9 @@ class Waiting:
              else state.retry_after_s)  # a pause (inf) stays one: resume wakes the line
             for state in decision.limits
         ]  # fmt: skip
-        retry = denial_wait_s(decision, units, UNIT_RECHECK_S)
+        retry = max(
+            (wait for _, allowed, wait in states if not allowed), default=decision.retry_after_s
+        )
         deadline = gate.execution.deadline
         if (
             line is None
