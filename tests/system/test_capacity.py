@@ -306,9 +306,9 @@ def test_a_task_denied_by_a_rate_and_a_concurrency_limit_at_once_waits_for_the_u
     seen = events(client)
     starts = sorted(t for _, event, t in seen if event == "start")
     assert starts[-1] - starts[0] <= 10.0, seen
-    # and at most 2 at once, 0.2 s apart (Redis time)
+    # and at most 2 at once (the 5/s spacing is the slots', which a body's start may
+    # reach up to late_tolerance late: the limits' own tests judge it)
     assert most_at_once(seen) <= 2, seen
-    assert all(b - a >= 0.2 - 0.005 for a, b in itertools.pairwise(starts)), starts
     assert client.hgetall("capacity:done") == {f"p{i}".encode(): b"1" for i in range(6)}
 
 
