@@ -389,3 +389,27 @@ def test_the_switch_in_the_environment_is_read_as_os_environ_has_it_now(
     # and os.environ replaced by another mapping is read through it
     monkeypatch.setattr(os, "environ", {"THROTTLE_ENABLED": "false"})
     assert not throttling_enabled(app)
+
+
+def test_a_gcra_rate_raised_shortens_the_debt_on_the_memory_limiter_as_in_lua() -> None:
+    # The in-memory model of lua/gcra.lua keeps the interval a state was written under, as
+    # the script does since a rate raised at run time shortens the debt ahead in proportion
+    # (tests/integration/test_limiter.py runs the same sequence on a real Redis).
+    now_us = [1_700_000_000_000_000]
+    limiter = MemoryLimiter(clock_us=lambda: now_us[0])
+    slow = Limit.parse("1/h burst 1", name="github", algorithm="gcra")
+    fast = Limit.parse("5000/h burst 10", name="github", algorithm="gcra")
+    assert limiter.acquire(slow).allowed
+    assert limiter.acquire(slow).retry_after_s == pytest.approx(3600.0)
+    assert [limiter.acquire(fast).allowed for _ in range(10)] == [True] * 9 + [False]
+    assert limiter.acquire(slow).retry_after_s == pytest.approx(7.2, abs=0.01)
+
+
+def test_a_key_moved_to_a_faster_plan_keeps_its_calls_not_its_time_in_memory() -> None:
+    # docs/tenants.md: a free key that spent its burst of 5 and is upgraded to pro has 45
+    # of pro's 50 at once (the in-memory limiter gave it none: it kept the free plan's time)
+    limiter = MemoryLimiter(clock_us=lambda: 1_700_000_000_000_000)
+    free = Limit.parse("10/s burst 5", name="api", algorithm="gcra")
+    pro = Limit.parse("100/s burst 50", name="api", algorithm="gcra")
+    assert [limiter.acquire(free, "acme").allowed for _ in range(6)] == [True] * 5 + [False]
+    assert sum(limiter.acquire(pro, "acme").allowed for _ in range(50)) == 45

@@ -1,4 +1,6 @@
-"""The model of lua/gcra.lua: the theoretical arrival time (TAT, us), per key."""
+"""The model of lua/gcra.lua: the theoretical arrival time (TAT, us), per key, and the
+emission interval it was written under: a rate raised since shortens the debt ahead of now
+in proportion, as the script does (a key moved to a faster plan, a rate set or cleared)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,21 @@ from throttle.memory.prelude import Check, Params, ceil_us
 
 class Gcra:
     def __init__(self) -> None:
-        self.state: dict[str, float] = {}
+        self.state: dict[str, tuple[float, float]] = {}
+        """key -> (TAT, the interval T it was written under), both us."""
 
-    def tat(self, key: str, now: float) -> float:
-        tat = self.state.get(key)
-        return now if tat is None or tat < now else tat
+    def tat(self, key: str, now: float, interval: float) -> float:
+        stored = self.state.get(key)
+        if stored is None:
+            return now
+        tat, was = stored
+        if interval < was and tat > now:
+            tat = now + (tat - now) * interval / was
+        return now if tat < now else tat
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
         interval = p.period_us / p.count
-        tat = self.tat(key, now)
+        tat = self.tat(key, now, interval)
         new_tat = tat + cost * interval
         conform_at = new_tat - p.burst * interval
         r: Check = {"new_tat": new_tat, "tat": tat, "allowed": 0, "wait": 0, "retry": 0}
@@ -39,14 +47,15 @@ class Gcra:
         **_: Any,
     ) -> str:  # fmt: skip
         new_tat = r["new_tat"]
+        interval = p.period_us / p.count
         if at is not None and at > r["tat"]:
-            new_tat = at + cost * p.period_us / p.count
-            interval = p.period_us / p.count
+            new_tat = at + cost * interval
             r["reset"] = ceil_us(new_tat - now)
             r["remaining"] = max(p.burst - (new_tat - now) / interval, 0.0)
-        self.state[key] = new_tat
+        self.state[key] = (new_tat, interval)
         return ""
 
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
-        tat = self.tat(key, now)
-        self.state[key] = max(now, tat + delta * p.period_us / p.count)
+        interval = p.period_us / p.count
+        tat = self.tat(key, now, interval)
+        self.state[key] = (max(now, tat + delta * interval), interval)
