@@ -413,3 +413,15 @@ def test_a_key_moved_to_a_faster_plan_keeps_its_calls_not_its_time_in_memory() -
     pro = Limit.parse("100/s burst 50", name="api", algorithm="gcra")
     assert [limiter.acquire(free, "acme").allowed for _ in range(6)] == [True] * 5 + [False]
     assert sum(limiter.acquire(pro, "acme").allowed for _ in range(50)) == 45
+
+
+def test_a_fair_limit_s_rate_raised_shortens_its_schedules_on_the_memory_limiter() -> None:
+    # lua/fair.lua keeps the interval its schedules were written under ('T') and shortens
+    # them in proportion when the rate is raised; its in-memory model now does the same
+    now_us = [1_700_000_000_000_000]
+    limiter = MemoryLimiter(clock_us=lambda: now_us[0])
+    slow = Limit.parse("1/h burst 1", name="f", algorithm="gcra", fair=True)
+    fast = Limit.parse("5000/h burst 10", name="f", algorithm="gcra", fair=True)
+    assert limiter.acquire(slow, "k").allowed
+    assert limiter.acquire(slow, "k").retry_after_s == pytest.approx(3600.0)
+    assert [limiter.acquire(fast, "k").allowed for _ in range(10)] == [True] * 9 + [False]

@@ -33,7 +33,12 @@ class Fair:
         shared_name, active_name = self.names(key)
         shared = self.shared.get(shared_name, {})
         active = self.active.get(active_name, {})
-        t = max(shared.get("t", now), now)
+        was = shared.get("T")  # the interval the schedules were written under
+        scale = interval / was if was is not None and interval < was else None
+        t = shared.get("t", now)
+        if scale is not None and t > now:  # a rate raised since: the debt ahead shrinks
+            t = now + (t - now) * scale
+        t = max(t, now)
         total = shared.get("W", 0.0)
         known = shared.get(key)
         gone = sorted(
@@ -51,6 +56,9 @@ class Fair:
             total = total - known
         total = max(total, 0.0) + w
         tk, plan = self.keys.get(key, (now, now))
+        if key in self.keys and scale is not None:
+            tk = now + (tk - now) * scale if tk > now else tk
+            plan = now + (plan - now) * scale if plan > now else plan
         key_interval = interval * total / w
         slot = max(now, t + (cost - burst) * interval)
         near = max(self.HORIZON_US, (burst + 1) * interval)
@@ -72,7 +80,7 @@ class Fair:
             "remaining": max(burst - (after - now) / interval, 0.0),
             "reset": ceil_us(after - now),
             "mode": mode, "t": t, "sum": total, "gone": gone, "tk": tk, "plan": plan,
-            "key_interval": key_interval, "start": start, "slot": slot,
+            "key_interval": key_interval, "start": start, "slot": slot, "interval": interval,
         }  # fmt: skip
 
     def _write(
@@ -85,7 +93,7 @@ class Fair:
             active.pop(m, None)
             shared.pop(m, None)
         active[key] = max(tk, plan, now)
-        shared.update({"t": t, "W": r["sum"], key: w})
+        shared.update({"t": t, "W": r["sum"], key: w, "T": r["interval"]})
         self.keys[key] = (tk, plan)
 
     def commit(
