@@ -645,7 +645,7 @@ def declare(
             rules.append(item)
         elif isinstance(item, Limit):
             rules.append(Rule(item, **rule_options))
-        elif isinstance(item, str) and ("/" in item or "concurrent" in item):
+        elif isinstance(item, str) and _inline_rate(item):
             name = owner if len(items) == 1 else f"{owner}#{i + 1}"
             algo = None if algorithm is UNSET else algorithm
             limit = Limit.parse(item, name=name, algorithm=algo, source=owner)
@@ -670,6 +670,19 @@ def declare(
             ) from None
     return Declared(tuple(rules), tuple(names), rule_options)
 
+
+def _inline_rate(item: str) -> bool:
+    """Whether ``item`` of ``@throttled`` is an inline rate (``"20/s burst 1"``, ``"8
+    concurrent"``) rather than the name of a limit in the file: a rate starts with its
+    count, while a file's limit name may hold a ``/`` (``github/core``) or ``concurrent``
+    (``max-concurrent``). A malformed rate that starts with a number (``"20/x"``) is still
+    refused as a rate, naming the mistake."""
+    text = item.lstrip()
+    return text[:1] in _RATE_START and ("/" in text or "concurrent" in text.lower())
+
+
+_RATE_START = frozenset("0123456789.+-")
+"""How an inline rate (or a negative or fractional count, refused as a rate) starts."""
 
 _STAND_IN = f"{MAX_AMOUNT:.0f}/s"
 """A rate no option's check can find too small (a fixed cost, a plan's burst)."""

@@ -252,3 +252,18 @@ def test_what_a_key_cost_or_plan_function_raises_names_its_limit_and_field() -> 
             f"limit 'api': field '{field}': the {field} function raised KeyError: 'nope'"
         )
         assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_a_limit_name_holding_a_slash_or_concurrent_is_a_name_not_a_rate() -> None:
+    # A limits file accepts `github/core` or `max-concurrent` as names; @throttled named
+    # them and got "malformed rate": a rate starts with its count
+    declared = declare(["github/core", "max-concurrent", "llm concurrent"], "proj.t", {})
+    assert declared.names == ("github/core", "max-concurrent", "llm concurrent")
+    assert not declared.rules
+    (rate, streams) = declare(["20/s burst 1", " 8 Concurrent"], "proj.t", {}).rules
+    assert rate.limit.rate_per_s == 20
+    assert (streams.limit.algorithm, streams.limit.count) == (Algorithm.CONCURRENCY, 8)
+    # mistakes in a rate are still named as such
+    for bad in ("20/x", "-5/s", ".5/s"):
+        with pytest.raises(ConfigError, match="field 'rate'"):
+            declare([bad], "proj.t", {})
