@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 from throttle.adaptive import Adaptive
 from throttle.errors import ConfigError
 from throttle.redis.keys import PART_ALPHABET, encode_part, text_error
-from throttle.spec import MAX_AMOUNT, Limit
+from throttle.spec import MAX_AMOUNT, Algorithm, Limit
 from throttle.units import parse_duration, real, spelt_s
 from throttle.upstream.dialects import dimension_name
 
@@ -336,10 +336,7 @@ class Rule:
             if not (0 <= number <= self.limit.capacity):
                 hint = ""
                 if number > self.limit.capacity:  # the default cost 1 on '0.5/s', say
-                    hint = (
-                        f": no task could ever run; give the limit a burst of at least "
-                        f"{number:g} (a rate of 0.5/s holds 0.5 at once, 1/2s holds 1)"
-                    )
+                    hint = f": no task could ever run; {_room_for(self.limit, number)}"
                 raise ConfigError(
                     f"must be a number from 0 to the limit's capacity "
                     f"{self.limit.capacity:g}{hint}",
@@ -669,6 +666,19 @@ def declare(
                 exc.problem, field=exc.field, value=exc.value, limit=exc.limit, source=owner
             ) from None
     return Declared(tuple(rules), tuple(names), rule_options)
+
+
+def _room_for(limit: Limit, cost: float) -> str:
+    """How to give ``limit`` room for a fixed ``cost`` above its capacity, in the words of
+    its algorithm (only token bucket and GCRA limits take a burst)."""
+    if limit.algorithm is Algorithm.CONCURRENCY:
+        return f"allow at least {math.ceil(cost)} concurrent"
+    if limit.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+        advice = f"give the limit a burst of at least {cost:g}"
+        if limit.capacity < 1:  # a count below 1 is the capacity: '0.5/s'
+            advice += " (a rate of 0.5/s holds 0.5 at once, 1/2s holds 1)"
+        return advice
+    return f"a window holds its count: give the rate a count of at least {cost:g}"
 
 
 def _inline_rate(item: str) -> bool:

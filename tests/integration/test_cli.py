@@ -658,8 +658,7 @@ def test_check_prints_every_error_with_its_place(tmp_path: Path) -> None:
         f"{f}: limit 'github': field 'burst': must be a finite number > 0 (got 0)",
         f"{f}: limit 'github': field 'max_wait': {duration} (got 'ten minutes')",
         f"{f}: limit 'tokens': field 'cost': must be a number from 0 to the limit's capacity "
-        "10: no task could ever run; give the limit a burst of at least 20 (a rate of 0.5/s "
-        "holds 0.5 at once, 1/2s holds 1) (got 20)",
+        "10: no task could ever run; give the limit a burst of at least 20 (got 20)",
         f"{f}: field 'queues.llm': unknown limit; the file defines api, fine, github, tokens "
         "(got 'nope')",
         f"{f}: field 'queues.llm': a limit listed twice (got 'fine')",

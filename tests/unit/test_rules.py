@@ -267,3 +267,25 @@ def test_a_limit_name_holding_a_slash_or_concurrent_is_a_name_not_a_rate() -> No
     for bad in ("20/x", "-5/s", ".5/s"):
         with pytest.raises(ConfigError, match="field 'rate'"):
             declare([bad], "proj.t", {})
+
+
+@pytest.mark.parametrize(
+    ("rate", "algorithm", "cost", "advice"),
+    [
+        ("10/s", "token_bucket", 20, "give the limit a burst of at least 20 (got 20)"),
+        ("0.5/s", "gcra", 1, "burst of at least 1 (a rate of 0.5/s holds 0.5 at once, 1/2s"),
+        ("10/s", "fixed_window", 20, "give the rate a count of at least 20 (got 20)"),
+        ("10/s", "sliding_window", 20, "give the rate a count of at least 20 (got 20)"),
+        ("5 concurrent", None, 10, "allow at least 10 concurrent (got 10)"),
+    ],
+)
+def test_a_fixed_cost_above_the_capacity_is_told_how_to_fit_in_its_algorithm_s_words(
+    rate: str, algorithm: str | None, cost: float, advice: str
+) -> None:
+    # It advised a burst whatever the algorithm (which windows and concurrency refuse), with
+    # an example of fractional rates even for a cost of 20 on 10/s
+    with pytest.raises(ConfigError, match="field 'cost'") as caught:
+        Rule(Limit.parse(rate, name="x", algorithm=algorithm), cost=cost)
+    assert advice in str(caught.value)
+    if "0.5/s" not in rate:
+        assert "0.5/s" not in str(caught.value)
