@@ -400,11 +400,14 @@ class Settings:
                 ConfigError("must be a mapping", field="settings", value=config, source=source),
             )
             return cls()
-        found = len(errors) if errors is not None else 0
         values: dict[str, Any] = {}
+        bad: set[object] = set()  # reported, and left at their defaults (which pass below)
         for key, value in config.items():
+            found = len(errors) if errors is not None else 0
             with _noted(errors):
                 values.update(_setting(key, value, source))
+            if errors is not None and len(errors) > found:
+                bad.add(key)
         if "metrics_port" in values and values.get("metrics") is False:
             _report(
                 errors,
@@ -415,8 +418,6 @@ class Settings:
             )  # fmt: skip
             values.pop("metrics_port")
         settings = cls(**values)
-        if errors is not None and len(errors) > found:
-            return settings  # park_lead against park_after only when both are valid
         if settings.refresh_s < MIN_REFRESH_S:
             _report(
                 errors,
@@ -438,7 +439,6 @@ class Settings:
                     field="settings.sleep_max", value=config.get("sleep_max"), source=source,
                 ),
             )  # fmt: skip
-            return settings
         if settings.reserve_ahead_s < MIN_RESERVE_AHEAD_S:
             _report(
                 errors,
@@ -450,7 +450,8 @@ class Settings:
                     source=source,
                 ),
             )  # fmt: skip
-        if settings.park_lead_s >= settings.park_after_s:
+        # park_lead against park_after only when both are valid.
+        if not bad & {"park_lead", "park_after"} and settings.park_lead_s >= settings.park_after_s:
             _report(
                 errors,
                 ConfigError(

@@ -162,6 +162,19 @@ period would forget its state before it ends."""
 _WHAT = {"period_s": "period in s", "count": "count", "burst": "burst"}
 
 
+def _text_number_hint(value: object) -> str:
+    """Why a number was read as text, when it was: YAML 1.1 (PyYAML's) reads an exponent
+    without a dot and a sign (``1e12``) as a string."""
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        number = float(value)
+        if math.isfinite(number):
+            return f" (YAML reads {value.strip()} as text; write {number:.1e} or {number:.0f})"
+    return ""
+
+
+_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+
+
 def _positive(
     value: object,
     what: str,
@@ -172,7 +185,10 @@ def _positive(
 ) -> float:
     number = real(value)
     if number is None:
-        raise ConfigError("must be a number", field=what, value=value, limit=limit, source=source)
+        raise ConfigError(
+            "must be a number" + _text_number_hint(value),
+            field=what, value=value, limit=limit, source=source,
+        )  # fmt: skip
     if not (0 < number < math.inf):
         raise ConfigError(
             "must be a finite number > 0", field=what, value=value, limit=limit, source=source

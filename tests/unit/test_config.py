@@ -213,6 +213,14 @@ BAD_DOCUMENTS = [
         id="unknown-algorithm",
     ),
     pytest.param(
+        "limits:\n  api:\n    rate: 10/s\n    burst: 1e12\n",
+        "api",
+        "burst",
+        "1e12",
+        "must be a number (YAML reads 1e12 as text; write 1.0e+12 or 1000000000000)",
+        id="burst-in-exponent-form-read-as-text",
+    ),
+    pytest.param(
         "limits:\n  api:\n    rate: 100/m\n    algorithm: fixed_window\n    burst: 5\n",
         "api",
         "burst",
@@ -944,3 +952,20 @@ def test_a_limit_s_error_reads_as_one_sentence(limits: dict[object, object], mes
     with pytest.raises(ConfigError) as caught:
         ThrottleConfig.from_mapping({"limits": limits}, source="limits.yaml")
     assert message in str(caught.value), caught.value
+
+
+def test_check_reports_every_bad_setting_each_on_its_own(tmp_path: Path) -> None:
+    # An unknown setting does not hide a valid one below its floor, nor one floor another.
+    path = tmp_path / "limits.yaml"
+    path.write_text(
+        "settings: {colour: blue, refresh: 10ms, sleep_max: 1ms, reserve_ahead: 1ms}\n"
+        "limits: {api: {rate: 1/s}}\n"
+    )
+    fields = [error.field for error in ThrottleConfig.check(path)]
+    assert fields == [
+        "settings.colour", "settings.refresh", "settings.sleep_max", "settings.reserve_ahead"
+    ]  # fmt: skip
+    # park_lead is judged against park_after only when both are valid: a bad park_after
+    # (left at its default, 1 s) says nothing of a park_lead of 2 s.
+    path.write_text("settings: {park_after: soon, park_lead: 2s}\nlimits: {api: {rate: 1/s}}\n")
+    assert [error.field for error in ThrottleConfig.check(path)] == ["settings.park_after"]

@@ -100,3 +100,16 @@ def test_the_dashboard_imports_into_any_grafana() -> None:
     sources = {t["datasource"]["uid"] for p in board["panels"] for t in p["targets"]}
     assert sources == {"${datasource}"}
     assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "limit"}
+
+
+def test_the_limit_picker_lists_limits_that_decided_nothing_yet() -> None:
+    # A limit in shadow mode decides nothing (no throttle_decisions_total), nor does a
+    # keyless limit no task ran under yet (its gauges are read from Redis): each can be
+    # picked all the same.
+    board = json.loads((DASHBOARDS / "grafana.json").read_text())
+    (picker,) = [v for v in board["templating"]["list"] if v["name"] == "limit"]
+    query = picker["query"]["query"]
+    assert query == picker["definition"]
+    assert query.startswith("label_values(") and query.endswith(", limit)")
+    assert {"throttle_decisions_total", "throttle_shadow_wait_seconds_count",
+            "throttle_tokens_remaining"} <= set(NAME.findall(query))  # fmt: skip
