@@ -62,6 +62,7 @@ class RateBookBase:
         self.key = keyspace.rates_key()
         self.followed_key = keyspace.followed_rates_key()
         self.key_rates_key = keyspace.key_rates_key()
+        self.key_names_key = keyspace.key_names_key()
         self.modes_key = keyspace.modes_key()
         self.channel = keyspace.capacity_channel()
         """Where a rate set is announced: tasks waiting for the limit look again at once
@@ -169,10 +170,24 @@ class RateBookBase:
         self._read_at = now
 
     @classmethod
-    def _key_book(cls, keyed: dict[bytes, bytes]) -> dict[tuple[str, str | None], str]:
-        """A reply of HGETALL on the per-key hash: (limit, key) -> spec (a key too long
-        to keep in a field name reads back as its hash, ``#`` + SHA-256)."""
-        return {decode_hold_field(field): spec for field, spec in cls._book(keyed).items()}
+    def _key_book(
+        cls, keyed: dict[bytes, bytes], names: dict[bytes, bytes] | None = None
+    ) -> dict[tuple[str, str | None], str]:
+        """Replies of HGETALL on the per-key hash and on its long keys' names: (limit,
+        key) -> spec (a key too long to keep in a field name, ``#`` + SHA-256, is named
+        from ``names`` when it is there)."""
+        known = cls._book(names or {})
+        book = {}
+        for field, spec in cls._book(keyed).items():
+            limit, key = decode_hold_field(field)
+            book[limit, known.get(field, key)] = spec
+        return book
+
+    def _key_field(self, name: str, key: str) -> tuple[str, str | None]:
+        """The field of ``key`` of limit ``name`` in the per-key hash, and the key to
+        keep in the names hash when the field holds its hash instead (else None)."""
+        field = self._keyspace.hold_fields(name, key)[1]
+        return field, (key if field.partition(":")[2].startswith("#") else None)
 
     @classmethod
     def _merged(cls, raw: dict[bytes, bytes], followed: dict[bytes, bytes]) -> dict[str, str]:
@@ -325,11 +340,13 @@ class RateBook(RateBookBase):
         ``limit``'s burst). Validated first: a bad rate, or a fair limit (a key's share of
         it is its weight), raises ConfigError, nothing stored."""
         changed = self._checked_key(limit, key, rate)
-        field = self._keyspace.hold_fields(limit.name, key)[1]
+        field, long_key = self._key_field(limit.name, key)
 
         def write() -> None:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key_rates_key, field, rate)
+                if long_key is not None:
+                    pipe.hset(self.key_names_key, field, long_key)
                 pipe.execute()
             self.client.publish(self.channel, f"{RATES_CHANGED} {limit.name}")
 
@@ -340,14 +357,23 @@ class RateBook(RateBookBase):
     def clear_key(self, name: str, key: str) -> bool:
         """Drop the rate stored for ``key`` of limit ``name``: the key goes back to its
         plan's (or the limit's) rate. Returns whether one was stored."""
-        field = self._keyspace.hold_fields(name, key)[1]
-        removed = wrap_errors(lambda: self.client.hdel(self.key_rates_key, field))
+        field = self._key_field(name, key)[0]
+
+        def write() -> int:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.key_rates_key, field)
+                pipe.hdel(self.key_names_key, field)
+                return int(pipe.execute()[0])
+
+        removed = wrap_errors(write)
         self._changed()
         return bool(removed)
 
     def key_overrides(self) -> dict[tuple[str, str | None], str]:
         """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
-        return self._key_book(self._fetch()[2])
+        keyed = self._fetch()[2]
+        names = wrap_errors(lambda: self.client.hgetall(self.key_names_key)) if keyed else None
+        return self._key_book(keyed, names)
 
     def set_mode(self, name: str, mode: str | None) -> None:
         """Switch limit ``name`` to ``mode`` (``enforce``, ``shadow``) for the whole fleet,

@@ -191,3 +191,38 @@ def test_a_fair_limit_s_plan_weight_survives_a_rate_set_for_the_whole_limit(
     book.set(fair, "20/s")
     ((limit, key, _),) = targets([rule], call, ("acme", "pro"), {}, book.current)
     assert (limit.rate_per_s, limit.weight(key), limit.fair) == (20.0, 4.0, True)
+
+
+def test_a_key_too_long_for_a_field_name_reads_back_as_itself(
+    client: redis.Redis, keyspace: KeySpace, redis_url: str
+) -> None:
+    """A key of more than 100 characters is kept hashed in the per-key hash's field
+    (``#`` + SHA-256); the operator reads it back as the key itself, from either client,
+    and clearing it forgets its name too."""
+    import asyncio  # noqa: PLC0415
+
+    import throttle.aio as throttle_aio  # noqa: PLC0415
+
+    limit = Limit.parse("10/s", name="api")
+    long_key = "tenant-" + "x" * 120
+    book = RateBook(client, keyspace, refresh_s=REFRESH_S, monotonic=FakeMonotonic())
+    book.set_key(limit, long_key, "50/s")
+    book.set_key(limit, "acme", "20/s")
+    assert book.key_overrides() == {("api", long_key): "50/s", ("api", "acme"): "20/s"}
+    (field,) = [f for f in client.hkeys(keyspace.key_rates_key()) if b"#" in f]
+    assert client.hgetall(keyspace.key_names_key()) == {field: long_key.encode()}
+
+    async def from_asyncio() -> dict[tuple[str, str | None], str]:
+        aclient = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            abook = throttle_aio.RateBook(aclient, keyspace, refresh_s=0)
+            seen = await abook.key_overrides()
+            assert await abook.clear_key("api", long_key) is True
+            return seen
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(from_asyncio())[("api", long_key)] == "50/s"
+    assert book.key_overrides() == {("api", "acme"): "20/s"}
+    assert client.exists(keyspace.key_names_key()) == 0
+    assert book.clear_key("api", "acme") is True

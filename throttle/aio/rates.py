@@ -64,22 +64,42 @@ class RateBook(RateBookBase):
         """Store a rate for ``key`` of ``limit`` alone
         (:meth:`throttle.rates.RateBook.set_key`)."""
         changed = self._checked_key(limit, key, rate)
-        field = self._keyspace.hold_fields(limit.name, key)[1]
-        await wrap_errors_async(lambda: self.client.hset(self.key_rates_key, field, rate))
+        field, long_key = self._key_field(limit.name, key)
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key_rates_key, field, rate)
+                if long_key is not None:
+                    pipe.hset(self.key_names_key, field, long_key)
+                await pipe.execute()
+
+        await wrap_errors_async(write)
         self._changed()
         return changed
 
     async def clear_key(self, name: str, key: str) -> bool:
         """Drop the rate stored for ``key`` of limit ``name``
         (:meth:`throttle.rates.RateBook.clear_key`)."""
-        field = self._keyspace.hold_fields(name, key)[1]
-        removed = await wrap_errors_async(lambda: self.client.hdel(self.key_rates_key, field))
+        field = self._key_field(name, key)[0]
+
+        async def write() -> int:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hdel(self.key_rates_key, field)
+                pipe.hdel(self.key_names_key, field)
+                return int((await pipe.execute())[0])
+
+        removed = await wrap_errors_async(write)
         self._changed()
         return bool(removed)
 
     async def key_overrides(self) -> dict[tuple[str, str | None], str]:
         """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
-        return self._key_book((await self._fetch())[2])
+        keyed = (await self._fetch())[2]
+        names = None
+        if keyed:
+            found = await wrap_errors_async(lambda: self.client.hgetall(self.key_names_key))
+            names = cast("dict[bytes, bytes]", found)
+        return self._key_book(keyed, names)
 
     async def follow(self, limit: Limit, rate: str | None) -> None:
         """Store the rate the upstream states for ``limit``

@@ -258,6 +258,12 @@ class KeySpace:
         field of :meth:`hold_fields` (``limit:key``, encoded) -> rate spec."""
         return f"{self.base}rates:keys"
 
+    def key_names_key(self) -> str:
+        """The HASH of the keys of :meth:`key_rates_key` too long to stand in a field
+        name: the field (its key hashed, ``#`` + SHA-256) -> the key itself, so that an
+        operator reads which key a rate is for."""
+        return f"{self.base}rates:keys:names"
+
     def modes_key(self) -> str:
         """The HASH of modes set at run time (``celery throttle enforce`` / ``shadow``):
         limit name -> ``enforce`` or ``shadow``."""
