@@ -150,10 +150,13 @@ class Throttled(ThrottleError):
     """A limit denied the acquisition; try again in ``retry_after_s`` seconds."""
 
     from_upstream: bool = False
-    """Raised by an upstream hook that found no throttled task's ticket: a call made from a
-    thread of the task's body that does not carry its context (a ``ThreadPoolExecutor``'s).
-    The task's runner brings the task back for it when it finds it in the chain of the
-    body's exception (:func:`throttle.celery.comeback.come_back_if_refused`)."""
+    """Raised by an upstream hook (``report_upstream(..., retry=True)``) for a call its
+    upstream refused. The task's runner brings the task back for it when it finds it in
+    the chain of the body's exception (:func:`throttle.celery.comeback.come_back_if_refused`),
+    also where the running task's record of the refusal does not show it: a call made from
+    a thread of the body that does not carry its context (a ``ThreadPoolExecutor``'s), or
+    a record that another call of the same body answered since (a fan-out: two calls at
+    once, one refused, the other served after it)."""
 
     def __init__(self, retry_after_s: float, denied_by: Sequence[str] = ()) -> None:
         self.retry_after_s = retry_after_s

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
 import email.utils
 import logging
 import math
@@ -659,6 +660,43 @@ def test_a_refusal_seen_in_a_thread_without_the_task_context_brings_the_task_bac
 
     with pytest.raises(Throttled, match=r"retry after 4\.000 s"):  # came back (eager: raised)
         call.delay().get()
+
+
+def test_a_fan_out_whose_refused_call_another_call_answered_since_still_comes_back(
+    eager: Celery,
+) -> None:
+    # Given a body that makes two calls at once, in threads carrying its context (as the
+    # docs advise), where the first is refused and the second served after it
+    raised: list[Throttled] = []
+
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> list[int]:
+        def answer(status: int) -> int:
+            response = upstream_response(
+                status=status, retry_after_s=4.0 if status == 429 else None, remaining=10
+            )
+            try:
+                report_upstream(response, retry=True)
+            except Throttled as exc:
+                raised.append(exc)
+                raise
+            return status
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            refused = pool.submit(contextvars.copy_context().run, answer, 429)
+            concurrent.futures.wait([refused])
+            served = pool.submit(contextvars.copy_context().run, answer, 200)
+            return [served.result(), refused.result()]  # raises the refusal's Throttled
+
+    # When the body exits by the refusal (the served call cleared the task's record)
+    with pytest.raises(Throttled, match=r"retry after 4\.000 s") as caught:
+        call.delay().get()
+    # Then the task came back for it (eager mode: the come-back's Throttled, raised from
+    # the body's), instead of failing with the hook's own exception
+    assert len(raised) == 1
+    assert caught.value is not raised[0]
+    assert caught.value.__cause__ is raised[0]
 
 
 # -- a real fleet: one `celery worker` x 4 children against the mock API ------------------

@@ -239,14 +239,17 @@ def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
 
 
 def _unseen_refusal(exc: BaseException) -> Refusal | None:
-    """A refusal the hook saw without the task's ticket (a call made from a thread that
-    does not carry the body's context, such as a ``ThreadPoolExecutor``'s): the hook's
-    :class:`Throttled`, marked ``from_upstream``, in ``exc`` or what it was raised from or
-    during. Nothing was held (no ticket, no limits); the task comes back after the
-    upstream's time instead of failing with it."""
+    """A refusal the ticket's record does not show, carried by the body's exception: the
+    hook's :class:`Throttled`, marked ``from_upstream``, in ``exc`` or what it was raised
+    from or during. Either the hook saw it without the task's ticket (a call made from a
+    thread that does not carry the body's context, such as a ``ThreadPoolExecutor``'s:
+    nothing was held, no limits named), or another call of the body answered the record
+    since (a fan-out whose other call was served after the refused one) while the body
+    still exits by the refusal. The task comes back as the refusal said instead of
+    failing with it."""
     throttled = throttled_in(exc)
     if throttled is not None and throttled.from_upstream:
-        return Refusal(throttled.retry_after_s, ())
+        return Refusal(throttled.retry_after_s, throttled.denied_by)
     return None
 
 

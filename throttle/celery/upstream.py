@@ -293,7 +293,7 @@ def report_upstream(
         _release(response)
         countdown = _retry_after_s(response) or DEFAULT_HOLD_S
         ticket.refusal = Refusal(countdown, ())
-        raise Throttled(countdown)
+        raise _from_upstream(Throttled(countdown))
     if retry and signal.refused:
         _release(response)
         # A refusal that held nothing is one the limit's schedule explains (jitter), and
@@ -307,8 +307,16 @@ def report_upstream(
         limits = tuple(target.current.name for target in recorded)
         # Recorded, not published: the task comes back when its body exits (run()).
         ticket.refusal = Refusal(countdown, limits)
-        raise Throttled(countdown, limits)
+        # Marked: a body that exits by it comes back even when another call of the body
+        # (a fan-out's, served after this one) cleared the ticket's record meanwhile.
+        raise _from_upstream(Throttled(countdown, limits))
     return signal
+
+
+def _from_upstream(throttled: Throttled) -> Throttled:
+    """``throttled``, marked as the hook's answer to a refusal (``from_upstream``)."""
+    throttled.from_upstream = True
+    return throttled
 
 
 def _shadow_target(rule: Rule, target: RuleTarget) -> Target:
