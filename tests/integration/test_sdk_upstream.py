@@ -247,6 +247,39 @@ def test_one_hook_on_sync_and_async_clients(
     assert openai_mock.provider.stats()["refused"] == 2
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("module", [httpx2, httpx], ids=["httpx2", "httpx"])
+def test_a_hook_without_retry_holds_for_githubs_secondary_limit_on_any_client(
+    eager: Celery, client: redis.Redis, prefix: str, module: Any, kind: str
+) -> None:
+    # Given GitHub's secondary limit (a 403 with quota left and no Retry-After, told by
+    # its message), met through upstream_hook() without retry on a sync or async client
+    mock = start(GitHubMock(secondary_per_min=60, secondary_burst_s=1))
+    url = mock.url + "/repos/octo/hello"
+
+    @eager.task(shared=False)
+    @throttled("api")
+    def fetch() -> list[int]:
+        hooks = {"response": [upstream_hook()]}
+        if kind == "sync":
+            with module.Client(event_hooks=hooks) as http:
+                return [int(http.get(url).status_code) for _ in range(2)]
+
+        async def call() -> list[int]:
+            async with module.AsyncClient(event_hooks=hooks) as http:
+                return [int((await http.get(url)).status_code) for _ in range(2)]
+
+        return asyncio.run(call())
+
+    try:
+        assert fetch.delay().get() == [200, 403]
+    finally:
+        mock.stop()
+    # Then the limit is held for GitHub's minute, whichever the client
+    holds = Limiter(client, prefix=prefix).holds()
+    assert 55 < holds.get(("api", None), 0.0) <= 60, holds
+
+
 @pytest.mark.parametrize(
     ("after", "outcome"),
     [

@@ -28,7 +28,7 @@ from throttle.rules import Rule
 from throttle.rules import Target as RuleTarget
 from throttle.spec import Limit
 from throttle.upstream.answers import answer_of
-from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response
+from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response, wants_body
 from throttle.upstream.policy import Target, apply_signal, learn
 from throttle.upstream.values import normalize, seconds
 
@@ -387,9 +387,11 @@ def _is_async(response: Any) -> bool:
 
 async def _report_async(response: Any, limit: str | Limit | None, retry: bool) -> None:
     """:func:`report_upstream` for a response of an ``AsyncClient``: a refusal's (short)
-    body is read and the response closed by awaiting, before the task leaves it. The
-    Redis calls block the event loop briefly, as the rest of a Celery task's do."""
-    if retry and response.status_code >= 400:  # an error body is short
+    body is read and the response closed by awaiting, before the task leaves it; so is a
+    GitHub 403 whose message tells a secondary limit (:func:`wants_body`), with or without
+    ``retry``, which :func:`report_upstream` cannot read from an async response itself.
+    The Redis calls block the event loop briefly, as the rest of a Celery task's do."""
+    if (retry and response.status_code >= 400) or wants_body(response):  # short bodies
         await response.aread()
     try:
         report_upstream(response, limit=limit, retry=retry)
