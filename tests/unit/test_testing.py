@@ -135,6 +135,20 @@ def test_reported_costs_settle_and_concurrency_units_come_back(app: Celery) -> N
     refilled = (clock() - started) / 1e6 * 1000 / 86400  # on the limiter's clock
     assert 880 - 1e-6 <= remaining <= 880 + refilled + 1e-6
 
+    # Several calls under one estimate: each reports its cost, and the task settles on
+    # their sum (the last alone would under-charge the limit).
+    @app.task(shared=False)
+    @throttled("budget")
+    def calls(tenant: str, estimate: int, used: list[int]) -> None:
+        for cost in used:
+            report_cost(cost)
+
+    started = clock()
+    calls.delay("bigco", 300, [120, 80, 50]).get()
+    remaining = limiter.peek(budget, "bigco").remaining
+    refilled = (clock() - started) / 1e6 * 1000 / 86400
+    assert 750 - 1e-6 <= remaining <= 750 + refilled + 1e-6
+
     single = Limit.parse("1 concurrent", name="single")
 
     @app.task(shared=False)

@@ -277,11 +277,14 @@ def _unlimited(task: Task) -> bool:
 
 
 def report_cost(actual: float, limit: str | None = None) -> None:
-    """Report what the running task's call really cost, to settle its reserved estimate.
+    """Report what one call of the running task really cost, to settle its reserved
+    estimate.
 
     ``limit`` names one limit; ``None`` applies to every limit whose cost is an estimate
-    (an argument or a callable; fixed costs, such as 1 request, stay). The difference is
-    refunded or charged when the task returns. Outside a throttled task this does nothing.
+    (an argument or a callable; fixed costs, such as 1 request, stay). The reports add
+    up (per limit name, and for all): a task that makes several calls under one estimate
+    reports each call's cost, and is settled on their sum. The difference is refunded or
+    charged when the task returns. Outside a throttled task this does nothing.
     Raises ValueError for a cost that is not a number from 0 to 1e15, and for a ``limit``
     the running task does not have (a misspelt name would lose the refund).
     """
@@ -301,7 +304,7 @@ def report_cost(actual: float, limit: str | None = None) -> None:
                 f"report_cost: the running task has no limit {limit!r}; its limits: "
                 + (", ".join(map(repr, names)) or "none")
             )
-    ticket.reported[limit] = number
+    ticket.reported[limit] = ticket.reported.get(limit, 0.0) + number
 
 
 def slot_time() -> float | None:

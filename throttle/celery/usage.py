@@ -85,7 +85,8 @@ def _usage_in(item: Any) -> Any:
 
 def report_usage(reply: Any, limit: str | None = None) -> float | None:
     """Report the tokens ``reply`` (an SDK's completion or message) says it used, as the
-    running task's actual cost (:func:`throttle.celery.report_cost`; ``limit`` as there).
+    actual cost of one of the running task's calls (:func:`throttle.celery.report_cost`;
+    ``limit`` as there: the reports of several calls add up).
     Returns the tokens, or None (and reports nothing) when the reply has no usage."""
     tokens = tokens_of(_usage_in(reply))
     if tokens is not None:
