@@ -221,6 +221,12 @@ def test_report_cost_settles_a_direct_call_and_names_what_it_refuses(
     remaining = limiter.acquire(budget, "direct", cost=0).remaining
     refilled = (redis_now_s(client) - started) * 1000 / 86400
     assert 880 - 1e-3 <= remaining <= 880 + refilled + 1e-3
+    # Any real number: a Decimal (a price), a Fraction
+    from decimal import Decimal  # noqa: PLC0415
+    from fractions import Fraction  # noqa: PLC0415
+
+    assert call("exact", 300, Decimal("120.5")) == Decimal("120.5")
+    assert call("exact", 300, Fraction(1, 2)) == Fraction(1, 2)
     # A misspelt limit, a cost no limit could settle: the body fails, naming them
     with pytest.raises(ValueError, match="no limit 'budgt'; its limits: 'budget'"):
         call.apply(("acme", 10, 1), {"limit": "budgt"}).get()

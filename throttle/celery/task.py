@@ -11,7 +11,9 @@ ticket by :func:`throttle.upstream.report_upstream`) comes back once, from here
 
 from __future__ import annotations
 
+import decimal
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -285,10 +287,14 @@ def report_cost(actual: float, limit: str | None = None) -> None:
     up (per limit name, and for all): a task that makes several calls under one estimate
     reports each call's cost, and is settled on their sum. The difference is refunded or
     charged when the task returns. Outside a throttled task this does nothing.
-    Raises ValueError for a cost that is not a number from 0 to 1e15, and for a ``limit``
-    the running task does not have (a misspelt name would lose the refund).
+
+    ``actual`` is any real number (``int``, ``float``, ``Decimal``, ``Fraction``, a NumPy
+    number). Raises ValueError for a cost that is not a number from 0 to 1e15, and for a
+    ``limit`` the running task does not have (a misspelt name would lose the refund).
     """
     number = real(actual)
+    if number is None and isinstance(actual, numbers.Real | decimal.Decimal):
+        number = float(actual)  # a Fraction, a Decimal (a price), a NumPy integer
     if number is None or not 0 <= number <= MAX_AMOUNT:
         of = "" if limit is None else f" of limit {limit!r}"
         raise ValueError(
