@@ -32,7 +32,8 @@ from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import KeySpace, Limit, Limiter, RequestError, Throttled
 from throttle.adaptive import LearnedRates
-from throttle.celery import ThrottledTask, throttled
+from throttle.celery import ThrottledTask, report_cost, throttled
+from throttle.celery.runtime import Throttler
 from throttle.rates import RateBook
 from throttle.refusals import Refusal, RefusalBook
 from throttle.testing import upstream_response
@@ -602,6 +603,39 @@ def test_retry_in_eager_mode_raises_throttled_with_the_hold(eager: Celery, api: 
 
     with pytest.raises(Throttled, match=r"retry after 1\.000 s"):
         call.delay().get()
+
+
+def test_a_refused_call_gives_its_estimated_cost_back_and_keeps_its_request(
+    eager: Celery, api: Api
+) -> None:
+    """The task comes back for the upstream's refusal: the refused call used none of its
+    estimated tokens (refunded, unless the body reported what its served calls used),
+    while its request stays counted (an API may count refused requests)."""
+
+    @eager.task(shared=False)
+    @throttled("api", "tokens")
+    def call(estimate: int, used: int | None = None) -> int:
+        with requests.Session() as session:
+            session.hooks["response"].append(upstream_hook(retry=True))
+            if used is not None:
+                report_cost(used, limit="tokens")  # a served call's usage
+            return refused(api, session).status_code
+
+    throttler = Throttler.of(eager)
+    tokens = throttler.config.rule("tokens").limit
+    requests_limit = throttler.config.rule("api").limit
+    with pytest.raises(Throttled):
+        call.delay(40_000).get()
+    # 100,000/m refills about 1,667 tokens a second: the 40,000 came back
+    assert throttler.limiter.peek(tokens).remaining == pytest.approx(100_000, abs=1)
+    assert throttler.limiter.peek(requests_limit).remaining < 1  # held, and spent
+    api.api.reset()
+    throttler.limiter.unhold("api")
+    started = time.monotonic()
+    with pytest.raises(Throttled):
+        call.delay(40_000, 25_000).get()
+    refilled = (time.monotonic() - started) * 100_000 / 60
+    assert 75_000 - 1 <= throttler.limiter.peek(tokens).remaining <= 75_000 + refilled + 1
 
 
 def test_an_sdk_error_without_an_answer_holds_nothing_and_raises_nothing(

@@ -232,6 +232,7 @@ def come_back_if_refused(ticket: Ticket, exc: Exception) -> None:
     if refusal is None or isinstance(exc, (Retry, Ignore, Reject)):
         return
     ticket.refusal = None
+    ticket.refused = True
     try:
         defer_task(refusal.countdown_s, refusal.limits)
     except Throttled as throttled:  # eager mode: no queue to come back through

@@ -102,6 +102,10 @@ class Ticket:
     """The upstream refused the body's last call and the task is to come back
     (``report_upstream(..., retry=True)``): answered once, when the body exits by an
     exception (:func:`throttle.celery.task.run`); a later call that is served clears it."""
+    refused: bool = False
+    """The task comes back for an upstream's refusal: the refused call used none of its
+    estimated costs, which are then settled at what the body reported, else 0
+    (:func:`throttle.celery.settle.actual_costs`)."""
     task: Any = None
     """The running task (set by :func:`throttle.celery.task.run`): the body may call its
     upstream from another thread (``asyncio.to_thread``, which copies the context and so

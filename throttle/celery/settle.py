@@ -110,8 +110,10 @@ def actual_costs(
 ) -> list[float | None]:
     """Each target's actual cost, in order (None: as reserved): the one the body reported
     for the limit by name; else, for an estimated cost, the one it reported for all; else
-    0 when the body raised and the rule refunds on error; else, for a cost reserved at a
-    share of its estimate (``estimates``), the whole estimate."""
+    0 when the body raised and the rule refunds on error, or when the task comes back for
+    an upstream's refusal and the cost is an estimate (a refused call uses no tokens; a
+    fixed cost, such as 1 request, stays: an API may count refused requests); else, for a
+    cost reserved at a share of its estimate (``estimates``), the whole estimate."""
     reported = ticket.reported
     by_name = {rule.name: rule for rule in ticket.rules}
     actuals: list[float | None] = []
@@ -121,7 +123,12 @@ def actual_costs(
         actual = reported.get(name) if reported else None
         if actual is None and rule is not None and rule.estimated:
             actual = reported.get(None)
-        if actual is None and failed and rule is not None and rule.on_error == "refund":
+        if (
+            actual is None
+            and failed
+            and rule is not None
+            and (rule.on_error == "refund" or (ticket.refused and rule.estimated))
+        ):
             actual = 0.0
         if actual is None and estimates:
             whole = estimates.get(name)
