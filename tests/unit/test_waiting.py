@@ -15,9 +15,11 @@ from throttle.celery import waiting
 from throttle.celery.execution import Admission, carry, mark_clear, take_admission
 from throttle.celery.waiting import (
     BUSY_S,
+    FAIR_NEAR_S,
     FRESH_S,
     ROOM_TASKS,
     Look,
+    Waiting,
     WaitingLine,
     has_room,
     line_room,
@@ -192,3 +194,40 @@ def test_a_task_leaving_the_line_passes_its_raise_to_one_beyond_the_bound(
         leave(waiter)
     assert qos.raised == 0
     assert len(line.line) == 0
+
+
+def near_s(*limits: Limit, sleep_max_s: float = 1.0, reserve_ahead_s: float = 0.25) -> float:
+    """The consumer's near horizon for a task under ``limits`` (cost 1 each)."""
+    waiting = object.__new__(Waiting)
+    settings = SimpleNamespace(sleep_max_s=sleep_max_s, reserve_ahead_s=reserve_ahead_s)
+    waiting.throttler = SimpleNamespace(settings=settings)  # type: ignore[assignment]
+    gate = SimpleNamespace(execution=SimpleNamespace(targets=[(lim, "k", 1.0) for lim in limits]))
+    return waiting.near_s(gate)  # type: ignore[arg-type]
+
+
+def fair(spec: str) -> Limit:
+    return Limit.parse(spec, name="llm", algorithm="gcra", fair=True)
+
+
+@pytest.mark.parametrize(
+    ("limits", "near"),
+    [
+        pytest.param((LIMIT,), 0.25, id="not fair: reserve_ahead"),
+        # Three tenants on 6/s come due together and take the total's next three slots,
+        # 1/6 s apart: the third is 0.33 s ahead. Asked within 0.25 s it was denied, its
+        # turn moved on by a share interval: 4/s of 6/s used, one tenant at a third of its
+        # share (repro/s9_order.py fair).
+        pytest.param((fair("6/s burst 1"),), FAIR_NEAR_S, id="fair: the script's horizon"),
+        pytest.param((fair("20/s burst 19"),), 1.0, id="fair: burst + 1 turns"),
+        pytest.param((fair("1/s burst 1"),), 1.0, id="fair slow: one turn, past sleep_max"),
+        pytest.param((fair("1/4s burst 1"),), 4.0, id="fair slower: one turn"),
+    ],
+)
+def test_a_fair_limit_is_reserved_as_far_ahead_as_its_script_admits(
+    limits: tuple[Limit, ...], near: float
+) -> None:
+    assert near_s(*limits) == pytest.approx(near)
+
+
+def test_the_fair_horizon_stops_at_sleep_max() -> None:
+    assert near_s(fair("6/s burst 1"), sleep_max_s=0.3) == pytest.approx(0.3)

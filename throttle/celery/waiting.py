@@ -143,6 +143,11 @@ PROBE_RISE = 1.01
 """How much a learned rate must have risen (a factor) to wake the tasks waiting on it."""
 MIN_HOLD_S = 0.001
 """A task with no limit in force due back sooner than this (s) goes to the pool at once."""
+
+FAIR_NEAR_S = 0.5
+"""lua/fair.lua's near horizon, at least (``horizon_us``: 0.5 s, or ``burst + 1`` turns of
+the limit): how far ahead the fair script lets a key due now take the total's next slot."""
+
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -392,14 +397,26 @@ class Waiting:
         rate, at most ``MAX_RESERVE_S``): the fair script admits a key on its schedule
         only within the asker's horizon, and each denial moves the key's turn on by one
         share interval (lua/fair.lua's plan), so a horizon shorter than one turn was
-        denied every other look (half the limit's rate for two tenants). A slot beyond
-        ``sleep_max`` is then reached through the broker, as the pool's far slots are."""
+        denied every other look (half the limit's rate for two tenants). And up to the
+        fair script's own near horizon (:data:`FAIR_NEAR_S`, or ``burst + 1`` turns; at
+        most ``sleep_max``): the keys that come due together each take one of the total's
+        next slots, N keys N turns of the limit apart, and a key whose slot fell beyond a
+        shorter horizon was denied, its turn moved on by a share interval (three tenants
+        on a 6/s limit got 4/s between them, one of them a third of its share). A slot
+        beyond ``sleep_max`` is then reached through the broker, as the pool's far slots
+        are."""
         settings = self.throttler.settings
         near = min(settings.sleep_max_s, settings.reserve_ahead_s)
         if gate is not None:
             for limit, _, cost in gate.execution.targets:
                 if limit.fair:
-                    near = max(near, min(cost / limit.rate_per_s, MAX_RESERVE_S))
+                    rate = limit.rate_per_s
+                    script = max(FAIR_NEAR_S, (limit.capacity + 1) / rate)
+                    near = max(
+                        near,
+                        min(cost / rate, MAX_RESERVE_S),
+                        min(script, settings.sleep_max_s),
+                    )
         return near
 
     @staticmethod
