@@ -72,13 +72,21 @@ class TlsFiles:
         def run(*args: str) -> None:
             subprocess.run(["openssl", *args], check=True, capture_output=True)
 
+        # The extensions Python 3.13's strict verification (ssl.VERIFY_X509_STRICT, on in
+        # its default context) requires: a critical CA constraint, key identifiers.
         run("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"),
-            "-days", "1", "-subj", "/CN=throttle test CA")  # fmt: skip
+            "-days", "1", "-subj", "/CN=throttle test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            "-addext", "subjectKeyIdentifier=hash")  # fmt: skip
+        leaf = (
+            "basicConstraints=CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+        )
         for name, cn, ext in (
             ("server", host, f"subjectAltName=IP:{host}"),
             ("client", "throttle test client", "extendedKeyUsage=clientAuth"),
         ):
-            (d / f"{name}.ext").write_text(ext + "\n")
+            (d / f"{name}.ext").write_text(leaf + ext + "\n")
             run("req", *ec, "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"),
                 "-subj", f"/CN={cn}")  # fmt: skip
             run("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"),
