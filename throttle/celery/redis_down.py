@@ -20,6 +20,9 @@ from throttle.rules import RedisDown, Rule, targets
 
 BACKEND_RETRY_S = 5.0
 """How long a task deferred because Redis is unreachable waits before trying again, in s."""
+LOCAL_SLACK_S = 0.01
+"""What ``local`` adds to ``sleep_max`` for the rounding of a bucket's refill (s): a task
+that slept for its tokens finds them on waking, not a hair short of them."""
 
 
 def run_while_down(execution: Execution, exc: BackendError) -> None:
@@ -46,10 +49,16 @@ def run_while_down(execution: Execution, exc: BackendError) -> None:
         defer_down(execution, exc, BACKEND_RETRY_S)  # cannot count the fleet
     # The configured rates (a rate changed at run time lives in the Redis that is down).
     wanted = targets(local, execution.fn, execution.args, execution.kwargs)
+    # At most sleep_max in all, however many times the tokens are missed: in a threads or
+    # gevent pool the process's buckets are shared, so another thread may take the tokens
+    # this one slept for. Unbounded, such a task would sleep on past the outage's end and
+    # call on a local token next to the calls Redis admits again.
+    deadline = time.monotonic() + settings.sleep_max_s + LOCAL_SLACK_S
     while wanted:
-        wait = watch.local.take(wanted, share, time.monotonic())
+        now = time.monotonic()
+        wait = watch.local.take(wanted, share, now)
         if wait == 0.0:
             break
-        if wait > settings.sleep_max_s and not execution.eager:
+        if now + wait > deadline and not execution.eager:
             defer_down(execution, exc, wait)
-        time.sleep(wait)  # the child is single-threaded: the tokens are there on waking
+        time.sleep(wait)
