@@ -10,6 +10,7 @@ throttler checks whether it lost its data (``Throttler.check_cold_start``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -35,6 +36,12 @@ MARKER_LOOK_S = 0.1
 in s, while Redis answers: a ``stat`` per call would be the price of every task."""
 PING_TIMEOUT_S = 0.5
 """How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
+RECOVERY_S = 1.0
+"""How long Redis must answer a process without failing before its outage ends, in s. A
+Redis that refuses writes (out of memory under ``noeviction``) still answers the calls
+that write nothing (a denial, an empty poll of the parking lot): counted as recoveries,
+they would end the outage between two failures, start its clock again (so that
+``allow``'s bound never came) and log both each time."""
 
 
 class OutageWatch:
@@ -59,6 +66,8 @@ class OutageWatch:
         self._share: int | None = None  # processes of the fleet; 0: could not count
         self._file: tuple[str | None, Path | None] = ("", None)
         self._look_at = -math.inf  # monotonic s: when to look for the marker next
+        self._answering: float | None = None  # monotonic s: answered since, no failure
+        self._checked = False  # on_recovery ran in this outage
 
     def note(self, exc: BaseException | None) -> None:
         """Note that Redis failed (``exc``) or answered (``None``).
@@ -66,25 +75,42 @@ class OutageWatch:
         One warning per outage per worker, not per task nor per pool child: the worker's
         processes share a marker file (named after the worker's main process, see
         :data:`WORKER_ENV`) holding when the outage began. The process that creates it
-        warns; the one that removes it, when Redis answers again, says so (and runs
-        ``on_recovery``). A successful call costs a ``stat`` of that file at most every
-        :data:`MARKER_LOOK_S` (every call while this process knows of an outage); a
-        failed one an attempt to create it.
+        warns; the one that removes it, when Redis answers again, says so. An outage
+        ends once Redis has answered that process for :data:`RECOVERY_S`, with no failure
+        in any process of the worker meanwhile (each touches the file); a process runs
+        ``on_recovery`` at its first answer in an outage, without waiting. A successful
+        call costs a ``stat`` of that file at most every :data:`MARKER_LOOK_S` (every call
+        while this process knows of an outage); a failed one an attempt to create it.
         """
         if exc is not None:
             self._failed(exc)
             return
+        now = time.monotonic()
         if self._since is None:
-            now = time.monotonic()
             if now < self._look_at:
                 return
             self._look_at = now + MARKER_LOOK_S
             marker = self.file
             if marker is None or not marker.exists():
+                self._answering, self._checked = None, False  # no outage in this worker
                 return
+        if self._answering is None:
+            self._answering = now
+        if not self._checked:
+            # At once, not after RECOVERY_S: a Redis back empty must not hand out the
+            # bursts of the cold_start: empty limits meanwhile (SET NX: once in the fleet).
+            self._checked = True
+            try:
+                self.on_recovery()
+            except BackendError as exc2:
+                logger.debug("throttle: cannot check the marker key: %s", exc2)
+        if now - self._answering < RECOVERY_S:
+            return
         path = self.file
+        if path is not None and _failed_lately(path):
+            return  # another process of this worker still meets failures
         since = self._read_start(self.since())
-        self._since = None
+        self._since, self._answering, self._checked = None, None, False
         if path is not None:
             try:
                 path.unlink()
@@ -94,12 +120,9 @@ class OutageWatch:
             "throttle: Redis is reachable again after %.1f s; limiting resumes",
             time.time() - since,
         )
-        try:
-            self.on_recovery()
-        except BackendError as exc2:
-            logger.debug("throttle: cannot check the marker key: %s", exc2)
 
     def _failed(self, exc: BaseException) -> None:
+        self._answering = None
         path = self.file
         now = time.time()
         started = self._since is None
@@ -111,6 +134,8 @@ class OutageWatch:
                 started = True
             except FileExistsError:
                 started = False
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # the latest failure of the worker: see _failed_lately
             except OSError as exc2:  # no temp dir to share: warn per process instead
                 logger.debug("throttle: cannot write %s: %s", path, exc2)
             finally:
@@ -125,6 +150,7 @@ class OutageWatch:
             # A new outage for this process: count the fleet again, fresh buckets.
             self._since = since
             self._share = None
+            self._checked = False
             self.local.clear()
         if started:
             logger.warning(
@@ -174,6 +200,15 @@ class OutageWatch:
             if self._share:
                 logger.info("throttle: local fallback shared by %d processes", self._share)
         return self._share or None
+
+
+def _failed_lately(path: Path) -> bool:
+    """Whether a process of this worker met a failure within :data:`RECOVERY_S` (the
+    outage file's modification time: each failure touches it)."""
+    try:
+        return time.time() - path.stat().st_mtime < RECOVERY_S
+    except OSError:
+        return False
 
 
 def ping_fleet(app: Any) -> int:

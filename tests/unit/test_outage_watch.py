@@ -1,0 +1,78 @@
+"""The outage of the limiter's Redis as one worker's processes see it
+(:class:`throttle.celery.outage.OutageWatch`): a Redis that refuses writes (out of memory
+under ``noeviction``) still answers the calls that write nothing, so failures and
+answers alternate. The outage must last through them (its start kept, so that
+``allow``'s bound comes; one warning, one "back"), and end once Redis has answered for
+``RECOVERY_S`` with no failure in any process of the worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from throttle.celery import outage
+from throttle.celery.outage import WORKER_ENV, OutageWatch
+from throttle.config import Settings
+from throttle.errors import BackendUnavailable
+
+RECOVERY_S = 0.2
+
+
+@pytest.fixture
+def watches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[OutageWatch, OutageWatch, list[str]]:
+    """Two processes of one worker (sharing its outage file), and the on_recovery calls."""
+    monkeypatch.setattr(outage, "RECOVERY_S", RECOVERY_S)
+    monkeypatch.setattr(outage, "MARKER_LOOK_S", 0.0)
+    monkeypatch.setenv(WORKER_ENV, f"test-{time.monotonic_ns()}")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path_factory.mktemp("outage")))
+    checks: list[str] = []
+    settings = Settings(prefix="test")
+
+    def watch(name: str) -> OutageWatch:
+        return OutageWatch(settings, on_recovery=lambda: checks.append(name), count_fleet=lambda: 1)
+
+    return watch("a"), watch("b"), checks
+
+
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(text in record.getMessage() for record in caplog.records)
+
+
+def test_answers_between_failures_do_not_end_the_outage(
+    watches: tuple[OutageWatch, OutageWatch, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b, checks = watches
+    refused = BackendUnavailable("OOM command not allowed when used memory > 'maxmemory'")
+    caplog.set_level(logging.WARNING, "throttle")
+    a.note(refused)
+    began = a.since()
+    # a denial that wrote nothing, then a write refused again, for longer than RECOVERY_S
+    deadline = time.monotonic() + 3 * RECOVERY_S
+    while time.monotonic() < deadline:
+        a.note(None)
+        b.note(None)  # a process that only reads (the releaser's empty poll)
+        time.sleep(RECOVERY_S / 4)
+        a.note(refused)
+    assert a.since() == began  # the same outage all along: allow's bound counts from it
+    assert b._read_start(0.0) == began
+    assert lines(caplog, "Redis is unreachable") == 1
+    assert lines(caplog, "reachable again") == 0
+    assert checks.count("a") == 1  # the cold-start check at the first answer, once
+    # Answers alone for RECOVERY_S (in every process): the outage ends, said once.
+    a.note(None)
+    time.sleep(RECOVERY_S * 1.5)
+    b.note(None)
+    a.note(None)
+    b.note(None)
+    assert lines(caplog, "reachable again") == 1
+    assert a.since() > began  # no outage: "now"
+    assert a.file is not None and not a.file.exists()
+    # A new outage is a new one: its own start, warned again.
+    time.sleep(0.01)
+    a.note(refused)
+    assert a.since() > began
+    assert lines(caplog, "Redis is unreachable") == 2
