@@ -258,3 +258,59 @@ def test_a_limit_a_task_names_that_the_file_lacks_stops_the_worker_naming_the_ta
         "throttle: limits.yaml: task 'proj.celery.complete' names a limit the file does not "
         "define; it defines api (got 'tokens')"
     ), done.stderr
+
+
+def test_a_limiter_redis_that_evicts_keys_is_named_at_start_and_in_status(
+    tmp_path: Path,
+) -> None:
+    """Under an evicting ``maxmemory-policy`` a limit's state, a lease or a parked task can
+    vanish without a trace: the worker warns when it starts, and ``status`` says so; a
+    Redis that does not evict (no ``maxmemory``) gets neither."""
+    from tests.support.servers import RedisServer  # noqa: PLC0415
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "celery.py").write_text(
+        APP.replace('"memory://"', 'os.environ["LIMITER_URL"]').replace(
+            "from celery import Celery", "import os\n\nfrom celery import Celery"
+        )
+    )
+    (tmp_path / "limits.yaml").write_text("limits:\n  api: {rate: 10/s}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("THROTTLE_", "CELERY_"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    warning = "the limiter's Redis evicts keys when it is full (maxmemory-policy allkeys-lru)"
+    for args, evicts in (
+        (("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"), True),
+        ((), False),
+    ):
+        with RedisServer(args) as server:
+            env["LIMITER_URL"] = server.url
+            status = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "proj", "throttle", "status",
+                 "--timeout", "0"],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                check=False,
+            )  # fmt: skip
+            assert status.returncode == 0, status.stderr
+            assert (f"WARNING  {warning}" in status.stdout) is evicts, status.stdout
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "proj", "worker", "--without-mingle",
+                 "--without-gossip", "-P", "solo", "-l", "INFO"],
+                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            watchdog = threading.Timer(60, worker.kill)  # a worker that never starts: no hang
+            watchdog.start()
+            try:
+                assert worker.stderr is not None
+                seen = []
+                for line in worker.stderr:  # ends when it is killed
+                    seen.append(line)
+                    if " ready." in line:  # Celery's own line, once its steps started
+                        break
+            finally:
+                watchdog.cancel()
+                worker.kill()
+                worker.communicate(timeout=30)
+            assert any(" ready." in line for line in seen), seen[-4:]
+            assert any(warning in line for line in seen) is evicts, seen

@@ -45,6 +45,7 @@ from throttle.celery.waiting import WaitStep
 from throttle.config import MAPPING_SOURCE, ThrottleConfig
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.clock import record_clock
+from throttle.redis.memory import eviction_policy, eviction_warning
 
 CLOCK_WARN_S = 0.5
 """A worker whose wall clock is further than this from the Redis clock (s) warns at start."""
@@ -102,6 +103,9 @@ class ThrottleStep(bootsteps.StartStopStep):  # type: ignore[misc]
             throttler.limiter.mark_started()
             throttler.check_cold_start()
             check_clock(throttler, worker.hostname)
+            policy = eviction_policy(throttler.limiter.client)
+            if policy is not None:
+                logger.warning("throttle: %s", eviction_warning(policy))
         except BackendError as exc:  # a worker starts while Redis is down: it may
             throttler.outage(exc)
 

@@ -36,6 +36,7 @@ from throttle.cli.base import (
 from throttle.errors import BackendError, ConfigError
 from throttle.redis.client import wrap_errors
 from throttle.redis.clock import REFRESH_S, read_clocks
+from throttle.redis.memory import eviction_policy, eviction_warning
 from throttle.redis.urls import describe
 from throttle.rules import Rule
 from throttle.spec import Limit
@@ -162,6 +163,7 @@ def collect_status(
         )
     return {
         "redis": describe(limiter.client),  # host, port, database: never the password
+        "evicts": eviction_policy(limiter.client),  # an evicting maxmemory-policy, or None
         "prefix": limiter.keyspace.prefix,
         "namespace": limiter.keyspace.namespace,
         "config": throttler.config.source,
@@ -331,6 +333,8 @@ def render_status(data: Mapping[str, Any], timeout_s: float) -> str:
         f"redis    {data['redis']}  prefix {data['prefix']}  namespace {data['namespace']}"
         f"  limits file {data['config'] or '(none)'}"
     )
+    if data.get("evicts"):
+        out.append(f"WARNING  {eviction_warning(data['evicts'])}")
     return "\n".join(out)
 
 
