@@ -372,3 +372,32 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
         fleet.cli("enforce", "trial", "--default")
     fleet.cli("clear", "tiers", "--key", "acme")
     until(lambda: not browser.find_elements(By.CSS_SELECTOR, ".key-rate"), 10, "the rate cleared")
+
+
+def test_the_page_warns_of_a_limiter_redis_that_evicts_keys(
+    fleet: Fleet, browser: WebDriver
+) -> None:
+    # Given the fleet's Redis set to evict keys when full (this test's own server)
+    url = fleet.page()
+    browser.get(url + "/")
+    until(lambda: browser.find_elements(By.CSS_SELECTOR, "tr[data-limit]"), 15, "a row")
+    assert not browser.find_element(By.ID, "warning").is_displayed()
+    fleet.client.config_set("maxmemory", "1gb")
+    fleet.client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        # Then the page names the policy at its next snapshot
+        shown = until(
+            lambda: (
+                browser.find_element(By.ID, "warning").is_displayed()
+                and browser.find_element(By.ID, "warning").text
+            ),
+            15,
+            "the eviction warning",
+        )
+        assert "maxmemory-policy allkeys-lru" in shown
+        assert state(url)["evicts"] == "allkeys-lru"
+    finally:
+        fleet.client.config_set("maxmemory-policy", "noeviction")
+        fleet.client.config_set("maxmemory", "0")
+    # And it goes away when the Redis no longer evicts
+    until(lambda: not browser.find_element(By.ID, "warning").is_displayed(), 15, "no warning")

@@ -174,6 +174,12 @@ function draw(data) {
   if (data.error || !data.limits) return;
   document.getElementById("where").textContent =
     `redis ${data.redis} · namespace ${data.namespace} · limits file ${data.config || "(none)"}`;
+  const warning = document.getElementById("warning");
+  warning.hidden = !data.evicts;
+  warning.textContent = data.evicts
+    ? `The limiter's Redis evicts keys when it is full (maxmemory-policy ${data.evicts}): ` +
+      "a limit's state, a lease or a parked task can vanish. Set maxmemory-policy noeviction."
+    : "";
   const body = document.querySelector("#limits tbody");
   body.replaceChildren(...data.limits.map(limit => row(limit, data.history || [])));
   document.getElementById("footer").textContent =
