@@ -116,6 +116,9 @@ ACL_COMMANDS = (
     # redis-py's health checks (it also sends CLIENT SETINFO on Redis 7.2+, and ignores
     # a refusal: add +client|setinfo there to keep it out of the ACL log)
     "ping",
+    # a worker at start, and `status`, read whether the Redis may evict keys (INFO memory:
+    # throttle.redis.memory)
+    "info",
 )  # fmt: skip
 ACL_CLUSTER_COMMANDS = ("cluster|slots", "command")
 """What redis-py's cluster client sends when it connects, beyond :data:`ACL_COMMANDS`: it
