@@ -170,6 +170,32 @@ def test_a_bad_tls_option_is_a_config_error_naming_where_the_url_came_from(
         AsyncLimiter.from_url("http://:hunter2@127.0.0.1:6380/0")
 
 
+def test_a_client_certificate_tls_cannot_load_is_a_config_error_naming_it(
+    tls_files: TlsFiles,
+) -> None:
+    """A client certificate without its key (or with another certificate's key) fails at
+    every connection with OpenSSL's bare ``[SSL] PEM lib``, which reads as an outage
+    (on_redis_down, forever): refused when the limiter is built, naming the options."""
+    base = f"rediss://:hunter2@127.0.0.1:6380/0?ssl_ca_certs={tls_files.ca}"
+    cases = [
+        (f"&ssl_certfile={tls_files.client_cert}", "ssl_certfile must hold a PEM certificate "
+         "and its own private key"),
+        (f"&ssl_certfile={tls_files.client_cert}&ssl_keyfile={tls_files.key}",
+         f"ssl_certfile and ssl_keyfile ({tls_files.key}) must hold"),
+        (f"&ssl_keyfile={tls_files.client_key}", "give the certificate as ssl_certfile too"),
+    ]  # fmt: skip
+    for query, problem in cases:
+        for limiter in (Limiter, AsyncLimiter):
+            with pytest.raises(ConfigError) as caught:
+                limiter.from_url(base + query)
+            message = str(caught.value)
+            assert "field 'redis_url'" in message and problem in message, message
+            assert "hunter2" not in message
+    # the certificate with its own key: built (it connects on its first call)
+    query = f"&ssl_certfile={tls_files.client_cert}&ssl_keyfile={tls_files.client_key}"
+    Limiter.from_url(base + query).client.close()
+
+
 # -- TLS and ACL -----------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -190,6 +191,35 @@ def check_options(url: str) -> None:
                 raise ConfigError(
                     f"{name} names no {kind} on this host", field="redis_url", value=value
                 )
+    check_client_certificate(dict(parse_qsl(parsed.query, keep_blank_values=True)))
+
+
+def check_client_certificate(options: dict[str, str]) -> None:
+    """Refuse a client certificate (mutual TLS) that TLS cannot load: ``ssl_certfile``
+    without its private key (in the file itself or ``ssl_keyfile``), a key that is not the
+    certificate's, a file that is no PEM, ``ssl_keyfile`` alone. redis-py would fail at
+    every connection with OpenSSL's ``[SSL] PEM lib``, read as an outage."""
+    certfile, keyfile = options.get("ssl_certfile"), options.get("ssl_keyfile")
+    if certfile is None:
+        if keyfile is not None:
+            raise ConfigError(
+                "ssl_keyfile is the private key of a client certificate: give the "
+                "certificate as ssl_certfile too", field="redis_url", value=keyfile,
+            )  # fmt: skip
+        return
+    password = options.get("ssl_password")
+    try:
+        # password: never OpenSSL's prompt on the terminal for an encrypted key
+        ssl.create_default_context().load_cert_chain(
+            certfile, keyfile, password=(lambda: password or "")
+        )
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        holds = f"ssl_certfile and ssl_keyfile ({keyfile})" if keyfile else "ssl_certfile"
+        raise ConfigError(
+            f"the client certificate cannot be loaded: {holds} must hold a PEM certificate "
+            f"and its own private key (unencrypted, or with ssl_password) ({exc})",
+            field="redis_url", value=certfile,
+        ) from None  # fmt: skip
 
 
 _ENCODE = (
