@@ -38,6 +38,7 @@ from throttle.cli import throttle
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
 from throttle.redis.client import run_script
+from throttle.redis.memory import eviction_policy
 from throttle.redis.urls import LazyCluster, acl_rules, cluster_client
 from throttle.stats import StatsBook
 
@@ -599,3 +600,30 @@ def test_a_plain_url_of_a_cluster_node_says_to_use_a_cluster_url(
     # Then a node that does not hold them answers MOVED, which names the fix
     assert errors, "every node served the call"
     assert all("use a redis+cluster:// URL" in error for error in errors), errors
+
+
+def test_an_evicting_policy_on_any_master_is_found_and_named(
+    nodes: list[redis.Redis], namespace: str
+) -> None:
+    """redis-py sends ``INFO`` to one node (its default), not necessarily the master of the
+    namespace's slot: every node is read, and the one that evicts is named."""
+    limiter = Limiter.from_url(
+        "redis+cluster://" + ",".join(
+            f"127.0.0.1:{node.connection_pool.connection_kwargs['port']}" for node in nodes
+        ),
+        namespace=namespace,
+    )  # fmt: skip
+    try:
+        assert eviction_policy(limiter.client) is None
+        for node in nodes:  # each master in turn, the default node among them
+            port = node.connection_pool.connection_kwargs["port"]
+            node.config_set("maxmemory", "512mb")
+            node.config_set("maxmemory-policy", "volatile-lru")
+            try:
+                assert eviction_policy(limiter.client) == f"volatile-lru on 127.0.0.1:{port}"
+            finally:
+                node.config_set("maxmemory-policy", "noeviction")
+                node.config_set("maxmemory", "0")
+        assert eviction_policy(limiter.client) is None
+    finally:
+        limiter.client.close()
