@@ -140,6 +140,10 @@ def test_threads_drawing_from_one_stock_take_each_unit_once(app: Celery) -> None
         for i in range(40):
             run(call, f"w{n}-{i}")
 
+    # The task is built on first use (a proxy until the app is finalized): built here, not
+    # by eight threads at once, one of which could find it half bound (no request stack).
+    app.finalize()
+    assert call.request_stack is not None
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
     for thread in threads:
         thread.start()
