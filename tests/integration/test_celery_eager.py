@@ -135,19 +135,30 @@ def test_an_eager_task_denied_a_concurrency_unit_runs_when_one_comes_back(
 def test_an_eager_task_that_waits_for_a_unit_past_its_deadline_names_no_made_up_time(
     app: Celery,
 ) -> None:
+    done = threading.Event()
+
     @app.task(shared=False)
     @throttled("pair", max_wait=0.3)
     def hold(x: int) -> int:
-        time.sleep(1.0)
+        done.wait(30)
         return x
 
-    # Given both units of "pair" (2 concurrent) held for 1 s, a third call with 0.3 s to
-    # wait times out, and says that no time is known (not the 1 s it rechecks every)
+    # Given both units of "pair" (2 concurrent) held, a third call with 0.3 s to wait
+    # times out, and says that no time is known (not the 1 s it rechecks every)
+    pair = Throttler.of(app).config.rule("pair").limit
     with ThreadPoolExecutor(2) as pool:
         holders = [pool.submit(lambda i=i: hold.apply((i,)).result) for i in range(2)]
-        time.sleep(0.2)
-        with pytest.raises(ThrottleTimeout, match="pair did not admit the task by its deadline"):
-            hold.apply((3,), throw=True).get()
+        try:
+            deadline = time.monotonic() + 30
+            while Throttler.of(app).limiter.peek(pair).remaining > 0:  # both bodies started
+                assert time.monotonic() < deadline, "the two holders never took the units"
+                time.sleep(0.01)
+            with pytest.raises(
+                ThrottleTimeout, match="pair did not admit the task by its deadline"
+            ):
+                hold.apply((3,), throw=True).get()
+        finally:
+            done.set()
         assert sorted(h.result() for h in holders) == [0, 1]
 
 
