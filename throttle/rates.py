@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from throttle.errors import ConfigError, RequestError
+from throttle.errors import BackendError, ConfigError, RequestError
 from throttle.redis.client import RedisClient, wrap_errors
 from throttle.redis.keys import KeySpace, decode_hold_field
 from throttle.spec import Limit
@@ -400,7 +400,7 @@ class RateBook(RateBookBase):
         cache itself (read it, never change it)."""
         now = self._stale()
         if now is not None:
-            self._read(*self._fetch(), now)
+            self._refresh(now)
         return self._modes
 
     def modes(self) -> dict[str, str]:
@@ -451,8 +451,18 @@ class RateBook(RateBookBase):
         """
         now = self._stale()
         if now is not None:
-            self._read(*self._fetch(), now)
+            self._refresh(now)
         return self._resolve_key(limit, key)
+
+    def _refresh(self, now: float) -> None:
+        """Read the book again; when Redis fails, keep what was read and try again
+        ``refresh_s`` later, not on every call (a hung Redis makes each call wait for
+        its socket timeout), and raise."""
+        try:
+            self._read(*self._fetch(), now)
+        except BackendError:
+            self._read_at = now
+            raise
 
 
 def _is_limit(limit: object) -> None:

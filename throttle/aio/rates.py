@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import redis.asyncio
 
+from throttle.errors import BackendError
 from throttle.rates import RateBookBase
 from throttle.redis.client import wrap_errors_async
 from throttle.redis.keys import KeySpace
@@ -124,7 +125,11 @@ class RateBook(RateBookBase):
         ``key``'s own when given and stored, else the limit's."""
         now = self._stale()
         if now is not None:
-            self._read(*await self._fetch(), now)
+            try:
+                self._read(*await self._fetch(), now)
+            except BackendError:  # try again refresh_s later, not on every call
+                self._read_at = now
+                raise
         return self._resolve_key(limit, key)
 
     async def _fetch(

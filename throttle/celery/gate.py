@@ -57,6 +57,7 @@ from throttle.celery.deadlines import (
 from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.lateness import tolerance_s, too_late
 from throttle.celery.message import planned_header
+from throttle.celery.outage import NotAsked
 from throttle.celery.plan import Plan, due_wait_s, plan_at
 from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
@@ -129,7 +130,11 @@ class Gate:
             # Only limits in shadow mode: a ticket without acquisition, for the upstream's
             # refusals reported from the body (their twins held, the task back as enforced).
             return None if pairs is None else Ticket(None, (), time.time(), shadowing=pairs)
+        breaker = execution.throttler.breaker
         try:
+            # Before any call to Redis (the rates in force too): NotAsked after calls in
+            # a row failed (outage.Breaker), and on_redis_down applies at once.
+            breaker.check()
             drop_second_copy(execution)
             if not self._take_evaluation(admission):
                 self.evaluate()
@@ -145,6 +150,8 @@ class Gate:
             if self.rule_set.guarded:
                 self._space()
         except BackendError as exc:
+            if not isinstance(exc, NotAsked):
+                breaker.failed()
             run_while_down(execution, exc)
             # Run while Redis is away: nothing to settle, but a ticket all the same, so
             # that an upstream's refusal seen by the body brings the task back through
@@ -290,6 +297,7 @@ class Gate:
             lease_s=lease_s(execution),
             reserve_until=reserve_until,
         )
+        execution.throttler.breaker.answered()
         if decision.held and not decision.allowed and decision.acquisition is not None:
             self.limiter.settle(decision.acquisition, None)
         return decision

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from throttle.config import Settings
-from throttle.errors import BackendError
+from throttle.errors import BackendError, BackendUnavailable
 from throttle.fallback import LocalBuckets
 
 logger = logging.getLogger("throttle")
@@ -200,6 +200,52 @@ class OutageWatch:
             if self._share:
                 logger.info("throttle: local fallback shared by %d processes", self._share)
         return self._share or None
+
+
+PROBE_S = 1.0
+"""After :data:`TRIP_AFTER` calls in a row failed, how long a process's gates fail at once
+instead of asking Redis, in s; then one call asks again."""
+TRIP_AFTER = 2
+"""How many calls in a row must fail before a process stops asking Redis for a while."""
+
+
+class NotAsked(BackendUnavailable):
+    """Redis was not asked: its last calls from this process failed (:class:`Breaker`)."""
+
+
+class Breaker:
+    """Whether a process asks Redis at all, for its gates' acquisitions. A Redis that
+    hangs makes each call wait for the socket timeout (5 s), and a Redis Cluster slot in
+    migration makes it retry for about 0.4 s: asked for every task, a worker's consumer
+    holds its prefetched backlog, unacknowledged, that long per task, past the broker's
+    visibility timeout (which then delivers it twice). So after :data:`TRIP_AFTER`
+    failures in a row, calls fail at once (:class:`NotAsked`, and ``on_redis_down``
+    applies) for :data:`PROBE_S`, then one asks again. The price: after a short blip
+    that failed two calls, a second of tasks goes by ``on_redis_down`` without asking.
+    One per process (its threads share it: a race costs at most one more call)."""
+
+    def __init__(self) -> None:
+        self._failures = 0
+        self._failed_at = -math.inf  # monotonic s
+
+    def check(self) -> None:
+        """Raise :class:`NotAsked` while Redis is not to be asked."""
+        if self._failures >= TRIP_AFTER:
+            ago = time.monotonic() - self._failed_at
+            if ago < PROBE_S:
+                raise NotAsked(
+                    f"Redis is unreachable: {self._failures} calls in a row failed, the "
+                    f"last {ago:.1f} s ago (not asked again before {PROBE_S:g} s after it)"
+                )
+
+    def failed(self) -> None:
+        """A call failed (Redis unreachable, or answering with an error)."""
+        self._failures += 1
+        self._failed_at = time.monotonic()
+
+    def answered(self) -> None:
+        """A call was answered."""
+        self._failures = 0
 
 
 def _failed_lately(path: Path) -> bool:

@@ -21,7 +21,7 @@ from celery.utils.collections import ConfigurationView, DictAttribute
 from throttle.adaptive import LearnedRates
 from throttle.celery.estimates import Estimates
 from throttle.celery.observe import Observers, TaskTrailReporter, default_observers
-from throttle.celery.outage import WORKER_ENV, OutageWatch, ping_fleet
+from throttle.celery.outage import WORKER_ENV, Breaker, OutageWatch, ping_fleet
 from throttle.celery.routing import check_routing, has_consumer_tags
 from throttle.celery.ruleset import RuleSet
 from throttle.celery.stock import Stocks
@@ -235,6 +235,9 @@ class Throttler:
         self.task_time_limit: float | None = app.conf.task_time_limit
         """The app's ``task_time_limit`` (s), read once: a lookup in the app's settings
         costs more than the rest of the lease's computation, on every task."""
+        self.breaker = Breaker()
+        """Whether this process's gates ask Redis at all
+        (:class:`~throttle.celery.outage.Breaker`)."""
         self.watch = OutageWatch(
             self.settings, on_recovery=self.check_cold_start, count_fleet=lambda: ping_fleet(app)
         )

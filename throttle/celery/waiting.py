@@ -94,6 +94,7 @@ from throttle.celery.message import (
     not_before_header,
     queue_of,
 )
+from throttle.celery.outage import NotAsked
 from throttle.celery.runtime import (
     RABBITMQ_CONSUMER_TIMEOUT_S,
     Throttler,
@@ -306,7 +307,11 @@ class Waiting:
         request, gate = pending.request, pending.gate
         if request.revoked():
             return None
+        breaker = self.throttler.breaker
         try:
+            # Not while Redis fails call after call (outage.Breaker): a hung Redis would
+            # hold the consumer, and its unacknowledged backlog, for each task.
+            breaker.check()
             if pending.stale and gate.modes_changed():
                 # A limit switched to shadow or enforce while the task waited: its rules
                 # as they are now; with none enforced, it runs at once.
@@ -327,6 +332,8 @@ class Waiting:
             # in-memory throttler) a far slot is reserved, as the pool's gate would.
             decision = gate.admit(near_s=horizon if self.line is not None else None)
         except Exception as exc:
+            if isinstance(exc, BackendError) and not isinstance(exc, NotAsked):
+                breaker.failed()
             self._undecided(request, exc)
             self._to_pool(request)
             return None
