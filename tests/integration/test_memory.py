@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from tests.support.clock import FakeClock
-from throttle import Decision, KeySpace, Limit, Limiter, RequestError
+from throttle import Algorithm, Decision, KeySpace, Limit, Limiter, RequestError
 from throttle.adaptive import Adaptive, LearnedRates
 from throttle.memory import MemoryLimiter
 
@@ -176,3 +176,25 @@ def test_a_give_back_leaves_a_record_found_since_to_its_finder_as_the_scripts_do
         assert limiter.peek(conc, "b").remaining == 1
         assert found.acquisition is not None
         assert limiter.settle(found.acquisition, 0.0).status == "settled"
+
+
+def test_a_window_whose_period_grew_replies_the_scripts_durations(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    # A window limit's period changed at run time (1 per 50 ms, then 1 per minute): the
+    # window index stored under the short period reads as a window far ahead under the
+    # long one (as after a clock stepped back), and the scripts reply durations of
+    # thousands of years (beyond 2**52 us) as they compute them. The model capped every
+    # duration at 1e18 us and disagreed (found by test_model_more.py).
+    for algorithm in (Algorithm.SLIDING_WINDOW, Algorithm.FIXED_WINDOW):
+        fast = Limit(f"w-{algorithm.value}", algorithm, 1.0, 0.05)
+        slow = Limit(f"w-{algorithm.value}", algorithm, 1.0, 60.0)
+        answers = [
+            (one.acquire(fast), one.acquire(slow), one.peek(slow))
+            for one in (
+                Limiter(client, prefix=prefix, clock_us=clock),
+                MemoryLimiter(prefix=prefix, clock_us=clock),
+            )
+        ]
+        assert answers[1] == answers[0]
+        assert answers[0][1].reset_after_s > 1e12  # the scripts' reply, not a cap

@@ -64,7 +64,9 @@ class Fair:
         near = max(self.HORIZON_US, (burst + 1) * interval)
         due = max(tk, now) + (cost - 1) * key_interval - near
         horizon = min(max_wait, near)
-        mode, allowed, wait, retry, after, start = 3, 0, 0, 0, t, plan
+        wait: float = 0
+        retry: float = 0
+        mode, allowed, after, start = 3, 0, t, plan
         if due <= now and slot - now <= horizon:
             mode, allowed, wait, after = 1, 1, ceil_us(slot - now), t + cost * interval
         elif due > now and slot <= now:

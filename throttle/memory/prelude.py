@@ -11,14 +11,17 @@ from typing import Any, Protocol
 from throttle.redis.wire import target_args
 from throttle.spec import Limit
 
-_MAX_US = 1e18
-"""The longest duration held, in us (about 31,700 years): a state that far in the future is
-as good as forever, and infinity has no integer."""
+_WHOLE = 2.0**52
+"""From here on every double is a whole number (or infinity)."""
 
 
-def ceil_us(x: float) -> int:
-    """A duration in us rounded up to a whole us, never negative (prelude.lua's)."""
-    return 0 if x <= 0 else math.ceil(min(x, _MAX_US))
+def ceil_us(x: float) -> float:
+    """A duration in us rounded up to a whole us, never negative (prelude.lua's): an int,
+    but a duration of 2**52 us (142 years) or more is returned as it is, as the script
+    returns it (a double that large is whole already; infinity has no int), not capped."""
+    if x <= 0:
+        return 0
+    return x if x >= _WHOLE else math.ceil(x)
 
 
 @dataclass

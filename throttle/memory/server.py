@@ -368,7 +368,7 @@ class MemoryRedis:
                 at = max(at, next_at)
         for key, spacing, unit_now in zip(keys, spacings, units, strict=False):
             self.spaced[key] = (at + spacing, at, unit_now)
-        return ceil_us(at - now)
+        return int(ceil_us(at - now))  # a Lua number replied: an integer reply
 
     def _accept_parked(self, code: str | None, keys: list[str], args: list[Any]) -> int:
         # SET NX, or the same publish id again: a copy released once runs (never parked
