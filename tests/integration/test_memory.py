@@ -198,3 +198,29 @@ def test_a_window_whose_period_grew_replies_the_scripts_durations(
         ]
         assert answers[1] == answers[0]
         assert answers[0][1].reset_after_s > 1e12  # the scripts' reply, not a cap
+
+
+def test_text_replies_carry_durations_as_lua_writes_them(
+    client: redis.Redis, prefix: str, clock: FakeClock
+) -> None:
+    # peek.lua's reply and acquire.lua's held and voided replies are text, their durations
+    # written by Lua's '..' ('%.14g'): exact up to 1e14 us (3 years), 14 digits beyond.
+    # A hold of 5 years (not a pause, which reads as inf) shows it: the model wrote every
+    # digit, and a peek's retry_after_s differed by 5 us (found by test_model_more.py).
+    gcra = Limit.parse("5/s burst 1", name="api", algorithm="gcra")
+    both = (
+        Limiter(client, prefix=prefix, clock_us=clock),
+        MemoryLimiter(prefix=prefix, clock_us=clock),
+    )
+    answers: list[list[object]] = []
+    for one in both:
+        reserved = one.acquire_many([(gcra, "k")], max_wait_s=1, acquisition_id="t1")
+        again = one.acquire_many([(gcra, "k")], max_wait_s=1, acquisition_id="t2")
+        answers.append([reserved, again, one.hold(gcra, "k", 5 * 365 * 86400.0)])
+    clock.now_us += 12_345  # the hold's end is 15 digits of us away, and not round
+    for one, answer in zip(both, answers, strict=True):
+        answer.append(one.peek(gcra, "k"))
+        answer.append(one.acquire_many([(gcra, "k")], max_wait_s=1, acquisition_id="t2"))
+    assert answers[1] == answers[0]
+    voided = answers[0][-1]
+    assert isinstance(voided, Decision) and voided.held and not voided.allowed

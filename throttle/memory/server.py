@@ -39,6 +39,12 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _lua(number: float) -> str:
+    """A number as Lua's ``..`` makes it text ('%.14g'): the scripts' text replies carry
+    durations so (exact below 1e14 us, 3 years; to 14 digits beyond)."""
+    return f"{number:.14g}"
+
+
 def _number(value: Any) -> float | None:
     """Lua's ``tonumber`` of an ARGV value (None for '')."""
     text = _text(value)
@@ -285,10 +291,10 @@ class MemoryRedis:
         if outcome[0] == "mismatch":
             return b"3"
         if outcome[0] == "voided":
-            return f"4 {outcome[1]} {outcome[2]}".encode()
+            return f"4 {outcome[1]} {_lua(outcome[2])}".encode()
         if outcome[0] == "redelivered":
             _, wait, retry, reserved = outcome
-            return " ".join(["1", "1", str(wait), str(retry), *map(repr, reserved)]).encode()
+            return " ".join(["1", "1", _lua(wait), _lua(retry), *map(repr, reserved)]).encode()
         allowed, _, wait, retry, per_limit = outcome
         if allowed and record is not None:
             # PEXPIRE ttl_ms(expiry - now) - 1000, on the server's clock.
@@ -323,7 +329,8 @@ class MemoryRedis:
         hold = self._hold_until(keys[0], args[10], args[11])
         if hold > now:
             allowed, retry = 0, max(retry, ceil_us(hold - now))
-        return f"0 {allowed} {now_state['remaining']!r} {retry} {now_state['reset']}".encode()
+        remaining, reset = now_state["remaining"], now_state["reset"]
+        return f"0 {allowed} {remaining!r} {_lua(retry)} {_lua(reset)}".encode()
 
     def _hold(self, code: str | None, keys: list[str], args: list[Any]) -> bytes:
         now = self._now(args[0])
