@@ -49,7 +49,9 @@ class Gcra:
         new_tat = r["new_tat"]
         interval = p.period_us / p.count
         if at is not None and at > r["tat"]:
-            new_tat = at + cost * interval
+            # cost * period_us / count, not cost * interval: the script's order of the
+            # operations (the two may round apart, and the TAT with them)
+            new_tat = at + cost * p.period_us / p.count
             r["reset"] = ceil_us(new_tat - now)
             r["remaining"] = max(p.burst - (new_tat - now) / interval, 0.0)
         self.state[key] = (new_tat, interval)
@@ -58,4 +60,4 @@ class Gcra:
     def adjust(self, key: str, p: Params, now: float, delta: float, mark: str, holder: str) -> None:
         interval = p.period_us / p.count
         tat = self.tat(key, now, interval)
-        self.state[key] = (max(now, tat + delta * interval), interval)
+        self.state[key] = (max(now, tat + delta * p.period_us / p.count), interval)
