@@ -9,9 +9,10 @@ little as Redis TIME may): acquire, acquire_many over one to three limits (of di
 algorithms, keyed or not, a cost per limit), acquire_batch, acquire_each, reservations by
 max_wait_s and by reserve_until, acquisition ids reused (a redelivered task: ``held``; a
 hold placed since: voided), settles above and below the reservation (and None per
-limit), releases, holds, pauses and unholds, peeks and holds(), and concurrency leases
-that end on the test clock. Every answer (Decision, Settlement, LimitState, the seconds
-of a hold, the holds, the error raised) must be equal.
+limit), releases, holds, pauses and unholds, peeks and holds(), the spacing guard
+(space), and concurrency leases that end on the test clock. Every answer (Decision,
+Settlement, LimitState, the seconds of a hold, the holds, the spacing guard's wait, the
+error raised) must be equal.
 
 Lease records expire on the server's wall clock in both (Redis PEXPIRE,
 MemoryRedis.clock_us): the leases drawn here (30 s and more) outlive an example on the
@@ -141,6 +142,7 @@ OPS = st.one_of(
     st.tuples(st.just("unhold"), st.integers(0, 9), st.sampled_from(KEYS)),
     st.tuples(st.just("peek"), PICK),
     st.tuples(st.just("peek"), PICK) | st.tuples(st.just("holds")),
+    st.tuples(st.just("space"), st.lists(PICK, min_size=1, max_size=2)),
 )
 
 
@@ -300,6 +302,13 @@ def run_world(
                 both(i, op, "peek", limit, key, cost=cost)
             elif kind == "holds":
                 both(i, op, "holds")
+            elif kind == "space":
+                # the spacing guard (lua/space.lua): its keys live a second or more on the
+                # wall clock in Redis, longer than an example
+                spaced = []
+                for limit, key, *own in world.targets(op[1]):
+                    spaced.append((limit, key, own[0] if own else 1.0))
+                both(i, op, "space", spaced)
     finally:
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:
