@@ -221,6 +221,9 @@ if allowed == 1 then
     end
   end
   if acq then
+    -- A record of the same id settled before (a task that came back under its id) goes:
+    -- its fields ('f', found by a redelivery; another acquisition's limits) are not this one's.
+    redis.call('DEL', KEYS[#KEYS])
     redis.call('HSET', KEYS[#KEYS], unpack(record))
     redis.call('PEXPIRE', KEYS[#KEYS], ttl_ms(expiry - now) - 1000)
   end

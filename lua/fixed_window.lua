@@ -3,9 +3,14 @@
 -- window edge up to 2 x count can pass within a short time, so use GCRA or a token bucket
 -- to shape short-term traffic and this for the quota on top.
 --
--- State: one STRING per (limit, key): w = window index floor(now / period_us) and n = the
--- cost counted in it, packed as two doubles (struct '<dd'; one SET ... PX writes state and
--- TTL). The key expires when its window ends: set by the window's first write, the TTL
+-- State: one STRING per (limit, key): w = window index floor(now / period_us), n = the
+-- cost counted in it and the period_us it counts in, packed as three doubles (struct
+-- '<ddd'; '<dd' by older versions, read as of the period now; one SET ... PX writes state
+-- and TTL). A period changed since (a rate set at run time, a key moved to another plan)
+-- makes the stored index one of other units: its count stays counted, in the window of
+-- the new period, while its own window runs (a per-minute index read as hours would be
+-- a window thousands of years ahead, denying everything until the key expired). A denial
+-- meanwhile names the new window's end, though the old window may end sooner. The key expires when its window ends: set by the window's first write, the TTL
 -- is kept by the others (SETRANGE: see lifetime in prelude.lua). Reservation is not supported (max_wait is
 -- ignored). mark (kept in the lease record) = the window index the cost was counted in, so
 -- that a refund only returns cost to the window that paid.
@@ -23,7 +28,12 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
   end
   if s then
     local stored, stored_n = struct.unpack('<dd', s)
-    if stored >= w then
+    local stored_p = #s >= 24 and struct.unpack('<d', s, 17) or period_us
+    if stored_p ~= period_us then
+      if (stored + 1) * stored_p > now then
+        n = stored_n
+      end
+    elseif stored >= w then
       w, n, same = stored, stored_n, true
     end
   end
@@ -39,7 +49,7 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
 end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, n, same)
-  store(k, struct.pack('<dd', w, n + cost),
+  store(k, struct.pack('<ddd', w, n + cost, period_us),
         not (same and REDIS_CLOCK) and ttl_ms((w + 1) * period_us - now))
   return w
 end

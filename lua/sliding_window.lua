@@ -5,8 +5,12 @@
 -- (Cloudflare's approximation). It removes the 2 x burst of a fixed window at its edge.
 --
 -- State: one STRING per (limit, key): w = the current window index, c = its count, p = the
--- count of window w - 1, packed as three doubles (struct '<ddd'; one SET ... PX writes
--- state and TTL). The key expires when its count no longer weighs on the estimate, at the
+-- count of window w - 1 and the period_us they count in, packed as four doubles (struct
+-- '<dddd'; '<ddd' by older versions, read as of the period now; one SET ... PX writes
+-- state and TTL). A period changed since (a rate set at run time, a key moved to another
+-- plan) makes the stored index one of other units: the stored window's count stays
+-- counted, in full in the current window, while its own window runs (a denial meanwhile
+-- names when the new windows' estimate lets it in, though the old window may end sooner). The key expires when its count no longer weighs on the estimate, at the
 -- end of window w + 1: set by the window's first write, the TTL is kept by the others
 -- (SETRANGE: see lifetime in prelude.lua). Reservation is not supported (max_wait ignored).
 -- mark = the window index the cost was counted in.
@@ -24,7 +28,12 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
   end
   if s then
     local stored, c, p = struct.unpack('<ddd', s)
-    if stored == w - 1 then
+    local stored_p = #s >= 32 and struct.unpack('<d', s, 25) or period_us
+    if stored_p ~= period_us then
+      if (stored + 1) * stored_p > now then
+        cur = c
+      end
+    elseif stored == w - 1 then
       prev = c
     elseif stored >= w then
       w, cur, prev, same = stored, c, p, true
@@ -57,7 +66,7 @@ end
 
 local function commit(k, count, period_us, burst, now, cost, holder, expiry, at, w, cur, prev,
                       same)
-  store(k, struct.pack('<ddd', w, cur + cost, prev),
+  store(k, struct.pack('<dddd', w, cur + cost, prev, period_us),
         not (same and REDIS_CLOCK) and ttl_ms((w + 2) * period_us - now))
   return w
 end

@@ -1,4 +1,5 @@
-"""The model of lua/fixed_window.lua: the window index and its count, per key."""
+"""The model of lua/fixed_window.lua: the window index, its count and the period it counts
+in (us), per key."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ from throttle.memory.prelude import Check, Params, ceil_us
 
 class FixedWindow:
     def __init__(self) -> None:
-        self.state: dict[str, tuple[float, float]] = {}
+        self.state: dict[str, tuple[float, float, float]] = {}
 
     def read(self, key: str, p: Params, now: float) -> tuple[float, float]:
         w = float(math.floor(now / p.period_us))
         stored = self.state.get(key)
-        if stored is None or stored[0] < w:
+        if stored is None:
             return w, 0.0
-        return stored  # the same window, or a later one (the clock stepped back)
+        stored_w, n, period_us = stored
+        if period_us != p.period_us:  # the period changed: counted while its window runs
+            return w, (n if (stored_w + 1) * period_us > now else 0.0)
+        if stored_w < w:
+            return w, 0.0
+        return stored_w, n  # the same window, or a later one (the clock stepped back)
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
         w, n = self.read(key, p, now)
@@ -33,7 +39,7 @@ class FixedWindow:
         return r
 
     def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
-        self.state[key] = (r["w"], r["n"] + cost)
+        self.state[key] = (r["w"], r["n"] + cost, p.period_us)
         return repr(r["w"])
 
     def ends(self, p: Params, r: Check) -> float:
@@ -44,4 +50,4 @@ class FixedWindow:
         w, n = self.read(key, p, now)
         if delta < 0 and float(mark) != w:
             return
-        self.state[key] = (w, max(n + delta, 0.0))
+        self.state[key] = (w, max(n + delta, 0.0), p.period_us)

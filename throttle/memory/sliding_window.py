@@ -1,5 +1,5 @@
-"""The model of lua/sliding_window.lua: the window index, its count and the previous
-window's, per key."""
+"""The model of lua/sliding_window.lua: the window index, its count, the previous window's
+and the period they count in (us), per key."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ from throttle.memory.prelude import Check, Params, ceil_us
 
 class SlidingWindow:
     def __init__(self) -> None:
-        self.state: dict[str, tuple[float, float, float]] = {}
+        self.state: dict[str, tuple[float, float, float, float]] = {}
 
     def read(self, key: str, p: Params, now: float) -> tuple[float, float, float]:
         w = float(math.floor(now / p.period_us))
         stored = self.state.get(key)
-        if stored is None or stored[0] < w - 1:
+        if stored is None:
             return w, 0.0, 0.0
-        if stored[0] == w - 1:
-            return w, 0.0, stored[1]
-        return stored  # the same window, or a later one (the clock stepped back)
+        stored_w, cur, prev, period_us = stored
+        if period_us != p.period_us:  # the period changed: counted while its window runs
+            return w, (cur if (stored_w + 1) * period_us > now else 0.0), 0.0
+        if stored_w < w - 1:
+            return w, 0.0, 0.0
+        if stored_w == w - 1:
+            return w, 0.0, cur
+        return stored_w, cur, prev  # the same window, or a later one (the clock stepped back)
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
         w, cur, prev = self.read(key, p, now)
@@ -46,7 +51,7 @@ class SlidingWindow:
         return r
 
     def commit(self, key: str, p: Params, now: float, cost: float, r: Check, **_: Any) -> str:
-        self.state[key] = (r["w"], r["cur"] + cost, r["prev"])
+        self.state[key] = (r["w"], r["cur"] + cost, r["prev"], p.period_us)
         return repr(r["w"])
 
     def ends(self, p: Params, r: Check) -> float:
@@ -62,4 +67,4 @@ class SlidingWindow:
             prev = max(prev + delta, 0.0)
         else:
             return
-        self.state[key] = (w, cur, prev)
+        self.state[key] = (w, cur, prev, p.period_us)
