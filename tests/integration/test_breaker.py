@@ -14,8 +14,7 @@ import pytest
 from celery import Celery
 
 from tests.support.eager import close_throttler
-from throttle.celery import ThrottledTask, throttled
-from throttle.celery import outage
+from throttle.celery import ThrottledTask, outage, throttled
 
 
 class Hung:
