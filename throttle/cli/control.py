@@ -235,7 +235,8 @@ def _switch(ctx: click.Context, limit: str, mode: str | None) -> None:
     refresh = duration(throttler.settings.refresh_s)
     what = {
         "enforce": "enforced: its tasks wait for it",
-        "shadow": "in shadow mode: its tasks run at once, and status shows what it would have done",
+        "shadow": "in shadow mode: its tasks run at once, those waiting for it too (a "
+        "backlog reaches the upstream together), and status shows what it would have done",
     }[now]
     click.echo(f"limit {limit!r} {what}; workers follow within {refresh} (settings.refresh)")
 
@@ -257,7 +258,8 @@ def enforce(ctx: click.Context, limit: str, default: bool) -> None:
 @click.pass_context
 def shadow_mode(ctx: click.Context, limit: str) -> None:
     """Put LIMIT in shadow mode for the whole fleet, at run time: its tasks run at once,
-    and `status` shows what it would have done. `enforce LIMIT` undoes it."""
+    the ones waiting for it too (a backlog reaches the upstream together), and `status`
+    shows what it would have done. `enforce LIMIT` undoes it."""
     _switch(ctx, limit, "shadow")
 
 
