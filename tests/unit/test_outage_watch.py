@@ -76,3 +76,22 @@ def test_answers_between_failures_do_not_end_the_outage(
     a.note(refused)
     assert a.since() > began
     assert lines(caplog, "Redis is unreachable") == 2
+
+
+def test_the_breaker_stops_asking_after_two_failures_or_one_slow_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(outage, "PROBE_S", 3600.0)
+    breaker = outage.Breaker()
+    breaker.failed(breaker.check())  # one fast failure (a blip): still asked
+    breaker.answered()
+    breaker.failed(breaker.check())
+    breaker.failed(breaker.check())  # two in a row: not asked
+    with pytest.raises(outage.NotAsked, match="Redis is unreachable: 2 calls in a row failed"):
+        breaker.check()
+    # One call that took SLOW_FAILURE_S to fail (a timeout: Redis hangs) is enough
+    slow = outage.Breaker()
+    monkeypatch.setattr(outage, "SLOW_FAILURE_S", 0.0)
+    slow.failed(slow.check())
+    with pytest.raises(outage.NotAsked):
+        slow.check()

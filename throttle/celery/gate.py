@@ -131,10 +131,11 @@ class Gate:
             # refusals reported from the body (their twins held, the task back as enforced).
             return None if pairs is None else Ticket(None, (), time.time(), shadowing=pairs)
         breaker = execution.throttler.breaker
+        asked_at = time.monotonic()
         try:
             # Before any call to Redis (the rates in force too): NotAsked after calls in
             # a row failed (outage.Breaker), and on_redis_down applies at once.
-            breaker.check()
+            asked_at = breaker.check()
             drop_second_copy(execution)
             if not self._take_evaluation(admission):
                 self.evaluate()
@@ -151,7 +152,7 @@ class Gate:
                 self._space()
         except BackendError as exc:
             if not isinstance(exc, NotAsked):
-                breaker.failed()
+                breaker.failed(asked_at)
             run_while_down(execution, exc)
             # Run while Redis is away: nothing to settle, but a ticket all the same, so
             # that an upstream's refusal seen by the body brings the task back through
@@ -366,7 +367,10 @@ class Gate:
                 self._give_up(decision)
                 decision = self._acquire(*self._horizon())
                 on_first = False
-            if not on_first:  # this process heard Redis (not only the consumer's word)
+            if not on_first and decision.allowed:
+                # This process's acquisition was written (not only the consumer's word):
+                # Redis takes writes. A denial writes nothing, which a Redis out of
+                # memory still answers.
                 self.execution.throttler.outage(None)
             if not decision.allowed:
                 if self.plan is not None and planned is None:

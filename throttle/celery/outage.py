@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +38,12 @@ in s, while Redis answers: a ``stat`` per call would be the price of every task.
 PING_TIMEOUT_S = 0.5
 """How long ``app.control.ping`` collects replies when ``local`` counts the fleet, in s."""
 RECOVERY_S = 1.0
-"""How long Redis must answer a process without failing before its outage ends, in s. A
-Redis that refuses writes (out of memory under ``noeviction``) still answers the calls
-that write nothing (a denial, an empty poll of the parking lot): counted as recoveries,
-they would end the outage between two failures, start its clock again (so that
-``allow``'s bound never came) and log both each time."""
+"""How long Redis must answer a process without failing before its outage ends, in s.
+Only calls that wrote count as answers (an acquisition admitted, a parked task claimed):
+a Redis that refuses writes (out of memory under ``noeviction``) still answers the calls
+that write nothing (a denial, an empty poll of the parking lot), and counted, they would
+end the outage between two failures, start its clock again (so that ``allow``'s bound
+never came) and log both each time."""
 
 
 class OutageWatch:
@@ -127,7 +129,8 @@ class OutageWatch:
         now = time.time()
         started = self._since is None
         if path is not None:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}")
+            # Per thread: two threads of one process (a threads pool) must not share it.
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
             try:
                 tmp.write_text(repr(now))
                 os.link(tmp, path)  # atomic and exclusive: one process starts the outage
@@ -207,6 +210,9 @@ PROBE_S = 1.0
 instead of asking Redis, in s; then one call asks again."""
 TRIP_AFTER = 2
 """How many calls in a row must fail before a process stops asking Redis for a while."""
+SLOW_FAILURE_S = 1.0
+"""A call that took this long to fail (a timeout: a Redis that hangs) stops a process
+asking at once, in s: a second one would hold it as long again."""
 
 
 class NotAsked(BackendUnavailable):
@@ -219,29 +225,37 @@ class Breaker:
     migration makes it retry for about 0.4 s: asked for every task, a worker's consumer
     holds its prefetched backlog, unacknowledged, that long per task, past the broker's
     visibility timeout (which then delivers it twice). So after :data:`TRIP_AFTER`
-    failures in a row, calls fail at once (:class:`NotAsked`, and ``on_redis_down``
-    applies) for :data:`PROBE_S`, then one asks again. The price: after a short blip
-    that failed two calls, a second of tasks goes by ``on_redis_down`` without asking.
-    One per process (its threads share it: a race costs at most one more call)."""
+    failures in a row, or one that took :data:`SLOW_FAILURE_S`, calls fail at once
+    (:class:`NotAsked`, and ``on_redis_down`` applies) for :data:`PROBE_S`, then one
+    asks again. The price: after a short blip that failed two calls, a second of tasks
+    goes by ``on_redis_down`` without asking. One per process (its threads share it: a
+    race costs at most one more call)."""
 
     def __init__(self) -> None:
         self._failures = 0
         self._failed_at = -math.inf  # monotonic s
 
-    def check(self) -> None:
-        """Raise :class:`NotAsked` while Redis is not to be asked."""
+    def check(self) -> float:
+        """Raise :class:`NotAsked` while Redis is not to be asked; else return now
+        (monotonic s), for :meth:`failed`."""
+        now = time.monotonic()
         if self._failures >= TRIP_AFTER:
-            ago = time.monotonic() - self._failed_at
+            ago = now - self._failed_at
             if ago < PROBE_S:
                 raise NotAsked(
                     f"Redis is unreachable: {self._failures} calls in a row failed, the "
                     f"last {ago:.1f} s ago (not asked again before {PROBE_S:g} s after it)"
                 )
+        return now
 
-    def failed(self) -> None:
-        """A call failed (Redis unreachable, or answering with an error)."""
+    def failed(self, asked_at: float) -> None:
+        """A call asked at ``asked_at`` (:meth:`check`'s answer) failed (Redis
+        unreachable, or answering with an error)."""
+        now = time.monotonic()
         self._failures += 1
-        self._failed_at = time.monotonic()
+        if now - asked_at >= SLOW_FAILURE_S:
+            self._failures = max(self._failures, TRIP_AFTER)
+        self._failed_at = now
 
     def answered(self) -> None:
         """A call was answered."""

@@ -105,7 +105,10 @@ class Releaser(threading.Thread):
             try:
                 released = self.release_once()
                 throttler = Throttler.of(self.app)
-                throttler.outage(None)
+                if released:
+                    # A claim written: Redis takes writes again. An empty poll writes
+                    # nothing, which a Redis out of memory still answers.
+                    throttler.outage(None)
                 if time.monotonic() - checked >= COLD_CHECK_S:
                     # Redis may have restarted empty between two tasks, unseen by any gate.
                     checked = time.monotonic()

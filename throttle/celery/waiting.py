@@ -308,10 +308,11 @@ class Waiting:
         if request.revoked():
             return None
         breaker = self.throttler.breaker
+        asked_at = time.monotonic()
         try:
             # Not while Redis fails call after call (outage.Breaker): a hung Redis would
             # hold the consumer, and its unacknowledged backlog, for each task.
-            breaker.check()
+            asked_at = breaker.check()
             if pending.stale and gate.modes_changed():
                 # A limit switched to shadow or enforce while the task waited: its rules
                 # as they are now; with none enforced, it runs at once.
@@ -333,7 +334,8 @@ class Waiting:
             decision = gate.admit(near_s=horizon if self.line is not None else None)
         except Exception as exc:
             if isinstance(exc, BackendError) and not isinstance(exc, NotAsked):
-                breaker.failed()
+                breaker.failed(asked_at)
+                self.throttler.outage(exc)  # the outage's warning names what Redis said
             self._undecided(request, exc)
             self._to_pool(request)
             return None
@@ -343,6 +345,7 @@ class Waiting:
             look = self.looks[queue] = Look()
         look.saw(decision, time.monotonic())
         if decision.allowed:
+            self.throttler.outage(None)  # an acquisition written: Redis takes writes
             fresh = self.line is not None and self.line.rates_changed_lately()
             targets, estimates = gate.evaluated()
             admission = Admission(
