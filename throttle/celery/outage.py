@@ -108,6 +108,11 @@ class OutageWatch:
                 logger.debug("throttle: cannot check the marker key: %s", exc2)
         if now - self._answering < RECOVERY_S:
             return
+        self._end()
+
+    def _end(self) -> None:
+        """End the outage this process knows of, unless a process of the worker met a
+        failure within :data:`RECOVERY_S` (Redis has answered this one for that long)."""
         path = self.file
         if path is not None and _failed_lately(path):
             return  # another process of this worker still meets failures
@@ -124,6 +129,12 @@ class OutageWatch:
         )
 
     def _failed(self, exc: BaseException) -> None:
+        if self._answering is not None and time.monotonic() - self._answering >= RECOVERY_S:
+            # Redis answered this process, and nothing failed for RECOVERY_S since: the
+            # outage it knows of ended, though no call came to say so (a worker idle after
+            # its first answer). This failure begins a new one: its own start (allow's
+            # bound), its own warning, fresh buckets; not the old start read back.
+            self._end()
         self._answering = None
         path = self.file
         now = time.time()
@@ -246,6 +257,10 @@ class Breaker:
                     f"Redis is unreachable: {self._failures} calls in a row failed, the "
                     f"last {ago:.1f} s ago (not asked again before {PROBE_S:g} s after it)"
                 )
+            # This call is the probe: the others of the process are not asked for another
+            # PROBE_S while it runs (a hung Redis holds it for the socket timeout, and in a
+            # threads or gevent pool every task meanwhile would have asked, and hung, too).
+            self._failed_at = now
         return now
 
     def failed(self, asked_at: float) -> None:
