@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -312,6 +313,12 @@ def test_outside_a_task_the_function_is_plain_and_report_cost_is_a_no_op() -> No
     assert slot_time() is None
     with pytest.raises(ValueError, match="a number from 0 to 1e"):
         report_cost(-1)
+    # Not a bool (True is no cost of 1), nor a Fraction beyond a float (ValueError, not
+    # OverflowError)
+    with pytest.raises(ValueError, match="a number from 0 to 1e"):
+        report_cost(True)
+    with pytest.raises(ValueError, match="a number from 0 to 1e"):
+        report_cost(Fraction(10**400))
 
 
 def test_throttled_above_app_task_is_refused_at_import() -> None:

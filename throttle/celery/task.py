@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import decimal
 import functools
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -293,8 +294,15 @@ def report_cost(actual: float, limit: str | None = None) -> None:
     ``limit`` the running task does not have (a misspelt name would lose the refund).
     """
     number = real(actual)
-    if number is None and isinstance(actual, numbers.Real | decimal.Decimal):
-        number = float(actual)  # a Fraction, a Decimal (a price), a NumPy integer
+    if (
+        number is None
+        and isinstance(actual, numbers.Real | decimal.Decimal)
+        and not isinstance(actual, bool)  # refused by real(): True is no cost of 1
+    ):
+        try:
+            number = float(actual)  # a Fraction, a Decimal (a price), a NumPy integer
+        except OverflowError:  # a Fraction beyond a float's range
+            number = math.inf
     if number is None or not 0 <= number <= MAX_AMOUNT:
         of = "" if limit is None else f" of limit {limit!r}"
         raise ValueError(
