@@ -135,3 +135,21 @@ def test_the_breaker_lets_one_probe_ask_while_it_runs(monkeypatch: pytest.Monkey
     breaker.answered()
     breaker.check()
     breaker.check()
+
+
+def test_a_read_from_the_cache_does_not_take_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run-time modes are read before each task's gate, mostly from a cache: they look
+    # with is_open(), which must leave the probe to a call that asks Redis (else no
+    # acquisition would ever probe, and the breaker never close).
+    monkeypatch.setattr(outage, "PROBE_S", 0.05)
+    breaker = Breaker()
+    breaker.failed(breaker.check())
+    breaker.failed(breaker.check())
+    assert breaker.is_open()
+    time.sleep(0.06)
+    assert not breaker.is_open()
+    assert not breaker.is_open()  # looking twice takes nothing
+    breaker.check()  # the probe, still there for the gate
+    assert breaker.is_open()  # taken: the others wait while it runs
+    breaker.answered()
+    assert not breaker.is_open()

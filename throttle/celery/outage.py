@@ -263,6 +263,11 @@ class Breaker:
             self._failed_at = now
         return now
 
+    def is_open(self) -> bool:
+        """Whether Redis is not to be asked now (as :meth:`check`, without taking the
+        probe: for reads that the process mostly answers from a cache)."""
+        return self._failures >= TRIP_AFTER and time.monotonic() - self._failed_at < PROBE_S
+
     def failed(self, asked_at: float) -> None:
         """A call asked at ``asked_at`` (:meth:`check`'s answer) failed (Redis
         unreachable, or answering with an error)."""

@@ -361,9 +361,17 @@ class Throttler:
     def _run_time_modes(self) -> Mapping[str, str]:
         """The modes set at run time (limit name -> mode), re-read every refresh_s; with
         Redis down, the last ones read (the gate meets the outage)."""
+        breaker = self.breaker
+        # Read before a task's gate asks anything (in the consumer too): not while Redis
+        # fails call after call (outage.Breaker), which a hung Redis would make a socket
+        # timeout per task. Not the probe either: most reads come from the cache.
+        if breaker.is_open():
+            return self.rates.cached_modes()
+        asked_at = time.monotonic()
         try:
             return self.rates.modes_in_force()
         except BackendError:
+            breaker.failed(asked_at)
             return self.rates.cached_modes()
 
     def _mode(self, rule: Rule, modes: Mapping[str, str]) -> str:
