@@ -97,25 +97,6 @@ def test_the_breaker_stops_asking_after_two_failures_or_one_slow_one(
         slow.check()
 
 
-def test_a_failure_after_answers_alone_for_recovery_s_begins_a_new_outage(
-    watches: tuple[OutageWatch, OutageWatch, list[str]], caplog: pytest.LogCaptureFixture
-) -> None:
-    """A worker that answered one task after an outage and then idled: no later answer
-    came to end the outage, so the next failure (hours later) was read as the same one,
-    its start the old one (``allow``'s bound long spent), with no warning."""
-    a, _, _ = watches
-    down = BackendUnavailable("Connection refused")
-    caplog.set_level(logging.WARNING, "throttle")
-    a.note(down)
-    began = a.since()
-    a.note(None)  # Redis is back: one answer, then no call
-    time.sleep(RECOVERY_S * 1.5)
-    a.note(down)
-    assert a.since() > began
-    assert lines(caplog, "reachable again") == 1
-    assert lines(caplog, "Redis is unreachable") == 2
-
-
 def test_the_breaker_lets_one_probe_ask_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once PROBE_S has passed, one call asks; the calls of the process's other threads
     meanwhile are not asked (a hung Redis holds the probe for the socket timeout: each of

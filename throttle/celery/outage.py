@@ -129,12 +129,10 @@ class OutageWatch:
         )
 
     def _failed(self, exc: BaseException) -> None:
-        if self._answering is not None and time.monotonic() - self._answering >= RECOVERY_S:
-            # Redis answered this process, and nothing failed for RECOVERY_S since: the
-            # outage it knows of ended, though no call came to say so (a worker idle after
-            # its first answer). This failure begins a new one: its own start (allow's
-            # bound), its own warning, fresh buckets; not the old start read back.
-            self._end()
+        # Not ended here when Redis answered a while ago and nothing was asked since:
+        # silence is no answer (a Redis out of memory takes a write now and then). A
+        # worker idle since its first answer reads its next outage as the same one: its
+        # allow bound spent, failing closed sooner, the safe side.
         self._answering = None
         path = self.file
         now = time.time()
