@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import threading
 import uuid
 import warnings
 from collections.abc import Awaitable, Callable
@@ -135,6 +136,41 @@ def test_a_limiter_used_in_a_second_event_loop_says_so(redis_url: str, prefix: s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+def test_a_limiter_used_by_two_running_event_loops_refuses_the_second(
+    redis_url: str, prefix: str
+) -> None:
+    # Given one asyncio limiter in use by a loop that still runs, in another thread
+    limiter = Limiter.from_url(redis_url, prefix=prefix)
+    api = Limit.parse("10/s", name="api")
+    in_use, done = threading.Event(), threading.Event()
+    first: list[Any] = []
+
+    async def owner() -> None:
+        first.append(await limiter.acquire(api))
+        in_use.set()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+        first.append(await limiter.acquire(api))
+        await limiter.client.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(owner(),))
+    thread.start()
+    try:
+        assert in_use.wait(10)
+        # When another loop (this thread's) calls it meanwhile
+        # Then it is refused at once, naming the cause: redis-py's connections and locks
+        # belong to the first loop (a waiter of the other loop could wait forever)
+        with pytest.raises(BackendError, match="in use by another event loop running"):
+            asyncio.run(asyncio.wait_for(limiter.acquire(api), 10))
+        with pytest.raises(BackendError, match="in use by another event loop running"):
+            asyncio.run(asyncio.wait_for(limiter.mark_started(), 10))
+    finally:
+        done.set()
+        thread.join(10)
+    # And the first loop's calls were not disturbed
+    assert [bool(d) for d in first] == [True, True]
 
 
 def test_a_batch_of_acquisitions_is_taken_in_order(redis_url: str, prefix: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import redis.asyncio
 from redis.commands.core import AsyncScript
 
 from throttle.decision import Acquisition, Decision, LimitState, Settlement
-from throttle.errors import BackendUnavailable, ThrottleError
+from throttle.errors import BackendError, BackendUnavailable, ThrottleError
 from throttle.limiter import (
     _NO_WAIT,
     DEFAULT_LEASE_S,
@@ -101,6 +102,10 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         self.client = client
         self._giving_back: set[asyncio.Task[None]] = set()
         """What cancelled acquisitions are giving back (kept: a task is weakly held)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the client is in use by (its connections and redis-py's locks
+        belong to it); another loop running at the same time is refused."""
+        self._loop_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -279,6 +284,7 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
         """A Redis without the restart fence's marker gets one that has ended:
         :meth:`throttle.Limiter.mark_started`. One round trip."""
         key = self.keyspace.fence_key()
+        self._check_loop()
         await wrap_errors_async(lambda: self.client.set(key, 0, nx=True))
 
     async def holds(self) -> dict[tuple[str, str | None], float]:
@@ -295,4 +301,26 @@ class Limiter(RequestBuilder[Routine[AsyncScript]]):
     async def _call(
         self, routine: Routine[AsyncScript], keys: Sequence[str], args: list[Any]
     ) -> Any:
+        self._check_loop()
         return await run_routine_async(self.client, routine, keys, args)
+
+    def _check_loop(self) -> None:
+        """Refuse a call from an event loop other than the one using the client while that
+        one still runs (two threads, each with its loop): redis-py's connections and locks
+        belong to one loop, and a waiter of the other loop could then wait forever. Once
+        that loop has stopped (an ``asyncio.run`` that ended), the next loop takes over, and
+        what the client then does (a :class:`~throttle.BackendError` naming the cause, for
+        connections left open) is redis-py's."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        with self._loop_lock:
+            owner = self._loop
+            if owner is None or owner is loop or not owner.is_running():
+                self._loop = loop
+                return
+        raise BackendError(
+            "the limiter's asyncio client is in use by another event loop running at the "
+            "same time (another thread's): build a limiter (its client) per event loop, or "
+            "use the blocking throttle.Limiter from threads"
+        )

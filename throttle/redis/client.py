@@ -369,7 +369,11 @@ async def wrap_errors_async(call: Callable[[], Awaitable[_T]]) -> _T:
         raise
 
 
-_OTHER_LOOP = ("Event loop is closed", "attached to a different loop")
+_OTHER_LOOP = (
+    "Event loop is closed",
+    "attached to a different loop",
+    "bound to a different event loop",
+)
 """What asyncio (and redis-py) say when a connection made in one event loop is used in
 another."""
 
