@@ -370,6 +370,27 @@ def test_both_limiters_share_the_limits(
     assert blocking.holds() == {("shared", "held"): pytest.approx(30.0)}
 
 
+def test_a_full_connection_pool_says_so(redis_url: str, prefix: str) -> None:
+    # Given a client whose pool holds fewer connections than the calls made at once
+    api = Limit.parse("1000/s", name="api")
+
+    async def main() -> list[Any]:
+        limiter = Limiter.from_url(redis_url, prefix=prefix, max_connections=2)
+        try:
+            calls = (limiter.acquire(api) for _ in range(20))
+            return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await limiter.client.aclose()
+
+    # Then the calls left without a connection say what to change, not only "unreachable"
+    refused = [r for r in asyncio.run(main()) if isinstance(r, BaseException)]
+    assert refused
+    for error in refused:
+        assert isinstance(error, BackendUnavailable)
+        assert "connection pool is full" in str(error)
+        assert "max_connections=N" in str(error)
+
+
 def test_errors_are_wrapped_when_redis_is_down(prefix: str) -> None:
     limit = Limit.parse("10/s", name="api")
 

@@ -88,6 +88,12 @@ def _hint(exc: Exception) -> str:
         return " (a Redis Cluster node: use a redis+cluster:// URL)"
     if "NOAUTH" in said or "must be called with the client already authenticated" in said:
         return " (this Redis wants a password: redis://:PASSWORD@host:port/db)"
+    if said == "Too many connections":  # redis-py's pool, full: no server was asked
+        return (
+            " (the client's connection pool is full, every connection in use by a call in "
+            "flight (its max_connections, 100 by default in recent redis-py): pass "
+            "max_connections=N to from_url, or make fewer calls at once)"
+        )
     return ""
 
 
