@@ -391,6 +391,28 @@ def test_a_full_connection_pool_says_so(redis_url: str, prefix: str) -> None:
         assert "max_connections=N" in str(error)
 
 
+def test_a_limiter_from_a_url_serves_more_calls_at_once_than_redis_pys_pool(
+    redis_url: str, prefix: str
+) -> None:
+    # redis-py's pool holds 100 connections and refuses beyond ("Too many connections",
+    # read as Redis unreachable): a gevent or threads pool of 100 slots reaches that with
+    # the worker's own calls. A limiter built from a URL here holds 1000.
+    api = Limit.parse("100000/s", name="api")
+
+    async def main() -> list[Any]:
+        limiter = Limiter.from_url(redis_url, prefix=prefix)
+        try:
+            return await asyncio.gather(
+                *(limiter.acquire(api) for _ in range(300)), return_exceptions=True
+            )
+        finally:
+            await limiter.client.aclose()
+
+    answers = asyncio.run(main())
+    assert [a for a in answers if isinstance(a, BaseException)] == []
+    assert all(a.allowed for a in answers)
+
+
 def test_errors_are_wrapped_when_redis_is_down(prefix: str) -> None:
     limit = Limit.parse("10/s", name="api")
 

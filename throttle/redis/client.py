@@ -61,6 +61,12 @@ RedisClient: TypeAlias = redis.Redis | RedisCluster
 
 DEFAULT_TIMEOUT_S = 5.0
 """Socket timeouts of :func:`client_from_url`: a hung Redis must not block a worker."""
+DEFAULT_MAX_CONNECTIONS = 1000
+"""The connection pool's size of :func:`client_from_url` (one server, or Sentinel's
+master), unless the URL or the options say otherwise: redis-py's default, 100, raises
+"Too many connections" beyond (read as Redis unreachable), which a gevent or threads pool
+of 100 slots reaches with the worker's own calls beside them. A connection is opened only
+when that many calls run at once."""
 
 # Errors that mean "Redis cannot serve this now" rather than "Redis refused this call": a
 # cluster without a master for the slot (failing over, or never covered) is as unreachable
@@ -91,8 +97,8 @@ def _hint(exc: Exception) -> str:
     if said == "Too many connections":  # redis-py's pool, full: no server was asked
         return (
             " (the client's connection pool is full, every connection in use by a call in "
-            "flight (its max_connections, 100 by default in recent redis-py): pass "
-            "max_connections=N to from_url, or make fewer calls at once)"
+            "flight: its max_connections, 1000 for a client built from a URL here, 100 for "
+            "redis-py's own: pass max_connections=N, or make fewer calls at once)"
         )
     return ""
 
@@ -140,6 +146,7 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
         return cluster_client(url, lazy=True, **options)
     if is_sentinel_url(url):
         return sentinel_client(url, **options)
+    options.setdefault("max_connections", DEFAULT_MAX_CONNECTIONS)
     return redis.Redis.from_url(url, **options)
 
 
@@ -295,6 +302,7 @@ def async_client_from_url(url: str, **options: Any) -> redis.asyncio.Redis:
                 value=redact(url),
             )
         return async_sentinel_client(url, **options)
+    options.setdefault("max_connections", DEFAULT_MAX_CONNECTIONS)
     return redis.asyncio.Redis.from_url(url, **options)
 
 
