@@ -72,7 +72,8 @@ class OutageWatch:
         self._checked = False  # on_recovery ran in this outage
 
     def note(self, exc: BaseException | None) -> None:
-        """Note that Redis failed (``exc``) or answered (``None``).
+        """Note that Redis failed (``exc``) or answered (``None``): a call that wrote (an
+        acquisition admitted, a parked task claimed; see :data:`RECOVERY_S`).
 
         One warning per outage per worker, not per task nor per pool child: the worker's
         processes share a marker file (named after the worker's main process, see
