@@ -33,7 +33,7 @@ from tests.support.eager import close_throttler
 from tests.support.servers import RedisServer
 from throttle import BackendError, BackendUnavailable, ConfigError, KeySpace, Limit, Limiter
 from throttle.admin import reset
-from throttle.celery import ThrottledTask, Throttler, report_cost, throttled
+from throttle.celery import ThrottledTask, Throttler, outage, report_cost, throttled
 from throttle.cli import throttle
 from throttle.parking import ParkingLot
 from throttle.rates import RateBook
@@ -456,6 +456,8 @@ def test_a_worker_starting_while_the_cluster_is_down_applies_on_redis_down(
         else:  # eager calls cannot be deferred: the outage is raised to the caller
             with pytest.raises(BackendUnavailable):
                 call.delay(1).get()
+    # The task's two calls failed: the process asks again PROBE_S later (outage.Breaker)
+    time.sleep(outage.PROBE_S + 0.05)
     assert call.delay(2).get() == 2  # back: limited through the cluster again
     limiter = Throttler.of(app).limiter
     assert limiter.peek(dataclasses.replace(HOURLY, name="api")).remaining == about(2)
