@@ -63,7 +63,8 @@ DEFAULT_TIMEOUT_S = 5.0
 """Socket timeouts of :func:`client_from_url`: a hung Redis must not block a worker."""
 DEFAULT_MAX_CONNECTIONS = 1000
 """The connection pool's size of :func:`client_from_url` (one server, or Sentinel's
-master), unless the URL or the options say otherwise: redis-py's default, 100, raises
+master; a Redis Cluster keeps redis-py's per node), unless the URL or the options say
+otherwise: redis-py's default, 100, raises
 "Too many connections" beyond (read as Redis unreachable), which a gevent or threads pool
 of 100 slots reaches with the worker's own calls beside them. A connection is opened only
 when that many calls run at once."""
@@ -144,9 +145,9 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
     options.setdefault("socket_connect_timeout", DEFAULT_TIMEOUT_S)
     if is_cluster_url(url):
         return cluster_client(url, lazy=True, **options)
-    if is_sentinel_url(url):
-        return sentinel_client(url, **options)
     options.setdefault("max_connections", DEFAULT_MAX_CONNECTIONS)
+    if is_sentinel_url(url):
+        return sentinel_client(url, **options)  # the master's pool
     return redis.Redis.from_url(url, **options)
 
 
@@ -293,6 +294,7 @@ def async_client_from_url(url: str, **options: Any) -> redis.asyncio.Redis:
             field="redis_url",
             value=redact(url),
         )
+    options.setdefault("max_connections", DEFAULT_MAX_CONNECTIONS)
     if is_sentinel_url(url):
         if parse_sentinel_url(url).master_options.get("ssl"):
             raise ConfigError(
@@ -301,8 +303,7 @@ def async_client_from_url(url: str, **options: Any) -> redis.asyncio.Redis:
                 field="redis_url",
                 value=redact(url),
             )
-        return async_sentinel_client(url, **options)
-    options.setdefault("max_connections", DEFAULT_MAX_CONNECTIONS)
+        return async_sentinel_client(url, **options)  # the master's pool
     return redis.asyncio.Redis.from_url(url, **options)
 
 
