@@ -8,6 +8,7 @@ answers alternate. The outage must last through them (its start kept, so that
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -20,9 +21,54 @@ from throttle.errors import BackendUnavailable
 RECOVERY_S = 0.2
 
 
+class Clock:
+    """The time outage.py reads (monotonic and wall, s) and writes on the outage file
+    (its mtime, each failure's touch), moved by the test alone: what the assertions judge
+    never depends on how fast the host ran the steps between them."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+        self.wall = 1_800_000_000.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.wall += seconds
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.wall
+
+
+class ClockedOs:
+    """``os`` for outage.py, stamping the outage file with the test's clock."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
+        os.utime(dst, (self.clock.wall, self.clock.wall))
+
+    def utime(self, path: str) -> None:
+        os.utime(path, (self.clock.wall, self.clock.wall))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(outage, "time", clock)
+    monkeypatch.setattr(outage, "os", ClockedOs(clock))
+    return clock
+
+
 @pytest.fixture
 def watches(
-    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory, clock: Clock
 ) -> tuple[OutageWatch, OutageWatch, list[str]]:
     """Two processes of one worker (sharing its outage file), and the on_recovery calls."""
     monkeypatch.setattr(outage, "RECOVERY_S", RECOVERY_S)
@@ -43,19 +89,21 @@ def lines(caplog: pytest.LogCaptureFixture, text: str) -> int:
 
 
 def test_answers_between_failures_do_not_end_the_outage(
-    watches: tuple[OutageWatch, OutageWatch, list[str]], caplog: pytest.LogCaptureFixture
+    watches: tuple[OutageWatch, OutageWatch, list[str]],
+    caplog: pytest.LogCaptureFixture,
+    clock: Clock,
 ) -> None:
     a, b, checks = watches
     refused = BackendUnavailable("OOM command not allowed when used memory > 'maxmemory'")
     caplog.set_level(logging.WARNING, "throttle")
     a.note(refused)
     began = a.since()
-    # a denial that wrote nothing, then a write refused again, for longer than RECOVERY_S
-    deadline = time.monotonic() + 3 * RECOVERY_S
-    while time.monotonic() < deadline:
+    # a write taken now and then (memory freed for a moment), then one refused again, in
+    # one process; another process's writes go through meanwhile, for 3 x RECOVERY_S
+    for _ in range(12):
         a.note(None)
-        b.note(None)  # a process that only reads (the releaser's empty poll)
-        time.sleep(RECOVERY_S / 4)
+        b.note(None)
+        clock.advance(RECOVERY_S / 4)
         a.note(refused)
     assert a.since() == began  # the same outage all along: allow's bound counts from it
     assert b._read_start(0.0) == began
@@ -64,7 +112,7 @@ def test_answers_between_failures_do_not_end_the_outage(
     assert checks.count("a") == 1  # the cold-start check at the first answer, once
     # Answers alone for RECOVERY_S (in every process): the outage ends, said once.
     a.note(None)
-    time.sleep(RECOVERY_S * 1.5)
+    clock.advance(RECOVERY_S * 1.5)
     b.note(None)
     a.note(None)
     b.note(None)
@@ -72,14 +120,14 @@ def test_answers_between_failures_do_not_end_the_outage(
     assert a.since() > began  # no outage: "now"
     assert a.file is not None and not a.file.exists()
     # A new outage is a new one: its own start, warned again.
-    time.sleep(0.01)
+    clock.advance(0.01)
     a.note(refused)
     assert a.since() > began
     assert lines(caplog, "Redis is unreachable") == 2
 
 
 def test_the_breaker_stops_asking_after_two_failures_or_one_slow_one(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
 ) -> None:
     monkeypatch.setattr(outage, "PROBE_S", 3600.0)
     breaker = outage.Breaker()
@@ -91,13 +139,16 @@ def test_the_breaker_stops_asking_after_two_failures_or_one_slow_one(
         breaker.check()
     # One call that took SLOW_FAILURE_S to fail (a timeout: Redis hangs) is enough
     slow = outage.Breaker()
-    monkeypatch.setattr(outage, "SLOW_FAILURE_S", 0.0)
-    slow.failed(slow.check())
+    asked_at = slow.check()
+    clock.advance(outage.SLOW_FAILURE_S)
+    slow.failed(asked_at)
     with pytest.raises(outage.NotAsked):
         slow.check()
 
 
-def test_the_breaker_lets_one_probe_ask_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_breaker_lets_one_probe_ask_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
     """Once PROBE_S has passed, one call asks; the calls of the process's other threads
     meanwhile are not asked (a hung Redis holds the probe for the socket timeout: each of
     them would have hung as long)."""
@@ -107,18 +158,20 @@ def test_the_breaker_lets_one_probe_ask_while_it_runs(monkeypatch: pytest.Monkey
     breaker.failed(breaker.check())
     with pytest.raises(NotAsked):
         breaker.check()
-    time.sleep(0.06)
+    clock.advance(0.06)
     breaker.check()  # the probe
     with pytest.raises(NotAsked):
         breaker.check()  # another thread, while the probe hangs
-    time.sleep(0.06)
+    clock.advance(0.06)
     breaker.check()  # the probe hung past PROBE_S: one more asks
     breaker.answered()
     breaker.check()
     breaker.check()
 
 
-def test_a_read_from_the_cache_does_not_take_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_from_the_cache_does_not_take_the_probe(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
     # The run-time modes are read before each task's gate, mostly from a cache: they look
     # with is_open(), which must leave the probe to a call that asks Redis (else no
     # acquisition would ever probe, and the breaker never close).
@@ -127,7 +180,7 @@ def test_a_read_from_the_cache_does_not_take_the_probe(monkeypatch: pytest.Monke
     breaker.failed(breaker.check())
     breaker.failed(breaker.check())
     assert breaker.is_open()
-    time.sleep(0.06)
+    clock.advance(0.06)
     assert not breaker.is_open()
     assert not breaker.is_open()  # looking twice takes nothing
     breaker.check()  # the probe, still there for the gate
