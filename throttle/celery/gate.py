@@ -57,7 +57,6 @@ from throttle.celery.deadlines import (
 from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.lateness import tolerance_s, too_late
 from throttle.celery.message import planned_header
-from throttle.celery.outage import NotAsked
 from throttle.celery.plan import Plan, due_wait_s, plan_at
 from throttle.celery.redis_down import run_while_down
 from throttle.celery.runtime import Throttler
@@ -130,29 +129,25 @@ class Gate:
             # Only limits in shadow mode: a ticket without acquisition, for the upstream's
             # refusals reported from the body (their twins held, the task back as enforced).
             return None if pairs is None else Ticket(None, (), time.time(), shadowing=pairs)
-        breaker = execution.throttler.breaker
-        asked_at = time.monotonic()
         try:
-            # Before any call to Redis (the rates in force too): NotAsked after calls in
-            # a row failed (outage.Breaker), and on_redis_down applies at once.
-            asked_at = breaker.check()
-            drop_second_copy(execution)
-            if not self._take_evaluation(admission):
-                self.evaluate()
-            now = time.time()
-            if execution.eager:
-                ticket = self._block()
-            else:
-                ticket = self._decide(now, admission)
-                if admission is not None:
-                    # The wait counted from the decision, or from when the limits first
-                    # held the task back in the worker's line.
-                    now = admission.held_since or admission.decided_at
-            if self.rule_set.guarded:
-                self._space()
+            # Not while Redis fails call after call (outage.Breaker: NotAsked at once, and
+            # on_redis_down applies); the rates in force are read in here too.
+            with execution.throttler.breaker.asking():
+                drop_second_copy(execution)
+                if not self._take_evaluation(admission):
+                    self.evaluate()
+                now = time.time()
+                if execution.eager:
+                    ticket = self._block()
+                else:
+                    ticket = self._decide(now, admission)
+                    if admission is not None:
+                        # The wait counted from the decision, or from when the limits
+                        # first held the task back in the worker's line.
+                        now = admission.held_since or admission.decided_at
+                if self.rule_set.guarded:
+                    self._space()
         except BackendError as exc:
-            if not isinstance(exc, NotAsked):
-                breaker.failed(asked_at)
             run_while_down(execution, exc)
             # Run while Redis is away: nothing to settle, but a ticket all the same, so
             # that an upstream's refusal seen by the body brings the task back through

@@ -262,6 +262,12 @@ class Breaker:
             self._failed_at = now
         return now
 
+    def asking(self) -> Asking:
+        """Around a gate's calls to Redis: ``with breaker.asking():`` raises
+        :class:`NotAsked` on entry while Redis is not to be asked (:meth:`check`), and
+        counts a :class:`BackendError` raised inside as a failure (:meth:`failed`)."""
+        return Asking(self)
+
     def is_open(self) -> bool:
         """Whether Redis is not to be asked now (as :meth:`check`, without taking the
         probe: for reads that the process mostly answers from a cache)."""
@@ -279,6 +285,24 @@ class Breaker:
     def answered(self) -> None:
         """A call was answered."""
         self._failures = 0
+
+
+class Asking:
+    """:meth:`Breaker.asking`'s context: one use, so that threads sharing the breaker each
+    keep when they asked."""
+
+    __slots__ = ("asked_at", "breaker")
+
+    def __init__(self, breaker: Breaker) -> None:
+        self.breaker = breaker
+        self.asked_at = 0.0
+
+    def __enter__(self) -> None:
+        self.asked_at = self.breaker.check()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        if kind is not None and issubclass(kind, BackendError) and not issubclass(kind, NotAsked):
+            self.breaker.failed(self.asked_at)
 
 
 def _failed_lately(path: Path) -> bool:

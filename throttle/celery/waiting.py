@@ -307,34 +307,32 @@ class Waiting:
         request, gate = pending.request, pending.gate
         if request.revoked():
             return None
-        breaker = self.throttler.breaker
-        asked_at = time.monotonic()
         try:
             # Not while Redis fails call after call (outage.Breaker): a hung Redis would
             # hold the consumer, and its unacknowledged backlog, for each task.
-            asked_at = breaker.check()
-            if pending.stale and gate.modes_changed():
-                # A limit switched to shadow or enforce while the task waited: its rules
-                # as they are now; with none enforced, it runs at once.
-                renewed = self._gate(request)
-                if renewed is None:
-                    self._to_pool(request)
-                    return None
-                pending.gate = gate = renewed
-            elif pending.stale:
-                # The rates in force now (one set at run time and announced, or followed
-                # from the upstream's word): the pool child runs on these targets too.
-                gate.evaluate()
-            pending.stale = True
-            since = time.monotonic()  # a hold announced after this may postdate the look
-            now = time.time()
-            horizon = self.near_s(gate)
-            # Without a line (a broker whose visibility timeout leaves it no time, the
-            # in-memory throttler) a far slot is reserved, as the pool's gate would.
-            decision = gate.admit(near_s=horizon if self.line is not None else None)
+            with self.throttler.breaker.asking():
+                if pending.stale and gate.modes_changed():
+                    # A limit switched to shadow or enforce while the task waited: its
+                    # rules as they are now; with none enforced, it runs at once.
+                    renewed = self._gate(request)
+                    if renewed is None:
+                        self._to_pool(request)
+                        return None
+                    pending.gate = gate = renewed
+                elif pending.stale:
+                    # The rates in force now (one set at run time and announced, or
+                    # followed from the upstream's word): the pool child runs on these
+                    # targets too.
+                    gate.evaluate()
+                pending.stale = True
+                since = time.monotonic()  # a hold announced after this may postdate it
+                now = time.time()
+                horizon = self.near_s(gate)
+                # Without a line (a broker whose visibility timeout leaves it no time, the
+                # in-memory throttler) a far slot is reserved, as the pool's gate would.
+                decision = gate.admit(near_s=horizon if self.line is not None else None)
         except Exception as exc:
             if isinstance(exc, BackendError) and not isinstance(exc, NotAsked):
-                breaker.failed(asked_at)
                 self.throttler.outage(exc)  # the outage's warning names what Redis said
             self._undecided(request, exc)
             self._to_pool(request)
