@@ -375,3 +375,93 @@ def test_django_settings_reach_the_throttler(tmp_path: Path) -> None:
         ).stdout  # fmt: skip
         assert re.search(r"^mail\s+token_bucket\s+5/s", status, re.MULTILINE), status
         assert f"127.0.0.1:{server.port}/1" in status and "prefix django-site" in status, status
+
+
+# --- the oldest versions the wheel admits --------------------------------------------
+
+
+OLDEST_APP = """
+import os
+
+import redis
+from celery import Celery
+from throttle.celery import ThrottledTask, install, throttled
+
+URL = os.environ["OLDEST_REDIS"]
+app = Celery("oldest", broker=URL + "/0", backend=URL + "/1", task_cls=ThrottledTask)
+install(app)
+clock = redis.Redis.from_url(URL + "/2")
+
+
+@app.task
+@throttled("10/s burst 1", algorithm="gcra", key="{tenant}")
+def hit(tenant, i):
+    seconds, micros = clock.time()
+    return [tenant, i, seconds + micros / 1e6]
+"""
+
+OLDEST_PRODUCER = """
+import json
+from oldest import hit
+
+sent = [hit.delay(tenant, i) for tenant in ("a", "b") for i in range(6)]
+print(json.dumps({"ids": [r.id for r in sent], "results": [r.get(timeout=90) for r in sent],
+                  "states": [r.state for r in sent]}))
+"""
+
+
+def _oldest_pins() -> list[str]:
+    """The lower bounds of the wheel's dependencies (``pyproject.toml``), pinned, and the
+    kombu of that Celery: what a user's resolver may pick with older packages around."""
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = re.search(r"^dependencies = \[(.*)\]$", text, re.MULTILINE)
+    assert deps is not None, "pyproject.toml has no dependencies line"
+    pins = [spec.replace(">=", "==") for spec in re.findall(r'"([^"]+)"', deps.group(1))]
+    assert all("==" in pin for pin in pins), pins  # each dependency has a lower bound
+    celery = next(pin for pin in pins if pin.startswith("celery"))
+    return [*pins, "kombu==" + celery.partition("==")[2]]
+
+
+def test_oldest_dependencies_hold_and_run_tasks(
+    dists: Dists, broker: RedisServer, tmp_path: Path
+) -> None:
+    """The wheel with the oldest Celery, kombu, redis-py and PyYAML its metadata admits
+    (on Python 3.10 where found): a binding limit holds tasks in the worker's consumer, as
+    Celery 5.7 and older releases each keep their own ETA tasks, and every task runs once,
+    spaced on the Redis clock."""
+    venv = tmp_path / "venv"
+    _run([_python310() or sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    python, celery = str(venv / "bin" / "python"), str(venv / "bin" / "celery")
+    _run([python, "-m", "pip", "install", "-q", str(dists.wheel), *_oldest_pins()],
+         cwd=tmp_path, timeout=300)  # fmt: skip
+    (tmp_path / "oldest.py").write_text(OLDEST_APP)
+    env = _clean_env(OLDEST_REDIS=f"redis://127.0.0.1:{broker.port}")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [celery, "-A", "oldest", "worker", "-c", "2", "-n", "oldest@%h",
+             "--without-mingle", "--without-gossip", "-l", "INFO"],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        # Celery before 5.7 hands a result that came while the client waited for another
+        # up to a second late: twelve results stay well within the timeout.
+        sent = json.loads(_run([python, "-c", OLDEST_PRODUCER], cwd=tmp_path, env=env).stdout)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(10)
+    output = log.read_text(errors="replace")
+    assert "Traceback" not in output and "CRITICAL" not in output, output[-4000:]
+    assert sent["states"] == ["SUCCESS"] * 12, output[-4000:]
+    assert sorted((t, i) for t, i, _ in sent["results"]) == [
+        (t, i) for t in ("a", "b") for i in range(6)
+    ]
+    for tenant in ("a", "b"):
+        starts = sorted(at for t, _, at in sent["results"] if t == tenant)
+        # 10/s burst 1: six tasks of one key span five slots, 0.5 s of Redis time; a task
+        # starts at its slot, at most a few ms early (the worker's clock against Redis's).
+        assert starts[-1] - starts[0] >= 0.45, (tenant, starts)

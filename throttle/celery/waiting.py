@@ -163,6 +163,12 @@ def governed(task: Task) -> bool:
     )
 
 
+_task_scheduled: Any = getattr(state, "task_scheduled", None)
+"""Celery's registration of a request held for its ETA (``inspect scheduled``,
+``query_task``), since 5.7; older releases keep their own ETA requests in the timer only,
+and so are the throttler's held there."""
+
+
 class Waiting:
     """The consumer side of one throttled task: admits its requests before the pool, and
     holds those whose slot is near in the consumer's timer."""
@@ -603,7 +609,8 @@ class Waiting:
         request._eta_timer_entry = consumer.timer.call_at(
             time.monotonic() + delay_s, due, (request, *args), priority=_TIMER_PRIORITY
         )
-        state.task_scheduled(request)
+        if _task_scheduled is not None:
+            _task_scheduled(request)
 
     def _to_pool(self, request: Any, pairs: tuple[Pair, ...] = (), since: float = math.inf) -> None:
         """Hand ``request`` to the pool. With the ``pairs`` of a decision taken at
