@@ -12,6 +12,8 @@ run there as the README says.
   private ``redis-server``): a prefork ``celery worker``, two throttled tasks and their
   results, ``celery -A proj throttle status`` listing the limits, ``throttle check`` on the
   limits file shipped in the wheel, and every module of the package imported.
+* The oldest dependencies the wheel admits (each lower bound of ``pyproject.toml``
+  pinned, on Python 3.10): a worker holds tasks of a binding limit and runs each once.
 * Django (the blocks of docs/getting-started.md, run in this venv):
   ``CELERY_THROTTLE_CONFIG`` and ``CELERY_THROTTLE_REDIS_URL`` in a project's settings reach
   the throttler through ``config_from_object("django.conf:settings", namespace="CELERY")``.
