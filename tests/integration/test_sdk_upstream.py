@@ -361,6 +361,38 @@ def test_a_streamed_completion_settles_its_usage_when_the_stream_ends(
     assert remaining == 100000 - 31
 
 
+@pytest.mark.parametrize("kind", ["stream", "helper", "reply"])
+def test_an_openai_responses_api_call_settles_its_usage(
+    eager: Celery, openai_mock: Running, client: redis.Redis, prefix: str, kind: str
+) -> None:
+    # Given the Responses API, whose stream carries its usage only in its last event
+    # (response.completed: event.response.usage), not in a chunk's own usage
+    sdk = openai.OpenAI(base_url=openai_mock.url + "/v1", api_key="sk-test", max_retries=0)
+
+    @eager.task(shared=False)
+    @throttled("tokens")
+    def respond(estimate: int) -> tuple[str, float | None]:
+        if kind == "reply":
+            reply = sdk.responses.create(model="m", input="abcd", max_output_tokens=40)
+            return reply.output_text, report_usage(reply)
+        if kind == "helper":  # the SDK's stream helper, iterated through metered
+            with sdk.responses.stream(model="m", input="abcd", max_output_tokens=40) as events:
+                metered_events = metered(events)
+                text = "".join(e.delta for e in metered_events if e.type.endswith("text.delta"))
+                return text, metered_events.tokens
+        stream = sdk.responses.create(model="m", input="abcd", max_output_tokens=40, stream=True)
+        with metered(stream) as events:
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        return text, events.tokens
+
+    # When a call estimated at 1000 tokens says it used 31 (1 in, 30 out)
+    text, tokens = respond.delay(1000).get()
+    assert text.split() == ["token"] * 30 and tokens == 31
+    # Then the tokens limit was charged the usage, not the estimate
+    limit = Limit.parse("100000/h", name="tokens", algorithm="fixed_window")
+    assert Limiter(client, prefix=prefix).peek(limit).remaining == 100000 - 31
+
+
 def test_an_anthropic_stream_settles_its_usage_when_it_ends(
     eager: Celery, client: redis.Redis, prefix: str
 ) -> None:

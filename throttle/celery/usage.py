@@ -7,7 +7,8 @@ the difference when the task returns. These read the usage as the SDKs give it, 
 typing (no SDK is imported):
 
 - ``openai``: ``usage.total_tokens`` (a streamed completion has it in its last chunk,
-  with ``stream_options={"include_usage": True}``);
+  with ``stream_options={"include_usage": True}``; a Responses API stream in its
+  ``response.completed`` event, ``event.response.usage``);
 - ``anthropic``: ``usage.input_tokens`` + ``usage.output_tokens`` (+
   ``cache_creation_input_tokens``); a stream has the input in ``message_start`` and the
   output, cumulative, in each ``message_delta``.
@@ -74,12 +75,13 @@ def tokens_of(usage: Any) -> float | None:
 
 
 def _usage_in(item: Any) -> Any:
-    """The usage an SDK reply, chunk or stream event carries (``usage``, or
-    ``message.usage`` for Anthropic's ``message_start``), or None."""
+    """The usage an SDK reply, chunk or stream event carries (``usage``; ``message.usage``
+    for Anthropic's ``message_start``; ``response.usage`` for the events of OpenAI's
+    Responses API, where only the last, ``response.completed``, has it), or None."""
     usage = item.get("usage") if isinstance(item, Mapping) else getattr(item, "usage", None)
-    if usage is None:
-        message = getattr(item, "message", None)
-        usage = getattr(message, "usage", None)
+    for holder in ("message", "response"):
+        if usage is None:
+            usage = getattr(getattr(item, holder, None), "usage", None)
     return usage
 
 

@@ -1,11 +1,15 @@
-"""A mock of OpenAI's chat completions API (``POST /v1/chat/completions``), with its rate
-limits: requests and tokens per minute.
+"""A mock of OpenAI's chat completions API (``POST /v1/chat/completions``) and Responses
+API (``POST /v1/responses``), with its rate limits: requests and tokens per minute.
 
 * JSON, or a server-sent-event stream with ``"stream": true`` (``chat.completion.chunk``
   events, the usage in a last chunk with ``stream_options.include_usage``, then
-  ``data: [DONE]``), as the ``openai`` SDK reads them.
-* Usage: the prompt counts one token per 4 characters of its messages (at least 1), the
-  reply ``fill`` x ``max_tokens`` (``max_completion_tokens``; default 16). A call charges
+  ``data: [DONE]``), as the ``openai`` SDK reads them. The Responses API answers a
+  ``response`` object, or its typed events with ``"stream": true`` (``response.created``
+  without usage ... ``response.completed`` whose ``response.usage`` has ``input_tokens``,
+  ``output_tokens`` and ``total_tokens``).
+* Usage: the prompt counts one token per 4 characters of its messages (or ``input``; at
+  least 1), the reply ``fill`` x ``max_tokens`` (``max_completion_tokens``,
+  ``max_output_tokens``; default 16). A call charges
   the ``tokens`` limit prompt + reply at its arrival, and ``requests`` 1.
 * Every answer carries OpenAI's headers: ``x-ratelimit-limit-{requests,tokens}`` (per
   minute), ``x-ratelimit-remaining-*``, ``x-ratelimit-reset-*`` (until the bucket is full,
@@ -30,7 +34,10 @@ __all__ = ["OpenAIMock"]
 def prompt_tokens(request: Mapping[str, Any]) -> int:
     """The prompt's tokens as the mock counts them: one per 4 characters of its messages."""
     chars = 0
-    for message in request.get("messages") or []:
+    given = request.get("input")  # the Responses API: a string, or a list of messages
+    if isinstance(given, str):
+        chars += len(given)
+    for message in request.get("messages") or (given if isinstance(given, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         chars += len(content) if isinstance(content, str) else len(json.dumps(content))
     return max(math.ceil(chars / 4), 1)
@@ -64,7 +71,8 @@ class OpenAIMock(Provider):
         return headers
 
     def answer(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
-        if method != "POST" or path.split("?", 1)[0].rstrip("/") != "/v1/chat/completions":
+        route = path.split("?", 1)[0].rstrip("/")
+        if method != "POST" or route not in ("/v1/chat/completions", "/v1/responses"):
             return Reply(
                 404,
                 {},
@@ -72,7 +80,12 @@ class OpenAIMock(Provider):
             )
         request = json_body(body)
         prompt = prompt_tokens(request)
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+        max_tokens = (
+            request.get("max_completion_tokens")
+            or request.get("max_tokens")
+            or request.get("max_output_tokens")
+            or 16
+        )
         completion = max(round(int(max_tokens) * self.fill), 1)
         refused_by, wait_s, buckets = self.take(
             headers.get("x-task-id"), {"requests": 1, "tokens": prompt + completion}
@@ -99,6 +112,8 @@ class OpenAIMock(Provider):
         model = str(request.get("model") or "mock-model")
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         text = " ".join(["token"] * completion)
+        if route == "/v1/responses":
+            return _responses_reply(rate, model, text, prompt, completion, request)
         if request.get("stream"):
             options = request.get("stream_options") or {}
             raw = _stream(ident, model, text, usage if options.get("include_usage") else None)
@@ -132,3 +147,55 @@ def _stream(ident: str, model: str, text: str, usage: dict[str, int] | None) -> 
         parts.append(chunk([], usage=usage))
     parts.append(b"data: [DONE]\n\n")
     return b"".join(parts)
+
+
+def _response(ident: str, model: str, text: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A Responses API ``response`` object: in progress (no output, no usage) or completed."""
+    output = [
+        {"type": "message", "id": f"msg_{ident}", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    ] if usage is not None else []  # fmt: skip
+    return {
+        "id": f"resp_{ident}", "object": "response", "created_at": 1_700_000_000,
+        "status": "in_progress" if usage is None else "completed", "model": model,
+        "output": output, "usage": usage, "error": None, "incomplete_details": None,
+        "instructions": None, "metadata": {}, "parallel_tool_calls": True,
+        "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0,
+        "text": {"format": {"type": "text"}},
+    }  # fmt: skip
+
+
+def _responses_reply(
+    rate: dict[str, str], model: str, text: str, prompt: int, completion: int,
+    request: Mapping[str, Any],
+) -> Reply:  # fmt: skip
+    """The Responses API's answer: a ``response``, or with ``"stream": true`` its events,
+    the usage only in the last one (``response.completed``), as OpenAI sends them."""
+    ident = uuid.uuid4().hex[:24]
+    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": prompt + completion}  # fmt: skip
+    if not request.get("stream"):
+        return Reply(200, rate, _response(ident, model, text, usage))
+    item = {"type": "message", "id": f"msg_{ident}", "status": "in_progress",
+            "role": "assistant", "content": []}  # fmt: skip
+    at = {"item_id": f"msg_{ident}", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    words = text.split(" ")
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": _response(ident, model, text, None)},
+        {"type": "response.output_item.added", "output_index": 0, "item": item},
+        {"type": "response.content_part.added", **at, "part": part},
+        *({"type": "response.output_text.delta", **at, "logprobs": [],
+           "delta": word if i == 0 else " " + word} for i, word in enumerate(words)),
+        {"type": "response.output_text.done", **at, "logprobs": [], "text": text},
+        {"type": "response.content_part.done", **at, "part": {**part, "text": text}},
+        {"type": "response.completed", "response": _response(ident, model, text, usage)},
+    ]  # fmt: skip
+    raw = b"".join(
+        f"event: {event['type']}\ndata: ".encode()
+        + json.dumps({**event, "sequence_number": n}).encode()
+        + b"\n\n"
+        for n, event in enumerate(events)
+    )
+    return Reply(200, rate, raw=raw, content_type="text/event-stream")
