@@ -226,16 +226,22 @@ class ThrottleTimeout(ThrottleError):
 
 class UpstreamFinal(ThrottleError):
     """The upstream failed a call and said it must not be made again
-    (``Stripe-Should-Retry: false``): :func:`throttle.upstream.report_upstream` with
-    ``retry=True`` raises this instead of :class:`Throttled`, and the task is not re-run
-    for it (it fails, unless its body handles the error). Retrying would fail the same way,
-    or, for a write, do it twice."""
+    (``Stripe-Should-Retry: false``), or refused it for a quota that no wait restores
+    (OpenAI's ``insufficient_quota``: the account's credit or budget is used up):
+    :func:`throttle.upstream.report_upstream` with ``retry=True`` raises this instead of
+    :class:`Throttled`, and the task is not re-run for it (it fails, unless its body
+    handles the error). Retrying would fail the same way, or, for a write, do it twice.
+    ``why`` says which (default: ``HEADER: false``)."""
 
-    def __init__(self, status: int | None, header: str = "Stripe-Should-Retry") -> None:
+    def __init__(
+        self, status: int | None, header: str = "Stripe-Should-Retry", why: str | None = None
+    ) -> None:
         self.status = status
         self.header = header
-        super().__init__(status, header)
+        self.why = f"{header}: false" if why is None else why
+        # All three in args: a result backend rebuilds the exception from them.
+        super().__init__(status, header, why)
 
     def __str__(self) -> str:
         status = "" if self.status is None else f" {self.status}"
-        return f"the upstream's{status} answer says not to retry the call ({self.header}: false)"
+        return f"the upstream's{status} answer says not to retry the call ({self.why})"

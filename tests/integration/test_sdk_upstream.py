@@ -336,6 +336,40 @@ def test_sdk_exceptions_are_read_by_report_upstream_in_a_task(
     assert [call.delay().get() for _ in range(3)] == ["served", "served", "refused"]
 
 
+@pytest.mark.parametrize("how", ["hook", "by-hand"])
+def test_openais_insufficient_quota_is_final_not_a_rate_refusal(
+    eager: Celery, openai_mock: Running, how: str
+) -> None:
+    # Given an OpenAI account whose credit is used up: every call is a 429
+    # insufficient_quota, which no wait ends
+    assert isinstance(openai_mock.provider, OpenAIMock)
+    openai_mock.provider.credit_spent = True
+    hooks = {"response": [upstream_hook(retry=True)]} if how == "hook" else {}
+    sdk = openai.OpenAI(
+        base_url=openai_mock.url + "/v1", api_key="sk-test", max_retries=0,
+        http_client=openai.DefaultHttpxClient(event_hooks=hooks),
+    )  # fmt: skip
+
+    @eager.task(shared=False)
+    @throttled("api")
+    def call() -> str:
+        try:
+            sdk.chat.completions.create(model="m", messages=[], max_tokens=1)
+        except openai.RateLimitError as exc:
+            report_upstream(exc, retry=True)
+            raise
+        return "served"
+
+    # Then the task fails with UpstreamFinal saying why, instead of coming back
+    # (Throttled, in eager mode) for a refusal that a worker would re-run for ever
+    try:
+        with pytest.raises(UpstreamFinal, match="insufficient_quota"):
+            call.delay().get()
+    finally:
+        sdk.close()
+    assert openai_mock.provider.stats()["calls"] == 1
+
+
 def test_a_streamed_completion_settles_its_usage_when_the_stream_ends(
     eager: Celery, openai_mock: Running, client: redis.Redis, prefix: str
 ) -> None:
@@ -545,6 +579,33 @@ def test_openai_refused_tasks_run_once_and_report_their_usage(fleet: Fleet) -> N
     # usage: prompt "task N" (2 tokens) + 30 of max_tokens 40, whole or streamed
     assert {r["tokens"] for r in done} == {32.0}
     assert all(r["words"] == 30 for r in done[6:])
+
+
+def test_openais_insufficient_quota_fails_each_task_once_instead_of_re_running_it(
+    fleet: Fleet,
+) -> None:
+    # Given the OpenAI account's credit used up (every call: 429 insufficient_quota),
+    # met through the hook on the SDK's client
+    from tests.apps.sdk_app import openai_chat  # noqa: PLC0415
+
+    mock = fleet.mocks["openai"].provider
+    assert isinstance(mock, OpenAIMock)
+    mock.reset()
+    mock.credit_spent = True
+    try:
+        handles = [openai_chat.delay(n, 40) for n in range(3)]
+        for handle in handles:
+            with pytest.raises(UpstreamFinal, match="insufficient_quota"):
+                handle.get(timeout=30)
+    finally:
+        mock.credit_spent = False
+    # Then each task reached OpenAI once and failed once: never re-published for it
+    # (each came back every second, for ever, with no error to see)
+    assert fleet.refused_by_id("openai") == {h.id: 1 for h in handles}
+    for handle in handles:
+        published, runs, ends = fleet.executions(handle.id)
+        assert (runs, ends.get("FAILURE")) == (1, 1), (handle.id, ends, fleet.log())
+        assert set(ends) <= {"FAILURE", "RETRY"} and published == sum(ends.values())
 
 
 @pytest.mark.parametrize("max_retries", [2, 0], ids=["sdk-retries-2", "max-retries-0"])

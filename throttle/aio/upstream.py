@@ -19,7 +19,7 @@ from throttle.aio.adaptive import LearnedRates
 from throttle.aio.limiter import Limiter
 from throttle.aio.rates import RateBook
 from throttle.aio.refusals import RefusalBook
-from throttle.errors import Throttled, UpstreamFinal
+from throttle.errors import Throttled
 from throttle.spec import Limit
 from throttle.upstream.headers import DEFAULT_HOLD_S, UpstreamSignal, read_response, wants_body
 from throttle.upstream.policy import (
@@ -218,7 +218,7 @@ def upstream_hook(
         )  # fmt: skip
         if retry and signal is not None and signal.final:
             await _release(response)
-            raise UpstreamFinal(getattr(response, "status_code", None))
+            raise signal.final_error(getattr(response, "status_code", None))
         if retry and signal is not None and signal.comes_back:
             await _release(response)
             hold_s = signal.hold_s if signal.refused else DEFAULT_HOLD_S

@@ -22,7 +22,7 @@ from celery._state import get_current_task
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import hold_twins, shadow_limit
-from throttle.errors import BackendError, Throttled, UpstreamFinal
+from throttle.errors import BackendError, Throttled
 from throttle.refusals import Refusal as RefusalEntry
 from throttle.rules import Rule
 from throttle.rules import Target as RuleTarget
@@ -189,7 +189,7 @@ def report_upstream(
     if ticket is None or (ticket.acquisition is None and not ticket.shadow):
         if signal is not None and retry and signal.final:
             _release(response)
-            raise UpstreamFinal(_status(response))
+            raise signal.final_error(_status(response))
         if signal is not None and retry and signal.comes_back:
             _release(response)
             later = signal.hold_s if signal.refused else _retry_after_s(response)
@@ -285,7 +285,7 @@ def report_upstream(
         # body does with this (Stripe-Should-Retry: false; Stripe's SDK does not retry it
         # either). The limits were held above as for any refusal.
         _release(response)
-        raise UpstreamFinal(_status(response))
+        raise signal.final_error(_status(response))
     if retry and signal.comes_back and not signal.refused:
         # An error the provider says to retry (Stripe-Should-Retry: true on a 409 lock
         # timeout, a 500): not the rate's doing, so no hold; the task comes back after

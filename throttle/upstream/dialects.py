@@ -40,6 +40,7 @@ __all__ = [
     "PER_DAY_S",
     "PER_MINUTE_S",
     "Reading",
+    "credit_spent",
     "dimension_name",
     "github_secondary",
     "openai_window",
@@ -74,6 +75,8 @@ NAMED_DIMENSIONS = (*_ANTHROPIC, "route", "global", "shared")
 """The dimensions the OpenAI, Anthropic and Discord readers name themselves; GitHub's
 resources and Stripe's reasons are whatever their headers say, so no list holds them all."""
 _SECONDARY_TEXT = "secondary rate limit"
+_CREDIT_TEXT = '"insufficient_quota"'
+"""OpenAI's error code (and type) for a spent credit, as its JSON error body spells it."""
 _BODY_CHARS = 4096
 
 
@@ -294,10 +297,27 @@ def _github_quota_left(fields: Mapping[str, str]) -> bool:
 
 
 def wants_body(status: int, fields: Mapping[str, str]) -> bool:
-    """Whether the body decides if the response is a refusal: a GitHub 403 with quota
-    left and no ``Retry-After`` is a secondary rate limit, or a plain "forbidden", and
-    only its message tells which."""
+    """Whether the body decides what the response is: a GitHub 403 with quota left and no
+    ``Retry-After`` is a secondary rate limit, or a plain "forbidden", and only its message
+    tells which; a 429 may be OpenAI's ``insufficient_quota`` (:func:`credit_spent`),
+    which only its error body says."""
+    if status == 429:
+        return True
     return status == 403 and "retry-after" not in fields and _github_quota_left(fields)
+
+
+def credit_spent(status: int, body: str | bytes | None) -> bool:
+    """Whether a 429 is OpenAI's ``insufficient_quota`` (``{"error": {"code":
+    "insufficient_quota", ...}}``, "You exceeded your current quota, please check your
+    plan and billing details"): the account's credit or monthly budget is used up. No
+    wait ends it (someone must pay), so the call is not to be made again: re-running the
+    task after each such 429 would loop for ever, one refused call a second."""
+    if status != 429 or body is None:
+        return False
+    text = body[:_BODY_CHARS]
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return _CREDIT_TEXT in text
 
 
 def github_secondary(status: int, fields: Mapping[str, str], body: str | bytes | None) -> bool:

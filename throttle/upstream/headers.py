@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from throttle.errors import RequestError
+from throttle.errors import RequestError, UpstreamFinal
 from throttle.upstream import dialects, values
 from throttle.upstream.answers import answer_of
 from throttle.upstream.dialects import Reading
@@ -95,6 +95,10 @@ class UpstreamSignal:
         A refusal that the provider says is no jitter, whatever its length: GitHub's
         secondary rate limit (its ``Retry-After`` must be waited out, or the integration
         may be blocked). It holds the limit rather than being judged.
+    credit_spent:
+        A refusal for a quota that no wait restores: OpenAI's ``insufficient_quota`` (the
+        account's credit or budget is used up), told by its body
+        (:func:`~throttle.upstream.dialects.credit_spent`). It is :attr:`final`.
     """
 
     refused: bool
@@ -108,24 +112,37 @@ class UpstreamSignal:
     blamed: bool = False
     error: bool = False
     insists: bool = False
+    credit_spent: bool = False
 
     @property
     def comes_back(self) -> bool:
         """Whether the call is to be made again later (``upstream_hook(retry=True)``
         re-runs the task): a refusal for the rate, unless the provider says not to retry
-        it (``Stripe-Should-Retry: false``); any other error the provider says to retry
+        it (``Stripe-Should-Retry: false``) or its quota is one no wait restores
+        (:attr:`credit_spent`); any other error the provider says to retry
         (``Stripe-Should-Retry: true``: a lock timeout's 409, a 500), as Stripe's own
         SDK does."""
+        if self.credit_spent:
+            return False
         if self.error and self.should_retry is not None:
             return self.should_retry
         return self.refused
 
     @property
     def final(self) -> bool:
-        """Whether the provider says the failed call must not be made again
-        (``Stripe-Should-Retry: false`` on an error): retrying it would fail the same
-        way, or do what the call did once more."""
-        return self.error and self.should_retry is False
+        """Whether the failed call must not be made again: the provider says so
+        (``Stripe-Should-Retry: false`` on an error), or refused it for a spent credit
+        (:attr:`credit_spent`): retrying it would fail the same way, or do what the call
+        did once more."""
+        return self.credit_spent or (self.error and self.should_retry is False)
+
+    def final_error(self, status: int | None) -> UpstreamFinal:
+        """The :class:`~throttle.errors.UpstreamFinal` that ``retry=True`` raises for a
+        :attr:`final` answer of ``status``, saying why."""
+        if self.credit_spent:
+            why = "insufficient_quota: the account's credit or budget is used up"
+            return UpstreamFinal(status, "insufficient_quota", why)
+        return UpstreamFinal(status)
 
     @property
     def rate_per_s(self) -> float | None:
@@ -317,7 +334,8 @@ def parse_upstream(
     Dates and epochs are read against the response's ``Date`` header when it has one (the
     upstream's own clock: worker clock skew does not enter), else ``now`` (epoch s, default
     ``time.time()``). ``body`` (text or bytes, optional) is read only to tell GitHub's
-    secondary rate limit from a plain 403 (:func:`read_response` passes it when needed).
+    secondary rate limit from a plain 403, and OpenAI's ``insufficient_quota`` from a 429
+    for the rate (:func:`read_response` passes it when needed).
 
     An error answer (400 or above) with Stripe's ``Stripe-Should-Retry`` says whether
     the call may be made again (:attr:`UpstreamSignal.comes_back`,
@@ -382,7 +400,7 @@ def parse_upstream(
     insists = refused and (secondary or dialects.github_secondary_timed(status, fields))
     return UpstreamSignal(
         refused, hold_s, source, quota, window_s, tuple(readings), should_retry, error=error,
-        insists=insists,
+        insists=insists, credit_spent=dialects.credit_spent(status, body),
     )  # fmt: skip
 
 
@@ -410,14 +428,16 @@ def _held(
 
 
 def wants_body(response: Any) -> bool:
-    """Whether :func:`read_response` reads ``response``'s body: only a GitHub 403 with
-    quota left and no ``Retry-After`` (its message tells the secondary rate limit from a
-    plain "forbidden"). An asyncio caller reads such a body first (``await
-    response.aread()``), as :mod:`throttle.aio.upstream` does."""
-    if getattr(response, "status_code", None) != 403:
+    """Whether :func:`read_response` reads ``response``'s body: a GitHub 403 with quota
+    left and no ``Retry-After`` (its message tells the secondary rate limit from a plain
+    "forbidden"), and a 429 (its error body tells OpenAI's ``insufficient_quota``, which
+    no wait ends). Such bodies are short. An asyncio caller reads such a body first
+    (``await response.aread()``), as :mod:`throttle.aio.upstream` does."""
+    status = getattr(response, "status_code", None)
+    if status not in (403, 429):
         return False
     try:
-        return dialects.wants_body(403, values.normalize(response.headers))
+        return dialects.wants_body(status, values.normalize(response.headers))
     except (TypeError, ValueError, AttributeError):
         return False
 

@@ -16,17 +16,20 @@ API (``POST /v1/responses``), with its rate limits: requests and tokens per minu
   as a Go duration: ``20ms``, ``1.5s``, ``6m0s``). A refusal is a 429 with
   ``retry-after-ms`` and ``retry-after`` and an error body whose ``type`` names the spent
   limit (``requests`` or ``tokens``). A new limit shows in the next answer's headers.
+* ``credit_spent = True``: every call is OpenAI's 429 ``insufficient_quota`` (the
+  account's credit is used up), which no wait ends.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from workers.providers.base import Bucket, Provider, Reply, go_duration, json_body
+from workers.providers.base import Arrival, Bucket, Provider, Reply, go_duration, json_body
 
 __all__ = ["OpenAIMock"]
 
@@ -58,6 +61,9 @@ class OpenAIMock(Provider):
     ) -> None:
         super().__init__({"requests": requests_per_min, "tokens": tokens_per_min}, burst_s=burst_s)
         self.fill = fill
+        self.credit_spent = False
+        """The account's credit is used up: every call is refused with OpenAI's 429
+        ``insufficient_quota`` (no rate-limit headers, no wait given), charging nothing."""
 
     def rate_headers(self, buckets: Mapping[str, Bucket]) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -79,6 +85,18 @@ class OpenAIMock(Provider):
                 {"error": {"message": f"no such path {path}", "type": "invalid_request_error"}},
             )
         request = json_body(body)
+        if self.credit_spent:
+            with self.lock:
+                self.arrivals.append(
+                    Arrival(time.monotonic() - self.started, False, headers.get("x-task-id"),
+                            "insufficient_quota")
+                )  # fmt: skip
+            error = {
+                "message": "You exceeded your current quota, please check your plan and billing "
+                "details.",
+                "type": "insufficient_quota", "param": None, "code": "insufficient_quota",
+            }  # fmt: skip
+            return Reply(429, {"x-request-id": f"req_{uuid.uuid4().hex[:16]}"}, {"error": error})
         prompt = prompt_tokens(request)
         max_tokens = (
             request.get("max_completion_tokens")
