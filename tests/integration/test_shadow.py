@@ -33,6 +33,7 @@ from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
 from throttle.celery.waiting import Undecided, Waiting
 from throttle.config import ThrottleConfig
+from throttle.decision import Decision
 from throttle.errors import Throttled
 from throttle.rules import Declared
 from throttle.stats import StatsBook
@@ -110,6 +111,62 @@ def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
     # A task that an enforced limit sent back is not looked at twice
     enter(app, "t0", {H_DEFERRALS: 1})
     assert recorded(throttler)["api"]["tasks"] == 30
+
+
+@pytest.mark.parametrize("algorithm", ["sliding_window", "fixed_window"])
+def test_a_window_in_shadow_counts_a_backlog_s_place_not_only_the_window_s_opening(
+    redis_url: str, prefix: str, algorithm: str
+) -> None:
+    """A window cannot reserve: each look it denies was told when the window frees (at
+    most a period or two away), so a backlog read as delayed by under 2 s whatever its
+    length. Enforced, the backlog drains at the window's rate."""
+    app = Celery("shadow", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix, "refresh": f"{REFRESH_S}s"},
+            "limits": {
+                "api": {"algorithm": algorithm, "rate": "10/s", "mode": "shadow"},
+                "other": {"rate": "1000/s"},
+            },
+            "tasks": {"shadow.call": ["api", "other"]},
+        },
+    )  # fmt: skip
+    try:
+
+        @app.task(name="shadow.call", shared=False)
+        def call() -> None: ...
+
+        throttler = Throttler.of(app)
+        # Given a 10/s window in shadow mode, when 100 tasks arrive at once
+        started = redis_now_s(throttler.limiter.client)
+        for i in range(100):
+            enter(app, f"t{i}")
+        elapsed = redis_now_s(throttler.limiter.client) - started
+        # Then status says what enforcement would do: the window's 10 (20 if the arrivals
+        # straddle a fixed window's edge) run at once, the others in turn at 10/s, the
+        # last about 9 s later (p50 of the delayed about 4.5 s, p95 about 8.5 s, less the
+        # time the loop took), not the under 2 s of the window's next opening
+        seen = recorded(throttler)["api"]
+        assert seen["tasks"] == 100
+        assert 75 <= seen["delayed"] <= 90
+        assert seen["p50_s"] is not None and seen["p95_s"] is not None
+        assert 3.5 - elapsed <= seen["p50_s"] <= 5.5
+        assert 7.0 - elapsed <= seen["p95_s"] <= 9.5
+    finally:
+        close_throttler(app)
+
+
+def test_a_window_in_shadow_delays_nothing_its_window_admits() -> None:
+    """A look the window twin admits counts no wait, whatever the pacing twin says: a
+    fixed window admits its count again at each edge, at once."""
+    admitted = Decision(True, 0.0, 0.0, 1.0, 0.0, ())
+    paced = Decision(True, 0.0, 0.0, 1.0, 0.9, ())
+    denied = Decision(False, 0.0, 0.4, 1.0, 0.0, ())
+    assert shadow._would_wait([admitted, paced]) == 0.0
+    assert shadow._would_wait([denied, paced]) == 0.9
+    assert shadow._would_wait([denied, admitted]) == 0.4
+    assert shadow._would_wait([paced]) == 0.9
 
 
 def test_a_task_does_not_wait_for_its_look_which_a_thread_sends_soon_after(

@@ -45,11 +45,12 @@ from throttle.celery.execution import Execution
 from throttle.celery.message import H_DEFERRALS, sent_header
 from throttle.celery.observe import Shadowed
 from throttle.celery.runtime import Throttler
+from throttle.decision import Decision
 from throttle.errors import BackendError, ThrottleError
 from throttle.gathering import Gathering
 from throttle.limiter import Limiter
 from throttle.rules import Rule, Target, kept_in_hand, targets
-from throttle.spec import SHADOW_SUFFIX, Limit
+from throttle.spec import SHADOW_SUFFIX, Algorithm, Limit
 from throttle.upstream.headers import UpstreamSignal
 from throttle.upstream.policy import Target as Answered
 from throttle.upstream.policy import apply_signal
@@ -64,6 +65,44 @@ HORIZON_S = 3600.0
 def shadow_limit(limit: Limit) -> Limit:
     """The shadow twin of ``limit``: its algorithm and numbers, its own state."""
     return dataclasses.replace(limit, name=limit.name + SHADOW_SUFFIX)
+
+
+@functools.lru_cache(maxsize=1024)
+def pacing_twin(limit: Limit) -> Limit | None:
+    """For a window limit, a second twin that keeps its backlog's place: a GCRA at the
+    window's rate, burst its count (same name as :func:`shadow_limit`, a state of its own
+    under the GCRA's code, which ``reset`` clears too); None for the other algorithms.
+
+    A window cannot reserve: a look it denies is told when the window frees, the same
+    answer for every task of a backlog, and is not counted. Enforced, those tasks drain
+    at the window's rate, ``count`` per period, so a backlog of 50 tasks on a 5/s window
+    waits up to 10 s, where the window twin alone answers at most one period. The pacing
+    twin reserves each look's place in that drain: a look the window twin denies would
+    have waited for the later of the two answers (:func:`_would_wait`)."""
+    if limit.algorithm.reserves or limit.algorithm.holds_units:
+        return None
+    return dataclasses.replace(
+        limit, name=limit.name + SHADOW_SUFFIX, algorithm=Algorithm.GCRA, burst=limit.count
+    )
+
+
+def twins_of(limit: Limit) -> tuple[Limit, ...]:
+    """The twins a look at ``limit`` acquires, the shadow twin first."""
+    pace = pacing_twin(limit)
+    twin = shadow_limit(limit)
+    return (twin,) if pace is None else (twin, pace)
+
+
+def _would_wait(decisions: Sequence[Decision]) -> float:
+    """The wait the twins' ``decisions`` (in :func:`twins_of`'s order) say the limit would
+    impose: the twin's; for a window, 0 when its twin admits the look (enforced, the task
+    would run at once: the window's own count decides, a burst at a window's edge
+    included), else the later of the window's opening and the look's place in the
+    backlog's drain (the pacing twin's)."""
+    waits = [d.wait_s if d.allowed else d.retry_after_s for d in decisions]
+    if len(decisions) > 1 and decisions[0].allowed:
+        return waits[0]
+    return max(waits)
 
 
 BATCH_S = 0.05
@@ -163,9 +202,9 @@ class Looks(Gathering[list[_Look]]):
             if not pairs:
                 continue
             for _, (limit, key, cost) in pairs:
-                twin = shadow_limit(limit)
-                asks.append((twin, key, min(cost, twin.capacity)))
-                ago.append(now - look.asked)
+                for twin in twins_of(limit):
+                    asks.append((twin, key, min(cost, twin.capacity)))
+                    ago.append(now - look.asked)
             looked.append((look, pairs, _queued_s(look, redis_now - (now - look.asked))))
         if not asks:
             return
@@ -178,14 +217,15 @@ class Looks(Gathering[list[_Look]]):
         for look, pairs, queued_s in looked:
             execution = look.shadowing.execution
             waits: list[float] = []
-            for _ in pairs:
-                decision = next(decisions)
-                if isinstance(decision, ThrottleError):
+            for _, (limit, _, _) in pairs:
+                answers = [next(decisions) for _ in twins_of(limit)]
+                failed = [a for a in answers if isinstance(a, ThrottleError)]
+                if failed:
                     logger.warning(
-                        "throttle: shadow look of task %s: %s", execution.request.id, decision
+                        "throttle: shadow look of task %s: %s", execution.request.id, failed[0]
                     )
                     continue
-                wait = decision.wait_s if decision.allowed else decision.retry_after_s
+                wait = _would_wait(cast("list[Decision]", answers))
                 if wait > 0:  # its slot is ahead: it would have waited for it since the send
                     wait += queued_s
                 waits.append(min(max(wait, 0.0), HORIZON_S))
