@@ -36,6 +36,7 @@ from throttle.config import ThrottleConfig
 from throttle.decision import Decision
 from throttle.errors import Throttled
 from throttle.rules import Declared
+from throttle.spec import Limit
 from throttle.stats import StatsBook
 from throttle.upstream import report_upstream
 
@@ -159,14 +160,73 @@ def test_a_window_in_shadow_counts_a_backlog_s_place_not_only_the_window_s_openi
 
 def test_a_window_in_shadow_delays_nothing_its_window_admits() -> None:
     """A look the window twin admits counts no wait, whatever the pacing twin says: a
-    fixed window admits its count again at each edge, at once."""
+    fixed window admits its count again at each edge, at once. A fair limit's look
+    counts the later of its twins' answers, admitted or not."""
+    window = Limit.parse("10/s", name="w", algorithm="fixed_window")
+    fair = Limit.parse("10/s", name="f", fair=True)
     admitted = Decision(True, 0.0, 0.0, 1.0, 0.0, ())
     paced = Decision(True, 0.0, 0.0, 1.0, 0.9, ())
     denied = Decision(False, 0.0, 0.4, 1.0, 0.0, ())
-    assert shadow._would_wait([admitted, paced]) == 0.0
-    assert shadow._would_wait([denied, paced]) == 0.9
-    assert shadow._would_wait([denied, admitted]) == 0.4
-    assert shadow._would_wait([paced]) == 0.9
+    assert shadow._would_wait(window, [admitted, paced]) == 0.0
+    assert shadow._would_wait(window, [denied, paced]) == 0.9
+    assert shadow._would_wait(window, [denied, admitted]) == 0.4
+    assert shadow._would_wait(fair, [admitted, paced]) == 0.9
+    assert shadow._would_wait(fair, [denied, admitted]) == 0.4
+    gcra = Limit.parse("10/s", name="g", algorithm="gcra")
+    assert shadow._would_wait(gcra, [paced]) == 0.9
+    assert [twin.algorithm.value for twin in shadow.twins_of(window)] == ["fixed_window", "gcra"]
+    assert [twin.fair for twin in shadow.twins_of(fair)] == [True, False]
+    assert len(shadow.twins_of(gcra)) == 1
+
+
+def test_a_fair_limit_in_shadow_counts_a_flood_s_turn_beyond_its_plan_s_reach(
+    redis_url: str, prefix: str
+) -> None:
+    """A fair limit books nothing beyond its near horizon and sends a key's waiting tasks
+    back at most about 3 s ahead: a look at its twin alone read a flood of one tenant as
+    delayed by at most that. Enforced, the flood drains at the limit's rate."""
+    app = Celery("shadow", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix, "refresh": f"{REFRESH_S}s"},
+            "limits": {
+                "api": {
+                    "rate": "20/s", "key": "{tenant}", "fair": True, "mode": "shadow",
+                    "plan": "{plan}", "plans": {"free": 1, "pro": 4},
+                },
+            },
+            "tasks": {"shadow.tenant": ["api"]},
+        },
+    )  # fmt: skip
+    try:
+
+        @app.task(name="shadow.tenant", shared=False)
+        def tenant_task(tenant: str, plan: str) -> None: ...
+
+        throttler = Throttler.of(app)
+        # Given a 20/s fair limit in shadow mode, when one tenant sends 200 tasks at once
+        started = redis_now_s(throttler.limiter.client)
+        for i in range(200):
+            tenant_task.push_request(
+                id=f"f{i}", headers={}, delivery_info={}, called_directly=False
+            )
+            try:
+                Gate(tenant_task, None, tenant_task.run, ("acme", "pro"), {}).enter()
+            finally:
+                tenant_task.pop_request()
+        elapsed = redis_now_s(throttler.limiter.client) - started
+        # Then status says what enforcement would do: its burst of 20 at once, the others
+        # in turn at 20/s, the last about 9 s later (enforced, measured on a worker: p50
+        # 4.2 s, p95 8.6 s), not at most the 3 s of the fair plan's reach
+        seen = recorded(throttler)["api"]
+        assert seen["tasks"] == 200
+        assert seen["delayed"] >= 170
+        assert seen["p50_s"] is not None and seen["p95_s"] is not None
+        assert 3.5 - elapsed <= seen["p50_s"] <= 5.5
+        assert 7.0 - elapsed <= seen["p95_s"] <= 9.5
+    finally:
+        close_throttler(app)
 
 
 def test_a_task_does_not_wait_for_its_look_which_a_thread_sends_soon_after(

@@ -69,16 +69,25 @@ def shadow_limit(limit: Limit) -> Limit:
 
 @functools.lru_cache(maxsize=1024)
 def pacing_twin(limit: Limit) -> Limit | None:
-    """For a window limit, a second twin that keeps its backlog's place: a GCRA at the
-    window's rate, burst its count (same name as :func:`shadow_limit`, a state of its own
-    under the GCRA's code, which ``reset`` clears too); None for the other algorithms.
+    """For a window or a fair limit, a second twin that keeps its backlog's place: a
+    plain GCRA at the window's rate, burst its count, or the fair limit itself made plain
+    (its algorithm, rate and burst, one state per key); same name as
+    :func:`shadow_limit`, a state of its own under its algorithm's code, which ``reset``
+    clears too. None for the other limits, whose twin reserves.
 
     A window cannot reserve: a look it denies is told when the window frees, the same
-    answer for every task of a backlog, and is not counted. Enforced, those tasks drain
-    at the window's rate, ``count`` per period, so a backlog of 50 tasks on a 5/s window
-    waits up to 10 s, where the window twin alone answers at most one period. The pacing
-    twin reserves each look's place in that drain: a look the window twin denies would
-    have waited for the later of the two answers (:func:`_would_wait`)."""
+    answer for every task of a backlog, and is not counted. A fair limit books nothing
+    beyond its near horizon, and tells a key's waiting tasks to come back at most its
+    plan's reach ahead (about 3 s). Enforced, a backlog drains at the limit's rate: 50
+    tasks at once on a 5/s window wait up to 10 s, 200 of one tenant on a 20/s fair limit
+    up to 9 s, where the twin alone answered at most a period, or about 3 s. The pacing
+    twin reserves each look's place in that drain, as its key's alone (no key of a fair
+    limit runs faster than the whole rate): the look would have waited for the later of
+    the two answers (:func:`_would_wait`)."""
+    if limit.fair:
+        return dataclasses.replace(
+            limit, name=limit.name + SHADOW_SUFFIX, fair=False, weights=(), default_weight=1.0
+        )
     if limit.algorithm.reserves or limit.algorithm.holds_units:
         return None
     return dataclasses.replace(
@@ -93,14 +102,14 @@ def twins_of(limit: Limit) -> tuple[Limit, ...]:
     return (twin,) if pace is None else (twin, pace)
 
 
-def _would_wait(decisions: Sequence[Decision]) -> float:
-    """The wait the twins' ``decisions`` (in :func:`twins_of`'s order) say the limit would
+def _would_wait(limit: Limit, decisions: Sequence[Decision]) -> float:
+    """The wait the twins' ``decisions`` (in :func:`twins_of`'s order) say ``limit`` would
     impose: the twin's; for a window, 0 when its twin admits the look (enforced, the task
     would run at once: the window's own count decides, a burst at a window's edge
     included), else the later of the window's opening and the look's place in the
-    backlog's drain (the pacing twin's)."""
+    backlog's drain (the pacing twin's); for a fair limit, the later of the two."""
     waits = [d.wait_s if d.allowed else d.retry_after_s for d in decisions]
-    if len(decisions) > 1 and decisions[0].allowed:
+    if not limit.fair and len(decisions) > 1 and decisions[0].allowed:
         return waits[0]
     return max(waits)
 
@@ -225,7 +234,7 @@ class Looks(Gathering[list[_Look]]):
                         "throttle: shadow look of task %s: %s", execution.request.id, failed[0]
                     )
                     continue
-                wait = _would_wait(cast("list[Decision]", answers))
+                wait = _would_wait(limit, cast("list[Decision]", answers))
                 if wait > 0:  # its slot is ahead: it would have waited for it since the send
                     wait += queued_s
                 waits.append(min(max(wait, 0.0), HORIZON_S))
