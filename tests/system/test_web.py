@@ -29,6 +29,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from tests.apps.celery_limits import LIMITS
 from tests.support.http import post_json
 from tests.support.servers import RedisServer, free_port
+from throttle import KeySpace, Limit, Limiter
+from throttle.rates import RateBook
 from workers.harness import ROOT, Worker, wait_ready
 from workers.screenshot import CHROMIUM_FLAGS
 
@@ -372,6 +374,41 @@ def test_the_page_shows_plans_key_rates_and_shadow_results(
         fleet.cli("enforce", "trial", "--default")
     fleet.cli("clear", "tiers", "--key", "acme")
     until(lambda: not browser.find_elements(By.CSS_SELECTOR, ".key-rate"), 10, "the rate cleared")
+
+
+def test_a_limit_with_many_keys_set_or_held_stays_one_short_row(
+    fleet: Fleet, browser: WebDriver
+) -> None:
+    # Given a keyed limit with 300 tenants given a rate of their own and 300 held (a
+    # fleet of many tenants; `status` lists two of each and counts the rest)
+    url = fleet.page()
+    book = RateBook(fleet.client, KeySpace())
+    limiter = Limiter(fleet.client)
+    tiers = Limit.parse("1/s", name="tiers", algorithm="gcra")
+    keys = [f"tenant-{i:03d}" for i in range(300)]
+    try:
+        for key in keys:
+            book.set_key(tiers, key, "5/s")
+            limiter.hold("tiers", key, 120)
+        # When the page is loaded
+        browser.get(url + "/")
+        until(
+            lambda: "+295 more keys set" in cell(browser, "tiers", "key-rates-more"),
+            15, "the keys set, counted",
+        )  # fmt: skip
+        # Then it lists 5 of each and counts the others, and the row stays short: the
+        # limits below it are still on the page, not 300 lines further down
+        row = browser.find_element(By.CSS_SELECTOR, 'tr[data-limit="tiers"]')
+        assert len(row.find_elements(By.CSS_SELECTOR, ".key-rate")) == 5
+        assert "+295 more keys held" in cell(browser, "tiers", "key-holds-more")
+        assert row.size["height"] < 400
+        # and the JSON API still carries every one
+        (data,) = [r for r in state(url)["limits"] if r["name"] == "tiers"]
+        assert len(data["key_rates"]) == len(data["key_holds"]) == 300
+    finally:
+        for key in keys:
+            book.clear_key("tiers", key)
+            limiter.unhold("tiers", key)
 
 
 def test_the_page_warns_of_a_limiter_redis_that_evicts_keys(

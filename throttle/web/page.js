@@ -99,6 +99,18 @@ async function act(action, limit, button) {
   }
 }
 
+// The keys listed per limit (rates set, holds): a fleet of thousands of tenants would make
+// one row thousands of lines tall and push every other limit off the page; the rest is
+// counted, and `celery throttle status --json` lists them all.
+const KEYS_SHOWN = 5;
+
+function more(cell, total, what, cls) {
+  if (total > KEYS_SHOWN) {
+    cell.append(el("span", {class: "sub " + cls}, "+" + (total - KEYS_SHOWN) + " more " + what +
+      " (celery throttle status --json)"));
+  }
+}
+
 function row(limit, history) {
   const tr = el("tr", {"data-limit": limit.name});
   let rate = limit.effective_rate;
@@ -111,13 +123,17 @@ function row(limit, history) {
       (p.weight !== undefined ? "weight " + num(p.weight) : p.rate + " burst " + num(p.burst))));
   }
   // Keys with a rate of their own, set at run time (celery throttle set LIMIT RATE --key KEY).
-  for (const [key, spec] of Object.entries(limit.key_rates || {})) {
+  const keyRates = Object.entries(limit.key_rates || {});
+  for (const [key, spec] of keyRates.slice(0, KEYS_SHOWN)) {
     configured.append(el("span", {class: "sub key-rate", "data-key": key}, "key " + key + ": " + spec));
   }
+  more(configured, keyRates.length, "keys set", "key-rates-more");
   const hold = el("td", {class: "hold"}, holdText(limit.hold) || "–");
-  for (const [key, h] of Object.entries(limit.key_holds)) {
+  const keyHolds = Object.entries(limit.key_holds);
+  for (const [key, h] of keyHolds.slice(0, KEYS_SHOWN)) {
     hold.append(el("span", {class: "sub"}, key + ": ", holdText(h)));
   }
+  more(hold, keyHolds.length, "keys held", "key-holds-more");
   const per = limit.per_minute;
   const refused = el("td", {class: "num refused"}, num(per.denied));
   if (per.timeout) refused.append(el("span", {class: "sub"}, num(per.timeout) + " timed out"));
