@@ -3,6 +3,8 @@ rate set for one key reaches other processes within ``refresh_s``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import redis
 
@@ -142,6 +144,22 @@ def test_a_key_s_rate_is_validated_and_a_fair_limit_refuses_one(
     with pytest.raises(RequestError, match="needs the key"):
         book.set_key(limit, None, "5/s")  # type: ignore[arg-type]
     assert client.exists(keyspace.key_rates_key()) == 0
+
+
+def test_a_key_rate_stored_for_a_fair_limit_is_ignored_not_a_way_out_of_its_share(
+    client: redis.Redis, keyspace: KeySpace
+) -> None:
+    # Given a fair limit, and a key rate stored for it anyway: set while the limit was not
+    # fair yet, or through set_key with a Limit built without fair=True
+    fair = Limit.parse("20/s", name="llm", fair=True, weights={"acme": 4})
+    RateBook(client, keyspace).set_key(Limit.parse("20/s", name="llm"), "acme", "100/s")
+    book = RateBook(client, keyspace, refresh_s=REFRESH_S, monotonic=FakeMonotonic())
+    # Then the key's tasks still take the fair limit, their share of its rate, not a
+    # plain limit of their own at 100/s, outside the shared rate
+    assert book.current(fair, "acme") is fair
+    # as do a fair plan's (its weight)
+    pro = dataclasses.replace(fair, default_weight=8.0)
+    assert book.current(pro, "acme") is pro
 
 
 def test_a_key_rate_written_by_hand_that_does_not_parse_is_ignored(

@@ -223,6 +223,8 @@ def _cells(row: Mapping[str, Any]) -> list[str]:
         rate = f"{rate}; {key}: {spec}"
     if len(key_rates) > 2:
         rate = f"{rate}; +{len(key_rates) - 2} keys set"
+    if key_rates and row["fair"]:  # stored, but a fair limit has no rate per key
+        rate = f"{rate} (ignored: fair)"
     shown = row["burst"] if row["override_ignored"] else row["effective_burst"]
     burst = "-" if shown is None else amount(shown)
     hold = row["hold"]
