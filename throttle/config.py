@@ -450,6 +450,17 @@ class Settings:
                     source=source,
                 ),
             )  # fmt: skip
+        if settings.refusals_for_s is not None and settings.refusals_for_s <= 0:
+            _report(
+                errors,
+                ConfigError(
+                    "refusals_for must be longer than 0 s: refusals older than it are "
+                    "dropped as each new one is recorded, so 0 would keep none (leave it "
+                    "out to keep the last refusals_max)",
+                    field="settings.refusals_for", value=config.get("refusals_for"),
+                    source=source,
+                ),
+            )  # fmt: skip
         # park_lead against park_after only when both are valid.
         if not bad & {"park_lead", "park_after"} and settings.park_lead_s >= settings.park_after_s:
             _report(

@@ -453,6 +453,14 @@ BAD_DOCUMENTS = [
         id="reserve-ahead-below-the-floor",
     ),
     pytest.param(
+        BASE + "settings:\n  refusals_for: 0s\n",
+        None,
+        "settings.refusals_for",
+        "0s",
+        "refusals_for must be longer than 0 s",
+        id="refusals-for-zero",
+    ),
+    pytest.param(
         BASE + "settings:\n  refresh: 0\n",
         None,
         "settings.refresh",
