@@ -23,7 +23,7 @@ from tests.support.clock import redis_now_s
 from tests.support.eager import close_throttler
 from tests.support.events import EventLog
 from tests.support.waits import wait_for
-from throttle.celery import install, shadow
+from throttle.celery import install, shadow, throttled
 from throttle.celery.events import EVERY_S
 from throttle.celery.execution import enter_ticket, leave_ticket
 from throttle.celery.gate import Gate
@@ -31,10 +31,11 @@ from throttle.celery.message import H_DEFERRALS, H_NOT_BEFORE, H_SENT
 from throttle.celery.observe import FleetStatsReporter
 from throttle.celery.runtime import Throttler
 from throttle.celery.shadow import BATCH_S, looks_of, shadow_limit
+from throttle.celery.task import gated_call
 from throttle.celery.waiting import Undecided, Waiting
 from throttle.config import ThrottleConfig
 from throttle.decision import Decision
-from throttle.errors import Throttled
+from throttle.errors import ConfigError, Throttled
 from throttle.rules import Declared
 from throttle.spec import Limit
 from throttle.stats import StatsBook
@@ -112,6 +113,36 @@ def test_a_limit_in_shadow_records_the_waits_it_would_impose_and_delays_nothing(
     # A task that an enforced limit sent back is not looked at twice
     enter(app, "t0", {H_DEFERRALS: 1})
     assert recorded(throttler)["api"]["tasks"] == 30
+
+
+def test_an_inline_limit_in_shadow_mode_from_the_decorator(app: Celery) -> None:
+    @app.task(name="shadow.inline", shared=False)
+    @throttled("10/s burst 1", algorithm="gcra", mode="shadow")
+    def inline() -> None: ...
+
+    declared, fn, args, kwargs = gated_call(inline, (), {}) or pytest.fail("not gated")
+    throttler = Throttler.of(app)
+    # Given @throttled(..., mode="shadow"), when 5 tasks arrive at once, none waits for it
+    started = redis_now_s(throttler.limiter.client)
+    for i in range(5):
+        inline.push_request(id=f"i{i}", headers={}, delivery_info={}, called_directly=False)
+        try:
+            gate = Gate(inline, declared, fn, args, kwargs)
+            gate.enter()
+            assert gate.execution.rules == ()
+        finally:
+            inline.pop_request()
+    assert redis_now_s(throttler.limiter.client) - started < 0.3  # enforced: 0.4 s at least
+    # and it recorded that 4 of the 5 would have waited
+    (rule,) = declared.rules
+    assert rule.mode == "shadow"
+    seen = recorded(throttler)[rule.name]
+    assert (seen["tasks"], seen["delayed"]) == (5, 4)
+
+
+def test_the_decorator_refuses_a_mode_it_does_not_know() -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        throttled("10/s", mode="dry-run")(lambda: None)
 
 
 @pytest.mark.parametrize("algorithm", ["sliding_window", "fixed_window"])

@@ -166,6 +166,7 @@ def throttled(
     algorithm: Algorithm | str | Any = UNSET,
     plan: Any = UNSET,
     plans: Any = UNSET,
+    mode: Any = UNSET,
 ) -> Callable[[F], F]:
     """Throttle a task: put it under ``@app.task`` or ``@shared_task``.
 
@@ -174,9 +175,10 @@ def throttled(
     *limits:
         Names of limits in the config file (``"github"``), inline rates (``"20/s burst 1"``,
         ``"8 concurrent"``), :class:`Limit` or :class:`Rule` objects. All apply at once.
-    key, cost, max_wait, on_timeout, on_error, on_redis_down, plan, plans:
+    key, cost, max_wait, on_timeout, on_error, on_redis_down, plan, plans, mode:
         As the fields of :class:`throttle.rules.Rule` (``max_wait`` in seconds or a
-        duration string); for inline limits, and overriding a named limit's own.
+        duration string; ``mode="shadow"`` decides and records without delaying); for
+        inline limits, and overriding a named limit's own.
     algorithm:
         The algorithm of inline rates (default token bucket).
     """
@@ -192,7 +194,7 @@ def throttled(
     options = {
         "key": key, "cost": cost, "max_wait_s": max_wait, "on_timeout": on_timeout,
         "on_error": on_error, "on_redis_down": on_redis_down, "algorithm": algorithm,
-        "plan": plan, "plans": plans,
+        "plan": plan, "plans": plans, "mode": mode,
     }  # fmt: skip
 
     def decorate(fn: F) -> F:
