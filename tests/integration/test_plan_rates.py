@@ -183,12 +183,15 @@ def test_the_metrics_show_each_key_s_own_rate(redis_url: str, prefix: str) -> No
     app.conf.throttle_config = {
         "settings": {"prefix": prefix, "metrics": True},
         "limits": {"api": {"rate": "10/s", "key": "{tenant_id}", "plan": "{plan}",
-                           "plans": {"pro": "100/s"}}},
+                           "plans": {"pro": "100/s"}},
+                   "llm": {"rate": "20/s", "key": "{tenant_id}", "fair": True}},
     }  # fmt: skip
     app.conf.throttle_redis_url = redis_url
     throttler = Throttler.of(app)
     try:
         throttler.rates.set_key(throttler.config.rules["api"].limit, "acme", "250/s")
+        # a key rate stored for a fair limit (the workers ignore it: not a rate in force)
+        throttler.rates.set_key(Limit.parse("20/s", name="llm"), "acme", "100/s")
         collector = metrics.ThrottleCollector(lambda: [], lambda: fleet_state(app))
         samples = {
             (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -198,6 +201,7 @@ def test_the_metrics_show_each_key_s_own_rate(redis_url: str, prefix: str) -> No
     finally:
         throttler.limiter.client.close()
     assert samples[("throttle_key_rate", (("key", "acme"), ("limit", "api")))] == 250.0
+    assert ("throttle_key_rate", (("key", "acme"), ("limit", "llm"))) not in samples
 
 
 def test_a_fair_limit_s_plan_weight_survives_a_rate_set_for_the_whole_limit(

@@ -94,7 +94,10 @@ def fleet_state(app: Celery) -> metrics.FleetState | None:
         rate = throttler.learned.read(ceiling, None, rule.adaptive).rate_per_s
         learned.append((name, ceiling.rate_per_s, rate))
     key_rates = []
+    fair = {name for name, rule in throttler.config.rules.items() if rule.limit.fair}
     for (name, key), spec in sorted(throttler.rates.key_overrides().items(), key=str):
+        if name in fair:  # a fair limit's keys share its rate: the workers ignore it
+            continue
         try:
             rate = Limit.parse(spec).rate_per_s
         except ConfigError:  # written by hand: the workers ignore it too
