@@ -50,6 +50,7 @@ limits:
   tiers: {{algorithm: gcra, rate: 1/s, key: "{{tenant}}", plan: "{{plan}}",
           plans: {{free: 10/s burst 5, pro: 100/s}}}}
   trial: {{algorithm: gcra, rate: 2/s, burst: 1, mode: shadow}}
+  slots: {{rate: 1 concurrent}}
 tasks:
   tests.apps.celery_app.live: [trial]
 """
@@ -438,3 +439,33 @@ def test_the_page_warns_of_a_limiter_redis_that_evicts_keys(
         fleet.client.config_set("maxmemory", "0")
     # And it goes away when the Redis no longer evicts
     until(lambda: not browser.find_element(By.ID, "warning").is_displayed(), 15, "no warning")
+
+
+def test_a_full_concurrency_limit_frees_its_next_unit_on_release(
+    fleet: Fleet, browser: WebDriver
+) -> None:
+    # Given a concurrency limit whose one unit a running task holds: its lease (5 minutes)
+    # ends long after the task will, so the next unit comes back when the task ends
+    url = fleet.page()
+    limiter = Limiter(fleet.client)  # the workers' prefix and namespace: the defaults
+    held = limiter.acquire(Limit.parse("1 concurrent", name="slots"), acquisition_id="held")
+    assert held.allowed and held.acquisition is not None
+    try:
+        # When the page shows it
+        browser.get(url + "/")
+        until(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-limit="slots"]'), 15, "a row")
+        row = until(
+            lambda: (
+                r := {row["name"]: row for row in state(url)["limits"]}["slots"]
+            )["tokens"] == 0 and r,
+            10, "the unit taken",
+        )  # fmt: skip
+        assert row["next_slot_s"] > 60  # the lease's end, not when a unit comes back
+
+        # Then its next slot reads "on release", as `celery throttle status` says, not the
+        # minutes until the lease would expire
+        until(lambda: cell(browser, "slots", "slot") == "on release", 10, "on release")
+        assert "on release" in fleet.cli("status", "--timeout", "0").split("slots", 1)[1]
+    finally:
+        limiter.release(held.acquisition)
+    until(lambda: cell(browser, "slots", "slot") == "now", 10, "free again")

@@ -160,8 +160,13 @@ function row(limit, history) {
       "would have delayed " + seen.delayed + " of " + seen.tasks +
       (seen.delayed ? ", p50 " + dur(seen.p50_s) + ", p95 " + dur(seen.p95_s) : "")));
   }
+  // A full concurrency limit frees a unit when a running task ends: its next_slot_s is
+  // only when its oldest lease would expire (a task that never ends), minutes away, so it
+  // reads "on release", as `celery throttle status` says.
   const nextSlot = limit.key !== null ? "per key" : limit.next_slot_s === null ? "paused"
-                   : limit.next_slot_s === 0 ? "now" : "in " + dur(limit.next_slot_s);
+                   : limit.next_slot_s === 0 ? "now"
+                   : limit.algorithm === "concurrency" ? "on release"
+                   : "in " + dur(limit.next_slot_s);
   tr.append(
     name,
     el("td", {class: "rate"}, rate),
