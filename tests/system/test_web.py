@@ -104,8 +104,8 @@ class Fleet:
         self.producer.conf.task_default_queue = "celery"
         self.client = redis.Redis.from_url(server.url)
 
-    def page(self, *extra: str) -> str:
-        """Start ``celery throttle web`` and return its URL once it answers."""
+    def page(self, *extra: str, host: str = "127.0.0.1") -> str:
+        """Start ``celery throttle web`` on ``host`` and return its URL once it answers."""
         port = free_port()
         log = self.tmp / f"web-{port}.log"
         env = {**os.environ, **self.env, "THROTTLE_WEB_TOKEN": TOKEN}
@@ -113,11 +113,11 @@ class Fleet:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", APP, "throttle", "web",
-                 "--port", str(port), "--interval", "0.5", *extra],
+                 "--host", host, "--port", str(port), "--interval", "0.5", *extra],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.pages.append(proc)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         # Up to 90 s: a shared 2-core host under load took 25 s to start the command.
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -469,3 +469,22 @@ def test_a_full_concurrency_limit_frees_its_next_unit_on_release(
     finally:
         limiter.release(held.acquisition)
     until(lambda: cell(browser, "slots", "slot") == "now", 10, "free again")
+
+
+def test_the_page_listens_on_an_ipv6_address(fleet: Fleet, browser: WebDriver) -> None:
+    # Given the page started on IPv6 loopback, as --host documents (`::` for every interface)
+    url = fleet.page("--allow-control", host="::1")
+    # Then it serves its state there, checks the Host header, and takes a pause
+    assert [row["name"] for row in state(url)["limits"]][:2] == ["upstream", "slow"]
+    request = urllib.request.Request(f"{url}/api/state", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    refused.value.close()
+    assert refused.value.code == 421
+    assert post_json(f"{url}/api/pause", {"limit": "held"}, TOKEN)[0] == 200
+    try:
+        # and a browser draws it from there
+        browser.get(url + "/")
+        until(lambda: cell(browser, "held", "hold") == "paused", 15, "the pause on the page")
+    finally:
+        assert post_json(f"{url}/api/resume", {"limit": "held"}, TOKEN)[0] == 200

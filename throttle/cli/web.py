@@ -62,7 +62,7 @@ def _token(allow: bool, token_file: Path | None) -> tuple[str | None, bool]:
     "--host",
     default="127.0.0.1",
     show_default=True,
-    help="The address to listen on; 0.0.0.0 exposes the page to the network.",
+    help="The address to listen on (IPv4 or IPv6); 0.0.0.0 or :: exposes the page to the network.",
 )
 @click.option(
     "--interval",

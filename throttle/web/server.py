@@ -30,6 +30,7 @@ import hmac
 import json
 import logging
 import math
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,6 +60,14 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    """The server on an IPv6 address (``--host ::1``, ``--host ::``): ``http.server``
+    makes IPv4 sockets unless told, which refuse such an address ("Address family for
+    hostname not supported")."""
+
+    address_family = socket.AF_INET6
 
 
 class LimitsPage:
@@ -96,7 +105,9 @@ class LimitsPage:
         class Handler(_Handler):
             owner = page
 
-        server = ThreadingHTTPServer((host, port), Handler)
+        # An IPv6 literal (never a host name: those have no colon) needs an IPv6 socket.
+        server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+        server = server_class((host, port), Handler)
         server.daemon_threads = True
         self._server = server
         self._threads = [
