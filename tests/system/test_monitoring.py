@@ -431,3 +431,35 @@ def test_a_failing_stats_write_never_fails_the_task(prefix: str) -> None:
     execution = SimpleNamespace(targets=[])
     reporter.deferred(execution, ["api"], "republish", 1.0, 1)  # type: ignore[arg-type]
     dead.close()
+
+
+def test_a_deferral_reads_as_throttled_in_flower_on_a_threads_pool(tmp_path: Path) -> None:
+    # Given a threads-pool worker sending task events: nothing is pickled between a task
+    # and the worker's main process (as on gevent, eventlet and solo), which sends
+    # task-retried with the repr of what the task raised (Flower's exception column)
+    with RedisServer() as server:
+        config = tmp_path / "limits.yaml"
+        config.write_text(CONFIG.format(metrics_dir=tmp_path / "metrics"))
+        env = {"DEMO_BROKER_URL": server.url, "THROTTLE_CONFIG": str(config)}
+        worker = Worker(
+            "threads", env, concurrency=4, queues="celery", app="tests.apps.celery_app",
+            log=tmp_path / "worker.log", pool="threads", events=True,
+        )  # fmt: skip
+        producer = Celery("threads", broker=server.url, backend=server.url, set_as_current=False)
+        try:
+            worker.start()
+            wait_ready(producer, [worker])
+            events = EventLog(producer, "task-retried")
+            # When tasks under a limit of 3/s burst 1 are deferred
+            handles = [producer.send_task("tests.apps.celery_app.far", (x,)) for x in range(6)]
+            deferrals = sum(handle.get(timeout=60)["deferrals"] for handle in handles)
+            retried = events.wait_for(deferrals)
+        finally:
+            worker.stop()
+            producer.close()
+    # Then each task-retried event names the limit and the wait, as under prefork, not
+    # Celery's repr of its Retry ("Retry(Retry(...), Throttled(...), 1.8)")
+    assert deferrals >= 3
+    assert len(retried) == deferrals
+    shown = [event["exception"] for event in retried]
+    assert all(text.startswith("Throttled(limit='parked', wait=") for text in shown), shown

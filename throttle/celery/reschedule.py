@@ -143,6 +143,20 @@ def copy_of(execution: Execution, headers: dict[str, Any], **options: Any) -> An
     return sig
 
 
+class DeferralRetry(Retry):  # type: ignore[misc]
+    """Celery's ``Retry``, whose repr is its reason's: ``Throttled(limit='api', wait=1.9s)``.
+
+    The worker's ``task-retried`` event (Flower's exception column) carries the repr of
+    ``exc_info.exception.exc``. Under the prefork pool the result was pickled on its way
+    from the child, which unwraps billiard's ``ExceptionWithTraceback``: that is the reason.
+    Under the threads, gevent, eventlet and solo pools nothing is pickled, it is the
+    ``Retry`` itself, whose repr Celery builds as ``Retry(Retry(...), Throttled(...), 1.8)``.
+    Pickled as ``Retry`` is (``__reduce__``: this class, importable here)."""
+
+    def __repr__(self) -> str:
+        return repr(self.exc)
+
+
 def end_as_retry(execution: Execution, exc: Exception, countdown_s: float, sig: Any) -> NoReturn:
     """End this execution as Celery's ``Task.retry`` does once its copy is published
     (raises ``Retry``: the worker acknowledges the message, sends ``task-retried``, fires
@@ -153,7 +167,7 @@ def end_as_retry(execution: Execution, exc: Exception, countdown_s: float, sig: 
     so; it is set after the copy's signature took the task's own. A task with
     ``store_errors_even_if_ignored`` still gets RETRY stored: Celery stores it then."""
     execution.request.ignore_result = True
-    raise Retry(exc=exc, when=countdown_s, sig=sig)
+    raise DeferralRetry(exc=exc, when=countdown_s, sig=sig)
 
 
 def sent_copy(execution: Execution, count: int) -> None:
