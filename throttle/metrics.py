@@ -14,7 +14,7 @@ Two kinds of numbers, from two places:
   ``throttle_decisions_total``            counter    limit, decision = allowed | denied
   ``throttle_wait_seconds``               histogram  limit
   ``throttle_reschedules_total``          counter    limit, how = republish | park
-  ``throttle_timeouts_total``             counter    limit, action = fail | dead_letter
+  ``throttle_timeouts_total``             counter    limit, action = fail | dead_letter | expired
   ``throttle_refunded_tokens_total``      counter    limit
   ``throttle_charged_tokens_total``       counter    limit
   ``throttle_redis_errors_total``         counter    limit
@@ -332,7 +332,7 @@ def upstream_deferred(limits: Iterable[str]) -> None:
 
 
 def timed_out(limits: Iterable[str], action: str) -> None:
-    """A task's deadline passed: ``action`` is ``fail`` or ``dead_letter``."""
+    """A task's deadline passed: ``action`` is ``fail``, ``dead_letter`` or ``expired``."""
 
     def update(m: _Instruments) -> None:
         for limit in limits:

@@ -111,7 +111,9 @@ def web(
     sampler = Sampler(app, throttler, timeout_s=timeout, minutes=minutes)
     page = LimitsPage(sampler, interval_s=interval, control_token=token)
     with one_line_errors():
-        sampler.sample()  # a bad Redis URL shows here, before the server starts
+        # A Redis URL that does not parse fails here, before the server starts; a Redis
+        # that does not answer shows on the page, which keeps sampling until it does.
+        sampler.sample()
     try:
         bound_host, bound_port = page.start(host, port)
     except OSError as exc:
