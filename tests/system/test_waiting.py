@@ -11,6 +11,7 @@ before it only if that wait is not spent in the pool slot.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import subprocess
@@ -513,6 +514,36 @@ def test_a_task_is_decided_when_a_pool_slot_is_free(server: tuple[RedisServer, P
         slot_us = client.hget(KeySpace().lease_key(handle.id), "at")
         assert slot_us is not None
         assert float(slot_us) / 1e6 >= dict(log(client))["busy"] - 0.01
+
+
+STALL_S = 0.9
+"""A gap between two no-op bodies this long is a stalled consumer: kombu's Redis transport
+without an event loop (gevent, eventlet) waits out its poll's timeout (1-2 s) when the
+poll began with the prefetch count reached."""
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_green_worker_whose_pool_is_busy_keeps_receiving_the_tasks_it_decides(
+    server: tuple[RedisServer, Path], pool: str
+) -> None:
+    from tests.apps.waiting_app import app, bulk  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    # Given a green worker of one pool slot (prefetch count 4) and 60 tasks of `bulk`,
+    # which never wait but which the consumer decides (its limit never has room for 20)
+    with running(app, [worker(redis_server, tmp, f"w-green-{pool}", pool)]):
+        handles = [bulk.delay(f"g{i}") for i in range(60)]
+        for handle in handles:
+            handle.get(timeout=120)
+    # Then the consumer never stalls between them: the tasks it received while the pool
+    # slot was busy filled the prefetch count, and each poll that began so waited out its
+    # timeout (about 15 gaps of 1-2 s, 16-22 s in all, where 60 no-op tasks take 0.3 s)
+    starts = sorted(at for _, at in log(client))
+    stalls = [round(b - a, 2) for a, b in itertools.pairwise(starts) if b - a >= STALL_S]
+    assert len(stalls) <= 1, stalls
+    # and every task ran once
+    assert client.hgetall("waiting:done") == {f"g{i}".encode(): b"1" for i in range(60)}
 
 
 def held_ids(app: Any) -> set[str]:

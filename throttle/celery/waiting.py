@@ -69,6 +69,7 @@ fails in the consumer, the task goes to the pool, whose gate applies ``on_redis_
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import time
@@ -1063,28 +1064,63 @@ class WaitingLine:
 class Undecided:
     """The throttled tasks of one consumer that wait for a free pool slot to be decided,
     in arrival order. Dropped when the consumer stops (a lost broker connection, a
-    shutdown): their messages are unacknowledged, and the broker delivers them again."""
+    shutdown): their messages are unacknowledged, and the broker delivers them again.
+
+    A green pool's worker (gevent, eventlet) has no event loop, and kombu's Redis
+    transport asks for messages only between its polls: a poll that begins with the
+    prefetch count reached waits out its whole timeout (1-2 s, ``drain_events``), whatever
+    acknowledgements come meanwhile. Queued here, the tasks received while the pool is
+    busy filled the prefetch count, and such a worker ran a prefetch count of tasks per
+    1-2 s (60 tasks of one pool slot: 16-22 s instead of 0.3 s). There the consumer waits
+    for a free slot before it takes the next message, as Celery's own green pools do
+    (their ``spawn`` blocks while the pool is full): :attr:`green_sleep`."""
 
     def __init__(self, consumer: Any) -> None:
         self.consumer = consumer
         self.waiting: deque[tuple[Waiting, Any]] = deque()
         self.entry: Any = None
         self.poll_s = POLL_S[0]
+        self.claimed = 0
+        """Tasks being admitted for a slot found free (:meth:`_admit`): under a green pool
+        another greenlet may look for a slot while an admission waits for Redis."""
+        self.green_sleep = green_sleep(consumer)
+        """The green pool's cooperative sleep, when the consumer has no event loop (see
+        the class); None otherwise."""
 
     def pool_free(self) -> bool:
         """Whether the pool has a slot that no task holds (running, or handed over and
         waiting for a child: Celery's reserved requests; held tasks are not in them)."""
         size = getattr(self.consumer.pool, "num_processes", None) or 1
-        return len(state.reserved_requests) < size
+        return len(state.reserved_requests) + self.claimed < size
 
     def submit(self, waiting: Waiting, request: Any) -> None:
         if not self.waiting:
+            if self.green_sleep is not None:
+                self._wait_for_slot(self.green_sleep)
             if self.pool_free():
-                waiting.admit(request)
+                self._admit(waiting, request)
                 return
             self.poll_s = POLL_S[0]
         self.waiting.append((waiting, request))
         self._arm()
+
+    def _wait_for_slot(self, sleep: Any) -> None:
+        """Wait, cooperatively, until a pool slot is free or the consumer stops (then the
+        task is queued, and dropped with the queue: the broker delivers it again)."""
+        poll_s = POLL_S[0]
+        blueprint = getattr(self.consumer, "blueprint", None)
+        while not self.pool_free():
+            if blueprint is not None and blueprint.state != bootsteps.RUN:
+                return
+            sleep(poll_s)
+            poll_s = min(2 * poll_s, POLL_S[1])
+
+    def _admit(self, waiting: Waiting, request: Any) -> None:
+        self.claimed += 1
+        try:
+            waiting.admit(request)
+        finally:
+            self.claimed -= 1
 
     def _arm(self) -> None:
         if self.entry is None:
@@ -1100,7 +1136,7 @@ class Undecided:
             waiting, request = self.waiting.popleft()
             try:
                 if not request.revoked():
-                    waiting.admit(request)
+                    self._admit(waiting, request)
             except Exception:
                 logger.exception("throttle: admitting task %s", request.id)
         if self.waiting:
@@ -1113,6 +1149,21 @@ class Undecided:
         if entry is not None:
             with contextlib.suppress(Exception):
                 self.consumer.timer.cancel(entry)
+
+
+def green_sleep(consumer: Any) -> Any:
+    """The cooperative sleep of ``consumer``'s pool when it is a green one (gevent,
+    eventlet) and the consumer has no event loop; else None. The pool's own library's
+    sleep, not ``time.sleep``: one that was not monkey-patched would stop the greenlets
+    that free the slot."""
+    pool = getattr(consumer, "pool", None)
+    if getattr(consumer, "hub", None) is not None or not getattr(pool, "is_green", False):
+        return None
+    module = type(pool).__module__
+    for library in ("gevent", "eventlet"):
+        if module.endswith(library):
+            return getattr(importlib.import_module(library), "sleep", None)
+    return None
 
 
 def _not_yet(request: Any) -> None:
