@@ -368,7 +368,12 @@ class RateBook(RateBookBase):
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.key_rates_key, field)
                 pipe.hdel(self.key_names_key, field)
-                return int(pipe.execute()[0])
+                removed = int(pipe.execute()[0])
+            # The key's own rate was often a lowered one: back to the plan's or the limit's,
+            # its tasks waiting in the workers' lines look again now, not at the time the
+            # lower rate named (up to line_max).
+            self.client.publish(self.channel, f"{RATES_CHANGED} {name}")
+            return removed
 
         removed = wrap_errors(write)
         self._changed()

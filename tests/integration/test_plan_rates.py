@@ -4,13 +4,15 @@ rate set for one key reaches other processes within ``refresh_s``."""
 from __future__ import annotations
 
 import dataclasses
+import asyncio
 
 import pytest
 import redis
+import redis.asyncio
 
 from tests.support.clock import FakeClock
 from throttle import ConfigError, KeySpace, Limit, Limiter, RequestError
-from throttle.rates import RateBook
+from throttle.rates import RATES_CHANGED, RateBook
 from throttle.rules import Rule, targets
 
 REFRESH_S = 2.0
@@ -248,3 +250,51 @@ def test_a_key_too_long_for_a_field_name_reads_back_as_itself(
     assert book.key_overrides() == {("api", "acme"): "20/s"}
     assert client.exists(keyspace.key_names_key()) == 0
     assert book.clear_key("api", "acme") is True
+
+
+def announced(pubsub: redis.client.PubSub) -> list[str]:
+    """The announcements a subscriber of the capacity channel has heard so far."""
+    heard = []
+    while (message := pubsub.get_message(timeout=0.5)) is not None:
+        if message["type"] == "message":
+            heard.append(message["data"].decode())
+    return heard
+
+
+def test_each_rate_change_of_either_book_is_announced_to_the_waiting_tasks(
+    client: redis.Redis, keyspace: KeySpace, redis_url: str
+) -> None:
+    """A worker's line wakes its waiting tasks when a rate change is announced on the
+    capacity channel; unannounced, a key's tasks waited until the time the old, lower rate
+    named (up to line_max) after `celery throttle clear LIMIT --key KEY`, and so did every
+    limit's after a change through the asyncio book."""
+    limit = Limit.parse("10/s", name="api", algorithm="gcra")
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keyspace.capacity_channel())
+    try:
+        assert announced(pubsub) == []
+        # When each change is made through the blocking book
+        book = RateBook(client, keyspace)
+        book.set_key(limit, "acme", "1/m")
+        book.clear_key("api", "acme")
+        book.set(limit, "1/m")
+        book.clear("api")
+        # and through the asyncio one
+        from throttle.aio import RateBook as AsyncRateBook  # noqa: PLC0415
+
+        async def changes() -> None:
+            async_client = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                async_book = AsyncRateBook(async_client, keyspace)
+                await async_book.set_key(limit, "acme", "1/m")
+                await async_book.clear_key("api", "acme")
+                await async_book.set(limit, "1/m")
+                await async_book.clear("api")
+            finally:
+                await async_client.aclose()
+
+        asyncio.run(changes())
+        # Then each is announced, naming the limit
+        assert announced(pubsub) == [f"{RATES_CHANGED} api"] * 8
+    finally:
+        pubsub.close()

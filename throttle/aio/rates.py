@@ -10,7 +10,7 @@ from typing import Any, cast
 import redis.asyncio
 
 from throttle.errors import BackendError
-from throttle.rates import RateBookBase
+from throttle.rates import RATES_CHANGED, RateBookBase
 from throttle.redis.client import wrap_errors_async
 from throttle.redis.keys import KeySpace
 from throttle.spec import Limit
@@ -43,6 +43,7 @@ class RateBook(RateBookBase):
                 pipe.hset(self.key, limit.name, rate)
                 pipe.hdel(self.followed_key, limit.name)
                 await pipe.execute()
+            await self._announce(limit.name)
 
         await wrap_errors_async(write)
         self._changed()
@@ -57,6 +58,7 @@ class RateBook(RateBookBase):
                 pipe.hdel(self.key, name)
                 pipe.hdel(self.followed_key, name)
                 await pipe.execute()
+            await self._announce(name)
 
         await wrap_errors_async(write)
         self._changed()
@@ -73,6 +75,7 @@ class RateBook(RateBookBase):
                 if long_key is not None:
                     pipe.hset(self.key_names_key, field, long_key)
                 await pipe.execute()
+            await self._announce(limit.name)
 
         await wrap_errors_async(write)
         self._changed()
@@ -87,11 +90,20 @@ class RateBook(RateBookBase):
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hdel(self.key_rates_key, field)
                 pipe.hdel(self.key_names_key, field)
-                return int((await pipe.execute())[0])
+                removed = int((await pipe.execute())[0])
+            await self._announce(name)
+            return removed
 
         removed = await wrap_errors_async(write)
         self._changed()
         return bool(removed)
+
+    async def _announce(self, name: str) -> None:
+        """Announce a rate set for limit ``name`` on the capacity channel, as the blocking
+        book does: the tasks waiting for it in the Celery workers' lines look again now (a
+        raised rate is capacity), not at the time the old rate named. Not in the
+        pipeline: a Redis Cluster pipeline refuses PUBLISH."""
+        await self.client.publish(self.channel, f"{RATES_CHANGED} {name}")
 
     async def key_overrides(self) -> dict[tuple[str, str | None], str]:
         """The rates stored for single keys, read afresh: (limit name, key) -> spec."""
