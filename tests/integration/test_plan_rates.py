@@ -3,8 +3,8 @@ rate set for one key reaches other processes within ``refresh_s``."""
 
 from __future__ import annotations
 
-import dataclasses
 import asyncio
+import dataclasses
 
 import pytest
 import redis
