@@ -6,7 +6,7 @@
 -- and parsing text; '<dd' and '<d' by older versions). A rate raised since (celery throttle
 -- set or clear, a learned rate probing up) shortens the debt ahead of now in proportion:
 -- the tokens owed stay owed, at the new T (one call at 1/h then back to 5000/h owes 0.72 s,
--- not an hour). A rate lowered keeps the debt as it stands, as the spacing guard does.
+-- not an hour), converted once, by the first read under the new T, which stores it. A rate lowered keeps the debt as it stands, as the spacing guard does.
 -- Emission interval T = period_us / count (us per token); tolerance = burst * T.
 -- A request of `cost` tokens conforms at time t when  max(TAT, t) + cost*T - t <= burst*T.
 -- With burst = 1 and cost = 1 that is strict spacing: one call every T.
@@ -35,7 +35,13 @@ local function check(k, count, period_us, burst, now, cost, max_wait, s)
       local was
       tat, lives, was = struct.unpack('<ddd', s)
       if interval < was and tat > now then
+        -- Stored at once, denied or not: converted again from the old TAT on each read,
+        -- the debt would shrink at new/old of real time, and a caller denied (which writes
+        -- nothing) would be told about its old slot, less a little, on every try.
         tat = now + (tat - now) * interval / was
+        local px
+        lives, px = lifetime(tat - now, now, lives)
+        store(k, struct.pack('<ddd', tat, lives, interval), px)
       end
     elseif #s == 16 then
       tat, lives = struct.unpack('<dd', s)  -- by a version that did not keep T

@@ -639,6 +639,22 @@ def test_a_gcra_limit_slowed_then_raised_owes_its_calls_at_the_new_rate(
     assert denied.retry_after_s == pytest.approx(7.2, abs=0.01)
 
 
+def test_a_gcra_limit_raised_while_a_caller_waits_frees_it_at_the_new_rate(
+    clocked: Limiter, clock: FakeClock
+) -> None:
+    # Given a burst-1 GCRA limit at 1/m that took a call: its next slot is a minute on
+    slow = Limit.parse("1/m burst 1", name="perkey", algorithm="gcra")
+    fast = Limit.parse("60/m burst 1", name="perkey", algorithm="gcra")
+    assert clocked.acquire(slow).allowed
+    # When its rate is raised to 60/m, the call made is owed at the new rate: 1 s
+    denied = clocked.acquire(fast)
+    assert not denied.allowed and denied.retry_after_s == pytest.approx(1.0)
+    # and a caller that waits what it was told is admitted then: the debt was converted
+    # once, not again from the old slot on each read (0.983 s more, then 0.967 s...)
+    clock.advance(denied.retry_after_s)
+    assert clocked.acquire(fast).allowed
+
+
 def test_clock_stepping_back_does_not_refill_twice(clocked: Limiter, clock: FakeClock) -> None:
     limit = Limit.parse("1/s burst 5", name="api")
     assert clocked.acquire(limit, cost=5).allowed

@@ -20,7 +20,9 @@ class Gcra:
             return now
         tat, was = stored
         if interval < was and tat > now:
+            # Stored at once, denied or not, as the script does: the debt converted once.
             tat = now + (tat - now) * interval / was
+            self.state[key] = (tat, interval)
         return now if tat < now else tat
 
     def check(self, key: str, p: Params, now: float, cost: float, max_wait: float) -> Check:
