@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from throttle.rates import RateBook
 from throttle.refusals import Refusal, RefusalBook
 from throttle.spec import PLAN_SUFFIX, UNIT_NAMES
 from throttle.stats import StatsBook
+from throttle.units import parse_duration
 from workers.harness import ROOT, Worker, wait_ready
 
 LIMITS = """
@@ -810,6 +812,22 @@ def worker(cli: Cli, private_redis: RedisServer, tmp_path: Path) -> Iterator[tup
         broker_db = private_redis.client(db=1)
         broker_db.flushdb()
         broker_db.close()
+
+
+def test_pause_names_the_wait_the_broker_s_visibility_timeout_allows(cli: Cli) -> None:
+    # A Redis broker redelivers an unacknowledged task after its visibility timeout: the
+    # workers' lines hold a task at most half of it (less sleep_max and park_lead)
+    cli_app.conf.broker_transport_options = {"visibility_timeout": 120}
+    try:
+        result = cli("pause", "api")
+    finally:
+        cli_app.conf.broker_transport_options = {}
+    assert result.exit_code == 0, result.output
+    assert "under the broker's visibility or consumer timeout" in result.output
+    waited = re.search(r"up to (\S+),", result.output)
+    assert waited is not None and parse_duration(waited.group(1), field="wait") < 60.0, (
+        result.output
+    )
 
 
 def test_a_paused_limit_runs_nothing_until_resumed_then_every_task_once(

@@ -17,6 +17,7 @@ import click
 from throttle.admin import reset as reset_state
 from throttle.celery.runtime import Throttler, unknown_limits, unknown_tasks
 from throttle.celery.task import argument_errors
+from throttle.celery.waiting import line_budget_s
 from throttle.cli.base import (
     EXIT_ERRORS,
     amount,
@@ -297,8 +298,9 @@ def pause(ctx: click.Context, limit: str, key: str | None) -> None:
     """Admit nothing of LIMIT (of its KEY only, when given) until `resume`.
 
     Its tasks are not lost: they wait in the workers' consumers (up to settings.line_max,
-    then sent back to the broker, reserving nothing, each looking again every
-    settings.pause_recheck plus up to half of it of jitter) and go on after `resume`.
+    less under a broker's visibility or consumer timeout; then sent back to the broker,
+    reserving nothing, each looking again every settings.pause_recheck plus up to half
+    of it of jitter) and go on after `resume`.
     """
     app, throttler = throttler_of(ctx)
     checked_key(lookup(known_limits(app, throttler), limit).rule, key, "KEY")
@@ -307,9 +309,14 @@ def pause(ctx: click.Context, limit: str, key: str | None) -> None:
     what = _which(limit, key)
     settings = throttler.settings
     undo = ["celery", *app_option(ctx).split(), "throttle", "resume", limit]
+    budget = line_budget_s(app, throttler)
+    bound = (
+        "settings.line_max" if budget >= settings.line_max_s
+        else "under the broker's visibility or consumer timeout"
+    )  # fmt: skip
     click.echo(
-        f"paused {what}: its tasks wait in the workers (up to {duration(settings.line_max_s)}"
-        f", settings.line_max; then sent back, looking again every "
+        f"paused {what}: its tasks wait in the workers (up to {duration(budget)}, {bound}; "
+        f"then sent back, looking again every "
         f"{duration(settings.pause_recheck_s)}); none is lost. Undo: "
         + shlex.join(undo + ([key] if key is not None else []))
     )
