@@ -426,6 +426,9 @@ class RateBook(RateBookBase):
         else:
             self._checked(limit, rate)
             wrap_errors(lambda: self.client.hset(self.followed_key, limit.name, rate))
+        # A stated rate that rose (or was dropped) is capacity: the tasks waiting for the
+        # limit in the workers' lines look again now, as for an operator's set.
+        wrap_errors(lambda: self.client.publish(self.channel, f"{RATES_CHANGED} {limit.name}"))
         self._changed()
 
     def overrides(self) -> dict[str, str]:

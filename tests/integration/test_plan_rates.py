@@ -267,7 +267,7 @@ def test_each_rate_change_of_either_book_is_announced_to_the_waiting_tasks(
     """A worker's line wakes its waiting tasks when a rate change is announced on the
     capacity channel; unannounced, a key's tasks waited until the time the old, lower rate
     named (up to line_max) after `celery throttle clear LIMIT --key KEY`, and so did every
-    limit's after a change through the asyncio book."""
+    limit's after a change through the asyncio book, or of the rate the upstream states."""
     limit = Limit.parse("10/s", name="api", algorithm="gcra")
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keyspace.capacity_channel())
@@ -279,6 +279,8 @@ def test_each_rate_change_of_either_book_is_announced_to_the_waiting_tasks(
         book.clear_key("api", "acme")
         book.set(limit, "1/m")
         book.clear("api")
+        book.follow(limit, "5/s")  # the upstream's stated rate, then back to the configured
+        book.follow(limit, None)
         # and through the asyncio one
         from throttle.aio import RateBook as AsyncRateBook  # noqa: PLC0415
 
@@ -290,11 +292,13 @@ def test_each_rate_change_of_either_book_is_announced_to_the_waiting_tasks(
                 await async_book.clear_key("api", "acme")
                 await async_book.set(limit, "1/m")
                 await async_book.clear("api")
+                await async_book.follow(limit, "5/s")
+                await async_book.follow(limit, None)
             finally:
                 await async_client.aclose()
 
         asyncio.run(changes())
         # Then each is announced, naming the limit
-        assert announced(pubsub) == [f"{RATES_CHANGED} api"] * 8
+        assert announced(pubsub) == [f"{RATES_CHANGED} api"] * 12
     finally:
         pubsub.close()

@@ -122,6 +122,7 @@ class RateBook(RateBookBase):
         else:
             self._checked(limit, rate)
             await wrap_errors_async(lambda: self.client.hset(self.followed_key, limit.name, rate))
+        await wrap_errors_async(lambda: self._announce(limit.name))
         self._changed()
 
     async def overrides(self) -> dict[str, str]:
