@@ -17,6 +17,7 @@ from tests.apps.cli_app import app as cli_app
 from tests.integration import test_cli
 from tests.integration.test_cli import Cli
 from throttle import Limit
+from throttle.celery import throttled
 from throttle.celery.message import parked_payload
 from throttle.celery.observe import TaskTrailReporter
 from throttle.celery.runtime import Throttler
@@ -252,3 +253,31 @@ def test_task_tells_a_revoked_task_from_one_that_ran(cli: Cli) -> None:
     finally:
         del cli_app._local.backend
         backend.client.close()
+
+
+def test_a_key_s_rate_raised_or_cleared_brings_back_the_limit_s_parked_tasks(cli: Cli) -> None:
+    # Given a task of a keyed limit, parked for the key's slow pace (a parked task's key is
+    # not known without its arguments: every parked task of the limit comes back, and the
+    # other keys' lines park theirs again)
+    @cli_app.task(name="tests.cli_tasks.keyed", shared=False)
+    @throttled("tenant")
+    def keyed(tenant: str) -> str:
+        return tenant
+
+    try:
+        cli("set", "tenant", "10/h", "--key", "acme")
+        parked = park(keyed.name, "celery", 600.0)
+        # When the key's rate is raised above what it was, its parked task is due now
+        result = cli("set", "tenant", "1000/h", "--key", "acme")
+        assert result.exit_code == 0, result.output
+        assert "1 task parked for the old rate come back now" in result.output
+        due = {t["task_id"]: t["due_in_s"] for t in as_json(cli, "parked")["tasks"]}
+        assert due[parked] <= 0.0, due
+        # and lowered, nothing comes back; cleared (back to 100/h, faster), it does
+        parked = park(keyed.name, "celery", 600.0)
+        result = cli("set", "tenant", "5/h", "--key", "acme")
+        assert result.exit_code == 0 and "come back now" not in result.output, result.output
+        result = cli("clear", "tenant", "--key", "acme")
+        assert "1 task parked for the old rate come back now" in result.output, result.output
+    finally:
+        cli_app.tasks.pop("tests.cli_tasks.keyed", None)

@@ -139,7 +139,9 @@ def set_rate(
 def _faster(app: Any, throttler: Throttler, before: Limit, after: Limit) -> str:
     """When the rate in force rose (``before`` -> ``after``), the tasks parked under the
     limit for the old pace are made due now (their workers' lines then serve them at the
-    new one), as ``resume`` does; what to add to the message ('' when it did not rise)."""
+    new one), as ``resume`` does; what to add to the message ('' when it did not rise).
+    For one key's rate, every parked task of the limit: a parked task's key is not known
+    without its arguments, and the others' lines park them again."""
     if after.algorithm.holds_units or after.rate_per_s <= before.rate_per_s:
         return ""
     with one_line_errors():
@@ -157,15 +159,18 @@ def _spec(limit: Limit) -> str:
 
 def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh: str) -> None:
     """``set LIMIT RATE --key KEY`` and ``set LIMIT --key KEY --default``."""
-    _, throttler = throttler_of(ctx)
+    app, throttler = throttler_of(ctx)
     checked_key(rule, key, "--key")
     what = _which(rule.name, key)
+    with one_line_errors():
+        before = throttler.rates.current(rule.limit, key)
     if rate is None:
         with one_line_errors():
             removed = throttler.rates.clear_key(rule.name, key)
         back = "its plan's rate" if rule.plan_limits else "the limit's rate"
+        faster = _faster(app, throttler, before, throttler.rates.current(rule.limit, key))
         click.echo(
-            f"{what}: back to {back}; workers follow within {refresh} (settings.refresh)"
+            f"{what}: back to {back}; workers follow within {refresh} (settings.refresh){faster}"
             if removed
             else f"{what} had no rate of its own: nothing to do"
         )
@@ -195,7 +200,8 @@ def _set_key(ctx: click.Context, rule: Rule, key: str, rate: str | None, refresh
     undo = ["celery", *app_option(ctx).split(), "throttle", "clear", rule.name, "--key", key]
     click.echo(
         f"{what}: {rate_spec(changed)} {burst}, whatever its plan; workers follow within "
-        f"{refresh} (settings.refresh). Undo: {shlex.join(undo)}"
+        f"{refresh} (settings.refresh){_faster(app, throttler, before, changed)}. "
+        f"Undo: {shlex.join(undo)}"
     )
 
 
