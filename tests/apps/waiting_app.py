@@ -100,6 +100,18 @@ def spaced_late(self: Any, tag: str) -> None:
     _log(tag, self.request.id)
 
 
+@app.task(bind=True, shared=False, rate_limit="1000/s")
+@throttled("spaced")
+def spaced_limited(self: Any, tag: str) -> None:
+    """As ``spaced``, under a ``rate_limit`` of Celery's own too (which never binds): the
+    consumer does not decide it, its pool child does, and sleeps to its slot there at most
+    50 ms (no ``acks_late``). Notes how many times throttling had sent it back
+    (``waiting:deferrals``, HASH tag -> count)."""
+    deferrals = (self.request.headers or {}).get("throttle_deferrals", 0)
+    _redis().hset("waiting:deferrals", tag, deferrals)
+    _log(tag)
+
+
 @app.task(shared=False)
 @throttled("slow")
 def slow(tag: str) -> None:

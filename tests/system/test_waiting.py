@@ -546,6 +546,30 @@ def test_a_green_worker_whose_pool_is_busy_keeps_receiving_the_tasks_it_decides(
     assert client.hgetall("waiting:done") == {f"g{i}".encode(): b"1" for i in range(60)}
 
 
+def test_a_task_the_consumer_does_not_hold_comes_back_for_its_slot_at_most_twice(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced_limited  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    with running(app, [worker(redis_server, tmp, "w-limited", "prefork", concurrency=2)]):
+        # Given tasks under Celery's own rate_limit too, which the consumer hands to the
+        # pool undecided, without acks_late (a pool child sleeps at most 50 ms to a slot)
+        # When four of them come at once for a limit of one a second
+        handles = [spaced_limited.delay(f"l{i}") for i in range(4)]
+        for handle in handles:
+            handle.get(timeout=30)
+    # Then each ran once, and came back for its slot at most twice: once as far ahead as
+    # the limit said, then, arrived early by the arrival's lead, once more to arrive
+    # within the sleep its pool child may take (it was sent back again and again, 100 ms
+    # early, then a few ms less each time: up to 14 re-publishes for one slot)
+    done = {k.decode(): int(v) for k, v in client.hgetall("waiting:done").items()}
+    assert done == {f"l{i}": 1 for i in range(4)}
+    deferrals = {k.decode(): int(v) for k, v in client.hgetall("waiting:deferrals").items()}
+    assert max(deferrals.values()) <= 2, deferrals
+
+
 def held_ids(app: Any) -> set[str]:
     """The ids of the tasks the workers hold in their consumer's timer."""
     replies = app.control.inspect(timeout=0.5).scheduled() or {}

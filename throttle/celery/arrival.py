@@ -20,7 +20,11 @@ from ``sleep_max``:
   most a quarter of ``sleep_max``), earlier.
 
 So a task arrives at most three quarters of ``sleep_max`` before its slot and sleeps to it:
-one re-publication per slot. ``sleep_max`` has a floor (:data:`throttle.config.MIN_SLEEP_MAX_S`)
+one re-publication per slot. A task whose pool child may sleep less than that (no
+``acks_late``: 50 ms) and that the worker's consumer does not hold for its slot (under
+Celery's own ``rate_limit``) comes back once more, within that sleep
+(:func:`throttle.celery.comeback.come_back_to_slot`): two. ``sleep_max`` has a floor
+(:data:`throttle.config.MIN_SLEEP_MAX_S`)
 so that the quarter left over covers the Redis round trips, and the release poll is not
 clamped to :data:`MIN_POLL_S`. What this does not cover: an ETA message received by a worker
 whose clock is ahead of the publisher's arrives early by that difference (parking, on the

@@ -5,7 +5,8 @@
   already); while a limit is paused, back every ``pause_recheck`` to look again; past the
   task's deadline (:mod:`throttle.celery.deadlines`), it times out.
 - A slot reserved beyond ``sleep_max`` (:func:`come_back_to_slot`): back just before the
-  slot (:mod:`throttle.celery.arrival`), once per slot.
+  slot (:mod:`throttle.celery.arrival`), once per slot (twice for a task that its pool
+  child may not sleep the arrival's lead).
 - A task with a plan that could not be admitted within a sleep (:func:`come_back_planned`):
   back at its place on the plans of its keyed limits (:mod:`throttle.celery.plan`).
 - The body's own word (:func:`defer_task`; :func:`come_back_if_refused` after the upstream
@@ -28,7 +29,7 @@ from typing import NoReturn
 from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry
 
-from throttle.celery.arrival import eta_lead_s
+from throttle.celery.arrival import earliest_arrival_s, eta_lead_s
 from throttle.celery.deadlines import (
     MAX_RESERVE_S,
     capped_s,
@@ -140,11 +141,29 @@ def come_back(
     defer(execution, retry + jitter, retry, decision, planned=planned)
 
 
-def come_back_to_slot(execution: Execution, decision: Decision) -> NoReturn:
-    """A slot is reserved further ahead than ``sleep_max``: come back just before it, never
-    more than ``sleep_max`` before it (:mod:`throttle.celery.arrival`): once per slot."""
+def come_back_to_slot(
+    execution: Execution, decision: Decision, sleep_max_s: float | None = None
+) -> NoReturn:
+    """A slot is reserved further ahead than the task may sleep in its pool slot
+    (``sleep_max_s``, at most ``sleep_max``): come back just before it, never more than
+    ``sleep_max`` before it (:mod:`throttle.celery.arrival`): once per slot.
+
+    A task already back for this slot (``held``: its own reservation), within the
+    arrival's lead of it (:func:`~throttle.celery.arrival.earliest_arrival_s`) but further
+    from it than ``sleep_max_s``, arrived that early as intended, but its
+    pool child may sleep less than that (50 ms without ``acks_late``): a task the worker's
+    consumer does not hold for its slot (under Celery's own ``rate_limit``, a ``Strategy``
+    of its own). Sent back with the same lead, it came back as early again, and again (up
+    to 14 re-publishes for one slot, each a few ms nearer). So it comes back once more, as
+    an ETA message (never parked: the releaser's poll would make it early again) due
+    within half of ``sleep_max_s`` before the slot, which Celery's consumer holds, its
+    message unacknowledged, until then."""
     wait = decision.wait_s
-    defer(execution, wait - eta_lead_s(execution.settings), wait, decision, slot=True)
+    settings = execution.settings
+    if decision.held and sleep_max_s is not None and wait <= earliest_arrival_s(settings):
+        lead = min(eta_lead_s(settings), sleep_max_s / 2)
+        defer(execution, wait - lead, wait, decision, slot=True, park=False)
+    defer(execution, wait - eta_lead_s(settings), wait, decision, slot=True)
 
 
 def come_back_planned(execution: Execution, decision: Decision, plan: Plan) -> None:

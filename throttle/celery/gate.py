@@ -378,7 +378,7 @@ class Gate:
             if on_first and admission is not None and admission.sleep_max_s is not None:
                 sleep_max = min(sleep_max, admission.sleep_max_s)  # no room in the consumer
             if wait > sleep_max:
-                come_back_to_slot(self.execution, decision)  # a slot further ahead
+                come_back_to_slot(self.execution, decision, sleep_max)  # a slot further ahead
             # What the consumer knew of holds placed since its decision (None: nothing).
             heard = admission.holds_clear if on_first and admission is not None else None
             if heard is None and admission is not None and on_first:

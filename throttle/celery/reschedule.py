@@ -84,8 +84,10 @@ def defer(
     *,
     slot: bool = False,
     planned: float | None = None,
+    park: bool = True,
 ) -> NoReturn:
-    """Send the task back to arrive in ``countdown_s`` (parked beyond ``park_after``);
+    """Send the task back to arrive in ``countdown_s`` (parked beyond ``park_after``, unless
+    not ``park``: re-published, an ETA message, whatever the wait);
     ``wait_s`` is how long the limits said it must wait (shown and counted). ``slot``: a
     slot (or a plan) is due in ``wait_s``, so a parked task is released ``park_lead``
     before it (at most half of ``sleep_max``: the task then sleeps to it). ``planned``: the
@@ -105,7 +107,7 @@ def defer(
         headers[H_PLANNED] = planned
     limits = denied_limits(execution, decision)
     route = route_of(execution)
-    if countdown_s > settings.park_after_s and execution.throttler.releasing:
+    if park and countdown_s > settings.park_after_s and execution.throttler.releasing:
         sig = copy_of(execution, headers, **route)
         lead_s = park_lead_s(settings) if slot else 0.0
         execution.throttler.parking.park(
