@@ -264,7 +264,8 @@ class Settings:
         slot at most ``reserve_ahead`` ahead, or ``sleep_max`` if shorter; where
         the pool decides, a slot within ``sleep_max`` is slept in the pool slot (within
         50 ms for a task without ``acks_late``, whose message is acknowledged when it
-        starts: a longer wait goes back through the broker). A
+        starts, and within a tenth of a task's time limit, which the sleep would spend:
+        a longer wait goes back through the broker). A
         rescheduled task is sent to arrive shortly before its slot (at most three quarters
         of ``sleep_max`` before it) and wait the rest. Long: more tasks held in workers'
         memory, unacknowledged. At least :data:`MIN_SLEEP_MAX_S` (50 ms).

@@ -112,6 +112,14 @@ def spaced_limited(self: Any, tag: str) -> None:
     _log(tag)
 
 
+@app.task(bind=True, shared=False, rate_limit="1000/s", acks_late=True)
+@throttled("spaced")
+def spaced_limited_late(self: Any, tag: str) -> None:
+    """As ``spaced_limited``, acknowledged when it returns: its pool child may sleep to its
+    slot up to ``sleep_max``, less when the task has a time limit."""
+    _log(tag)
+
+
 @app.task(shared=False)
 @throttled("slow")
 def slow(tag: str) -> None:

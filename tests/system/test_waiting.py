@@ -570,6 +570,30 @@ def test_a_task_the_consumer_does_not_hold_comes_back_for_its_slot_at_most_twice
     assert max(deferrals.values()) <= 2, deferrals
 
 
+def test_a_pool_child_does_not_spend_a_tasks_time_limit_waiting_for_its_slot(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced_limited_late  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    with running(app, [worker(redis_server, tmp, "w-time-limit", "prefork", concurrency=2)]):
+        # Given tasks that the pool decides (under Celery's own rate_limit too), with
+        # acks_late (a pool child may sleep up to sleep_max, 3 s here, to a slot)
+        spaced_limited_late.delay("t0").get(timeout=30)
+        # When tasks come whose slots are up to 2 s ahead, with time limits of 0.5 s
+        # (soft) and 0.8 s (hard), enough for their bodies
+        soft = [spaced_limited_late.apply_async((f"s{i}",), soft_time_limit=0.5) for i in (1, 2)]
+        hard = spaced_limited_late.apply_async(("h",), time_limit=0.8)
+        # Then each runs, once: its pool child did not sleep past its time limit to its slot
+        # (SoftTimeLimitExceeded, TimeLimitExceeded before the body began), but sent it
+        # back to arrive shortly before the slot
+        for handle in [*soft, hard]:
+            handle.get(timeout=30)
+    done = {k.decode(): int(v) for k, v in client.hgetall("waiting:done").items()}
+    assert done == {"t0": 1, "s1": 1, "s2": 1, "h": 1}
+
+
 def held_ids(app: Any) -> set[str]:
     """The ids of the tasks the workers hold in their consumer's timer."""
     replies = app.control.inspect(timeout=0.5).scheduled() or {}

@@ -104,6 +104,19 @@ def overdue(execution: Execution, wait_s: float) -> float | None:
     return now if now + wait_s > execution.deadline else None
 
 
+def time_limit_s(execution: Execution) -> float | None:
+    """The shortest time limit (soft or hard) the execution runs under in its pool child,
+    in s, as Celery's worker sets them: the message's (``soft_time_limit``,
+    ``time_limit``), else the task's, else the app's; None without one. It counts from
+    when the pool child starts the task, so a sleep to the slot there spends it."""
+    hard, soft = execution.request.timelimit or (None, None)
+    task, throttler = execution.task, execution.throttler
+    hard = hard or task.time_limit or throttler.task_time_limit
+    soft = soft or task.soft_time_limit or throttler.task_soft_time_limit
+    limits = [float(limit) for limit in (hard, soft) if limit]
+    return min(limits) if limits else None
+
+
 def lease_s(execution: Execution) -> float:
     """How long the acquisition's record and concurrency units live after its slot, in
     s: the task's hard time limit (or DEFAULT_LEASE_S) + 60 s. The script counts it from

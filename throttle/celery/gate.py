@@ -53,6 +53,7 @@ from throttle.celery.deadlines import (
     left_s,
     reserve_within,
     set_deadlines,
+    time_limit_s,
 )
 from throttle.celery.execution import Admission, Execution, Ticket
 from throttle.celery.lateness import tolerance_s, too_late
@@ -77,6 +78,15 @@ message is acknowledged when the pool starts it: a worker killed during the slee
 lose it. A slot further ahead (a task handed over undecided, or one that reached the
 consumer's slot late and took another) sends it back, to arrive shortly before the slot
 it reserved, and wait for it in a worker's consumer."""
+
+
+TIME_LIMIT_SHARE = 0.1
+"""The most of a task's time limit (its shortest, soft or hard) that its pool child
+spends sleeping to its slot, at least :data:`EARLY_ACK_SLEEP_MAX_S`: a slot further ahead
+sends the task back, to arrive shortly before it. Celery counts the limit from when the
+pool child starts the task, so a longer sleep took the body's time (a task whose slot
+was 1 s ahead, with ``soft_time_limit=0.5``, failed with ``SoftTimeLimitExceeded``
+before its body began)."""
 
 
 class Gate:
@@ -410,10 +420,14 @@ class Gate:
     def _sleep_max_s(self) -> float:
         """The longest this execution sleeps to a slot in its pool slot, in s:
         ``sleep_max``; :data:`EARLY_ACK_SLEEP_MAX_S` at most for a task whose message was
-        acknowledged when it started (no ``acks_late``)."""
+        acknowledged when it started (no ``acks_late``); :data:`TIME_LIMIT_SHARE` of the
+        task's time limit at most, when it has one."""
         sleep_max = self.settings.sleep_max_s
         if not self.execution.task.acks_late:
             return min(sleep_max, EARLY_ACK_SLEEP_MAX_S)
+        limit = time_limit_s(self.execution)
+        if limit is not None:
+            sleep_max = min(sleep_max, max(TIME_LIMIT_SHARE * limit, EARLY_ACK_SLEEP_MAX_S))
         return sleep_max
 
     def late_tolerance(self) -> float:

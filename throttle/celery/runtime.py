@@ -235,6 +235,8 @@ class Throttler:
         self.task_time_limit: float | None = app.conf.task_time_limit
         """The app's ``task_time_limit`` (s), read once: a lookup in the app's settings
         costs more than the rest of the lease's computation, on every task."""
+        self.task_soft_time_limit: float | None = app.conf.task_soft_time_limit
+        """The app's ``task_soft_time_limit`` (s), read once likewise."""
         self.breaker = Breaker()
         """Whether this process's gates ask Redis at all
         (:class:`~throttle.celery.outage.Breaker`)."""
