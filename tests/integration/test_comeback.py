@@ -20,7 +20,9 @@ from throttle.celery import comeback, defer_task, throttled
 from throttle.celery.comeback import PAUSE_TO_LINE_S, come_back
 from throttle.celery.execution import Refusal, current_ticket
 from throttle.celery.gate import Gate
+from throttle.celery.message import H_PLANNED
 from throttle.celery.runtime import Throttler
+from throttle.celery.task import gated_call
 from throttle.decision import Decision
 
 RECHECK_S = 30.0
@@ -126,3 +128,39 @@ def test_a_copy_sent_from_the_body_finds_the_runs_acquisition_settled(
     # acquires a slot of its own under the same id instead of running on this one's
     assert seen, "a copy was sent"
     assert seen[0] is not None and seen[0] != b"1", seen
+
+
+@pytest.mark.parametrize(
+    ("acks_late", "soft_time_limit", "most_s"),
+    [
+        (True, None, 0.5),  # sleep_max: the plan's time, up to it
+        (True, 0.6, 0.06),  # a tenth of the time limit, which the sleep would spend
+        (False, None, 0.05),  # acknowledged at its start: 50 ms at most
+    ],
+)
+def test_a_task_back_with_a_plan_sleeps_in_its_pool_slot_what_the_slot_allows(
+    app: Celery, acks_late: bool, soft_time_limit: float | None, most_s: float
+) -> None:
+    config = app.conf.throttle_config
+    config["settings"]["sleep_max"] = "0.5s"
+    # a keyed limit beside the shared one: a task that cannot run soon plans on its key
+    config["limits"]["tenant"] = {"algorithm": "gcra", "rate": "10/s", "key": "{tenant}"}
+
+    @app.task(name="comeback.planned", shared=False, acks_late=acks_late,
+              soft_time_limit=soft_time_limit)  # fmt: skip
+    @throttled("api", "tenant")
+    def planned(tenant: str) -> None: ...
+
+    # Given a task back with a plan 2 s ahead (Redis clock)
+    throttler = Throttler.of(app)
+    at = throttler.clock.now() + 2.0
+    planned.push_request(id="t-planned", headers={H_PLANNED: at}, delivery_info={},
+                         called_directly=False)  # fmt: skip
+    try:
+        declared, fn, args, kwargs = gated_call(planned, ("acme",), {}) or pytest.fail("gated")
+        gate = Gate(planned, declared, fn, args, kwargs)
+        gate.evaluate()
+        # Then its pool slot sleeps toward it no longer than that slot may sleep
+        assert gate.plan_wait_s(gate._sleep_max_s()) == pytest.approx(most_s, abs=0.005)
+    finally:
+        planned.pop_request()

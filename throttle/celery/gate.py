@@ -240,14 +240,15 @@ class Gate:
             return self._acquire(*self._horizon())
         return self._acquire(*reserve_within(self.execution, near_s))
 
-    def plan_wait_s(self) -> float:
+    def plan_wait_s(self, sleep_max_s: float | None = None) -> float:
         """How long a task back with a plan waits before it acquires its real limits, in
-        s (0 without a plan): until just before its planned time, at most ``sleep_max``
-        (:func:`~throttle.celery.plan.due_wait_s`)."""
+        s (0 without a plan): until just before its planned time, at most ``sleep_max_s``
+        (default ``sleep_max``; :func:`~throttle.celery.plan.due_wait_s`)."""
         if self.planned is None:
             return 0.0
         now = self.execution.throttler.clock.now()
-        return due_wait_s(self.planned, now, RECHECK_LEAD_S, self.settings.sleep_max_s)
+        cap = self.settings.sleep_max_s if sleep_max_s is None else sleep_max_s
+        return due_wait_s(self.planned, now, RECHECK_LEAD_S, cap)
 
     def _space(self) -> None:
         """The call-time spacing guard of the limits that have it (``Rule.guarded``): one
@@ -344,8 +345,9 @@ class Gate:
             # The consumer waited for the plan, and for the slot up to LEAD_S before it.
             first, first_slot = admission.as_of(now)
         elif planned is not None:
-            # Back with a plan: its real limits are taken just before the planned time.
-            plan_wait = self.plan_wait_s()
+            # Back with a plan: its real limits are taken just before the planned time,
+            # within what this pool slot may sleep (an early ack, a time limit).
+            plan_wait = self.plan_wait_s(self._sleep_max_s())
             if plan_wait > 0:
                 time.sleep(plan_wait)
                 now = time.time()
