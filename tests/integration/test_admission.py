@@ -19,12 +19,14 @@ from celery.worker.request import Request
 from kombu import Message
 from kombu.utils.json import dumps
 
+import throttle.celery.comeback as comeback_module
 import throttle.celery.gate as gate_module
 from tests.support.eager import close_throttler
 from throttle.celery import throttled
 from throttle.celery.execution import ADMISSION_KEY, Admission
 from throttle.celery.gate import Gate
 from throttle.celery.runtime import Throttler
+from throttle.celery.steps import ThrottleStep
 from throttle.celery.waiting import Undecided, Waiting, WaitingLine
 from throttle.rates import RateBook
 from throttle.spec import Limit
@@ -251,6 +253,69 @@ def test_a_task_served_from_the_line_asks_on_the_rates_in_force_then(
             _, admission = request.request_dict[ADMISSION_KEY]
             ((found, _, _),) = admission.targets
             assert found.rate_per_s == 100.0
+    finally:
+        for request in requests:
+            state.reserved_requests.discard(request)
+            state.requests.pop(request.id, None)
+        close_throttler(app)
+
+
+def test_a_task_sent_on_from_the_line_comes_back_for_the_lines_wait(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = Celery("sent", set_as_current=False)
+    app.conf.update(
+        throttle_redis_url=redis_url,
+        throttle_config={
+            "settings": {"prefix": prefix},
+            "limits": {"api": {"algorithm": "gcra", "rate": "1/s", "burst": 1}},
+        },
+    )  # fmt: skip
+
+    # As install(app) runs it: a long wait is parked, not capped at the line's budget.
+    app.steps["worker"].add(ThrottleStep)
+
+    @app.task(name="sent.call", shared=False)
+    @throttled("api")
+    def call(n: int) -> None: ...
+
+    consumer = Consumer()
+    line = WaitingLine(consumer, max_wait_s=0.8)
+    waiting = Waiting(app.tasks["sent.call"], consumer, Undecided(consumer), line)
+    requests = [received(app, "sent.call", (n,)) for n in range(2)]
+    deferred: list[tuple[float, float]] = []
+
+    def defer(execution: Any, countdown_s: float, wait_s: float, *_: Any, **__: Any) -> None:
+        deferred.append((countdown_s, wait_s))
+        raise RuntimeError("sent back")
+
+    monkeypatch.setattr(comeback_module, "defer", defer)
+    try:
+        # Given a task admitted at once, and a second denied (its slot 1 s away) that
+        # waits in the line
+        for request in requests:
+            waiting.admit(request)
+        assert consumer.handed == requests[:1] and len(line.line) == 1
+        # When it has waited as long as the line may hold it (0.8 s), and is sent on
+        # behind a task of the same limit sent on a moment ago for 5 s
+        time.sleep(0.85)
+        line.sent_until[("api", None)] = time.monotonic() + 5.0
+        line._run()
+        assert consumer.handed == requests
+        # Then the pool child's gate sends it back for the line's wait (a spacing after
+        # the one before it: 6 s), not for what the limit said when it last asked (1 s
+        # then, its slot since)
+        sent = requests[1]
+        _, admission = sent.request_dict[ADMISSION_KEY]
+        task = app.tasks["sent.call"]
+        task.push_request(**request_of(sent.id))
+        try:
+            with pytest.raises(RuntimeError, match="sent back"):
+                Gate(task, task.run.__throttle__, call.__wrapped__, (1,), {}).enter(admission)
+        finally:
+            task.pop_request()
+        ((_, wait_s),) = deferred
+        assert 5.5 < wait_s <= 6.0
     finally:
         for request in requests:
             state.reserved_requests.discard(request)

@@ -461,7 +461,14 @@ class Waiting:
             decision = Decision.denial(tuple(names), retry_s)
         if decision is not None:
             if retry_s is not None:
-                decision = decision._replace(retry_after_s=retry_s)
+                # The pool's gate comes back for its denying limits' own waits
+                # (comeback.denial_wait_s): each says the line's, not the one its limit
+                # named at the task's last ask.
+                limits = tuple(
+                    state if state.allowed else state._replace(retry_after_s=retry_s)
+                    for state in decision.limits
+                )
+                decision = decision._replace(retry_after_s=retry_s, limits=limits)
             carry(request.request_dict, Admission(request.id, decision, time.time()))
         self._to_pool(request)
 
