@@ -6,6 +6,7 @@ re-publish itself is recorded, not sent."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -164,3 +165,37 @@ def test_a_task_back_with_a_plan_sleeps_in_its_pool_slot_what_the_slot_allows(
         assert gate.plan_wait_s(gate._sleep_max_s()) == pytest.approx(most_s, abs=0.005)
     finally:
         planned.pop_request()
+
+
+@pytest.fixture
+def east_of_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's local time 9 hours ahead of UTC (a POSIX TZ: no tz database needed)."""
+    monkeypatch.setenv("TZ", "JST-9")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.usefixtures("east_of_utc")
+def test_a_naive_expires_is_read_as_utc_as_celery_reads_it(app: Celery) -> None:
+    # Given a task whose producer gave a naive `expires` (datetime.utcnow() + 10 min:
+    # Celery's worker reads a naive expires as UTC), on a worker whose local time is
+    # 9 hours ahead of UTC
+    @app.task(name="comeback.naive", shared=False)
+    @throttled("api")
+    def naive() -> None: ...
+
+    expires = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(minutes=10)
+    naive.push_request(id="t-naive", expires=expires.isoformat(), headers={},
+                       delivery_info={}, called_directly=False)  # fmt: skip
+    try:
+        # When the gate evaluates its deadlines
+        gate = Gate(naive, None, naive.run, (), {})
+        gate.evaluate()
+        # Then it expires in 10 minutes, not 9 hours before that (in the past)
+        assert gate.execution.expires is not None
+        left = gate.execution.expires - Throttler.of(app).clock.now()
+        assert 590.0 < left <= 600.0
+    finally:
+        naive.pop_request()

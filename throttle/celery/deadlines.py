@@ -13,7 +13,7 @@ reads the same whatever its own clock:
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 
 from throttle.celery.execution import Execution
 from throttle.celery.message import deadline_header
@@ -54,16 +54,16 @@ def expires_of(execution: Execution) -> float | None:
     """The task's ``expires`` on the Redis clock (epoch s), or None. ``expires`` is
     Celery's: an absolute time on the producer's clock, which Celery compares with the
     receiving worker's clock; the throttler reads it as Celery does, on this worker's clock,
-    converted to Redis time by its measured offset."""
+    converted to Redis time by its measured offset. A naive one is UTC, as Celery's worker
+    reads it (``maybe_make_aware``), not this host's local time."""
     expires = execution.request.expires
     if not expires:
         return None
     try:
-        stamp = (
-            datetime.fromisoformat(expires).timestamp()
-            if isinstance(expires, str)
-            else float(expires.timestamp())
-        )
+        moment = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+        stamp = float(moment.timestamp())
     except (TypeError, ValueError, AttributeError, OverflowError):
         return None
     return execution.throttler.clock.from_wall(stamp)
