@@ -221,10 +221,6 @@ class Line:
                 self.counts.pop(pair, None)
                 self.blocked.pop(pair, None)  # nobody waits for it any more
 
-    def leave(self, waiter: Waiter) -> None:
-        """Take ``waiter`` out of the line (sent on by its caller)."""
-        self._remove(waiter)
-
     def due(self) -> float | None:
         """When :meth:`serve` (or :meth:`expired`) has something to do next (monotonic
         s; -inf: now), or None when nobody waits."""
@@ -384,7 +380,3 @@ def blocks_of(
 
 def _block_s(retry_s: float, horizon_s: float) -> float:
     return max(retry_s - horizon_s if retry_s > horizon_s else retry_s, MIN_BLOCK_S)
-
-
-def monotonic() -> float:
-    return time.monotonic()

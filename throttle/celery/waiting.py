@@ -366,7 +366,7 @@ class Waiting:
             else:
                 self._to_pool(request, pairs_of(gate), since)
             return None
-        pending.decision, pending.decided_at = decision, time.monotonic()
+        pending.decision = decision
         line = self.line
         # A concurrency limit's retry is when its oldest lease ends (up to the task time
         # limit and more): a unit comes back when a task ends, which is announced. Its
@@ -683,7 +683,7 @@ class Pending:
     """A task in the line: its consumer side, request and gate, and its last denial
     (None until it asked)."""
 
-    __slots__ = ("decided_at", "decision", "gate", "held_since", "request", "stale", "waiting")
+    __slots__ = ("decision", "gate", "held_since", "request", "stale", "waiting")
 
     def __init__(
         self,
@@ -698,7 +698,6 @@ class Pending:
         self.request = request
         self.gate = gate
         self.decision = decision
-        self.decided_at = 0.0
         self.held_since: float | None = None
         """When it first joined the line (epoch s, this host's clock; None: not yet)."""
         self.stale = stale
