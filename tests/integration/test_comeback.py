@@ -25,6 +25,7 @@ from throttle.celery.message import H_PLANNED
 from throttle.celery.runtime import Throttler
 from throttle.celery.task import gated_call
 from throttle.decision import Decision
+from throttle.errors import RequestError
 
 RECHECK_S = 30.0
 
@@ -199,3 +200,16 @@ def test_a_naive_expires_is_read_as_utc_as_celery_reads_it(app: Celery) -> None:
         assert 590.0 < left <= 600.0
     finally:
         naive.pop_request()
+
+
+@pytest.mark.parametrize("countdown", [math.nan, math.inf, 4e8, "soon", None])
+def test_defer_task_refuses_a_countdown_that_is_no_time(app: Celery, countdown: Any) -> None:
+    @app.task(name="comeback.deferring", shared=False)
+    @throttled("api")
+    def deferring() -> None:
+        defer_task(countdown)
+
+    # A body asking to come back at no time fails with an error naming the value, before
+    # anything is settled or sent (NaN reached Celery's ETA arithmetic after the settle)
+    with pytest.raises(RequestError, match=r"defer_task: countdown_s .*got"):
+        deferring.apply(throw=True).get()

@@ -44,7 +44,8 @@ from throttle.celery.plan import Plan, hand_back, reserve_plan
 from throttle.celery.reschedule import defer, time_out
 from throttle.celery.runtime import Throttler
 from throttle.decision import Decision
-from throttle.errors import Throttled, throttled_in
+from throttle.errors import RequestError, Throttled, throttled_in
+from throttle.units import MAX_DURATION_S
 
 logger = logging.getLogger("throttle")
 
@@ -213,7 +214,18 @@ def defer_task(countdown_s: float, limits: Sequence[str] = ()) -> None:
     task, ticket = get_current_task(), current_ticket()
     if task is None or ticket is None:
         raise RuntimeError("defer_task() is for the body of a running throttled task")
-    countdown_s = max(float(countdown_s), 0.0)
+    try:
+        seconds = float(countdown_s)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if math.isnan(seconds) or seconds > MAX_DURATION_S:
+        # Checked before anything is settled or sent: Celery's ETA arithmetic would fail
+        # on it once the slot was given back.
+        raise RequestError(
+            f"defer_task: countdown_s must be a number of seconds, at most "
+            f"{MAX_DURATION_S:.0f} (ten years); got {countdown_s!r}"
+        )
+    countdown_s = max(seconds, 0.0)
     names = (
         tuple(limits)
         or tuple(rule.name for rule in ticket.rules)
