@@ -202,6 +202,25 @@ def test_a_naive_expires_is_read_as_utc_as_celery_reads_it(app: Celery) -> None:
         naive.pop_request()
 
 
+def test_an_expires_written_with_a_z_is_utc(app: Celery) -> None:
+    # A producer in another language writes UTC as a trailing Z (Python 3.10 refuses it)
+    @app.task(name="comeback.zulu", shared=False)
+    @throttled("api")
+    def zulu() -> None: ...
+
+    expires = (datetime.now(timezone.utc) + timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    zulu.push_request(id="t-zulu", expires=expires, headers={}, delivery_info={},
+                      called_directly=False)  # fmt: skip
+    try:
+        gate = Gate(zulu, None, zulu.run, (), {})
+        gate.evaluate()
+        assert gate.execution.expires is not None
+        left = gate.execution.expires - Throttler.of(app).clock.now()
+        assert 588.0 < left <= 600.0
+    finally:
+        zulu.pop_request()
+
+
 @pytest.mark.parametrize("countdown", [math.nan, math.inf, 4e8, "soon", None])
 def test_defer_task_refuses_a_countdown_that_is_no_time(app: Celery, countdown: Any) -> None:
     @app.task(name="comeback.deferring", shared=False)

@@ -60,7 +60,13 @@ def expires_of(execution: Execution) -> float | None:
     if not expires:
         return None
     try:
-        moment = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
+        if isinstance(expires, str):
+            # Python 3.10's fromisoformat refuses a trailing Z (UTC), which producers in
+            # other languages write; Celery's own reader takes it.
+            text = expires[:-1] + "+00:00" if expires.endswith(("Z", "z")) else expires
+            moment = datetime.fromisoformat(text)
+        else:
+            moment = expires
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)
         stamp = float(moment.timestamp())
