@@ -116,3 +116,26 @@ def test_an_admitted_call_settles_its_plan_as_its_limit(throttler: Throttler) ->
     throttler.observer.add(Counting())
     settle(throttler, ticket, failed=False)
     assert counted == [(["tenant", "shared"], [-2.0, -2.0])]
+
+
+def test_a_plan_that_refuses_its_hand_back_leaves_the_settle_and_the_body_s_outcome(
+    throttler: Throttler, caplog: pytest.LogCaptureFixture
+) -> None:
+    limiter = throttler.limiter
+    tenant, shared = throttler.config.rule("tenant"), throttler.config.rule("shared")
+    # A task estimated at 3 planned, came back and took its real limits; meanwhile a rate
+    # set at run time gave the plan a burst of 2, below the task's cost
+    assert limiter.acquire_many([(TWIN, "a", 3.0)], max_wait_s=60, acquisition_id=plan_id("t3"))
+    due = limiter.acquire_many(
+        [(tenant.limit, "a", 3.0), (shared.limit, None, 3.0)], acquisition_id="t3", lease_s=60
+    )
+    assert due.acquisition is not None
+    narrow = Limit.parse("1/s burst 2", name=TWIN.name, algorithm="gcra")
+    ticket = Ticket(due.acquisition, (tenant, shared), time.time(), {None: 1.0},
+                    plan=[(narrow, "a", 3.0)])  # fmt: skip
+    # When its call settles, the plan's refusal is logged, not raised out of the settle
+    # (it would replace the body's result, run in a finally), and the real limits are
+    # refunded as reported
+    settle(throttler, ticket, failed=False)
+    assert limiter.peek(tenant.limit, "a").remaining == pytest.approx(4.0, abs=0.2)
+    assert "plan" in caplog.text

@@ -19,7 +19,7 @@ from throttle.celery.execution import Ticket
 from throttle.celery.plan import hand_back, rule_name
 from throttle.celery.runtime import Throttler
 from throttle.decision import Acquisition
-from throttle.errors import BackendError, RequestError
+from throttle.errors import BackendError, RequestError, ThrottleError
 from throttle.limiter import checked_actual
 from throttle.spec import PLAN_SUFFIX, Limit
 
@@ -74,7 +74,15 @@ def settle(
             # Ran on a plan: what the call did not use goes back to the plan too.
             by_name = dict(zip((rule_name(n) for n in names), actuals, strict=True))
             plan_actuals = [by_name.get(rule_name(limit.name)) for limit, _, _ in ticket.plan]
-            hand_back(throttler.limiter, ticket.plan, acquisition.id, plan_actuals, 60.0)
+            try:
+                hand_back(throttler.limiter, ticket.plan, acquisition.id, plan_actuals, 60.0)
+            except BackendError:
+                raise
+            except ThrottleError as exc:
+                # A plan that refuses the hand-back (a burst set since below the task's
+                # cost): its slot stays taken, as an unsettled one does. Raised, it would
+                # replace the body's result or error (the settle runs in a finally).
+                logger.warning("throttle: task %s kept its plan's slot: %s", acquisition.id, exc)
     except BackendError as exc:
         throttler.outage(exc)
         throttler.observer.redis_error([names[i] for i in own])
