@@ -261,6 +261,10 @@ def _weights(
     return tuple(sorted(pairs))
 
 
+FAIR_NEAR_S = 0.5
+"""The shortest near horizon of a fair limit, in s (:attr:`Limit.fair_horizon_s`)."""
+
+
 @dataclass(frozen=True)
 class Limit:
     """One limit: ``count`` per ``period_s`` seconds with a capacity of ``burst``.
@@ -414,6 +418,13 @@ class Limit:
     def rate_per_s(self) -> float:
         """The sustained rate in tokens per second."""
         return self.count / self.period_s
+
+    @property
+    def fair_horizon_s(self) -> float:
+        """A fair limit's near horizon, in s: how far ahead its algorithm lets a key due now
+        take the total's next slot, and reserves at most: :data:`FAIR_NEAR_S`, or
+        ``burst + 1`` turns of a slower limit (lua/fair.lua's ``horizon_us``)."""
+        return max(FAIR_NEAR_S, (self.capacity + 1) / self.rate_per_s)
 
     @classmethod
     def parse(

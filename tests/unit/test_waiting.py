@@ -15,7 +15,6 @@ from throttle.celery import waiting
 from throttle.celery.execution import Admission, carry, mark_clear, take_admission
 from throttle.celery.waiting import (
     BUSY_S,
-    FAIR_NEAR_S,
     FRESH_S,
     ROOM_TASKS,
     Look,
@@ -26,7 +25,7 @@ from throttle.celery.waiting import (
 )
 from throttle.decision import Acquisition, Decision, LimitState
 from throttle.limiter import HOLD_PLACED
-from throttle.spec import Limit
+from throttle.spec import FAIR_NEAR_S, Limit
 
 LIMIT = Limit.parse("10/s", name="api")
 

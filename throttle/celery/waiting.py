@@ -146,10 +146,6 @@ PROBE_RISE = 1.01
 MIN_HOLD_S = 0.001
 """A task with no limit in force due back sooner than this (s) goes to the pool at once."""
 
-FAIR_NEAR_S = 0.5
-"""lua/fair.lua's near horizon, at least (``horizon_us``: 0.5 s, or ``burst + 1`` turns of
-the limit): how far ahead the fair script lets a key due now take the total's next slot."""
-
 _TIMER_PRIORITY = 6
 """The priority Celery gives its ETA entries (``strategy.default``)."""
 
@@ -413,7 +409,7 @@ class Waiting:
         only within the asker's horizon, and each denial moves the key's turn on by one
         share interval (lua/fair.lua's plan), so a horizon shorter than one turn was
         denied every other look (half the limit's rate for two tenants). And up to the
-        fair script's own near horizon (:data:`FAIR_NEAR_S`, or ``burst + 1`` turns; at
+        fair limit's own near horizon (:attr:`~throttle.spec.Limit.fair_horizon_s`, at
         most ``sleep_max``): the keys that come due together each take one of the total's
         next slots, N keys N turns of the limit apart, and a key whose slot fell beyond a
         shorter horizon was denied, its turn moved on by a share interval (three tenants
@@ -425,12 +421,10 @@ class Waiting:
         if gate is not None:
             for limit, _, cost in gate.execution.targets:
                 if limit.fair:
-                    rate = limit.rate_per_s
-                    script = max(FAIR_NEAR_S, (limit.capacity + 1) / rate)
                     near = max(
                         near,
-                        min(cost / rate, MAX_RESERVE_S),
-                        min(script, settings.sleep_max_s),
+                        min(cost / limit.rate_per_s, MAX_RESERVE_S),
+                        min(limit.fair_horizon_s, settings.sleep_max_s),
                     )
         return near
 

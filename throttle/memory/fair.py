@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from throttle.memory.prelude import Check, Params, ceil_us
+from throttle.spec import FAIR_NEAR_S
 
 
 class Fair:
@@ -12,8 +13,9 @@ class Fair:
     of active keys are named after it as the key space names them (the name up to its
     last ``:``, and that + ``:a``)."""
 
-    HORIZON_US = 500000.0
-    """The near horizon (us): how far ahead a slot is reserved and a key's schedule may run."""
+    HORIZON_US = FAIR_NEAR_S * 1e6
+    """The shortest near horizon (us): how far ahead a slot is reserved and a key's
+    schedule may run (``burst + 1`` turns of a slower limit)."""
     PLAN_US = 3000000.0
     """How far ahead a key's plan reaches (us) before it starts over."""
 
