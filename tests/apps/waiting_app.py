@@ -145,6 +145,19 @@ def stocked(tag: str, tenant: str, tokens: int, used: int) -> None:
 
 
 @app.task(shared=False)
+@throttled("bulk")
+def bulk_busy(tag: str, seconds: float) -> None:
+    """Under ``bulk`` (decided in the consumer), holds its pool slot ``seconds``: logs
+    ``"<tag> <start> <end>"`` (Redis time, s) in ``waiting:spans``, so that a test sees
+    how many bodies ran at once."""
+    client = _redis()
+    start, micros = client.time()
+    time.sleep(seconds)
+    end, end_micros = client.time()
+    client.rpush("waiting:spans", f"{tag} {start + micros / 1e6:.6f} {end + end_micros / 1e6:.6f}")
+
+
+@app.task(shared=False)
 def plain(tag: str) -> None:
     """Not throttled."""
     _log(tag)

@@ -594,6 +594,33 @@ def test_a_pool_child_does_not_spend_a_tasks_time_limit_waiting_for_its_slot(
     assert done == {"t0": 1, "s1": 1, "s2": 1, "h": 1}
 
 
+def test_an_autoscaled_worker_grows_its_pool_for_throttled_tasks(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, bulk_busy  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    scaled = worker(redis_server, tmp, "w-autoscale", "prefork")
+    scaled.extra = ["--autoscale", "4,1"]
+    with running(app, [scaled]):
+        # Given a worker started with --autoscale 4,1 (one process at first)
+        # When four throttled tasks that hold their pool slot 3 s each arrive at once,
+        # decided in the consumer (``bulk`` never has room for 20 more)
+        handles = [bulk_busy.delay(f"t{n}", 3.0) for n in range(4)]
+        for handle in handles:
+            handle.get(timeout=60)
+    # Then the pool grew as it does for plain tasks: bodies ran side by side. (The
+    # consumer handed a task on only while fewer were reserved than the pool's current
+    # processes, so Celery's autoscaler, which grows the pool when more are reserved than
+    # that, never saw a reason to: one body at a time, 12 s.)
+    spans = [entry.decode().split() for entry in client.lrange("waiting:spans", 0, -1)]
+    assert len(spans) == 4
+    times = [(float(start), float(end)) for _, start, end in spans]
+    at_once = max(sum(1 for s, e in times if s <= start < e) for start, _ in times)
+    assert at_once >= 2, f"at most {at_once} body at a time under --autoscale 4,1: {times}"
+
+
 def held_ids(app: Any) -> set[str]:
     """The ids of the tasks the workers hold in their consumer's timer."""
     replies = app.control.inspect(timeout=0.5).scheduled() or {}

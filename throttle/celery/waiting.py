@@ -1090,8 +1090,7 @@ class Undecided:
     def pool_free(self) -> bool:
         """Whether the pool has a slot that no task holds (running, or handed over and
         waiting for a child: Celery's reserved requests; held tasks are not in them)."""
-        size = getattr(self.consumer.pool, "num_processes", None) or 1
-        return len(state.reserved_requests) + self.claimed < size
+        return len(state.reserved_requests) + self.claimed < pool_size(self.consumer)
 
     def submit(self, waiting: Waiting, request: Any) -> None:
         if not self.waiting:
@@ -1164,6 +1163,20 @@ def green_sleep(consumer: Any) -> Any:
         if module.endswith(library):
             return getattr(importlib.import_module(library), "sleep", None)
     return None
+
+
+def pool_size(consumer: Any) -> int:
+    """How many tasks the consumer hands to the pool before it waits for one to end: the
+    pool's processes, or under ``--autoscale`` its maximum. Celery's autoscaler grows the
+    pool only while more tasks are reserved than it has processes
+    (``celery/worker/autoscale.py``: ``qty`` is ``len(state.reserved_requests)``); held to
+    the current size, the reserved tasks never outnumbered it, and a worker started with
+    ``--autoscale 30,2`` ran throttled tasks on 2 processes for good."""
+    scaler = getattr(getattr(consumer, "controller", None), "autoscaler", None)
+    maximum = getattr(scaler, "max_concurrency", None)
+    if isinstance(maximum, int) and maximum > 0:
+        return maximum
+    return getattr(consumer.pool, "num_processes", None) or 1
 
 
 def _not_yet(request: Any) -> None:
