@@ -9,6 +9,13 @@
 -- KEYS[3]  ids       HASH task id -> token (the index of `celery throttle task ID`)
 -- KEYS[4]  tasks     HASH token -> task id (so that the index entry leaves with the task)
 -- ARGV[5]  task_id   '' = not indexed
+-- KEYS[5]  copy      STRING the number of the task's newest copy sent back (optional)
+-- ARGV[6]  copy      that number: written with the task, in the same atomic call, so that
+--                    a worker killed after parking and before acknowledging the message it
+--                    ran leaves that message stale when it is delivered again (a SET after
+--                    this call left a window where both the parked copy and the message
+--                    delivered again ran)
+-- ARGV[7]  copy_ttl_ms
 --
 -- Returns the due time in us, as a string. The lot's keys have no TTL: a parked task lives
 -- until it is released (claim_parked.lua, commit_parked.lua) or purged (purge_parked.lua),
@@ -21,5 +28,8 @@ redis.call('ZADD', KEYS[1], due, ARGV[2])
 if ARGV[5] and ARGV[5] ~= '' then
   redis.call('HSET', KEYS[3], ARGV[5], ARGV[2])
   redis.call('HSET', KEYS[4], ARGV[2], ARGV[5])
+end
+if KEYS[5] then
+  redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7])
 end
 return string.format('%d', due)

@@ -101,13 +101,28 @@ class ParkingLot:
     def _now(self) -> Any:
         return b"" if self._clock_us is None else self._clock_us()
 
-    def park(self, payload: bytes, delay_s: float, task_id: str | None = None) -> str:
+    def park(
+        self,
+        payload: bytes,
+        delay_s: float,
+        task_id: str | None = None,
+        *,
+        copy: int | None = None,
+        copy_ttl_s: float = DEFAULT_COPY_TTL_S,
+    ) -> str:
         """Park ``payload`` until ``delay_s`` from now (Redis clock); returns its token.
-        ``task_id``: indexed with it (:meth:`find`), in the same atomic call."""
+        ``task_id``: indexed with it (:meth:`find`), in the same atomic call. ``copy``:
+        the parked payload is copy number ``copy`` of task ``task_id``, recorded as
+        :meth:`sent_copy` does, in the same call: recorded after it, a worker killed in
+        between left the message it ran (acknowledged only after this) to be delivered
+        again with nothing to tell it stale, and both it and the parked copy ran."""
         token = uuid.uuid4().hex
         delay_us = max(round(delay_s * 1e6), 0)
         keys = [self._keys[0], self._keys[1], *self._keys[4:]]
-        args = [self._now(), token, delay_us, payload, task_id or ""]
+        args: list[Any] = [self._now(), token, delay_us, payload, task_id or ""]
+        if copy is not None and task_id:
+            keys.append(self.keyspace.copy_key(task_id))
+            args += [copy, max(round(copy_ttl_s * 1000), 1)]
         run_script(self.client, self._park, keys, args)
         return token
 

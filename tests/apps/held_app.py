@@ -102,3 +102,23 @@ def ping(self: Any) -> None:
 
 if os.environ.get("HELD_COUNT_PUBLISHES") == "1":
     count_publishes(_redis, lambda: {call.name})
+
+
+if os.environ.get("HELD_KILL_AFTER_PARK") == "1":
+    # Fault injection for tests/system/test_kill_held.py: the first task this worker
+    # parks kills the worker (its main process, then this pool child: run with -c 1)
+    # right after the parking lot took it, before the message it ran is acknowledged.
+    import signal
+
+    from throttle.parking import ParkingLot
+
+    _park = ParkingLot.park
+
+    def _park_then_die(self: ParkingLot, *args: Any, **kwargs: Any) -> str:
+        token = _park(self, *args, **kwargs)
+        _redis().rpush("held:killed_after_park", kwargs.get("task_id") or "")
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return token  # not reached
+
+    ParkingLot.park = _park_then_die  # type: ignore[method-assign]

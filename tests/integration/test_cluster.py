@@ -224,6 +224,9 @@ def test_the_parking_lot_on_the_cluster(
     assert lot.counts() == (0, 0)
     assert lot.accept(token, claimed.publish_id)
     assert not lot.accept(token, "another-copy")
+    # A copy's number is written with it, in the lot's slot (one script call)
+    lot.park(b"copy", 10.0, task_id="task-1", copy=1)
+    assert lot.stale_copy("task-1", 0) and not lot.stale_copy("task-1", 1)
 
 
 def test_the_rate_book_on_the_cluster(cluster_client: RedisCluster, namespace: str) -> None:

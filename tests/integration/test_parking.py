@@ -355,3 +355,18 @@ def test_a_copy_delivered_again_after_a_newer_one_was_sent_is_stale(
     assert lot.stale_copy("task-1", 1) is True
     assert lot.stale_copy("task-1", 2) is False
     assert 59_000 < client.pttl(lot.keyspace.copy_key("task-1")) <= 60_000
+
+
+def test_parking_a_copy_records_its_number_in_the_same_call(
+    client: redis.Redis, lot: ParkingLot
+) -> None:
+    # Parked as copy 1 of task-1: the original (copy 0) delivered again is stale at once,
+    # with no second call in which a worker could die first.
+    lot.park(b"copy", 10.0, task_id="task-1", copy=1, copy_ttl_s=60.0)
+    assert lot.stale_copy("task-1", 0) is True
+    assert lot.stale_copy("task-1", 1) is False
+    assert 59_000 < client.pttl(lot.keyspace.copy_key("task-1")) <= 60_000
+    # Without a number (or a task id), nothing is recorded.
+    lot.park(b"other", 10.0, task_id="task-2")
+    assert lot.stale_copy("task-2", 0) is False
+    assert client.exists(lot.keyspace.copy_key("task-2")) == 0

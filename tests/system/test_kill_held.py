@@ -15,12 +15,31 @@ the successor received none of the messages the victim held.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from tests.support.held import Case, CaseError, rabbit_vhost, run_case
+from tests.support.held import (
+    CONFIG,
+    VISIBILITY_S,
+    Case,
+    CaseError,
+    RedisBroker,
+    _producer,
+    rabbit_vhost,
+    run_case,
+)
+from tests.support.servers import RedisServer
+from tests.support.waits import wait_for
+from throttle.limiter import Limiter
+from throttle.parking import ParkingLot
+from throttle.redis.keys import KeySpace
+from throttle.spec import Limit
+from workers.harness import Worker, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +83,71 @@ def test_a_killed_worker_s_waiting_tasks_run_once_each(
         f"{len(outcome.rerun_after_body)} ran again after a body on the victim; "
         f"{outcome.publishes_per_task:.2f} publishes per task; {'; '.join(outcome.notes)}"
     )
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_right_after_parking_a_task_runs_it_once(tmp_path: Path) -> None:
+    """The parking lot took the task's copy; the worker dies before it acknowledges the
+    message it ran (``acks_late``), which the broker delivers again. The copy's number
+    must already be recorded then, or the message delivered again is not known to be
+    stale and runs beside the parked copy (it did: the number was written by a second
+    call, after the park)."""
+    config = tmp_path / "limits.yaml"
+    config.write_text(CONFIG)
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        env = {
+            "HELD_BROKER_URL": server.url, "HELD_REDIS_URL": server.url,
+            "HELD_QUEUE": "parked-kill", "HELD_ACKS_LATE": "1",
+            "HELD_VISIBILITY_S": str(VISIBILITY_S), "THROTTLE_CONFIG": str(config),
+        }  # fmt: skip
+        module = _producer(env)
+        victim = Worker(
+            "victim-park", {**env, "HELD_KILL_AFTER_PARK": "1"}, concurrency=1,
+            queues="parked-kill", app="tests.apps.held_app", log=tmp_path / "victim.log",
+        )  # fmt: skip
+        survivor = Worker(
+            "survivor-park", env, concurrency=1, queues="parked-kill",
+            app="tests.apps.held_app", log=tmp_path / "survivor.log",
+        )  # fmt: skip
+        broker = RedisBroker(client, server.url, "parked-kill")
+        lot = ParkingLot(client, KeySpace())
+        try:
+            victim.start()
+            wait_ready(module.app, [victim])
+            # Given a limit whose next free slot is 5 s ahead (20 slots of 4/s booked),
+            # beyond the line's budget (1.5 s) and park_after: a task sent now is parked
+            limiter = Limiter(client)
+            held = Limit.parse("4/s burst 1", name="held", algorithm="gcra")
+            for _ in range(20):
+                assert limiter.acquire(held, max_wait_s=10).allowed
+            task_id = module.call.delay(0).id
+            # When its worker dies right after the parking lot took it
+            killed = wait_for(lambda: client.lrange("held:killed_after_park", 0, -1), 60, 0.05)
+            assert [k.decode() for k in killed] == [task_id]
+            assert victim.proc is not None
+            victim.proc.wait(30)
+            # and another worker takes over (the message comes back after the visibility
+            # timeout; the parked copy when it is due)
+            survivor.start()
+            wait_ready(module.app, [survivor])
+
+            def settled() -> bool:
+                ran = int(client.hlen("held:runs")) == 1
+                return ran and broker.pending() == (0, 0) and lot.counts() == (0, 0)
+
+            try:
+                wait_for(settled, 90, 0.2)
+            except TimeoutError:
+                left = (client.hgetall("held:runs"), broker.pending(), lot.counts())
+                raise AssertionError(f"(runs, broker, parking lot) still {left}") from None
+            time.sleep(VISIBILITY_S / 2)  # a copy delivered again late would show now
+            runs = {k.decode(): int(v) for k, v in client.hgetall("held:runs").items()}
+        finally:
+            victim.kill()
+            survivor.stop()
+            with contextlib.suppress(Exception):
+                module.app.close()
+            client.close()
+    # Then it ran once: the message delivered again was known to be stale
+    assert runs == {task_id: 1}

@@ -110,17 +110,19 @@ def defer(
     if park and countdown_s > settings.park_after_s and execution.throttler.releasing:
         sig = copy_of(execution, headers, **route)
         lead_s = park_lead_s(settings) if slot else 0.0
+        # The copy's number is recorded with it, atomically (see ParkingLot.park).
         execution.throttler.parking.park(
             parked_payload(sig, task.serializer),
             (wait_s if slot else countdown_s) - lead_s,
             task_id=request.id,
+            copy=count,
         )
         how = "park"
     else:
         sig = copy_of(execution, headers, countdown=countdown_s, **route)
         publish(sig)
         how = "republish"
-    sent_copy(execution, count)
+        sent_copy(execution, count)
     execution.throttler.observer.deferred(execution, limits, how, wait_s, count)
     end_as_retry(execution, Throttled(wait_s, limits), countdown_s, sig)
 
