@@ -144,17 +144,29 @@ def stocked(tag: str, tenant: str, tokens: int, used: int) -> None:
     _log(tag)
 
 
-@app.task(shared=False)
-@throttled("bulk")
-def bulk_busy(tag: str, seconds: float) -> None:
-    """Under ``bulk`` (decided in the consumer), holds its pool slot ``seconds``: logs
-    ``"<tag> <start> <end>"`` (Redis time, s) in ``waiting:spans``, so that a test sees
-    how many bodies ran at once."""
+def _span(tag: str, seconds: float) -> None:
+    """Hold the pool slot ``seconds``; log ``"<tag> <start> <end>"`` (Redis time, s) in
+    ``waiting:spans``, so that a test sees how many bodies ran at once."""
     client = _redis()
     start, micros = client.time()
     time.sleep(seconds)
     end, end_micros = client.time()
     client.rpush("waiting:spans", f"{tag} {start + micros / 1e6:.6f} {end + end_micros / 1e6:.6f}")
+
+
+@app.task(shared=False)
+@throttled("bulk")
+def bulk_busy(tag: str, seconds: float) -> None:
+    """Under ``bulk`` (decided in the consumer, handed to the pool at once): a span."""
+    _span(tag, seconds)
+
+
+@app.task(shared=False)
+@throttled("spaced")
+def spaced_busy(tag: str, seconds: float) -> None:
+    """Under ``spaced`` (1/s: handed to the pool a second apart, long after its message
+    came): a span."""
+    _span(tag, seconds)
 
 
 @app.task(shared=False)

@@ -621,6 +621,31 @@ def test_an_autoscaled_worker_grows_its_pool_for_throttled_tasks(
     assert at_once >= 2, f"at most {at_once} body at a time under --autoscale 4,1: {times}"
 
 
+def test_an_autoscaled_worker_grows_its_pool_as_waiting_tasks_reach_it(
+    server: tuple[RedisServer, Path],
+) -> None:
+    from tests.apps.waiting_app import app, spaced_busy  # noqa: PLC0415
+
+    redis_server, tmp = server
+    client = fresh(redis_server)
+    scaled = worker(redis_server, tmp, "w-autoscale-spaced", "prefork")
+    scaled.extra = ["--autoscale", "4,1"]
+    with running(app, [scaled]):
+        # Given a worker started with --autoscale 4,1, and four tasks under a 1/s limit
+        # that hold their pool slot 3 s each, all received at once: they reach the pool a
+        # second apart, from the consumer's timer, long after their messages came
+        handles = [spaced_busy.delay(f"s{n}", 3.0) for n in range(4)]
+        for handle in handles:
+            handle.get(timeout=60)
+    # Then the pool grew as they reached it: bodies ran side by side. (The event loop's
+    # autoscaler looks when a message arrives, and every 30 s: one body at a time.)
+    spans = [entry.decode().split() for entry in client.lrange("waiting:spans", 0, -1)]
+    assert len(spans) == 4
+    times = [(float(start), float(end)) for _, start, end in spans]
+    at_once = max(sum(1 for s, e in times if s <= start < e) for start, _ in times)
+    assert at_once >= 2, f"at most {at_once} body at a time under --autoscale 4,1: {times}"
+
+
 def held_ids(app: Any) -> set[str]:
     """The ids of the tasks the workers hold in their consumer's timer."""
     replies = app.control.inspect(timeout=0.5).scheduled() or {}

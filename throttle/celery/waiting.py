@@ -622,6 +622,24 @@ class Waiting:
             mark_clear(request.request_dict, self.line.holds_clear(pairs, since))
         state.task_reserved(request)
         self.consumer.on_task_request(request)
+        scale_for_reserved(self.consumer)
+
+
+def scale_for_reserved(consumer: Any) -> None:
+    """Let ``--autoscale`` see a task handed to the pool. An event loop's autoscaler
+    looks when a message arrives and every keepalive (30 s); a throttled task reaches the
+    pool from the consumer's timer or line, long after its message arrived, so without
+    this a backlog received at once grew the pool only every 30 s (a worker without an
+    event loop runs the autoscaler's own thread, which looks every second)."""
+    if consumer.hub is None:
+        return
+    scaler = getattr(getattr(consumer, "controller", None), "autoscaler", None)
+    if scaler is None:
+        return
+    try:
+        scaler.maybe_scale()
+    except Exception:  # never fail the hand-over; the keepalive looks again
+        logger.debug("throttle: autoscaling after a hand-over failed", exc_info=True)
 
 
 class Look:
