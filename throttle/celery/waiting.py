@@ -631,7 +631,7 @@ def scale_for_reserved(consumer: Any) -> None:
     pool from the consumer's timer or line, long after its message arrived, so without
     this a backlog received at once grew the pool only every 30 s (a worker without an
     event loop runs the autoscaler's own thread, which looks every second)."""
-    if consumer.hub is None:
+    if getattr(consumer, "hub", None) is None:
         return
     scaler = getattr(getattr(consumer, "controller", None), "autoscaler", None)
     if scaler is None:
