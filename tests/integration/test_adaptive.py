@@ -21,6 +21,7 @@ from throttle.adaptive import (
 )
 from throttle.celery import Throttler
 from throttle.celery.exporter import fleet_state
+from throttle.rates import RateBook
 from throttle.upstream import UpstreamSignal, apply_upstream, parse_upstream, quota_spent
 
 API = Limit.parse("20/s burst 1", name="api", algorithm="gcra")
@@ -412,3 +413,23 @@ def test_a_success_at_the_ceiling_is_not_reported_while_the_cache_is_fresh(
     # and below the ceiling every success is reported (it probes)
     clock.advance(EPISODE_S + 1.0)
     assert mine.succeeded(API, None, LEARN).rate_per_s > 10.0
+
+
+def test_an_adaptive_limit_follows_a_stated_policy_back_up_and_stores_no_run_time_rate(
+    clocked_limiter: Limiter, book: LearnedRates, client: redis.Redis, prefix: str
+) -> None:
+    # Given an adaptive limit (20/s) and an upstream that states 10/s, then 15/s
+    rates = RateBook(client, KeySpace(prefix, "ns"))
+
+    def answer(quota: int) -> float:
+        stated = Response(200, {"RateLimit-Policy": f'"default";q={quota};w=1'})
+        apply_upstream(clocked_limiter, stated, API, rates=rates, learned=book, adaptive=LEARN)
+        return book.current(rates.current(API), None, LEARN).rate_per_s
+
+    # Then the rate in force follows the stated policy down and back up
+    assert answer(10) == pytest.approx(10.0)
+    assert answer(15) == pytest.approx(15.0)
+    # through the learned rate only: no run-time rate pins it (that one is never raised)
+    assert rates.overrides() == {}
+    # and a policy above the configured rate is the configured rate, never more
+    assert answer(40) == pytest.approx(20.0)

@@ -1012,3 +1012,39 @@ def test_an_adaptive_limit_learns_a_silent_drop_and_every_task_runs_once(fleet: 
         f"\nadaptive fleet: {len(arrivals)} calls, {sum(refused.values())} refused, "
         f"learned {states[('learn', None)]:.2f}/s"
     )
+
+
+def test_an_adaptive_limit_follows_a_stated_policy_down_and_back_up(fleet: Fleet) -> None:
+    # Given an API that states its limit (RateLimit-Policy, X-RateLimit-Limit) at 10/s,
+    # and the fleet calling it through an adaptive limit of 19.6/s
+    from tests.apps.upstream_app import fetch_adaptive  # noqa: PLC0415
+
+    api = fleet.api.api
+    api.set_limit(10.0, 2.0)
+    api.reset()
+    learned = LearnedRates(fleet.client, fleet.limiter.keyspace)
+    try:
+        first = [fetch_adaptive.delay(n) for n in range(30)]
+        done = [handle.get(timeout=60) for handle in first]
+        down = learned.states()
+        overrides = fleet.rates.overrides()
+        # When the API states (and allows) 16/s
+        api.set_limit(16.0, 2.0)
+        second = [fetch_adaptive.delay(n) for n in range(30, 60)]
+        done += [handle.get(timeout=60) for handle in second]
+        up = learned.states()
+    finally:
+        api.set_limit(20.0, 2.0)
+        fleet.rates.clear("learn")
+        for name in fleet.client.scan_iter(match=fleet.limiter.keyspace.learned_pattern()):
+            fleet.client.delete(name)
+    # Then the learned rate took the stated 10/s, with no run-time rate stored (one
+    # would be the limit's ceiling, never raised by the throttler)
+    assert down[("learn", None)] == pytest.approx(10.0), (down, log_tail(fleet))
+    assert "learn" not in overrides, overrides
+    # and followed the API back up to 16/s
+    assert up[("learn", None)] == pytest.approx(16.0), up
+    # and every task ran once at the API, under its own id
+    assert sorted(r["n"] for r in done) == list(range(60)), log_tail(fleet)
+    allowed = collections.Counter(a["task_id"] for a in api.arrivals_json() if a["allowed"])
+    assert allowed == {h.id: 1 for h in first + second}

@@ -131,7 +131,10 @@ async def apply_upstream(
     current = ceiling
     if learned is not None and adaptive is not None:
         current = await learned.current(ceiling, key, adaptive)
-    target = Target(current, limit, key, True, adaptive, ceiling, dimension, cost)
+    # Learning needs the book: without one, the limit is answered as a plain one (its
+    # run-time rate lowered to a slower stated policy, which plan() leaves to learning).
+    learning = adaptive if learned is not None else None
+    target = Target(current, limit, key, True, learning, ceiling, dimension, cost)
     if wants_body(response):  # a GitHub 403: its message tells a secondary limit
         await _read_body(response)
     signal = read_response(response, now=now)

@@ -135,7 +135,8 @@ def report_upstream(
     * **Rate**: when the upstream states a policy slower than a held limit's rate, the
       limit's run-time rate is lowered to it, fleet-wide, within ``settings.refresh``
       (``RateBook.set``). Only for limits without key that charge one unit per call (a
-      token budget counts other units than the upstream's requests); never above the
+      token budget counts other units than the upstream's requests) and are not adaptive
+      (their learned rate takes the stated one, down and back up); never above the
       configured rate, and never raised again by this function: when the upstream's limit
       is back up, an operator goes back to the configured rate with
       ``RateBook(client, keyspace).clear(name)`` (a warning in the worker's log names the

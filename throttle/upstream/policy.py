@@ -190,7 +190,10 @@ def plan(
                 spec = _followed(rates.ceiling(target.configured), seen)
                 if spec != rates.followed(target.configured.name):
                     step = Step(target, seen, follow=True, followed=spec)
-            elif target.per_call:
+            elif target.per_call and target.adaptive is None:
+                # Not for an adaptive limit: its learned rate takes the stated one, down
+                # and back up (learn()); a lowered run-time rate would pin it for good,
+                # as its ceiling, after the upstream raised its limit again.
                 step = Step(target, seen, _lowered(target.current, target.configured, seen))
         steps.append(step)
     return steps
@@ -415,7 +418,10 @@ def apply_upstream(
     current = ceiling
     if learned is not None and adaptive is not None:
         current = learned.current(ceiling, key, adaptive)
-    target = Target(current, limit, key, True, adaptive, ceiling, dimension, cost)
+    # Learning needs the book: without one, the limit is answered as a plain one (its
+    # run-time rate lowered to a slower stated policy, which plan() leaves to learning).
+    learning = adaptive if learned is not None else None
+    target = Target(current, limit, key, True, learning, ceiling, dimension, cost)
     signal = read_response(response, now=now)
     if signal is None:
         if learned is not None:
