@@ -126,6 +126,35 @@ def test_answers_between_failures_do_not_end_the_outage(
     assert lines(caplog, "Redis is unreachable") == 2
 
 
+def test_a_sibling_s_stale_failure_after_the_outage_ended_is_not_a_new_one(
+    watches: tuple[OutageWatch, OutageWatch, list[str]],
+    caplog: pytest.LogCaptureFixture,
+    clock: Clock,
+) -> None:
+    a, b, _ = watches
+    gone = BackendUnavailable("Connection refused")
+    caplog.set_level(logging.WARNING, "throttle")
+    # Both processes meet the outage; Redis comes back and `a` ends it
+    a.note(gone)
+    b.note(gone)
+    a.note(None)
+    clock.advance(RECOVERY_S * 1.5)
+    a.note(None)
+    assert lines(caplog, "reachable again") == 1
+    # When `b`, which had no answer since, fails once on a connection to the old server,
+    # that is the outage's tail: no second warning, nothing to end again
+    b.note(BackendUnavailable("Connection reset by peer"))
+    b.note(None)
+    clock.advance(RECOVERY_S * 1.5)
+    b.note(None)
+    assert a.file is not None and not a.file.exists()
+    assert lines(caplog, "Redis is unreachable") == 1
+    assert lines(caplog, "reachable again") == 1
+    # A failure after that is a new outage, warned
+    b.note(gone)
+    assert lines(caplog, "Redis is unreachable") == 2
+
+
 def test_the_breaker_stops_asking_after_two_failures_or_one_slow_one(
     monkeypatch: pytest.MonkeyPatch, clock: Clock
 ) -> None:

@@ -134,8 +134,18 @@ class OutageWatch:
         # silence is no answer (a Redis out of memory takes a write now and then). A
         # worker idle since its first answer reads its next outage as the same one: its
         # allow bound spent, failing closed sooner, the safe side.
-        self._answering = None
+        answered, self._answering = self._answering, None
         path = self.file
+        known = self._since is not None and answered is None
+        if known and path is not None and not path.exists():
+            # This process knew of an outage, has had no answer since, and another
+            # process of the worker has ended it meanwhile: the tail of that outage (a
+            # connection to the old server failing on its first use), not a new one.
+            # Forgotten, without a warning; if Redis is away again, the next failure
+            # starts the new outage.
+            self._since, self._share, self._checked = None, None, False
+            self.local.clear()
+            return
         now = time.time()
         started = self._since is None
         if path is not None:
