@@ -198,6 +198,38 @@ def test_the_breaker_lets_one_probe_ask_while_it_runs(
     breaker.check()
 
 
+def test_a_probe_that_needed_no_call_leaves_the_breaker_closed(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    # The probe may fall to a task that asks Redis nothing (the worker's consumer decided
+    # it, or a stock held its units): its gate's block ends without an error, and the
+    # breaker must close then; left open, every task after it went by on_redis_down
+    # (a pool child deferred tasks "by local" for seconds after Redis was back)
+    monkeypatch.setattr(outage, "PROBE_S", 0.05)
+    breaker = Breaker()
+    breaker.failed(breaker.check())
+    breaker.failed(breaker.check())
+    clock.advance(0.06)
+    with breaker.asking():
+        pass  # the probe: no call needed
+    breaker.check()
+    breaker.check()
+    # and one whose task comes back (Celery's Retry out of the gate) was answered too
+    breaker.failed(breaker.check())
+    breaker.failed(breaker.check())
+    clock.advance(0.06)
+    with pytest.raises(RuntimeError), breaker.asking():
+        raise RuntimeError("the task comes back")
+    breaker.check()
+    # while a failure inside counts as one
+    with pytest.raises(BackendUnavailable), breaker.asking():
+        raise BackendUnavailable("Connection refused")
+    with pytest.raises(BackendUnavailable), breaker.asking():
+        raise BackendUnavailable("Connection refused")
+    with pytest.raises(NotAsked):
+        breaker.check()
+
+
 def test_a_read_from_the_cache_does_not_take_the_probe(
     monkeypatch: pytest.MonkeyPatch, clock: Clock
 ) -> None:

@@ -274,8 +274,13 @@ class Breaker:
 
     def asking(self) -> Asking:
         """Around a gate's calls to Redis: ``with breaker.asking():`` raises
-        :class:`NotAsked` on entry while Redis is not to be asked (:meth:`check`), and
-        counts a :class:`BackendError` raised inside as a failure (:meth:`failed`)."""
+        :class:`NotAsked` on entry while Redis is not to be asked (:meth:`check`), counts
+        a :class:`BackendError` raised inside as a failure (:meth:`failed`), and a block
+        that ends otherwise (returning, or raising another error) as answered
+        (:meth:`answered`). Also a block that needed no
+        call (a task the consumer decided, one drawn from a stock): had it taken the probe
+        and left the breaker open, every task after it would have gone by
+        ``on_redis_down`` for another :data:`PROBE_S`, and again, while Redis answered."""
         return Asking(self)
 
     def is_open(self) -> bool:
@@ -311,7 +316,9 @@ class Asking:
         self.asked_at = self.breaker.check()
 
     def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
-        if kind is not None and issubclass(kind, BackendError) and not issubclass(kind, NotAsked):
+        if kind is None or not issubclass(kind, BackendError):
+            self.breaker.answered()  # a task that comes back (Retry) was answered too
+        elif not issubclass(kind, NotAsked):
             self.breaker.failed(self.asked_at)
 
 
