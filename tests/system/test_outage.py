@@ -18,6 +18,7 @@ from tests.apps.outage_app import app, closed, local, opened, paced, plain
 from tests.support.restart import kill, respawn
 from tests.support.servers import RedisServer
 from throttle import Limit, Limiter
+from throttle.celery.outage import RECOVERY_S
 from throttle.config import ThrottleConfig
 from throttle.errors import ConfigError
 from throttle.fallback import LocalBuckets
@@ -208,9 +209,16 @@ def test_limiter_redis_killed_and_restarted_empty(fleet: Fleet) -> None:
     per_pid = collections.Counter(pid for _, pid in during)
     assert max(per_pid.values()) <= 1 + LOCAL_RATE / (WORKERS * CHILDREN) * span
 
-    # One warning per outage per worker, and one "back".
+    # One warning per outage per worker, and one "back". An outage ends once Redis has
+    # taken a worker's writes for RECOVERY_S: a worker says so with a task after that,
+    # and one whose last tasks ran within it has not yet (tasks until each has said it).
     assert fleet.logs(UNREACHABLE) == [1] * WORKERS
+    deadline = time.monotonic() + 30.0
+    while fleet.logs(BACK) != [1] * WORKERS and time.monotonic() < deadline:
+        time.sleep(RECOVERY_S)
+        _results([opened.delay(1000 + i) for i in range(2 * WORKERS * CHILDREN)], 20)
     assert fleet.logs(BACK) == [1] * WORKERS
+    assert fleet.logs(UNREACHABLE) == [1] * WORKERS
     # The restarted Redis had no marker: one process of the fleet drained "cold" (plus the
     # drain when the fleet first started on a new Redis).
     assert sum(fleet.logs(COLD)) == 2
