@@ -297,8 +297,9 @@ class Limit:
         limit is a GCRA shaper whatever its algorithm: ``burst`` calls may come at once.
     weights:
         A fair limit's weight per key value (a mapping; finite numbers > 0); a key not
-        listed weighs ``default_weight``. A key of weight 4 among keys of weight 1 gets
-        four times their share. Kept as sorted (key, weight) pairs.
+        listed weighs 1, or its plan's weight (``default_weight``). A key of weight 4
+        among keys of weight 1 gets four times their share. Kept as sorted (key, weight)
+        pairs.
     default_weight:
         The weight of a key that ``weights`` does not list (default 1): what a fair
         limit's plan gives the keys of its tasks (:class:`throttle.rules.Rule`, ``plans``).
