@@ -95,6 +95,16 @@ def _run(
     return done
 
 
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    """A warm shutdown, then a kill if the worker is still there 30 s later."""
+    worker.send_signal(signal.SIGTERM)
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait(10)
+
+
 # --- the distributions ---------------------------------------------------------------
 
 
@@ -275,12 +285,7 @@ def test_readme_quick_start_from_the_wheel(
             cwd=project, env=env,
         ).stdout  # fmt: skip
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        _stop(worker)
     output = log.read_text(errors="replace")
     task_ids = results.pop("ids")
     assert results == {
@@ -450,12 +455,7 @@ def test_oldest_dependencies_hold_and_run_tasks(
         # up to a second late: twelve results stay well within the timeout.
         sent = json.loads(_run([python, "-c", OLDEST_PRODUCER], cwd=tmp_path, env=env).stdout)
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        _stop(worker)
     output = log.read_text(errors="replace")
     assert "Traceback" not in output and "CRITICAL" not in output, output[-4000:]
     assert sent["states"] == ["SUCCESS"] * 12, output[-4000:]

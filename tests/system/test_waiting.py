@@ -594,6 +594,15 @@ def test_a_pool_child_does_not_spend_a_tasks_time_limit_waiting_for_its_slot(
     assert done == {"t0": 1, "s1": 1, "s2": 1, "h": 1}
 
 
+def bodies_at_once(client: redis.Redis, bodies: int) -> tuple[int, list[tuple[float, float]]]:
+    """The most bodies that ran side by side, of the ``bodies`` spans the tasks recorded
+    (start and end on the Redis clock), and those spans."""
+    spans = [entry.decode().split() for entry in client.lrange("waiting:spans", 0, -1)]
+    assert len(spans) == bodies
+    times = [(float(start), float(end)) for _, start, end in spans]
+    return max(sum(1 for s, e in times if s <= start < e) for start, _ in times), times
+
+
 def test_an_autoscaled_worker_grows_its_pool_for_throttled_tasks(
     server: tuple[RedisServer, Path],
 ) -> None:
@@ -614,10 +623,7 @@ def test_an_autoscaled_worker_grows_its_pool_for_throttled_tasks(
     # consumer handed a task on only while fewer were reserved than the pool's current
     # processes, so Celery's autoscaler, which grows the pool when more are reserved than
     # that, never saw a reason to: one body at a time, 12 s.)
-    spans = [entry.decode().split() for entry in client.lrange("waiting:spans", 0, -1)]
-    assert len(spans) == 4
-    times = [(float(start), float(end)) for _, start, end in spans]
-    at_once = max(sum(1 for s, e in times if s <= start < e) for start, _ in times)
+    at_once, times = bodies_at_once(client, 4)
     assert at_once >= 2, f"at most {at_once} body at a time under --autoscale 4,1: {times}"
 
 
@@ -639,10 +645,7 @@ def test_an_autoscaled_worker_grows_its_pool_as_waiting_tasks_reach_it(
             handle.get(timeout=60)
     # Then the pool grew as they reached it: bodies ran side by side. (The event loop's
     # autoscaler looks when a message arrives, and every 30 s: one body at a time.)
-    spans = [entry.decode().split() for entry in client.lrange("waiting:spans", 0, -1)]
-    assert len(spans) == 4
-    times = [(float(start), float(end)) for _, start, end in spans]
-    at_once = max(sum(1 for s, e in times if s <= start < e) for start, _ in times)
+    at_once, times = bodies_at_once(client, 4)
     assert at_once >= 2, f"at most {at_once} body at a time under --autoscale 4,1: {times}"
 
 

@@ -625,6 +625,11 @@ class Waiting:
         scale_for_reserved(self.consumer)
 
 
+def autoscaler_of(consumer: Any) -> Any:
+    """The worker's ``--autoscale`` autoscaler, or None."""
+    return getattr(getattr(consumer, "controller", None), "autoscaler", None)
+
+
 def scale_for_reserved(consumer: Any) -> None:
     """Let ``--autoscale`` see a task handed to the pool. An event loop's autoscaler
     looks when a message arrives and every keepalive (30 s); a throttled task reaches the
@@ -633,7 +638,7 @@ def scale_for_reserved(consumer: Any) -> None:
     event loop runs the autoscaler's own thread, which looks every second)."""
     if getattr(consumer, "hub", None) is None:
         return
-    scaler = getattr(getattr(consumer, "controller", None), "autoscaler", None)
+    scaler = autoscaler_of(consumer)
     if scaler is None:
         return
     try:
@@ -1190,8 +1195,7 @@ def pool_size(consumer: Any) -> int:
     (``celery/worker/autoscale.py``: ``qty`` is ``len(state.reserved_requests)``); held to
     the current size, the reserved tasks never outnumbered it, and a worker started with
     ``--autoscale 30,2`` ran throttled tasks on 2 processes for good."""
-    scaler = getattr(getattr(consumer, "controller", None), "autoscaler", None)
-    maximum = getattr(scaler, "max_concurrency", None)
+    maximum = getattr(autoscaler_of(consumer), "max_concurrency", None)
     if isinstance(maximum, int) and maximum > 0:
         return maximum
     return getattr(consumer.pool, "num_processes", None) or 1
